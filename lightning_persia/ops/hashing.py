@@ -1,0 +1,66 @@
+"""The fixed 64-bit mix hash behind shard placement, index slots and deterministic initialisation.
+
+Every process (trainer, shard, checkpoint re-sharding) must agree on where an id lives, whatever the
+machine or the restart, so the hash is a pure function of the id: splitmix64's finaliser, computed in
+wrapping int64 arithmetic with logical right shifts emulated by masks.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(value: int) -> int:
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_C1 = _signed(0xBF58476D1CE4E5B9)
+_C2 = _signed(0x94D049BB133111EB)
+_SHARD_SALT = _signed(0x2545F4914F6CDD1D)
+_SLOT_SALT = _signed(0x9E3779B97F4A7C15)
+_POSITIVE = (1 << 63) - 1
+
+
+def _srl(x: torch.Tensor, bits: int) -> torch.Tensor:
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finaliser of an int64 tensor (a bijection on 64-bit words)."""
+    x = x ^ _srl(x, 30)
+    x = x * _C1
+    x = x ^ _srl(x, 27)
+    x = x * _C2
+    return x ^ _srl(x, 31)
+
+
+def mix64_int(x: int) -> int:
+    """Python-int twin of :func:`mix64`, for scalars and for testing the tensor version."""
+    x &= _MASK64
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _MASK64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _MASK64
+    x ^= x >> 31
+    return _signed(x)
+
+
+def shard_of(ids: torch.Tensor, num_shards: int) -> torch.Tensor:
+    """Shard index in ``[0, num_shards)`` of each id; stable across processes, machines and restarts."""
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    return (mix64(ids ^ _SHARD_SALT) & _POSITIVE) % num_shards
+
+
+def slot_hash(ids: torch.Tensor) -> torch.Tensor:
+    """Hash used for index slots, salted apart from :func:`shard_of` so that one shard's ids fill all slots."""
+    return mix64(ids ^ _SLOT_SALT)
+
+
+def name_hash(name: str) -> int:
+    """Stable signed 64-bit hash of a table name (Python's ``hash`` is salted per process)."""
+    return _signed(int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little"))

@@ -1,0 +1,101 @@
+"""Sparse optimizer rules applied on the shard to the rows named by one update.
+
+Each rule reads the touched rows and their optimizer state, and returns both updated; untouched rows
+never change (lazy updates, as PERSIA, FBGEMM and ``torch.optim.SparseAdam`` do). Weight decay is the
+L2 form (``g + weight_decay * w``), as in ``torch.optim``.
+"""
+from __future__ import annotations
+
+import torch
+
+from lightning_persia.remote_ps.table_config import SGD, Adagrad, Adam, EmbeddingOptimizer
+
+
+class SparseRule:
+    """One optimizer's update of a block of rows; ``state_width`` float32 columns of state per row."""
+
+    state_width: int = 0
+
+    def __init__(self, config: EmbeddingOptimizer, dim: int) -> None:
+        self.config = config
+        self.dim = dim
+
+    def initial_state(self, n: int) -> torch.Tensor:
+        return torch.zeros(n, self.state_width, dtype=torch.float32)
+
+    def apply(self, weights: torch.Tensor, state: torch.Tensor, grads: torch.Tensor) -> None:
+        """Updates ``weights`` [n, dim] and ``state`` [n, state_width] in place from ``grads`` [n, dim]."""
+        raise NotImplementedError
+
+    def _decayed(self, weights: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
+        if self.config.weight_decay:
+            return grads.add(weights, alpha=self.config.weight_decay)
+        return grads
+
+
+class SGDRule(SparseRule):
+    def apply(self, weights: torch.Tensor, state: torch.Tensor, grads: torch.Tensor) -> None:
+        weights.add_(self._decayed(weights, grads), alpha=-self.config.lr)
+
+
+class AdagradRule(SparseRule):
+    """Element-wise Adagrad, as ``torch.optim.Adagrad`` (no lr decay): ``s += g^2; w -= lr * g / (sqrt(s) + eps)``."""
+
+    def __init__(self, config: Adagrad, dim: int) -> None:
+        super().__init__(config, dim)
+        self.state_width = dim
+
+    def initial_state(self, n: int) -> torch.Tensor:
+        return torch.full((n, self.state_width), self.config.initial_accumulator_value, dtype=torch.float32)
+
+    def apply(self, weights: torch.Tensor, state: torch.Tensor, grads: torch.Tensor) -> None:
+        grads = self._decayed(weights, grads)
+        state.addcmul_(grads, grads)
+        weights.addcdiv_(grads, state.sqrt().add_(self.config.eps), value=-self.config.lr)
+
+
+class RowwiseAdagradRule(AdagradRule):
+    """Row-wise Adagrad, as FBGEMM's EXACT_ROWWISE_ADAGRAD: one accumulator per row, ``s += mean(g^2)``."""
+
+    def __init__(self, config: Adagrad, dim: int) -> None:
+        super().__init__(config, dim)
+        self.state_width = 1
+
+    def apply(self, weights: torch.Tensor, state: torch.Tensor, grads: torch.Tensor) -> None:
+        grads = self._decayed(weights, grads)
+        state.add_(grads.square().mean(dim=1, keepdim=True))
+        weights.addcdiv_(grads, state.sqrt().add_(self.config.eps), value=-self.config.lr)
+
+
+class AdamRule(SparseRule):
+    """Adam with a per-row step, so a row's bias correction counts only that row's updates.
+
+    State columns: ``[exp_avg (dim) | exp_avg_sq (dim) | step (1)]``.
+    """
+
+    def __init__(self, config: Adam, dim: int) -> None:
+        super().__init__(config, dim)
+        self.state_width = 2 * dim + 1
+
+    def apply(self, weights: torch.Tensor, state: torch.Tensor, grads: torch.Tensor) -> None:
+        beta1, beta2 = self.config.betas
+        grads = self._decayed(weights, grads)
+        exp_avg, exp_avg_sq, step = state[:, : self.dim], state[:, self.dim : 2 * self.dim], state[:, -1:]
+        step.add_(1.0)
+        exp_avg.lerp_(grads, 1.0 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grads, grads, value=1.0 - beta2)
+        bias1 = 1.0 - torch.pow(beta1, step)
+        bias2_sqrt = (1.0 - torch.pow(beta2, step)).sqrt()
+        denom = (exp_avg_sq.sqrt() / bias2_sqrt).add_(self.config.eps)
+        weights.addcdiv_(exp_avg, denom * bias1, value=-self.config.lr)
+
+
+def make_rule(config: EmbeddingOptimizer, dim: int) -> SparseRule:
+    """The rule for an optimizer config."""
+    if isinstance(config, Adagrad):
+        return (RowwiseAdagradRule if config.rowwise else AdagradRule)(config, dim)
+    if isinstance(config, Adam):
+        return AdamRule(config, dim)
+    if isinstance(config, SGD):
+        return SGDRule(config, dim)
+    raise TypeError(f"unknown embedding optimizer {config!r}")

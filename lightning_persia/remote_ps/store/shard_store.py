@@ -1,0 +1,116 @@
+"""The tables of one shard behind one lock-free facade: what the gRPC servicer calls."""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from lightning_persia.ops.hashing import shard_of
+from lightning_persia.remote_ps.store import checkpoint
+from lightning_persia.remote_ps.store.errors import InvalidRequestError, UnknownTableError
+from lightning_persia.remote_ps.store.table import Table
+from lightning_persia.remote_ps.table_config import TableConfig
+
+
+class ShardStore:
+    """All tables of shard ``shard_index`` of ``num_shards``.
+
+    Tables come from :meth:`configure` or, on first use, from ``table_defaults`` (the tables declared in
+    the PS config). Every method is thread-safe; reads and writes of one table are serialised by that
+    table's lock, different tables proceed in parallel.
+
+    Example::
+
+        store = ShardStore(shard_index=0, num_shards=1)
+        store.configure(TableConfig("user", dim=16, optimizer=Adagrad(rowwise=True)))
+        rows = store.lookup("user", torch.tensor([3, 7]), train=True)
+        store.update("user", torch.tensor([3, 7]), torch.ones(2, 16))
+    """
+
+    def __init__(self, shard_index: int, num_shards: int, seed: int = 0, table_defaults: dict[str, TableConfig] | None = None) -> None:
+        if not 0 <= shard_index < num_shards:
+            raise ValueError(f"shard_index must be in [0, {num_shards}), got {shard_index}")
+        self.shard_index = shard_index
+        self.num_shards = num_shards
+        self.seed = seed
+        self._defaults = dict(table_defaults or {})
+        self._tables: dict[str, Table] = {}
+        self._lock = threading.Lock()
+
+    def configure(self, config: TableConfig) -> TableConfig:
+        """Creates the table, or returns the existing one's config when the dims agree."""
+        with self._lock:
+            existing = self._tables.get(config.name)
+            if existing is None:
+                self._tables[config.name] = Table(config, self.seed)
+                return config
+        if existing.config.dim != config.dim:
+            raise InvalidRequestError(f"table {config.name!r} exists with dim {existing.config.dim}, asked for dim {config.dim}")
+        return existing.config
+
+    def describe(self, name: str) -> TableConfig:
+        return self._table(name).config
+
+    def tables(self) -> list[str]:
+        with self._lock:
+            return sorted(set(self._tables) | set(self._defaults))
+
+    def lookup(self, name: str, ids: torch.Tensor, train: bool) -> torch.Tensor:
+        """Rows of ``ids`` (int64, 1-D) as float32 ``[n, dim]``; ``train`` admits unseen ids."""
+        table = self._table(name)
+        self._check_ids(name, ids)
+        return table.lookup(ids, train)
+
+    def update(self, name: str, ids: torch.Tensor, grads: torch.Tensor) -> int:
+        """Applies the table's optimizer to the rows of ``ids``; duplicate ids have their gradients summed."""
+        table = self._table(name)
+        self._check_ids(name, ids)
+        expected = (ids.numel(), table.config.dim)
+        if grads.dtype != torch.float32 or tuple(grads.shape) != expected:
+            raise InvalidRequestError(f"table {name!r}: gradients must be float32 of shape {expected}, got {grads.dtype} {tuple(grads.shape)}")
+        if not bool(torch.isfinite(grads).all()):
+            raise InvalidRequestError(f"table {name!r}: gradients contain NaN or infinity")
+        return table.update(ids, grads)
+
+    def stats(self) -> dict[str, dict[str, int | float]]:
+        with self._lock:
+            tables = dict(self._tables)
+        return {name: table.stats() for name, table in sorted(tables.items())}
+
+    def save(self, directory: str) -> None:
+        """Writes this shard's part of a checkpoint under ``directory``."""
+        with self._lock:
+            tables = list(self._tables.values())
+        checkpoint.write_shard(directory, self.shard_index, self.num_shards, [t.snapshot() for t in tables])
+
+    def load(self, directory: str) -> None:
+        """Replaces every table by the rows of the checkpoint at ``directory`` that belong to this shard.
+
+        The checkpoint may come from any number of shards. Nothing changes if it is incomplete or corrupted.
+        """
+        snapshots = checkpoint.read_for_shard(directory, self.shard_index, self.num_shards)
+        tables = {s.config.name: Table.from_snapshot(s, self.seed) for s in snapshots}
+        with self._lock:
+            self._tables = tables
+
+    def _table(self, name: str) -> Table:
+        with self._lock:
+            table = self._tables.get(name)
+            if table is None and name in self._defaults:
+                table = self._tables[name] = Table(self._defaults[name], self.seed)
+        if table is None:
+            raise UnknownTableError(f"unknown table {name!r}; known tables: {sorted(self._tables)}")
+        return table
+
+    def _check_ids(self, name: str, ids: torch.Tensor) -> None:
+        if ids.dtype != torch.int64 or ids.dim() != 1:
+            raise InvalidRequestError(f"table {name!r}: ids must be a 1-D int64 tensor, got {ids.dtype} of shape {tuple(ids.shape)}")
+        if self.num_shards > 1 and ids.numel():
+            owners = shard_of(ids, self.num_shards)
+            foreign = owners != self.shard_index
+            if bool(foreign.any()):
+                example = int(ids[foreign][0])
+                raise InvalidRequestError(
+                    f"table {name!r}: id {example} belongs to shard {int(owners[foreign][0])}, not to this shard "
+                    f"{self.shard_index} of {self.num_shards}; the client and the shards disagree on the shard count"
+                )

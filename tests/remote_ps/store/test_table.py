@@ -1,0 +1,110 @@
+"""Admission, deterministic init, eviction and statistics of one shard's tables."""
+import pytest
+import torch
+
+from lightning_persia.ops.hashing import shard_of
+from lightning_persia.remote_ps.store import InvalidRequestError, ShardStore, UnknownTableError
+from lightning_persia.remote_ps.store.initializers import initial_rows
+from lightning_persia.remote_ps.table_config import SGD, Constant, Normal, TableConfig, Uniform
+
+
+def test_initial_rows_depend_only_on_seed_table_and_id():
+    ids = torch.tensor([3, -1, 1 << 62, 12345])
+    a = initial_rows(Uniform(-1, 1), 7, "t", ids, 16)
+    b = initial_rows(Uniform(-1, 1), 7, "t", ids.flip(0), 16).flip(0)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, initial_rows(Uniform(-1, 1), 8, "t", ids, 16))
+    assert not torch.equal(a, initial_rows(Uniform(-1, 1), 7, "u", ids, 16))
+    assert a.min() >= -1 and a.max() <= 1
+
+
+def test_initial_rows_have_the_asked_distribution():
+    ids = torch.arange(20000)
+    normal = initial_rows(Normal(0.5, 2.0), 0, "t", ids, 8)
+    assert abs(normal.mean().item() - 0.5) < 0.05 and abs(normal.std().item() - 2.0) < 0.05
+    uniform = initial_rows(Uniform(0, 1), 0, "t", ids, 8)
+    assert abs(uniform.mean().item() - 0.5) < 0.01
+    assert torch.equal(initial_rows(Constant(0.25), 0, "t", ids[:3], 2), torch.full((3, 2), 0.25))
+
+
+@pytest.mark.parametrize("num_shards", [1, 3])
+def test_same_id_same_initial_row_whatever_the_shard_count(num_shards):
+    config = TableConfig("t", 8, init=Normal(0, 1))
+    ids = torch.arange(-50, 50)
+    owners = shard_of(ids, num_shards)
+    rows = torch.empty(100, 8)
+    for shard in range(num_shards):
+        store = ShardStore(shard, num_shards, seed=11)
+        store.configure(config)
+        mine = owners == shard
+        rows[mine] = store.lookup("t", ids[mine], train=True)
+    torch.testing.assert_close(rows, initial_rows(config.init, 11, "t", ids, 8), rtol=0, atol=0)
+
+
+def test_evaluation_lookups_never_insert():
+    store = ShardStore(0, 1)
+    store.configure(TableConfig("t", 4))
+    first = store.lookup("t", torch.tensor([1, 2]), train=False)
+    assert store.stats()["t"]["rows"] == 0
+    assert torch.equal(first, store.lookup("t", torch.tensor([1, 2]), train=True))
+    assert store.stats()["t"]["rows"] == 2
+
+
+def test_admit_probability_zero_stores_nothing_and_drops_updates():
+    store = ShardStore(0, 1)
+    store.configure(TableConfig("t", 4, admit_probability=0.0, optimizer=SGD(lr=1.0)))
+    before = store.lookup("t", torch.tensor([1, 2]), train=True)
+    assert store.update("t", torch.tensor([1, 2]), torch.ones(2, 4)) == 0
+    assert torch.equal(store.lookup("t", torch.tensor([1, 2]), train=True), before)
+    assert store.stats()["t"]["rows"] == 0 and store.stats()["t"]["dropped_update_rows"] == 2
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_eviction_at_capacity_keeps_hot_rows_and_reinitialises_evicted(policy):
+    store = ShardStore(0, 1)
+    store.configure(TableConfig("t", 4, capacity=100, eviction=policy, optimizer=SGD(lr=1.0), init=Uniform(0, 1)))
+    hot = torch.arange(0, 10)
+    cold = torch.arange(10, 100)
+    store.lookup("t", cold, train=True)
+    for _ in range(3):
+        store.lookup("t", hot, train=True)
+    store.update("t", hot, torch.ones(10, 4))
+    store.update("t", cold, torch.ones(90, 4))
+    store.lookup("t", torch.arange(1000, 1020), train=True)  # 20 new ids do not fit: evicts in bulk
+    stats = store.stats()["t"]
+    assert stats["rows"] <= 100 and stats["evicted"] >= 20
+    hot_rows = store.lookup("t", hot, train=False)
+    assert torch.equal(hot_rows, initial_rows(Uniform(0, 1), 0, "t", hot, 4) - 1.0), "hot rows were evicted"
+    evicted = [i for i in cold.tolist() if torch.equal(store.lookup("t", torch.tensor([i]), train=False), initial_rows(Uniform(0, 1), 0, "t", torch.tensor([i]), 4))]
+    assert len(evicted) >= 20, "evicted rows must come back re-initialised"
+
+
+def test_long_run_at_capacity_stays_bounded():
+    store = ShardStore(0, 1)
+    store.configure(TableConfig("t", 4, capacity=1000))
+    for start in range(0, 50_000, 500):
+        store.lookup("t", torch.arange(start, start + 500), train=True)
+    stats = store.stats()["t"]
+    assert stats["rows"] <= 1000
+    assert stats["bytes"] <= 1000 * (8 + 4 + 16) + 4 * 4096
+
+
+def test_bad_requests_name_the_problem_and_change_nothing():
+    store = ShardStore(0, 2)
+    store.configure(TableConfig("t", 4))
+    mine = torch.arange(100)[shard_of(torch.arange(100), 2) == 0][:3]
+    before = store.lookup("t", mine, train=True)
+    with pytest.raises(UnknownTableError, match="unknown table 'nope'"):
+        store.lookup("nope", mine, train=True)
+    with pytest.raises(InvalidRequestError, match="shape"):
+        store.update("t", mine, torch.ones(3, 5))
+    with pytest.raises(InvalidRequestError, match="NaN"):
+        store.update("t", mine, torch.full((3, 4), float("nan")))
+    with pytest.raises(InvalidRequestError, match="int64"):
+        store.lookup("t", mine.to(torch.int32), train=True)
+    foreign = torch.arange(100)[shard_of(torch.arange(100), 2) == 1][:1]
+    with pytest.raises(InvalidRequestError, match="belongs to shard 1"):
+        store.lookup("t", foreign, train=True)
+    with pytest.raises(InvalidRequestError, match="dim 4"):
+        store.configure(TableConfig("t", 8))
+    assert torch.equal(store.lookup("t", mine, train=False), before)

@@ -1,0 +1,102 @@
+"""Configuration of a PS shard process: a YAML file read with OmegaConf, plus dotlist overrides.
+
+Example ``ps.yaml``::
+
+    seed: ${oc.env:PERSIA_SEED,0}
+    max_ids_per_request: 2097152
+    server_threads: 8
+    tables:
+      user_id:
+        dim: 16
+        optimizer: {kind: Adagrad, lr: 0.05, rowwise: true}
+        init: {kind: Normal, std: 0.01}
+        capacity: 10000000
+
+and on the command line: ``lightning-persia ps serve --config ps.yaml tables.user_id.dim=32 seed=7``.
+Tables listed under ``tables`` are created on a shard the first time they are used; trainers can also create
+tables at run time with ``PSClient.configure``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Sequence
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from lightning_persia.remote_ps.table_config import ConfigError, TableConfig
+
+
+@dataclass
+class PSConfig:
+    """Settings of one shard. Every field can come from YAML or a ``key=value`` override."""
+
+    seed: int = 0
+    """Seed of the deterministic row initialisation; every shard of a cluster must share it."""
+    max_ids_per_request: int = 1 << 21
+    """Most ids one Lookup or Update may carry (all tables together); more is RESOURCE_EXHAUSTED."""
+    max_message_mb: int = 512
+    """Largest gRPC message the shard sends or receives."""
+    server_threads: int = 8
+    """gRPC handler threads (concurrent requests)."""
+    torch_threads: int = 0
+    """Intra-op threads of torch in the shard; 0 keeps torch's default."""
+    dedup_window: int = 4096
+    """Recently applied update seqs remembered per client, for exactly-once retries."""
+    dedup_max_clients: int = 4096
+    """Clients whose seqs are remembered (least recently seen forgotten first)."""
+    grace_s: float = 5.0
+    """On SIGTERM, how long in-flight requests may run before the shard exits."""
+    tables: Dict[str, Any] = field(default_factory=dict)
+    """Table defaults: ``{name: TableConfig fields without the name}``."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_ids_per_request", "max_message_mb", "server_threads", "dedup_window", "dedup_max_clients"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"PS config: {name} must be >= 1, got {getattr(self, name)}")
+        if self.torch_threads < 0:
+            raise ConfigError(f"PS config: torch_threads must be >= 0, got {self.torch_threads}")
+        if self.grace_s < 0:
+            raise ConfigError(f"PS config: grace_s must be >= 0, got {self.grace_s}")
+        self.table_configs()  # fail at load time, naming the table
+
+    def table_configs(self) -> dict[str, TableConfig]:
+        """The ``tables`` section as :class:`TableConfig` objects (``ConfigError`` names a bad table)."""
+        out = {}
+        for name, spec in self.tables.items():
+            if not isinstance(spec, dict):
+                raise ConfigError(f"PS config: tables.{name} must be a mapping of table settings, got {spec!r}")
+            if "name" in spec and spec["name"] != name:
+                raise ConfigError(f"PS config: tables.{name} has a different name {spec['name']!r}")
+            try:
+                out[name] = TableConfig.from_dict({**spec, "name": name})
+            except ConfigError as err:
+                raise ConfigError(f"PS config: tables.{name}: {err}") from None
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def load_ps_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> PSConfig:
+    """Defaults, then the YAML file at ``path`` (if any), then ``key=value`` overrides; interpolations resolved.
+
+    Raises :class:`ConfigError` with the file, key and reason on any bad input.
+    """
+    try:
+        merged = OmegaConf.structured(PSConfig)
+        if path is not None:
+            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+        if overrides:
+            bad = [item for item in overrides if "=" not in item]
+            if bad:
+                raise ConfigError(f"PS config overrides must be key=value, got {bad}")
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        plain = OmegaConf.to_container(merged, resolve=True, throw_on_missing=True)
+    except OSError as err:
+        raise ConfigError(f"cannot read PS config {path!r}: {err}") from None
+    except OmegaConfBaseException as err:
+        sources = ([f"file {path}"] if path else []) + ([f"overrides {list(overrides)}"] if overrides else [])
+        raise ConfigError(f"bad PS config ({', '.join(sources) or 'defaults'}): {err}") from None
+    return PSConfig(**plain)

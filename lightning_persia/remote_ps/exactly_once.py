@@ -1,0 +1,105 @@
+"""Exactly-once application of updates that a client may send more than once.
+
+A client tags every Update with ``(client_id, seq)`` and resends the same pair when an attempt times out or
+the connection drops, without knowing whether the shard applied it. :class:`UpdateDeduplicator` remembers,
+per client, a bounded window of the sequence numbers it applied:
+
+- a seq seen for the first time is applied;
+- a seq already applied is answered as a duplicate and changes nothing;
+- a seq whose first attempt is still being applied waits for it, then answers as that attempt did;
+- a seq whose attempt failed is forgotten, so a retry applies it;
+- a seq older than every seq the window still remembers cannot be told apart from an applied one, and is
+  refused with :class:`StaleSequenceError` rather than risk applying it twice.
+
+Memory is bounded by ``window`` seqs per client and ``max_clients`` clients (least recently seen dropped).
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Callable, Generic, Optional, Tuple, TypeVar
+
+T = TypeVar("T")
+
+
+class StaleSequenceError(RuntimeError):
+    """An update whose seq fell out of the de-duplication window: whether it was applied is unknown."""
+
+
+class _Pending(Generic[T]):
+    __slots__ = ("done", "ok", "result")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.ok = False
+        self.result: Optional[T] = None
+
+
+class _Client:
+    __slots__ = ("applied", "floor", "pending")
+
+    def __init__(self) -> None:
+        self.applied: OrderedDict[int, object] = OrderedDict()  # seq -> result, oldest first
+        self.floor = 0  # highest seq dropped from `applied`
+        self.pending: dict[int, _Pending] = {}
+
+
+class UpdateDeduplicator:
+    """Runs each ``(client_id, seq)`` through ``apply`` at most once (see the module docstring)."""
+
+    def __init__(self, window: int = 4096, max_clients: int = 4096) -> None:
+        if window < 1 or max_clients < 1:
+            raise ValueError(f"window and max_clients must be >= 1, got {window} and {max_clients}")
+        self.window = window
+        self.max_clients = max_clients
+        self._clients: OrderedDict[str, _Client] = OrderedDict()
+        self._lock = threading.Lock()
+        self.duplicates = 0
+
+    def run(self, client_id: str, seq: int, apply: Callable[[], T]) -> Tuple[T, bool]:
+        """``(result, duplicate)``: ``apply()``'s result, or the first attempt's result and ``True``."""
+        while True:
+            with self._lock:
+                client = self._clients.get(client_id)
+                if client is None:
+                    client = self._clients[client_id] = _Client()
+                    if len(self._clients) > self.max_clients:
+                        self._clients.popitem(last=False)
+                else:
+                    self._clients.move_to_end(client_id)
+                if seq in client.applied:
+                    self.duplicates += 1
+                    return client.applied[seq], True  # type: ignore[return-value]
+                pending = client.pending.get(seq)
+                if pending is None:
+                    if seq <= client.floor:
+                        raise StaleSequenceError(
+                            f"update seq {seq} of client {client_id!r} is older than the de-duplication window "
+                            f"(the last {self.window} updates, seqs above {client.floor}); whether it was applied "
+                            "is unknown, so it is refused"
+                        )
+                    pending = client.pending[seq] = _Pending()
+                    break
+            # Another thread is applying this seq: wait, then answer as it did, or try again if it failed.
+            pending.done.wait()
+            if pending.ok:
+                with self._lock:
+                    self.duplicates += 1
+                return pending.result, True  # type: ignore[return-value]
+
+        try:
+            result = apply()
+        except BaseException:
+            with self._lock:
+                client.pending.pop(seq, None)
+            pending.done.set()
+            raise
+        with self._lock:
+            client.pending.pop(seq, None)
+            client.applied[seq] = result
+            while len(client.applied) > self.window:
+                dropped, _ = client.applied.popitem(last=False)
+                client.floor = max(client.floor, dropped)
+        pending.ok, pending.result = True, result
+        pending.done.set()
+        return result, False

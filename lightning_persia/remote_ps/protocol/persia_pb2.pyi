@@ -1,0 +1,141 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WireDType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WIRE_DTYPE_UNSPECIFIED: _ClassVar[WireDType]
+    FP16: _ClassVar[WireDType]
+    FP32: _ClassVar[WireDType]
+WIRE_DTYPE_UNSPECIFIED: WireDType
+FP16: WireDType
+FP32: WireDType
+
+class TableIds(_message.Message):
+    __slots__ = ("table", "ids")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: bytes
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("tables", "train", "dtype")
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[TableIds]
+    train: bool
+    dtype: WireDType
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableIds, _Mapping]]] = ..., train: _Optional[bool] = ..., dtype: _Optional[_Union[WireDType, str]] = ...) -> None: ...
+
+class TableRows(_message.Message):
+    __slots__ = ("table", "dim", "rows")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    dim: int
+    rows: bytes
+    def __init__(self, table: _Optional[str] = ..., dim: _Optional[int] = ..., rows: _Optional[bytes] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("tables", "dtype")
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[TableRows]
+    dtype: WireDType
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ..., dtype: _Optional[_Union[WireDType, str]] = ...) -> None: ...
+
+class TableGrads(_message.Message):
+    __slots__ = ("table", "ids", "grads", "dtype")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    GRADS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: bytes
+    grads: bytes
+    dtype: WireDType
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., dtype: _Optional[_Union[WireDType, str]] = ...) -> None: ...
+
+class UpdateRequest(_message.Message):
+    __slots__ = ("client_id", "seq", "tables")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    seq: int
+    tables: _containers.RepeatedCompositeFieldContainer[TableGrads]
+    def __init__(self, client_id: _Optional[str] = ..., seq: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableGrads, _Mapping]]] = ...) -> None: ...
+
+class UpdateResponse(_message.Message):
+    __slots__ = ("rows_applied", "duplicate")
+    ROWS_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    rows_applied: int
+    duplicate: bool
+    def __init__(self, rows_applied: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
+
+class ConfigureRequest(_message.Message):
+    __slots__ = ("tables_json",)
+    TABLES_JSON_FIELD_NUMBER: _ClassVar[int]
+    tables_json: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tables_json: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ConfigureResponse(_message.Message):
+    __slots__ = ("tables_json",)
+    TABLES_JSON_FIELD_NUMBER: _ClassVar[int]
+    tables_json: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tables_json: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ("names",)
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DescribeResponse(_message.Message):
+    __slots__ = ("tables_json",)
+    TABLES_JSON_FIELD_NUMBER: _ClassVar[int]
+    tables_json: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tables_json: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SaveRequest(_message.Message):
+    __slots__ = ("directory",)
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    def __init__(self, directory: _Optional[str] = ...) -> None: ...
+
+class SaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ("directory",)
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    def __init__(self, directory: _Optional[str] = ...) -> None: ...
+
+class LoadResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("shard_index", "num_shards", "json")
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    shard_index: int
+    num_shards: int
+    json: str
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., json: _Optional[str] = ...) -> None: ...

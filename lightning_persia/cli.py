@@ -1,0 +1,107 @@
+"""The ``lightning-persia`` console entry.
+
+    lightning-persia ps serve --port 5000 --shard-index 0 --num-shards 2 [--config ps.yaml] [key=value ...]
+
+``ps`` runs parameter-server processes and never imports Lightning. Every command is one entry of
+:data:`COMMANDS`; the training subcommands (``fit``, ``validate``, ``test``, ``predict``, run by LightningCLI)
+are added there as further entries.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Callable, Optional, Sequence
+
+
+def _ps_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lightning-persia ps", description="Parameter-server shards.")
+    sub = parser.add_subparsers(dest="ps_command", required=True, metavar="{serve}")
+    serve = sub.add_parser(
+        "serve",
+        help="serve one shard of the parameter server",
+        description="Serve one parameter-server shard over gRPC until SIGTERM. With --port 0 a free port is "
+        "picked; the bound address is printed as 'PERSIA_PS_LISTENING host:port' on a line of its own.",
+    )
+    serve.add_argument("--port", type=int, required=True, help="TCP port; 0 picks a free one")
+    serve.add_argument("--shard-index", type=int, required=True, help="index of this shard, in [0, num-shards)")
+    serve.add_argument("--num-shards", type=int, required=True, help="number of shards of the cluster")
+    serve.add_argument("--config", help="PS YAML config (seed, limits, table defaults); OmegaConf syntax")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default 127.0.0.1); any non-loopback address needs --token, TLS or --insecure")
+    serve.add_argument("--token", default=os.environ.get("PERSIA_PS_TOKEN"),
+                       help="shared secret every call must carry as 'authorization: Bearer TOKEN' "
+                       "(default: $PERSIA_PS_TOKEN)")
+    serve.add_argument("--tls-cert", help="PEM certificate chain of this shard (enables TLS, with --tls-key)")
+    serve.add_argument("--tls-key", help="PEM private key of this shard")
+    serve.add_argument("--tls-client-ca", help="PEM CA bundle; clients must then present a certificate it signed")
+    serve.add_argument("--insecure", action="store_true",
+                       help="allow a non-loopback address without token or TLS (anyone who reaches it can read and write tables)")
+    serve.add_argument("--parent-pid", type=int,
+                       help="exit when this process is gone (set by launchers that own the shard)")
+    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    serve.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                       help="config overrides in OmegaConf dotlist form, e.g. seed=7 tables.user.dim=32")
+    return parser
+
+
+def _ps_main(argv: Sequence[str]) -> int:
+    parser = _ps_parser()
+    args = parser.parse_args(argv)
+    if not 0 <= args.shard_index < args.num_shards:
+        parser.error(f"--shard-index must be in [0, --num-shards={args.num_shards}), got {args.shard_index}")
+    if not 0 <= args.port < 65536:
+        parser.error(f"--port must be in [0, 65535], got {args.port}")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        parser.error("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        parser.error("--tls-client-ca needs --tls-cert and --tls-key")
+    logging.basicConfig(
+        level=args.log_level, stream=sys.stderr,
+        format=f"%(asctime)s persia-ps[{args.shard_index}/{args.num_shards}] %(levelname)s %(message)s",
+    )
+
+    from lightning_persia.remote_ps import server
+    from lightning_persia.remote_ps.config import load_ps_config
+    from lightning_persia.remote_ps.table_config import ConfigError
+
+    tls = server.TLSFiles(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+    try:
+        server.check_bind_security(args.host, token=args.token, tls=tls is not None, insecure=args.insecure)
+        config = load_ps_config(args.config, args.overrides)
+        return server.run_shard(
+            shard_index=args.shard_index, num_shards=args.num_shards, config=config, host=args.host,
+            port=args.port, token=args.token, tls=tls, insecure=args.insecure, parent_pid=args.parent_pid,
+        )
+    except (server.BindSecurityError, ConfigError, OSError) as err:
+        print(f"lightning-persia ps serve: error: {err}", file=sys.stderr, flush=True)
+        return 2
+
+
+# name -> (one-line help, handler of the remaining arguments)
+COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
+    "ps": ("parameter-server shards (ps serve ...)", _ps_main),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: lightning-persia COMMAND ...", "", "commands:"]
+    lines += [f"  {name:<10} {text}" for name, (text, _) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    entry = COMMANDS.get(argv[0])
+    if entry is None:
+        print(f"{_usage()}\n\nlightning-persia: error: unknown command {argv[0]!r}", file=sys.stderr)
+        return 2
+    return entry[1](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,601 @@
+"""One parameter-server shard: a gRPC servicer over :class:`ShardStore`, and the process around it.
+
+- :class:`PSServicer` validates every request before it touches the store and answers bad input with a gRPC
+  status whose message names the problem; the shard keeps serving and its data is unchanged.
+- :class:`ShardServer` binds the servicer and the standard health service, with a token and/or TLS when
+  asked; :func:`check_bind_security` refuses a non-loopback address that has neither (nor ``insecure``).
+- :func:`run_shard` is the ``lightning-persia ps serve`` process: prints ``PERSIA_PS_LISTENING host:port``,
+  stops gracefully on SIGTERM/SIGINT, and exits when its parent dies (``parent_pid``).
+- :class:`LocalShards` starts N shard processes on loopback and stops them (tests, benchmarks, embedded use).
+
+This module never imports Lightning.
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import functools
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from lightning_persia.ops import wire
+from lightning_persia.ops.hashing import shard_of
+from lightning_persia.remote_ps.config import PSConfig
+from lightning_persia.remote_ps.exactly_once import StaleSequenceError, UpdateDeduplicator
+from lightning_persia.remote_ps.protocol import SERVICE_NAME, persia_pb2, persia_pb2_grpc
+from lightning_persia.remote_ps.store import CheckpointError, InvalidRequestError, ShardStore, StoreError, UnknownTableError
+from lightning_persia.remote_ps.table_config import ConfigError, TableConfig
+
+log = logging.getLogger("lightning_persia.ps")
+
+LISTENING_PREFIX = "PERSIA_PS_LISTENING"
+AUTH_METADATA_KEY = "authorization"
+
+# Wire dtype enum -> codec name. Lookup treats UNSPECIFIED as fp16 (the default); Update refuses it.
+_DTYPE_NAMES = {persia_pb2.FP16: "fp16", persia_pb2.FP32: "fp32"}
+_DTYPE_BYTES = {"fp16": 2, "fp32": 4}
+
+
+class BindSecurityError(ValueError):
+    """A non-loopback bind address without a token, TLS or an explicit ``insecure``."""
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for ``localhost`` and loopback IP literals (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # another host name: it may resolve to anything
+
+
+def check_bind_security(host: str, *, token: Optional[str], tls: bool, insecure: bool) -> None:
+    """Raises :class:`BindSecurityError` unless ``host`` is loopback or the shard is protected (or ``insecure``)."""
+    if is_loopback_host(host) or token or tls or insecure:
+        return
+    raise BindSecurityError(
+        f"refusing to serve on non-loopback address {host!r} without protection: anyone who can reach it could "
+        "read and overwrite the embedding tables. Pass --token T (clients send 'authorization: Bearer T'), "
+        "--tls-cert/--tls-key (and optionally --tls-client-ca), or --insecure to accept the risk"
+    )
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+# ---- the servicer --------------------------------------------------------------------------------------
+
+
+class _Abort(Exception):
+    """A request refused before it reached the store."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _invalid(message: str) -> _Abort:
+    return _Abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+_STORE_CODES = (
+    (UnknownTableError, grpc.StatusCode.NOT_FOUND),
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (CheckpointError, grpc.StatusCode.FAILED_PRECONDITION),
+    (StoreError, grpc.StatusCode.INTERNAL),
+)
+
+
+def _rpc(method: Callable) -> Callable:
+    """Counts the call and turns every refusal or failure into a gRPC status with its message."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def wrapper(self: "PSServicer", request, context: grpc.ServicerContext):
+        self._count(name)
+        try:
+            return method(self, request, context)
+        except _Abort as err:
+            code, message = err.code, str(err)
+        except StoreError as err:
+            code = next(c for cls, c in _STORE_CODES if isinstance(err, cls))
+            message = str(err)
+        except (ConfigError, wire.WireFormatError) as err:
+            code, message = grpc.StatusCode.INVALID_ARGUMENT, str(err)
+        except StaleSequenceError as err:
+            code, message = grpc.StatusCode.FAILED_PRECONDITION, str(err)
+        except Exception as err:  # a bug: keep serving, tell the caller, keep the traceback in the log
+            log.exception("%s failed", name)
+            code, message = grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}"
+        self._count(f"{name}_errors")
+        context.abort(code, f"shard {self.store.shard_index}/{self.store.num_shards}: {message}")
+
+    return wrapper
+
+
+@dataclass
+class _TableRequest:
+    name: str
+    dim: int
+    ids: torch.Tensor
+    grads: Optional[torch.Tensor] = None
+
+
+class PSServicer(persia_pb2_grpc.ParameterServerServicer):
+    """The ``persia.ParameterServer`` service of one shard."""
+
+    def __init__(self, store: ShardStore, config: PSConfig) -> None:
+        self.store = store
+        self.config = config
+        self.max_message_bytes = config.max_message_mb << 20
+        self.dedup = UpdateDeduplicator(config.dedup_window, config.dedup_max_clients)
+        self._counters: collections.Counter[str] = collections.Counter()
+        self._counter_lock = threading.Lock()
+
+    def _count(self, key: str, amount: int = 1) -> None:
+        with self._counter_lock:
+            self._counters[key] += amount
+
+    # ---- validation (nothing here touches the rows) -------------------------------------------------
+
+    def _dim(self, name: str) -> int:
+        if not name:
+            raise _invalid("a table entry has an empty table name")
+        return self.store.describe(name).dim  # UnknownTableError -> NOT_FOUND
+
+    def _parse(self, entries, with_grads: bool) -> list[_TableRequest]:
+        parsed: list[_TableRequest] = []
+        seen: set[str] = set()
+        total = 0
+        for entry in entries:
+            name = entry.table
+            if name in seen:
+                raise _invalid(f"table {name!r} appears more than once in one request")
+            seen.add(name)
+            dim = self._dim(name)
+            ids = wire.decode_ids(entry.ids, what=f"table {name!r}: ids")
+            total += ids.numel()
+            if total > self.config.max_ids_per_request:
+                raise _Abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"request carries more than {self.config.max_ids_per_request} ids (max_ids_per_request); split it",
+                )
+            item = _TableRequest(name, dim, ids)
+            if with_grads:
+                dtype = _DTYPE_NAMES.get(entry.dtype)
+                if dtype is None:
+                    raise _invalid(
+                        f"table {name!r}: grads dtype {_dtype_label(entry.dtype)} is not one of FP16, FP32"
+                    )
+                expected = ids.numel() * dim * _DTYPE_BYTES[dtype]
+                if len(entry.grads) != expected:
+                    raise _invalid(
+                        f"table {name!r}: grads is {len(entry.grads)} bytes, expected {expected} "
+                        f"({ids.numel()} ids x dim {dim} x {_DTYPE_BYTES[dtype]} bytes of {dtype})"
+                    )
+                item.grads = wire.rows_view(entry.grads, dtype, dim, what=f"table {name!r}: grads").float()
+            parsed.append(item)
+        return parsed
+
+    def _check_all_applicable(self, items: list[_TableRequest]) -> None:
+        """The store's per-table checks, run on every table first, so a multi-table request is all or nothing.
+
+        A single-table request needs no such pass: the store checks it before changing anything.
+        """
+        if len(items) < 2:
+            return
+        for item in items:
+            if self.store.num_shards > 1 and item.ids.numel():
+                owners = shard_of(item.ids, self.store.num_shards)
+                foreign = owners != self.store.shard_index
+                if bool(foreign.any()):
+                    raise _invalid(
+                        f"table {item.name!r}: id {int(item.ids[foreign][0])} belongs to shard "
+                        f"{int(owners[foreign][0])}; the client and the shards disagree on the shard count"
+                    )
+            if item.grads is not None and not bool(torch.isfinite(item.grads).all()):
+                raise _invalid(f"table {item.name!r}: gradients contain NaN or infinity")
+
+    # ---- RPCs ----------------------------------------------------------------------------------------
+
+    @_rpc
+    def Lookup(self, request: persia_pb2.LookupRequest, context) -> persia_pb2.LookupResponse:
+        dtype_enum = request.dtype or persia_pb2.FP16
+        dtype = _DTYPE_NAMES.get(dtype_enum)
+        if dtype is None:
+            raise _invalid(f"lookup dtype {_dtype_label(request.dtype)} is not one of FP16, FP32")
+        items = self._parse(request.tables, with_grads=False)
+        response_bytes = sum(item.ids.numel() * item.dim for item in items) * _DTYPE_BYTES[dtype]
+        if response_bytes > self.max_message_bytes - (1 << 20):
+            raise _Abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the rows asked for would take {response_bytes} bytes, over the {self.max_message_bytes}-byte "
+                "message limit (max_message_mb); ask for fewer ids per request",
+            )
+        if request.train:
+            self._check_all_applicable(items)  # training lookups insert rows
+        response = persia_pb2.LookupResponse(dtype=dtype_enum)
+        for item in items:
+            rows = self.store.lookup(item.name, item.ids, train=request.train)
+            response.tables.add(table=item.name, dim=item.dim, rows=wire.encode_rows(rows, dtype))
+        self._count("lookup_rows", sum(item.ids.numel() for item in items))
+        return response
+
+    @_rpc
+    def Update(self, request: persia_pb2.UpdateRequest, context) -> persia_pb2.UpdateResponse:
+        if not request.client_id:
+            raise _invalid("update without a client_id; exactly-once delivery needs (client_id, seq)")
+        if request.seq < 1:
+            raise _invalid("update seq must be >= 1")
+        items = self._parse(request.tables, with_grads=True)
+        self._check_all_applicable(items)
+
+        def apply() -> int:
+            return sum(self.store.update(item.name, item.ids, item.grads) for item in items)
+
+        rows, duplicate = self.dedup.run(request.client_id, request.seq, apply)
+        self._count("update_duplicates" if duplicate else "update_rows", 1 if duplicate else rows)
+        return persia_pb2.UpdateResponse(rows_applied=rows, duplicate=duplicate)
+
+    @_rpc
+    def Configure(self, request: persia_pb2.ConfigureRequest, context) -> persia_pb2.ConfigureResponse:
+        configs = [_table_config_from_json(text) for text in request.tables_json]
+        names = [c.name for c in configs]
+        if len(set(names)) != len(names):
+            raise _invalid(f"a table appears more than once in one configure request: {names}")
+        for config in configs:  # refuse the whole request if any table clashes with an existing one
+            try:
+                existing = self.store.describe(config.name)
+            except UnknownTableError:
+                continue
+            if existing.dim != config.dim:
+                raise _invalid(f"table {config.name!r} exists with dim {existing.dim}, asked for dim {config.dim}")
+        applied = [self.store.configure(config) for config in configs]
+        return persia_pb2.ConfigureResponse(tables_json=[json.dumps(c.to_dict()) for c in applied])
+
+    @_rpc
+    def Describe(self, request: persia_pb2.DescribeRequest, context) -> persia_pb2.DescribeResponse:
+        names = list(request.names) or self.store.tables()
+        return persia_pb2.DescribeResponse(tables_json=[json.dumps(self.store.describe(n).to_dict()) for n in names])
+
+    @_rpc
+    def Save(self, request: persia_pb2.SaveRequest, context) -> persia_pb2.SaveResponse:
+        self.store.save(_checkpoint_directory(request.directory))
+        return persia_pb2.SaveResponse()
+
+    @_rpc
+    def Load(self, request: persia_pb2.LoadRequest, context) -> persia_pb2.LoadResponse:
+        self.store.load(_checkpoint_directory(request.directory))
+        return persia_pb2.LoadResponse()
+
+    @_rpc
+    def Stats(self, request: persia_pb2.StatsRequest, context) -> persia_pb2.StatsResponse:
+        with self._counter_lock:
+            server = dict(self._counters)
+        server["dedup_duplicates"] = self.dedup.duplicates
+        body = {"tables": self.store.stats(), "server": server}
+        return persia_pb2.StatsResponse(
+            shard_index=self.store.shard_index, num_shards=self.store.num_shards, json=json.dumps(body)
+        )
+
+
+def _dtype_label(value: int) -> str:
+    try:
+        return persia_pb2.WireDType.Name(value)
+    except ValueError:
+        return f"{value} (unknown)"
+
+
+def _table_config_from_json(text: str) -> TableConfig:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise _invalid(f"table config is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise _invalid(f"table config must be a JSON object, got {type(data).__name__}")
+    return TableConfig.from_dict(data)  # ConfigError -> INVALID_ARGUMENT
+
+
+def _checkpoint_directory(directory: str) -> str:
+    if not directory or not os.path.isabs(directory):
+        raise _invalid(f"checkpoint directory must be an absolute path on the shard's file system, got {directory!r}")
+    return directory
+
+
+# ---- authentication ------------------------------------------------------------------------------------
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """Refuses every call without ``authorization: Bearer <token>`` metadata with UNAUTHENTICATED.
+
+    The health service stays open, so that load balancers and orchestrators can probe the shard; it tells
+    nothing but "serving".
+    """
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+        def refuse(message: str):
+            def handler(request, context):
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+            return grpc.unary_unary_rpc_method_handler(handler)
+
+        self._missing = refuse(f"missing '{AUTH_METADATA_KEY}: Bearer <token>' metadata; this shard requires a token")
+        self._wrong = refuse("wrong token")
+
+    def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method.startswith("/grpc.health.v1.Health/"):
+            return continuation(handler_call_details)
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == AUTH_METADATA_KEY:
+                given = value.encode() if isinstance(value, str) else value
+                return continuation(handler_call_details) if hmac.compare_digest(given, self._expected) else self._wrong
+        return self._missing
+
+
+# ---- the server ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class TLSFiles:
+    """PEM files of a shard's TLS identity; ``client_ca`` makes the shard require client certificates."""
+
+    cert: str
+    key: str
+    client_ca: Optional[str] = None
+
+    def credentials(self) -> grpc.ServerCredentials:
+        def read(path: str) -> bytes:
+            with open(path, "rb") as f:
+                return f.read()
+
+        ca = read(self.client_ca) if self.client_ca else None
+        return grpc.ssl_server_credentials([(read(self.key), read(self.cert))], root_certificates=ca, require_client_auth=ca is not None)
+
+
+class ShardServer:
+    """The gRPC server of one shard: the PS service, the health service, optional token and TLS."""
+
+    def __init__(
+        self,
+        store: ShardStore,
+        config: PSConfig,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: Optional[str] = None,
+        tls: Optional[TLSFiles] = None,
+        insecure: bool = False,
+    ) -> None:
+        check_bind_security(host, token=token, tls=tls is not None, insecure=insecure)
+        self.servicer = PSServicer(store, config)
+        self.health = health.HealthServicer()
+        max_bytes = config.max_message_mb << 20
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=config.server_threads, thread_name_prefix="persia-ps"),
+            interceptors=[TokenInterceptor(token)] if token else None,
+            options=[
+                ("grpc.max_send_message_length", max_bytes),
+                ("grpc.max_receive_message_length", max_bytes),
+                ("grpc.so_reuseport", 0),  # a busy port is an error, not a silently shared one
+            ],
+        )
+        persia_pb2_grpc.add_ParameterServerServicer_to_server(self.servicer, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        target = format_address(host, port)
+        try:
+            if tls is not None:
+                bound = self._server.add_secure_port(target, tls.credentials())
+            else:
+                bound = self._server.add_insecure_port(target)
+        except RuntimeError as err:
+            raise OSError(f"cannot bind {target}: {err} (is the port in use?)") from None
+        if not bound:
+            raise OSError(f"cannot bind {target} (is the port in use?)")
+        self.address = format_address(host, bound)
+
+    def start(self) -> str:
+        self._server.start()
+        for service in ("", SERVICE_NAME):
+            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        return self.address
+
+    def stop(self, grace_s: float) -> None:
+        """Reports NOT_SERVING, lets in-flight calls finish for up to ``grace_s`` seconds, then stops."""
+        self.health.enter_graceful_shutdown()
+        self._server.stop(grace_s).wait()
+
+
+# ---- the shard process ---------------------------------------------------------------------------------
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _exit_with_parent(parent_pid: int, stop: threading.Event, poll_s: float = 0.5) -> None:
+    """Sets ``stop`` once ``parent_pid`` is gone (and asks the kernel for SIGTERM on the parent's death)."""
+    direct = parent_pid == os.getppid()
+    if direct and sys.platform.startswith("linux"):
+        try:  # SIGTERM when the parent thread that started us exits; the watchdog below covers the rest
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+
+    def alive() -> bool:
+        if direct:
+            return os.getppid() == parent_pid  # re-parented once the parent is gone (immune to pid reuse)
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def watch() -> None:
+        while not stop.wait(poll_s):
+            if not alive():
+                log.warning("parent process %d is gone; stopping", parent_pid)
+                stop.set()
+
+    if not alive():
+        stop.set()
+    threading.Thread(target=watch, name="persia-ps-parent-watchdog", daemon=True).start()
+
+
+def run_shard(
+    *,
+    shard_index: int,
+    num_shards: int,
+    config: PSConfig,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    token: Optional[str] = None,
+    tls: Optional[TLSFiles] = None,
+    insecure: bool = False,
+    parent_pid: Optional[int] = None,
+) -> int:
+    """Serves one shard until SIGTERM/SIGINT (or the parent's death); returns the exit status.
+
+    Prints ``PERSIA_PS_LISTENING <host>:<port>`` on stdout, on a line of its own, once it accepts calls.
+    """
+    check_bind_security(host, token=token, tls=tls is not None, insecure=insecure)
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    store = ShardStore(shard_index=shard_index, num_shards=num_shards, seed=config.seed, table_defaults=config.table_configs())
+    server = ShardServer(store, config, host=host, port=port, token=token, tls=tls, insecure=insecure)
+
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    if parent_pid is not None:
+        _exit_with_parent(parent_pid, stop)
+
+    address = server.start()
+    log.info("shard %d/%d serving on %s (%s)", shard_index, num_shards, address,
+             "TLS" if tls else "token" if token else "plaintext")
+    print(f"{LISTENING_PREFIX} {address}", flush=True)
+    while not stop.wait(1.0):  # a timed wait keeps the main thread responsive to signals
+        pass
+    log.info("shard %d/%d stopping (grace %.1f s)", shard_index, num_shards, config.grace_s)
+    server.stop(config.grace_s)
+    return 0
+
+
+# ---- local clusters ------------------------------------------------------------------------------------
+
+
+class ShardStartError(RuntimeError):
+    """A shard process exited or stayed silent before it printed its address."""
+
+
+class LocalShards:
+    """``num_shards`` shard processes on loopback, started with ``lightning-persia ps serve --port 0``.
+
+    Each shard exits when this process dies (``--parent-pid``). Use as a context manager or call
+    :meth:`stop`.
+
+    Example::
+
+        with LocalShards(2, overrides=["seed=7"]) as shards:
+            client = PSClient(shards.addresses)
+    """
+
+    def __init__(
+        self,
+        num_shards: int,
+        *,
+        host: str = "127.0.0.1",
+        config_path: Optional[str] = None,
+        overrides: Sequence[str] = (),
+        extra_args: Sequence[str] = (),
+        env: Optional[dict] = None,
+        startup_timeout_s: float = 120.0,
+    ) -> None:
+        self.num_shards = num_shards
+        self.processes: list[subprocess.Popen] = []
+        self.addresses: list[str] = []
+        self._logs: list[collections.deque] = []
+        try:
+            for index in range(num_shards):
+                command = [sys.executable, "-m", "lightning_persia.cli", "ps", "serve", "--port", "0",
+                           "--host", host, "--shard-index", str(index), "--num-shards", str(num_shards),
+                           "--parent-pid", str(os.getpid()), *extra_args]
+                if config_path:
+                    command += ["--config", config_path]
+                command += list(overrides)
+                self.processes.append(subprocess.Popen(
+                    command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                    env={**os.environ, **(env or {})},
+                ))
+            deadline = time.monotonic() + startup_timeout_s
+            for index, process in enumerate(self.processes):
+                self.addresses.append(self._read_address(index, process, deadline))
+        except BaseException:
+            self.stop()
+            raise
+
+    def _read_address(self, index: int, process: subprocess.Popen, deadline: float) -> str:
+        lines: collections.deque = collections.deque(maxlen=200)
+        self._logs.append(lines)
+        found: list[str] = []
+        ready = threading.Event()
+
+        def drain() -> None:  # keeps reading after the address, so a chatty shard never blocks on its pipe
+            for line in process.stdout:
+                line = line.rstrip("\n")
+                if line.startswith(LISTENING_PREFIX + " ") and not ready.is_set():
+                    found.append(line.split(" ", 1)[1].strip())
+                    ready.set()
+                else:
+                    lines.append(line)
+            ready.set()
+
+        threading.Thread(target=drain, name=f"persia-ps-{index}-output", daemon=True).start()
+        ready.wait(max(0.0, deadline - time.monotonic()))
+        if not found:
+            status = process.poll()
+            state = f"exited with status {status}" if status is not None else "did not print its address in time"
+            raise ShardStartError(f"shard {index}/{self.num_shards} {state}; its output:\n" + "\n".join(lines))
+        return found[0]
+
+    def output(self, index: int) -> str:
+        """The last lines a shard printed (its log), for error messages."""
+        return "\n".join(self._logs[index]) if index < len(self._logs) else ""
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM to every shard, then SIGKILL to any still alive after ``timeout_s``."""
+        for process in self.processes:
+            if process.poll() is None:
+                process.terminate()
+        deadline = time.monotonic() + timeout_s
+        for process in self.processes:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def __enter__(self) -> "LocalShards":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,69 @@
+"""Data modules yielding :class:`CriteoBatch` es (sparse KJT, dense features, labels).
+
+* :class:`CriteoDataModule`: streaming reader of Criteo Kaggle/Terabyte TSV files (plain or gzip);
+* :class:`SyntheticCriteoDataModule`: a generated Criteo-shaped stream with a known ground-truth AUC ceiling;
+* :class:`AdultDataModule`: UCI Adult census income, shipped with the package.
+"""
+from lightning_persia.data.adult import (
+    ADULT_CARDINALITIES,
+    ADULT_DENSE_FEATURES,
+    ADULT_NUM_TEST,
+    ADULT_NUM_TRAIN,
+    ADULT_SPARSE_FEATURES,
+    AdultDataModule,
+    AdultDataset,
+    AdultTable,
+)
+from lightning_persia.data.batch import CriteoBatch, hash_categorical, make_batch, missing_ids, transform_dense
+from lightning_persia.data.criteo import (
+    CRITEO_DENSE_FEATURES,
+    CRITEO_KAGGLE_CARDINALITIES,
+    CRITEO_NUM_DENSE,
+    CRITEO_NUM_SPARSE,
+    CRITEO_SPARSE_FEATURES,
+    CriteoDataModule,
+    CriteoIterableDataset,
+    parse_criteo_lines,
+)
+from lightning_persia.data.synthetic import (
+    SyntheticCriteo,
+    SyntheticCriteoDataModule,
+    SyntheticCriteoDataset,
+    SyntheticRows,
+    binary_auc,
+    scaled_cardinalities,
+)
+
+#: Default 26 table sizes of the synthetic data (the Criteo Kaggle cardinalities scaled by 0.1).
+SYNTHETIC_DEFAULT_CARDINALITIES = scaled_cardinalities(0.1)
+
+__all__ = [
+    "ADULT_CARDINALITIES",
+    "ADULT_DENSE_FEATURES",
+    "ADULT_NUM_TEST",
+    "ADULT_NUM_TRAIN",
+    "ADULT_SPARSE_FEATURES",
+    "AdultDataModule",
+    "AdultDataset",
+    "AdultTable",
+    "CRITEO_DENSE_FEATURES",
+    "CRITEO_KAGGLE_CARDINALITIES",
+    "CRITEO_NUM_DENSE",
+    "CRITEO_NUM_SPARSE",
+    "CRITEO_SPARSE_FEATURES",
+    "CriteoBatch",
+    "CriteoDataModule",
+    "CriteoIterableDataset",
+    "SYNTHETIC_DEFAULT_CARDINALITIES",
+    "SyntheticCriteo",
+    "SyntheticCriteoDataModule",
+    "SyntheticCriteoDataset",
+    "SyntheticRows",
+    "binary_auc",
+    "hash_categorical",
+    "make_batch",
+    "missing_ids",
+    "parse_criteo_lines",
+    "scaled_cardinalities",
+    "transform_dense",
+]

@@ -1,0 +1,361 @@
+"""Streaming reader of the Criteo Kaggle / Terabyte click logs (TSV) and its LightningDataModule.
+
+Format, one example per line: ``label <TAB> I1 .. I13 <TAB> C1 .. C26``: a 0/1 label, 13 integer ("dense")
+features and 26 categorical features given as 32-bit hex ids (at most 8 hex digits). Any feature may be
+empty (missing). Files may be gzip-compressed (detected from the content, not the name).
+
+* Sparse ids: each categorical value is hashed, per feature, to a stable non-negative int64 id by
+  :func:`~lightning_persia.data.batch.hash_categorical` (no vocabulary pass); a missing value gets a fixed
+  per-feature "missing" id.
+* Dense values: missing -> 0, then ``log(1 + max(x, 0))``.
+* Split: the lines of all files, counted as one sequence, are dealt round-robin to the readers, one reader per
+  (trainer rank, DataLoader worker); every reader scans every file but parses only its own lines, so the parts
+  are disjoint, complete and balanced to one line.
+* Batches are assembled inside the dataset (use ``DataLoader(batch_size=None)``), never more than one batch
+  of lines in memory.
+"""
+from __future__ import annotations
+
+import glob
+import gzip
+import os
+import warnings
+from typing import IO, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from lightning_persia.data._sharding import reader_shard
+from lightning_persia.data.batch import CriteoBatch, hash_categorical, make_batch, transform_dense
+
+CRITEO_NUM_DENSE = 13
+CRITEO_NUM_SPARSE = 26
+CRITEO_NUM_FIELDS = 1 + CRITEO_NUM_DENSE + CRITEO_NUM_SPARSE
+#: Names of the dense columns, in file order (I1..I13 of the Criteo documentation).
+CRITEO_DENSE_FEATURES: List[str] = [f"int_{i}" for i in range(CRITEO_NUM_DENSE)]
+#: Keys of the sparse KJT, in file order (C1..C26 of the Criteo documentation).
+CRITEO_SPARSE_FEATURES: List[str] = [f"cat_{i}" for i in range(CRITEO_NUM_SPARSE)]
+#: Distinct values per categorical feature in the Criteo Kaggle (Display Advertising Challenge) training set.
+CRITEO_KAGGLE_CARDINALITIES: List[int] = [
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
+    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+]  # fmt: skip
+
+_HEX_LUT = np.full(256, 255, dtype=np.uint8)
+for _i, _c in enumerate(b"0123456789abcdef"):
+    _HEX_LUT[_c] = _i
+for _i, _c in enumerate(b"ABCDEF"):
+    _HEX_LUT[_c] = 10 + _i
+_DEC_LUT = np.full(256, 255, dtype=np.uint8)
+for _i, _c in enumerate(b"0123456789"):
+    _DEC_LUT[_c] = _i
+_PAD = 254  # the NUL padding of numpy's fixed-width bytes
+_HEX_LUT[0] = _DEC_LUT[0] = _PAD
+_MAX_HEX_DIGITS = 8
+_MAX_DEC_DIGITS = 18  # anything below 10**18 fits int64
+
+
+def _digits(cells: np.ndarray, lut: np.ndarray, base: int, max_digits: int, signed: bool) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Parse ``[n, k]`` fixed-width byte strings as integers in ``base``: ``(values, empty, invalid)`` masks."""
+    n, k = cells.shape
+    width = cells.dtype.itemsize
+    raw = np.ascontiguousarray(cells).view(np.uint8).reshape(n, k, width)
+    negative = np.zeros((n, k), dtype=bool)
+    if signed:
+        negative = raw[..., 0] == ord("-")
+        if negative.any():
+            raw = raw.copy()
+            # shift the digits of negative cells one place left so that all cells start with a digit
+            raw[negative] = np.concatenate([raw[negative][:, 1:], np.zeros((int(negative.sum()), 1), np.uint8)], axis=1)
+    nib = lut[raw]
+    pad = nib == _PAD
+    empty = pad[..., 0]
+    invalid = (nib == 255).any(-1) | (pad[..., :-1] & ~pad[..., 1:]).any(-1)  # bad char, or a NUL inside
+    invalid |= negative & empty  # a lone "-"
+    if width > max_digits:
+        invalid |= ~pad[..., max_digits]
+    values = np.zeros((n, k), dtype=np.int64)
+    for p in range(min(width, max_digits)):
+        digit = nib[..., p]
+        values = np.where(digit < base, values * base + digit.astype(np.int64), values)
+    values = np.where(negative, -values, values)
+    return values, empty & ~negative, invalid
+
+
+class _ParsedRows:
+    """Featurised rows of one chunk of lines: ids ``[n, 26]``, dense ``[n, 13]`` float32, labels ``[n]``."""
+
+    def __init__(self, ids: torch.Tensor, dense: torch.Tensor, labels: torch.Tensor) -> None:
+        self.ids, self.dense, self.labels = ids, dense, labels
+
+    def __len__(self) -> int:
+        return self.labels.shape[0]
+
+
+def parse_criteo_lines(lines: Sequence[bytes]) -> Tuple[_ParsedRows, List[Tuple[int, str]]]:
+    """Parse raw Criteo lines; returns the featurised good rows and ``(index, reason)`` of each bad line."""
+    bad: dict[int, str] = {}
+    rows = []
+    placeholder = [b"0"] + [b""] * (CRITEO_NUM_FIELDS - 1)
+    for i, line in enumerate(lines):
+        fields = line.rstrip(b"\r\n").split(b"\t")
+        if len(fields) != CRITEO_NUM_FIELDS:
+            bad[i] = f"expected {CRITEO_NUM_FIELDS} tab-separated fields, got {len(fields)}"
+            fields = placeholder
+        rows.append(fields)
+    if not rows:
+        empty = torch.zeros(0, dtype=torch.int64)
+        return _ParsedRows(empty.view(0, CRITEO_NUM_SPARSE), torch.zeros(0, CRITEO_NUM_DENSE), empty.float()), []
+    table = np.array(rows, dtype=np.bytes_)
+
+    label_cells = table[:, 0]
+    label_ok = (label_cells == b"0") | (label_cells == b"1")
+    dense, dense_missing, dense_invalid = _digits(table[:, 1 : 1 + CRITEO_NUM_DENSE], _DEC_LUT, 10, _MAX_DEC_DIGITS, True)
+    cats, cat_missing, cat_invalid = _digits(table[:, 1 + CRITEO_NUM_DENSE :], _HEX_LUT, 16, _MAX_HEX_DIGITS, False)
+
+    for i in np.flatnonzero(~label_ok | dense_invalid.any(1) | cat_invalid.any(1)).tolist():
+        if i in bad:
+            continue
+        if not label_ok[i]:
+            bad[i] = f"label must be 0 or 1, got {bytes(label_cells[i])!r}"
+        elif dense_invalid[i].any():
+            j = int(np.flatnonzero(dense_invalid[i])[0])
+            bad[i] = f"dense feature I{j + 1} is not an integer: {rows[i][1 + j]!r}"
+        else:
+            j = int(np.flatnonzero(cat_invalid[i])[0])
+            bad[i] = f"categorical feature C{j + 1} is not a hex id of at most 8 digits: {rows[i][1 + CRITEO_NUM_DENSE + j]!r}"
+
+    keep = np.ones(len(rows), dtype=bool)
+    if bad:
+        keep[list(bad)] = False
+    ids = hash_categorical(torch.from_numpy(cats[keep]), torch.from_numpy(cat_missing[keep]))
+    dense_t = transform_dense(torch.from_numpy(dense[keep]), torch.from_numpy(dense_missing[keep]))
+    labels = torch.from_numpy((label_cells[keep] == b"1").astype(np.float32))
+    return _ParsedRows(ids, dense_t, labels), sorted(bad.items())
+
+
+def _open(path: str) -> IO[bytes]:
+    with open(path, "rb") as probe:
+        magic = probe.read(2)
+    return gzip.open(path, "rb") if magic == b"\x1f\x8b" else open(path, "rb")
+
+
+def _expand(files: Optional[Sequence[str]]) -> List[str]:
+    """Paths in order; a pattern with ``*``, ``?`` or ``[`` expands to its sorted matches (none is an error)."""
+    out: List[str] = []
+    for pattern in files or []:
+        pattern = os.path.expanduser(str(pattern))
+        if any(ch in pattern for ch in "*?["):
+            matches = sorted(glob.glob(pattern))
+            if not matches:
+                raise FileNotFoundError(f"no file matches {pattern!r}")
+            out.extend(matches)
+        else:
+            if not os.path.isfile(pattern):
+                raise FileNotFoundError(f"Criteo file not found: {pattern!r}")
+            out.append(pattern)
+    return out
+
+
+class CriteoIterableDataset(IterableDataset):
+    """Streams :class:`CriteoBatch` es from Criteo TSV files (plain or gzip), this reader's share of the lines.
+
+    Args:
+        files: TSV files, read in order as one sequence of lines.
+        batch_size: rows per batch; the last batch of a pass may be smaller unless ``drop_last``.
+        skip_malformed: skip (and count in :attr:`malformed_lines`) a malformed line instead of raising a
+            ``ValueError`` that names the file and the 1-based line number.
+        drop_last: drop the last, incomplete batch of a pass.
+        rank: trainer rank; ``None`` reads it from ``torch.distributed`` (or 0 when not initialised).
+        world_size: number of trainer ranks; ``None`` as ``rank``.
+    """
+
+    def __init__(
+        self,
+        files: Sequence[str],
+        batch_size: int = 4096,
+        skip_malformed: bool = False,
+        drop_last: bool = False,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.files = _expand(files)
+        self.batch_size = batch_size
+        self.skip_malformed = skip_malformed
+        self.drop_last = drop_last
+        self.rank = rank
+        self.world_size = world_size
+        #: Malformed lines skipped by the last pass of this process (``skip_malformed=True``). With
+        #: ``num_workers > 0`` the workers count in their own copies; their skips are logged as warnings.
+        self.malformed_lines = 0
+
+    def _lines(self) -> Iterator[Tuple[bytes, int, int]]:
+        """``(line, file index, 1-based line number)`` of this reader's lines."""
+        shard, num_shards = reader_shard(self.rank, self.world_size)
+        position = 0  # index of the next line in the concatenation of all files
+        for file_index, path in enumerate(self.files):
+            with _open(path) as handle:
+                if num_shards == 1:
+                    for line_no, line in enumerate(handle, 1):
+                        yield line, file_index, line_no
+                    continue
+                first = (shard - position) % num_shards
+                line_no = 0
+                for line_no, line in enumerate(handle, 1):
+                    if (line_no - 1) % num_shards == first:
+                        yield line, file_index, line_no
+                position += line_no
+
+    def _parse(self, lines: List[bytes], where: List[Tuple[int, int]]) -> _ParsedRows:
+        rows, bad = parse_criteo_lines(lines)
+        if bad:
+            if not self.skip_malformed:
+                index, reason = bad[0]
+                file_index, line_no = where[index]
+                raise ValueError(f"{self.files[file_index]}, line {line_no}: malformed Criteo line: {reason}")
+            self.malformed_lines += len(bad)
+            if get_worker_info() is not None:
+                index, reason = bad[0]
+                file_index, line_no = where[index]
+                warnings.warn(f"skipped {len(bad)} malformed line(s), first {self.files[file_index]}, line {line_no}: {reason}")
+        return rows
+
+    def __iter__(self) -> Iterator[CriteoBatch]:
+        self.malformed_lines = 0
+        lines: List[bytes] = []
+        where: List[Tuple[int, int]] = []
+        pending: List[_ParsedRows] = []
+        pending_rows = 0
+        for line, file_index, line_no in self._lines():
+            lines.append(line)
+            where.append((file_index, line_no))
+            if len(lines) < self.batch_size:
+                continue
+            parsed = self._parse(lines, where)
+            lines, where = [], []
+            if not pending and len(parsed) == self.batch_size:
+                yield make_batch(parsed.ids, parsed.dense, parsed.labels, CRITEO_SPARSE_FEATURES)
+                continue
+            pending.append(parsed)
+            pending_rows += len(parsed)
+            while pending_rows >= self.batch_size:
+                batch, pending = _take(pending, self.batch_size)
+                pending_rows -= self.batch_size
+                yield batch
+        if lines:
+            parsed = self._parse(lines, where)
+            pending.append(parsed)
+            pending_rows += len(parsed)
+        while pending_rows >= self.batch_size:
+            batch, pending = _take(pending, self.batch_size)
+            pending_rows -= self.batch_size
+            yield batch
+        if pending_rows and not self.drop_last:
+            batch, _ = _take(pending, pending_rows)
+            yield batch
+
+
+def _take(pending: List[_ParsedRows], count: int) -> Tuple[CriteoBatch, List[_ParsedRows]]:
+    """The first ``count`` pending rows as a batch, and the rest."""
+    ids = torch.cat([p.ids for p in pending])
+    dense = torch.cat([p.dense for p in pending])
+    labels = torch.cat([p.labels for p in pending])
+    rest = [_ParsedRows(ids[count:], dense[count:], labels[count:])] if ids.shape[0] > count else []
+    return make_batch(ids[:count], dense[:count], labels[:count], CRITEO_SPARSE_FEATURES), rest
+
+
+class CriteoDataModule(LightningDataModule):
+    """Criteo Kaggle / Terabyte TSV files as a streaming LightningDataModule of :class:`CriteoBatch` es.
+
+    Every trainer rank (and DataLoader worker) reads a disjoint, round-robin share of the lines, so the
+    number of batches per rank differs by at most one; pass ``drop_last=True`` with DDP to make the last
+    incomplete batch disappear everywhere (the counts may still differ by one when a rank's share is an exact
+    multiple of the batch size; use ``Trainer(limit_train_batches=...)`` to pin them).
+
+    Args:
+        train_files: training TSV files (plain or gzip; glob patterns allowed), read in order.
+        val_files: validation files; none means no validation loop.
+        test_files: test files; none means ``trainer.test`` has nothing to run.
+        batch_size: rows per training batch.
+        eval_batch_size: rows per validation/test batch (default: ``batch_size``).
+        num_workers: DataLoader worker processes per rank (each parses its own share of the lines).
+        skip_malformed: skip and count malformed lines instead of raising ``ValueError``.
+        drop_last: drop the last incomplete training batch of each pass.
+        pin_memory: pin batches in host memory (useful with a GPU).
+    """
+
+    def __init__(
+        self,
+        train_files: List[str],
+        val_files: Optional[List[str]] = None,
+        test_files: Optional[List[str]] = None,
+        batch_size: int = 4096,
+        eval_batch_size: Optional[int] = None,
+        num_workers: int = 0,
+        skip_malformed: bool = False,
+        drop_last: bool = False,
+        pin_memory: bool = False,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.train_files = list(train_files)
+        self.val_files = list(val_files or [])
+        self.test_files = list(test_files or [])
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.num_workers = num_workers
+        self.skip_malformed = skip_malformed
+        self.drop_last = drop_last
+        self.pin_memory = pin_memory
+        self.datasets: dict[str, CriteoIterableDataset] = {}
+
+    @property
+    def sparse_feature_names(self) -> List[str]:
+        return list(CRITEO_SPARSE_FEATURES)
+
+    @property
+    def num_dense_features(self) -> int:
+        return CRITEO_NUM_DENSE
+
+    def _dataset(self, split: str) -> CriteoIterableDataset:
+        if split not in self.datasets:
+            files = {"train": self.train_files, "val": self.val_files, "test": self.test_files}[split]
+            self.datasets[split] = CriteoIterableDataset(
+                files,
+                batch_size=self.batch_size if split == "train" else self.eval_batch_size,
+                skip_malformed=self.skip_malformed,
+                drop_last=self.drop_last if split == "train" else False,
+            )
+        dataset = self.datasets[split]
+        trainer = self.trainer
+        if trainer is not None:
+            dataset.rank, dataset.world_size = trainer.global_rank, trainer.world_size
+        return dataset
+
+    def _loader(self, split: str) -> DataLoader:
+        return DataLoader(
+            self._dataset(split),
+            batch_size=None,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=False,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train")
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val") if self.val_files else []
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test") if self.test_files else []
+
+    @property
+    def malformed_lines(self) -> int:
+        """Malformed lines skipped by the last pass of each split, in this process (see the dataset's note)."""
+        return sum(d.malformed_lines for d in self.datasets.values())

@@ -48,6 +48,8 @@ class PSConfig:
     """Clients whose seqs are remembered (least recently seen forgotten first)."""
     grace_s: float = 5.0
     """On SIGTERM, how long in-flight requests may run before the shard exits."""
+    malloc_trim_interval_s: float = 1.0
+    """Every so often, hand memory freed by finished requests back to the OS (glibc); 0 never does."""
     tables: Dict[str, Any] = field(default_factory=dict)
     """Table defaults: ``{name: TableConfig fields without the name}``."""
 
@@ -57,6 +59,8 @@ class PSConfig:
                 raise ConfigError(f"PS config: {name} must be >= 1, got {getattr(self, name)}")
         if self.torch_threads < 0:
             raise ConfigError(f"PS config: torch_threads must be >= 0, got {self.torch_threads}")
+        if self.malloc_trim_interval_s < 0:
+            raise ConfigError(f"PS config: malloc_trim_interval_s must be >= 0, got {self.malloc_trim_interval_s}")
         if self.grace_s < 0:
             raise ConfigError(f"PS config: grace_s must be >= 0, got {self.grace_s}")
         self.table_configs()  # fail at load time, naming the table

@@ -39,7 +39,9 @@ def _ps_parser() -> argparse.ArgumentParser:
     serve.add_argument("--insecure", action="store_true",
                        help="allow a non-loopback address without token or TLS (anyone who reaches it can read and write tables)")
     serve.add_argument("--parent-pid", type=int,
-                       help="exit when this process is gone (set by launchers that own the shard)")
+                       help="exit when this process is gone (set by launchers that own the shard). When it is the "
+                       "direct parent, the shard also asks Linux for SIGTERM at the parent's death, which fires when "
+                       "the parent *thread* that started the shard exits: start shards from a thread that outlives them")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     serve.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                        help="config overrides in OmegaConf dotlist form, e.g. seed=7 tables.user.dim=32")

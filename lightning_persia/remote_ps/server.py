@@ -48,7 +48,6 @@ AUTH_METADATA_KEY = "authorization"
 
 # Wire dtype enum -> codec name. Lookup treats UNSPECIFIED as fp16 (the default); Update refuses it.
 _DTYPE_NAMES = {persia_pb2.FP16: "fp16", persia_pb2.FP32: "fp32"}
-_DTYPE_BYTES = {"fp16": 2, "fp32": 4}
 
 
 class BindSecurityError(ValueError):
@@ -184,13 +183,10 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
                     raise _invalid(
                         f"table {name!r}: grads dtype {_dtype_label(entry.dtype)} is not one of FP16, FP32"
                     )
-                expected = ids.numel() * dim * _DTYPE_BYTES[dtype]
-                if len(entry.grads) != expected:
-                    raise _invalid(
-                        f"table {name!r}: grads is {len(entry.grads)} bytes, expected {expected} "
-                        f"({ids.numel()} ids x dim {dim} x {_DTYPE_BYTES[dtype]} bytes of {dtype})"
-                    )
-                item.grads = wire.rows_view(entry.grads, dtype, dim, what=f"table {name!r}: grads").float()
+                grads = wire.rows_view(entry.grads, dtype, dim, what=f"table {name!r} (dim {dim}): grads")
+                if grads.shape[0] != ids.numel():
+                    raise _invalid(f"table {name!r}: {ids.numel()} ids but {grads.shape[0]} rows of grads (dim {dim})")
+                item.grads = grads.float()
             parsed.append(item)
         return parsed
 
@@ -222,7 +218,7 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         if dtype is None:
             raise _invalid(f"lookup dtype {_dtype_label(request.dtype)} is not one of FP16, FP32")
         items = self._parse(request.tables, with_grads=False)
-        response_bytes = sum(item.ids.numel() * item.dim for item in items) * _DTYPE_BYTES[dtype]
+        response_bytes = sum(item.ids.numel() * item.dim for item in items) * wire.WIRE_DTYPES[dtype].itemsize
         if response_bytes > self.max_message_bytes - (1 << 20):
             raise _Abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -554,18 +550,35 @@ class LocalShards:
         self.processes: list[subprocess.Popen] = []
         self.addresses: list[str] = []
         self._logs: list[collections.deque] = []
+        commands = []
+        for index in range(num_shards):
+            command = [sys.executable, "-m", "lightning_persia.cli", "ps", "serve", "--port", "0",
+                       "--host", host, "--shard-index", str(index), "--num-shards", str(num_shards),
+                       "--parent-pid", str(os.getpid()), *extra_args]
+            if config_path:
+                command += ["--config", config_path]
+            commands.append(command + list(overrides))
+        # The kernel's parent-death signal follows the *thread* that forked a shard, so the shards are forked
+        # by a thread of their own that lives until stop(), whatever thread creates this object.
+        self._keeper_done = threading.Event()
+        spawned: futures.Future = futures.Future()
+
+        def keeper() -> None:
+            try:
+                for command in commands:
+                    self.processes.append(subprocess.Popen(
+                        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                        env={**os.environ, **(env or {})},
+                    ))
+            except BaseException as err:
+                spawned.set_exception(err)
+                return
+            spawned.set_result(None)
+            self._keeper_done.wait()
+
+        threading.Thread(target=keeper, name="persia-ps-shard-keeper", daemon=True).start()
         try:
-            for index in range(num_shards):
-                command = [sys.executable, "-m", "lightning_persia.cli", "ps", "serve", "--port", "0",
-                           "--host", host, "--shard-index", str(index), "--num-shards", str(num_shards),
-                           "--parent-pid", str(os.getpid()), *extra_args]
-                if config_path:
-                    command += ["--config", config_path]
-                command += list(overrides)
-                self.processes.append(subprocess.Popen(
-                    command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                    env={**os.environ, **(env or {})},
-                ))
+            spawned.result()
             deadline = time.monotonic() + startup_timeout_s
             for index, process in enumerate(self.processes):
                 self.addresses.append(self._read_address(index, process, deadline))
@@ -613,6 +626,7 @@ class LocalShards:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        self._keeper_done.set()
 
     def __enter__(self) -> "LocalShards":
         return self

@@ -1,0 +1,270 @@
+"""PSClient against real shard processes: optimizers vs PyTorch, init, checkpoints, splitting, retries."""
+from __future__ import annotations
+
+import socket
+
+import grpc
+import grpc.aio
+import pytest
+import torch
+
+from lightning_persia.ops.hashing import shard_of
+from lightning_persia.remote_ps.client import PSError, PSRequestError, ShardUnavailableError
+from lightning_persia.remote_ps.store import ShardStore
+from lightning_persia.remote_ps.table_config import SGD, Adagrad, Adam, Constant, Normal, TableConfig, Uniform
+
+DIM = 8
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    """About ``n`` unique ids spread over the whole int64 range, in random order."""
+    g = torch.Generator().manual_seed(seed)
+    unique = torch.unique(torch.randint(-(2**62), 2**62, (n,), generator=g))
+    return unique[torch.randperm(unique.numel(), generator=g)]
+
+
+def _torch_reference(optimizer, rows: torch.Tensor, grads: list[torch.Tensor], weight_bound=None) -> torch.Tensor:
+    """The rows after ``grads`` steps of the matching torch.optim optimizer (or the row-wise Adagrad formula)."""
+    param = torch.nn.Parameter(rows.clone())
+    kw = dict(lr=optimizer.lr, weight_decay=optimizer.weight_decay)
+    if isinstance(optimizer, SGD):
+        opt = torch.optim.SGD([param], **kw)
+    elif isinstance(optimizer, Adam):
+        opt = torch.optim.Adam([param], betas=optimizer.betas, eps=optimizer.eps, **kw)
+    elif not optimizer.rowwise:
+        opt = torch.optim.Adagrad([param], eps=optimizer.eps, initial_accumulator_value=optimizer.initial_accumulator_value, **kw)
+    else:  # FBGEMM's exact row-wise Adagrad: one accumulator per row, s += mean(g^2)
+        state = torch.full((rows.shape[0], 1), optimizer.initial_accumulator_value)
+        w = rows.clone()
+        for g in grads:
+            g = g + optimizer.weight_decay * w
+            state += g.square().mean(1, keepdim=True)
+            w -= optimizer.lr * g / (state.sqrt() + optimizer.eps)
+            if weight_bound is not None:
+                w.clamp_(-weight_bound, weight_bound)
+        return w
+    for g in grads:
+        param.grad = g.clone()
+        opt.step()
+        if weight_bound is not None:
+            with torch.no_grad():
+                param.clamp_(-weight_bound, weight_bound)
+    return param.detach()
+
+
+OPTIMIZERS = {
+    "sgd": (SGD(lr=0.5), None),
+    "sgd_weight_decay": (SGD(lr=0.5, weight_decay=0.1), None),
+    "sgd_weight_bound": (SGD(lr=5.0), 0.05),
+    "adagrad": (Adagrad(lr=0.3, initial_accumulator_value=0.1), None),
+    "adagrad_weight_decay": (Adagrad(lr=0.3, weight_decay=0.05), None),
+    "adagrad_rowwise": (Adagrad(lr=0.3, rowwise=True), None),
+    "adagrad_rowwise_decay_bound": (Adagrad(lr=0.3, rowwise=True, weight_decay=0.05), 0.02),
+    "adam": (Adam(lr=0.05, betas=(0.8, 0.95)), None),
+    "adam_weight_decay": (Adam(lr=0.05, weight_decay=0.1), None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OPTIMIZERS))
+def test_updates_match_pytorch_reference(ps_cluster, make_client, case):
+    optimizer, bound = OPTIMIZERS[case]
+    client = make_client(ps_cluster.addresses)
+    name = f"opt_{case}"
+    client.configure([TableConfig(name, DIM, optimizer=optimizer, init=Normal(std=0.05), weight_bound=bound)])
+    ids = _ids(600, seed=1)
+    assert set(shard_of(ids, 2).tolist()) == {0, 1}
+    initial = client.lookup({name: ids}, train=True, wire_dtype="fp32")[name]
+    g = torch.Generator().manual_seed(2)
+    grads = [torch.randn(ids.numel(), DIM, generator=g) for _ in range(3)]
+    for step in grads:
+        client.update({name: (ids, step)}, wire_dtype="fp32")
+    got = client.lookup({name: ids}, train=False, wire_dtype="fp32")[name]
+    expected = _torch_reference(optimizer, initial, grads, bound)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    if bound is not None:
+        assert got.abs().max() <= bound + 1e-7
+
+
+def test_fp16_wire_default_and_duplicate_ids_summed(ps_cluster, make_client):
+    client = make_client(ps_cluster.addresses)
+    client.configure([TableConfig("fp16_dups", 4, optimizer=SGD(lr=1.0), init=Uniform(-0.5, 0.5))])
+    ids = torch.tensor([11, 12, 13, 14, 15])
+    before = client.lookup({"fp16_dups": ids}, train=True, wire_dtype="fp32")["fp16_dups"]
+    fp16 = client.lookup({"fp16_dups": ids}, train=False)["fp16_dups"]  # fp16 is the default
+    assert fp16.dtype == torch.float32
+    torch.testing.assert_close(fp16, before.half().float(), rtol=0, atol=0)
+    grads = torch.full((7, 4), 0.25)
+    client.update({"fp16_dups": (torch.tensor([11, 11, 11, 12, 13, 14, 15]), grads)})  # id 11 three times
+    after = client.lookup({"fp16_dups": ids}, train=False, wire_dtype="fp32")["fp16_dups"]
+    torch.testing.assert_close(after - before, torch.tensor([[-0.75] * 4] + [[-0.25] * 4] * 4))
+
+
+def test_multi_table_lookup_keeps_caller_order(ps_cluster, make_client):
+    client = make_client(ps_cluster.addresses)
+    client.configure([TableConfig("multi_a", 3, init=Constant(1.0)), TableConfig("multi_b", 5)])
+    a, b = _ids(300, seed=3), _ids(200, seed=4)
+    rows = client.lookup({"multi_a": a, "multi_b": b}, train=True, wire_dtype="fp32")
+    assert rows["multi_a"].shape == (a.numel(), 3) and rows["multi_b"].shape == (b.numel(), 5)
+    assert torch.equal(rows["multi_a"], torch.ones(a.numel(), 3))
+    # each row is the one of its own id, whatever the order
+    perm = torch.randperm(b.numel())
+    again = client.lookup({"multi_b": b[perm]}, train=False, wire_dtype="fp32")["multi_b"]
+    assert torch.equal(again, rows["multi_b"][perm])
+    empty = client.lookup({"multi_b": torch.empty(0, dtype=torch.int64)}, train=False)["multi_b"]
+    assert empty.shape == (0, 5)
+
+
+def test_initial_rows_do_not_depend_on_the_shard_count(ps_cluster1, ps_cluster3, make_client, ps_seed):
+    config = TableConfig("determinism", 6, init=Normal(std=0.3))
+    ids = _ids(500, seed=5)
+    rows = []
+    for cluster in (ps_cluster1, ps_cluster3):
+        client = make_client(cluster.addresses)
+        client.configure([config])
+        evaluation = client.lookup({"determinism": ids}, train=False, wire_dtype="fp32")["determinism"]
+        training = client.lookup({"determinism": ids.flip(0)}, train=True, wire_dtype="fp32")["determinism"].flip(0)
+        assert torch.equal(evaluation, training)
+        rows.append(evaluation)
+    assert torch.equal(rows[0], rows[1])
+    reference = ShardStore(0, 1, seed=ps_seed)
+    reference.configure(config)
+    assert torch.equal(rows[0], reference.lookup("determinism", ids, train=False))
+    assert rows[0].std() > 0.1
+
+
+def test_save_load_and_reshard_two_to_three(ps_cluster, ps_cluster3, make_client, tmp_path):
+    two = make_client(ps_cluster.addresses)
+    configs = [TableConfig("ckpt_a", 4, optimizer=Adagrad(lr=0.1, rowwise=True)), TableConfig("ckpt_b", 2, optimizer=Adam())]
+    two.configure(configs)
+    a, b = _ids(800, seed=6), _ids(100, seed=7)
+    two.lookup({"ckpt_a": a, "ckpt_b": b}, train=True)
+    two.update({"ckpt_a": (a, torch.randn(a.numel(), 4)), "ckpt_b": (b, torch.randn(b.numel(), 2))})
+    saved = two.lookup({"ckpt_a": a, "ckpt_b": b}, train=False, wire_dtype="fp32")
+    two.save(tmp_path / "ckpt")
+
+    # same shard count: later updates are rolled back by a load
+    two.update({"ckpt_a": (a, torch.ones(a.numel(), 4))})
+    two.load(tmp_path / "ckpt")
+    restored = two.lookup({"ckpt_a": a, "ckpt_b": b}, train=False, wire_dtype="fp32")
+    assert all(torch.equal(restored[k], saved[k]) for k in saved)
+
+    # three shards: every id lands on its new shard with its rows and optimizer state
+    three = make_client(ps_cluster3.addresses)
+    three.load(tmp_path / "ckpt")
+    assert three.describe(["ckpt_a", "ckpt_b"]) == {c.name: c for c in configs}
+    resharded = three.lookup({"ckpt_a": a, "ckpt_b": b}, train=False, wire_dtype="fp32")
+    assert all(torch.equal(resharded[k], saved[k]) for k in saved)
+    counts = [s["tables"]["ckpt_a"]["rows"] for s in three.stats()]
+    assert sum(counts) == a.numel() and min(counts) > 0
+    grads = torch.randn(a.numel(), 4)
+    two.update({"ckpt_a": (a, grads)})
+    three.update({"ckpt_a": (a, grads)})
+    torch.testing.assert_close(
+        three.lookup({"ckpt_a": a}, train=False, wire_dtype="fp32")["ckpt_a"],
+        two.lookup({"ckpt_a": a}, train=False, wire_dtype="fp32")["ckpt_a"],
+    )
+
+
+def test_load_of_missing_checkpoint_is_refused_and_changes_nothing(ps_cluster, make_client, tmp_path):
+    client = make_client(ps_cluster.addresses)
+    client.configure([TableConfig("ckpt_missing", 2)])
+    ids = _ids(50, seed=8)
+    before = client.lookup({"ckpt_missing": ids}, train=True, wire_dtype="fp32")["ckpt_missing"]
+    with pytest.raises(PSRequestError) as info:
+        client.load(tmp_path / "nowhere")
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "nowhere" in str(info.value)
+    assert torch.equal(client.lookup({"ckpt_missing": ids}, train=False, wire_dtype="fp32")["ckpt_missing"], before)
+
+
+def test_large_requests_are_split_into_several_messages(ps_cluster, make_client):
+    client = make_client(ps_cluster.addresses, max_ids_per_message=100)
+    client.configure([TableConfig("split", 3, optimizer=SGD(lr=1.0))])
+    ids = _ids(2000, seed=9)
+    calls_before = [s["server"].get("Lookup", 0) for s in client.stats()]
+    rows = client.lookup({"split": ids}, train=True, wire_dtype="fp32")["split"]
+    calls = [s["server"]["Lookup"] - b for s, b in zip(client.stats(), calls_before)]
+    assert sum(calls) >= ids.numel() // 100
+    client.update({"split": (ids, torch.ones(ids.numel(), 3))}, wire_dtype="fp32")
+    after = client.lookup({"split": ids}, train=False, wire_dtype="fp32")["split"]
+    torch.testing.assert_close(after, rows - 1.0)
+
+
+def test_futures_overlap_and_stats(ps_cluster, make_client):
+    client = make_client(ps_cluster.addresses)
+    client.configure([TableConfig("overlap", 2, optimizer=SGD(lr=1.0), init=Constant(0.0))])
+    batches = [_ids(200, seed=s) for s in range(10, 16)]
+    lookups = [client.lookup_async({"overlap": b}, train=True) for b in batches]
+    assert all(f.result(30)["overlap"].shape == (b.numel(), 2) for f, b in zip(lookups, batches))
+    updates = [client.update_async({"overlap": (batches[0], torch.ones(batches[0].numel(), 2))}) for _ in range(4)]
+    for f in updates:
+        assert f.result(30) is None
+    got = client.lookup({"overlap": batches[0]}, train=False, wire_dtype="fp32")["overlap"]
+    assert torch.equal(got, torch.full_like(got, -4.0))
+    stats = client.stats()
+    assert [s["shard_index"] for s in stats] == [0, 1]
+    assert sum(s["tables"]["overlap"]["rows"] for s in stats) == torch.cat(batches).unique().numel()
+
+
+def test_retried_update_is_applied_once(ps_cluster, make_client):
+    """The first attempt reaches the shard but its answer is lost: the client resends the same seq."""
+    client = make_client(ps_cluster.addresses, backoff_s=0.01)
+    client.configure([TableConfig("retry", 2, optimizer=SGD(lr=1.0), init=Constant(0.0))])
+    ids = torch.arange(100)
+    client.lookup({"retry": ids}, train=True)
+    lost = {"count": 0}
+    real_stubs = list(client._stubs)
+
+    class LoseFirstAnswer:
+        def __init__(self, stub):
+            self._stub = stub
+
+        def __getattr__(self, name):
+            return getattr(self._stub, name)
+
+        async def Update(self, request, **kwargs):
+            response = await self._stub.Update(request, **kwargs)
+            if lost["count"] < 2:
+                lost["count"] += 1
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "answer lost")
+            return response
+
+    client._stubs = [LoseFirstAnswer(s) for s in real_stubs]
+    dups = sum(s["server"].get("dedup_duplicates", 0) for s in client.stats())
+    client.update({"retry": (ids, torch.ones(100, 2))}, wire_dtype="fp32")
+    assert lost["count"] == 2
+    got = client.lookup({"retry": ids}, train=False, wire_dtype="fp32")["retry"]
+    assert torch.equal(got, torch.full((100, 2), -1.0))
+    assert sum(s["server"]["dedup_duplicates"] for s in client.stats()) == dups + 2
+
+
+def test_unreachable_shard_raises_after_retries(make_client):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = make_client([f"127.0.0.1:{port}"], max_retries=2, backoff_s=0.01, timeout_s=2)
+    with pytest.raises(ShardUnavailableError, match=rf"shard 0 at 127\.0\.0\.1:{port} did not answer after 3 tries"):
+        client.lookup({"t": torch.arange(3)}, train=False)
+    with pytest.raises(ShardUnavailableError):
+        client.wait_healthy(0.5)
+
+
+def test_wait_healthy_checks_the_shard_order(ps_cluster, make_client):
+    make_client(ps_cluster.addresses).wait_healthy(10)
+    with pytest.raises(PSError, match="pass the addresses in shard order"):
+        make_client(ps_cluster.addresses[::-1]).wait_healthy(10)
+
+
+def test_configure_conflict_and_client_side_errors(ps_cluster, make_client):
+    client = make_client(ps_cluster.addresses)
+    client.configure([TableConfig("conflict", 4)])
+    assert client.configure([TableConfig("conflict", 4, optimizer=Adam())])[0].optimizer == SGD()  # existing one wins
+    with pytest.raises(PSRequestError, match="exists with dim 4, asked for dim 5") as info:
+        client.configure([TableConfig("conflict", 5)])
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(ValueError, match="ids must be a 1-d int64 tensor"):
+        client.lookup({"conflict": torch.zeros(2, 2, dtype=torch.int64)}, train=False)
+    with pytest.raises(ValueError, match=r"grads must be a float tensor \[n_ids=2, dim\]"):
+        client.update({"conflict": (torch.arange(2), torch.zeros(3, 4))})
+    with pytest.raises(ValueError, match="wire_dtype"):
+        client.lookup({"conflict": torch.arange(2)}, train=False, wire_dtype="bf16")

@@ -1,0 +1,1 @@
+"""Example recommendation models (LightningModules with TorchRec embedding tables) and their configs."""

@@ -1,0 +1,3 @@
+from examples.adult_income.model import WideAndDeep
+
+__all__ = ["WideAndDeep"]

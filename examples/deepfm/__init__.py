@@ -1,0 +1,3 @@
+from examples.deepfm.model import DeepFM
+
+__all__ = ["DeepFM"]

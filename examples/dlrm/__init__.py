@@ -1,0 +1,3 @@
+from examples.dlrm.model import DLRM
+
+__all__ = ["DLRM"]

@@ -31,6 +31,7 @@ from typing import Callable, Optional, Sequence
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from lightning_persia.ops import wire
@@ -102,6 +103,24 @@ _STORE_CODES = (
 )
 
 
+@dataclass
+class _Undecodable:
+    """Stands for a request whose bytes are not a valid message of its type."""
+
+    message_type: str
+    error: str
+
+
+def _tolerant_parser(message_class) -> Callable[[bytes], object]:
+    def parse(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except DecodeError as err:
+            return _Undecodable(message_class.DESCRIPTOR.full_name, str(err))
+
+    return parse
+
+
 def _rpc(method: Callable) -> Callable:
     """Counts the call and turns every refusal or failure into a gRPC status with its message."""
     name = method.__name__
@@ -110,6 +129,8 @@ def _rpc(method: Callable) -> Callable:
     def wrapper(self: "PSServicer", request, context: grpc.ServicerContext):
         self._count(name)
         try:
+            if isinstance(request, _Undecodable):
+                raise _invalid(f"request bytes are not a valid {request.message_type} message ({request.error})")
             return method(self, request, context)
         except _Abort as err:
             code, message = err.code, str(err)
@@ -139,6 +160,19 @@ class _TableRequest:
 
 class PSServicer(persia_pb2_grpc.ParameterServerServicer):
     """The ``persia.ParameterServer`` service of one shard."""
+
+    def add_to_server(self, server: grpc.Server) -> None:
+        """Registers every RPC of the service, like the generated ``add_ParameterServerServicer_to_server``,
+        but with request parsing that answers undecodable bytes with INVALID_ARGUMENT instead of INTERNAL."""
+        handlers = {}
+        for method in persia_pb2.DESCRIPTOR.services_by_name["ParameterServer"].methods:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                getattr(self, method.name),
+                request_deserializer=_tolerant_parser(getattr(persia_pb2, method.input_type.name)),
+                response_serializer=getattr(persia_pb2, method.output_type.name).SerializeToString,
+            )
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+        server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
     def __init__(self, store: ShardStore, config: PSConfig) -> None:
         self.store = store
@@ -394,7 +428,7 @@ class ShardServer:
                 ("grpc.so_reuseport", 0),  # a busy port is an error, not a silently shared one
             ],
         )
-        persia_pb2_grpc.add_ParameterServerServicer_to_server(self.servicer, self._server)
+        self.servicer.add_to_server(self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         target = format_address(host, port)
         try:

@@ -132,7 +132,8 @@ def test_undecodable_message_is_refused_and_the_shard_keeps_serving(shard):
     raw = channel.unary_unary("/persia.ParameterServer/Update")  # no serializers: raw bytes on the wire
     with pytest.raises(grpc.RpcError) as info:
         raw(b"\xff\xff\xff\xff", timeout=10)
-    assert info.value.code() != grpc.StatusCode.OK
+    assert info.value.code() == INVALID
+    assert "request bytes are not a valid persia.UpdateRequest message" in info.value.details()
     channel.close()
     rows, _, _ = snapshot(client)
     assert rows[TABLE].shape == (110, DIM)
@@ -141,7 +142,7 @@ def test_undecodable_message_is_refused_and_the_shard_keeps_serving(shard):
 def test_corrupted_checkpoint_is_refused_and_changes_nothing(shard, tmp_path):
     client, _ = shard
     client.save(tmp_path / "ckpt")
-    victim = max((p for p in Path(tmp_path / "ckpt").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    victim = max(Path(tmp_path / "ckpt").rglob("*.npy"), key=lambda p: p.stat().st_size)
     data = bytearray(victim.read_bytes())
     data[-1] ^= 0xFF
     victim.write_bytes(bytes(data))

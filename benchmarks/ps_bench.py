@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -81,24 +83,15 @@ def pipelined(submit, batches, seconds: float, inflight: int, repeats: int) -> t
 
 
 def in_process(args, batches, grads) -> dict:
-    """The baseline: the same lookups and updates on a ShardStore in this process."""
+    """The baseline: the same lookups and updates, ``inflight`` at a time, on a ShardStore in this process."""
     store = ShardStore(0, 1, seed=0)
     store.configure(table_config(args.dim))
     for batch in batches:
         store.lookup(TABLE, batch, train=True)
-    out = {}
-    for name, work in (("lookup", lambda b: store.lookup(TABLE, b, train=True)),
-                       ("update", lambda b: store.update(TABLE, b, grads))):
-        best = 0.0
-        for _ in range(args.repeats):
-            rows, start, i = 0, time.perf_counter(), 0
-            while time.perf_counter() - start < args.seconds:
-                work(batches[i % len(batches)])
-                rows += batches[0].numel()
-                i += 1
-            best = max(best, rows / (time.perf_counter() - start))
-        out[f"{name}_rows_per_s"] = best
-    return out
+    with ThreadPoolExecutor(args.inflight) as pool:
+        lookup, _ = pipelined(lambda b: pool.submit(store.lookup, TABLE, b, True), batches, args.seconds, args.inflight, args.repeats)
+        update, _ = pipelined(lambda b: pool.submit(store.update, TABLE, b, grads), batches, args.seconds, args.inflight, args.repeats)
+    return {"lookup_rows_per_s": lookup, "update_rows_per_s": update}
 
 
 def through_grpc(args, num_shards: int, batches, grads) -> dict:
@@ -152,6 +145,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     args = parser.parse_args(argv)
 
+    load_before = os.getloadavg()[0]
     batches = make_batches(args.pool, args.ids, count=16)
     grads = torch.randn(args.ids, args.dim) * 1e-3
     baseline = in_process(args, batches, grads)
@@ -159,7 +153,9 @@ def main(argv=None) -> int:
     mem = memory(args) if args.memory_rows else None
 
     print(f"PS benchmark: {args.ids} unique ids/request, dim {args.dim}, {args.wire_dtype} on the wire, "
-          f"row-wise Adagrad, {args.inflight} requests in flight, 1 client process, {torch.get_num_threads()} torch threads")
+          f"row-wise Adagrad, {args.inflight} requests in flight, best of {args.repeats} x {args.seconds:g} s")
+    print(f"machine: {os.cpu_count()} cores, load average {load_before:.1f} before the run and "
+          f"{os.getloadavg()[0]:.1f} after (other work on the machine lowers every figure)")
     header = f"{'setup':<22}{'lookup rows/s':>16}{'vs store':>10}{'lookup ms':>11}{'update rows/s':>16}{'vs store':>10}{'update ms':>11}"
     print(header)
     print("-" * len(header))
@@ -181,6 +177,7 @@ def main(argv=None) -> int:
             "update_rows_per_s": first["update_rows_per_s"],
             "bytes_per_row": mem["bytes_per_row"] if mem else None,
             "shards": first["shards"],
+            "load_average": [load_before, os.getloadavg()[0]],
             "ids_per_request": args.ids, "dim": args.dim, "wire_dtype": args.wire_dtype, "inflight": args.inflight,
             "baseline_in_process": baseline,
             "by_shards": results,

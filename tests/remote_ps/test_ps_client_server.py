@@ -268,3 +268,15 @@ def test_configure_conflict_and_client_side_errors(ps_cluster, make_client):
         client.update({"conflict": (torch.arange(2), torch.zeros(3, 4))})
     with pytest.raises(ValueError, match="wire_dtype"):
         client.lookup({"conflict": torch.arange(2)}, train=False, wire_dtype="bf16")
+
+
+def test_close_cancels_calls_in_flight(ps_cluster, make_client):
+    client = make_client(ps_cluster.addresses)
+    client.configure([TableConfig("closing", 2)])
+    futures = [client.lookup_async({"closing": _ids(2000, seed=s)}, train=True) for s in range(20, 30)]
+    client.close()
+    for future in futures:
+        assert future.done()
+        assert future.cancelled() or future.result()["closing"].shape[1] == 2
+    with pytest.raises(PSError, match="closed"):
+        client.lookup({"closing": torch.arange(2)}, train=False)

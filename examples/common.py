@@ -19,7 +19,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import LightningModule
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torchmetrics.classification import BinaryAUROC
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
@@ -51,8 +52,12 @@ def embedding_bag_collection(
     device: str = "cpu",
     zero_init: bool = False,
     init_scale: Optional[float] = None,
+    table_prefix: str = "",
 ) -> EmbeddingBagCollection:
-    """One sum-pooled table per feature (table name = feature name), built on ``device`` (``meta``: free).
+    """One sum-pooled table per feature, named ``table_prefix + feature``, built on ``device`` (``meta``: free).
+
+    Give each collection of a model its own ``table_prefix`` so that table names are unique model-wide (a
+    remote strategy may key its tables by name).
 
     ``zero_init`` starts every row at 0 (first-order weights); otherwise rows are drawn from
     ``U(-init_scale, init_scale)`` (default ``sqrt(1 / num_embeddings)``, TorchRec's default).
@@ -68,7 +73,7 @@ def embedding_bag_collection(
             bound = {"weight_init_min": -init_scale, "weight_init_max": init_scale}
         tables.append(
             EmbeddingBagConfig(
-                name=name,
+                name=table_prefix + name,
                 num_embeddings=int(rows),
                 embedding_dim=embedding_dim,
                 feature_names=[name],
@@ -230,3 +235,48 @@ def _embedding_optimizer(name: str, params: List[nn.Parameter], lr: float) -> to
     if name == "adam":
         return torch.optim.SparseAdam(params, lr=lr)
     return torch.optim.SGD(params, lr=lr, foreach=False)
+
+
+class AUCCeiling(Callback):
+    """Prints the model's ``val_auc``/``test_auc`` next to the data's ground-truth ceiling, when it has one.
+
+    The ceiling comes from ``datamodule.ground_truth_auc(split)`` (``SyntheticCriteoDataModule``: the AUC of
+    the true click probabilities on the very rows evaluated); it is also logged as ``val_auc_ceiling``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ceilings: Dict[str, float] = {}
+
+    def _ceiling(self, trainer: Trainer, split: str) -> Optional[float]:
+        datamodule = trainer.datamodule
+        if datamodule is None or not hasattr(datamodule, "ground_truth_auc"):
+            return None
+        if split not in self._ceilings:
+            self._ceilings[split] = float(datamodule.ground_truth_auc(split))
+        return self._ceilings[split]
+
+    def _log(self, trainer: Trainer, module: LightningModule, split: str) -> None:
+        ceiling = self._ceiling(trainer, split)
+        if ceiling is not None:
+            module.log(f"{split}_auc_ceiling", ceiling, rank_zero_only=True)
+
+    def _print(self, trainer: Trainer, split: str) -> None:
+        ceiling = self._ceilings.get(split)
+        metric = trainer.callback_metrics.get(f"{split}_auc")
+        if ceiling is not None and metric is not None:
+            rank_zero_info(f"{split}_auc {float(metric):.4f} vs ground-truth ceiling {ceiling:.4f} (step {trainer.global_step})")
+
+    def on_validation_epoch_end(self, trainer: Trainer, module: LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._log(trainer, module, "val")
+
+    def on_validation_end(self, trainer: Trainer, module: LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._print(trainer, "val")
+
+    def on_test_epoch_end(self, trainer: Trainer, module: LightningModule) -> None:
+        self._log(trainer, module, "test")
+
+    def on_test_end(self, trainer: Trainer, module: LightningModule) -> None:
+        self._print(trainer, "test")

@@ -51,10 +51,10 @@ class WideAndDeep(RecommenderModule):
         features = list(sparse_features or ADULT_SPARSE_FEATURES)
         rows = list(num_embeddings or ADULT_CARDINALITIES)
         self._set_tables(features, rows)
-        self.wide_sparse = embedding_bag_collection(features, rows, 1, embedding_device, zero_init=True)
+        self.wide_sparse = embedding_bag_collection(features, rows, 1, embedding_device, zero_init=True, table_prefix="wide_")
         self.wide_dense = nn.Linear(num_dense_features, 1)
         self.deep_embeddings = embedding_bag_collection(
-            features, rows, embedding_dim, embedding_device, init_scale=embedding_init_scale
+            features, rows, embedding_dim, embedding_device, init_scale=embedding_init_scale, table_prefix="deep_"
         )
         layers: List[nn.Module] = []
         width = len(features) * embedding_dim + num_dense_features

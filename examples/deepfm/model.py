@@ -53,7 +53,9 @@ class DeepFM(RecommenderModule):
         self._set_tables(features, rows)
         self.embedding_dim = embedding_dim
         self.ebc = embedding_bag_collection(features, rows, embedding_dim, embedding_device, init_scale=embedding_init_scale)
-        self.first_order = embedding_bag_collection(features, rows, 1, embedding_device, zero_init=True)
+        self.first_order = embedding_bag_collection(
+            features, rows, 1, embedding_device, zero_init=True, table_prefix="first_order_"
+        )
         self.dense_linear = nn.Linear(num_dense_features, 1)
         self.deep = mlp(len(features) * embedding_dim + num_dense_features, [*deep_mlp, 1], final_activation=False)
 

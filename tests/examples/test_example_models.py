@@ -59,10 +59,10 @@ def test_criteo_models_train_and_loss_falls(synthetic, model_class):
 
 def test_local_tables_are_updated(synthetic):
     model = DeepFM(num_embeddings=synthetic.cardinalities, embedding_dim=4)
-    before = model.first_order.embedding_bags["cat_5"].weight.detach().clone()
+    before = model.first_order.embedding_bags["first_order_cat_5"].weight.detach().clone()
     assert not before.any()  # first-order weights start at zero
     _fit(model, synthetic, max_steps=3)
-    assert model.first_order.embedding_bags["cat_5"].weight.detach().any()
+    assert model.first_order.embedding_bags["first_order_cat_5"].weight.detach().any()
 
 
 def test_wide_and_deep_trains_on_adult():
@@ -94,11 +94,16 @@ def test_meta_tables_cost_nothing(build):
         model.configure_optimizers()
 
 
-def test_tables_are_declared_one_per_feature():
+def test_tables_are_declared_one_per_feature_with_unique_names():
     model = DeepFM(embedding_device="meta")
     configs = model.ebc.embedding_bag_configs()
     assert [c.feature_names for c in configs] == [[f"cat_{i}"] for i in range(26)]
-    assert {c.embedding_dim for c in model.first_order.embedding_bag_configs()} == {1}
+    first = model.first_order.embedding_bag_configs()
+    assert {c.embedding_dim for c in first} == {1}
+    assert len({c.name for c in configs} | {c.name for c in first}) == 52
+    wd = WideAndDeep(embedding_device="meta")
+    names = [c.name for ebc in (wd.wide_sparse, wd.deep_embeddings) for c in ebc.embedding_bag_configs()]
+    assert len(set(names)) == 16
 
 
 def test_ids_are_reduced_modulo_table_sizes_whatever_the_key_order():

@@ -1,0 +1,38 @@
+"""Every example config.yaml is a valid LightningCLI config: it parses, instantiates and runs a step."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from examples.run import main
+
+_EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
+
+
+@pytest.mark.parametrize("name", ["dlrm", "deepfm", "adult_income"])
+def test_config_runs_a_few_steps(name, tmp_path):
+    config = os.path.join(_EXAMPLES, name, "config.yaml")
+    small = []
+    if name != "adult_income":  # keep the tables and the stream small
+        small = [
+            "--model.init_args.num_embeddings=" + str([1000] * 26),
+            "--data.init_args.num_train_batches=2",
+            "--data.init_args.num_val_batches=1",
+            "--data.init_args.batch_size=256",
+        ]
+    cli = main(
+        [
+            "fit",
+            "--config",
+            config,
+            *small,
+            "--trainer.max_steps=2",
+            "--trainer.limit_train_batches=2",
+            "--trainer.limit_val_batches=1",
+            "--trainer.enable_progress_bar=false",
+            f"--trainer.default_root_dir={tmp_path}",
+        ]
+    )
+    assert cli.trainer.global_step == 2
+    assert "val_auc" in cli.trainer.callback_metrics

@@ -1,0 +1,89 @@
+"""The bounded-staleness window between embedding lookups and embedding updates.
+
+Batch ``t``'s lookup may start only once the updates of batches ``0 .. t - staleness - 1`` are all
+acknowledged by the shards, so the rows it reads miss the updates of at most ``staleness`` earlier
+batches. ``staleness=0`` is exactly synchronous: batch ``t + 1`` reads after batch ``t``'s update.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+
+class StalenessTimeout(TimeoutError):
+    """An update was not acknowledged in time; the message says which batch the window waits for."""
+
+
+class StalenessWindow:
+    """Counts acknowledged updates (in any order) and lets lookups wait for their turn.
+
+    Example::
+
+        window = StalenessWindow(staleness=2)
+        window.wait_for_lookup(step=3)   # returns once the update of batch 0 is acknowledged
+        window.acknowledge(step=0)
+    """
+
+    def __init__(self, staleness: int) -> None:
+        if staleness < 0:
+            raise ValueError(f"staleness must be >= 0, got {staleness}")
+        self.staleness = staleness
+        self._acknowledged = 0  # batches 0 .. _acknowledged - 1 are all acknowledged
+        self._early: set[int] = set()
+        self._failure: BaseException | None = None
+        self._changed = threading.Condition()
+
+    @property
+    def acknowledged(self) -> int:
+        """How many batches, counted from the first, have their update acknowledged."""
+        with self._changed:
+            return self._acknowledged
+
+    def acknowledge(self, step: int) -> None:
+        """Marks the update of batch ``step`` as applied by every shard."""
+        with self._changed:
+            self._early.add(step)
+            while self._acknowledged in self._early:
+                self._early.remove(self._acknowledged)
+                self._acknowledged += 1
+            self._changed.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        """Wakes every waiter with ``error`` (an update failed for good)."""
+        with self._changed:
+            self._failure = error
+            self._changed.notify_all()
+
+    def lag(self, step: int) -> int:
+        """How many earlier batches' updates a lookup for ``step`` issued now would miss."""
+        with self._changed:
+            return max(0, step - self._acknowledged)
+
+    def wait_for_lookup(self, step: int, timeout_s: float | None = None) -> None:
+        """Blocks until batch ``step`` may look up."""
+        self.wait_until(step - self.staleness, timeout_s)
+
+    def wait_until(self, count: int, timeout_s: float | None = None) -> None:
+        """Blocks until the first ``count`` batches are acknowledged."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._changed:
+            while self._acknowledged < count:
+                if self._failure is not None:
+                    raise self._failure
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise StalenessTimeout(
+                        f"waited {timeout_s:.1f} s for the embedding update of batch {self._acknowledged} "
+                        f"(staleness {self.staleness}); is a parameter-server shard slow or down?"
+                    )
+                self._changed.wait(remaining)
+            if self._failure is not None:
+                raise self._failure
+
+    def reset(self) -> None:
+        """Starts counting batches from zero again (a new epoch of the prefetcher)."""
+        with self._changed:
+            self._acknowledged = 0
+            self._early.clear()
+            self._failure = None
+            self._changed.notify_all()

@@ -1,0 +1,227 @@
+"""The embedding worker inside each trainer rank: lookups ahead of the forward, updates after the backward.
+
+Batches are numbered in the order the trainer consumes them (a *step*). For each step the worker holds
+the rows every remote module fetched; after the backward it pushes their gradients to the shards in one
+asynchronous update, and the acknowledgement of that update opens the staleness window for the lookup
+``staleness + 1`` steps later.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import fields, is_dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from lightning_persia.embedding.batch_rows import BatchRows
+from lightning_persia.embedding.staleness import StalenessWindow
+
+if TYPE_CHECKING:
+    from lightning_persia.embedding.modules import RemoteModule
+    from lightning_persia.remote_ps.client import PSClient
+
+WIRE_ELEMENT_SIZE = {"fp16": 2, "fp32": 4}
+
+
+class _Step:
+    """What one training batch fetched and will push."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.prefetched: dict[str, BatchRows] = {}  # taken by the forwards that use them
+        self.planned: tuple[BatchRows, ...] = ()  # the same rows, for the prefetch thread to issue
+        self.used: list[BatchRows] = []
+        self.lag = 0
+
+
+class EmbeddingWorker:
+    """Per-rank client-side engine of the remote embedding modules.
+
+    Args:
+        client: connection to every parameter-server shard.
+        staleness: how many earlier batches' updates a lookup may miss (0 = synchronous).
+        wire_dtype: ``"fp16"`` or ``"fp32"`` for rows and gradients on the wire.
+        device: where batch-local tables are placed for the forward.
+        timeout_s: longest wait for the staleness window before failing with a clear error.
+    """
+
+    def __init__(self, client: "PSClient", staleness: int, wire_dtype: str, device: torch.device, timeout_s: float = 300.0) -> None:
+        if wire_dtype not in WIRE_ELEMENT_SIZE:
+            raise ValueError(f"wire_dtype must be one of {sorted(WIRE_ELEMENT_SIZE)}, got {wire_dtype!r}")
+        self.client = client
+        self.window = StalenessWindow(staleness)
+        self.wire_dtype = wire_dtype
+        self.device = device
+        self.timeout_s = timeout_s
+        self.modules: dict[str, "RemoteModule"] = {}
+        self.dropped_nonfinite_rows = 0
+        self._lock = threading.Lock()
+        self._allocated = 0
+        self._finished_through = 0  # steps 0 .. _finished_through - 1 are pushed or abandoned
+        self._ready: deque[_Step] = deque()
+        self._current: Optional[_Step] = None
+
+    # ---- modules -------------------------------------------------------------------------------------
+
+    def register(self, module: "RemoteModule") -> None:
+        self.modules[module.key] = module
+        module.bind(self)
+
+    @property
+    def training(self) -> bool:
+        """Whether a training step is open (its forward fetches trainable rows)."""
+        return self._current is not None
+
+    # ---- prefetch side (called from the prefetch thread) --------------------------------------------
+
+    def plan(self, batch: Any) -> _Step:
+        """Numbers ``batch`` as the next step and dedups the ids of every module that can be prefetched."""
+        with self._lock:
+            step = _Step(self._allocated)
+            self._allocated += 1
+        kjts = list(_find_kjts(batch))
+        for key, module in self.modules.items():
+            rows = module.plan_prefetch(kjts)
+            if rows is not None:
+                step.prefetched[key] = rows
+        step.planned = tuple(step.prefetched.values())
+        return step
+
+    def issue(self, step: _Step, stop: threading.Event) -> None:
+        """Starts the step's lookups once the staleness window allows (returns early when ``stop`` is set)."""
+        while not stop.is_set():
+            try:
+                self.window.wait_for_lookup(step.index, timeout_s=0.1)
+                break
+            except TimeoutError:
+                continue
+        else:
+            return
+        step.lag = self.window.lag(step.index)
+        if step.planned:
+            request: dict[str, torch.Tensor] = {}
+            for rows in step.planned:
+                request.update(rows.request())
+            future = self.client.lookup_async(request, train=True, wire_dtype=self.wire_dtype)
+            for rows in step.planned:
+                rows.attach(future)
+
+    def enqueue(self, step: _Step) -> None:
+        """Makes ``step`` the next one :meth:`begin_step` opens (the trainer consumes batches in order)."""
+        self._ready.append(step)
+
+    def abandon(self, steps: list[_Step]) -> None:
+        """Steps planned but never trained (an epoch cut short): their window slots are released."""
+        for step in steps:
+            self.window.acknowledge(step.index)
+            with self._lock:
+                self._finished_through = max(self._finished_through, step.index + 1)
+
+    def abandon_ready(self) -> None:
+        steps = list(self._ready)
+        self._ready.clear()
+        self.abandon(steps)
+
+    # ---- training side (main thread) ----------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """Opens the next training step: the batch the trainer is about to run."""
+        self.finish_step(scale=1.0)
+        if self._ready:
+            self._current = self._ready.popleft()
+        else:
+            with self._lock:
+                self._current = _Step(self._allocated)
+                self._allocated += 1
+            self.window.wait_for_lookup(self._current.index, self.timeout_s)
+            self._current.lag = self.window.lag(self._current.index)
+
+    def rows_for(self, module: "RemoteModule", source: tuple[torch.Tensor, ...], plan: Callable[[], BatchRows]) -> BatchRows:
+        """The batch-local rows for one forward call of ``module``, materialised on the device."""
+        step = self._current
+        if step is None:
+            rows = plan()
+            rows.attach(self.client.lookup_async(rows.request(), train=False, wire_dtype=self.wire_dtype))
+            rows.materialize(self.device, requires_grad=False)
+            return rows
+        rows = step.prefetched.pop(module.key, None)
+        if rows is None or not rows.matches(source):
+            rows = plan()
+            self.window.wait_for_lookup(step.index, self.timeout_s)
+            rows.attach(self.client.lookup_async(rows.request(), train=True, wire_dtype=self.wire_dtype))
+        rows.materialize(self.device, requires_grad=torch.is_grad_enabled())
+        step.used.append(rows)
+        return rows
+
+    def step_metrics(self) -> dict[str, float]:
+        """Figures of the open step so far: lookup wait, rows fetched, unique ratio, wire bytes, staleness."""
+        step = self._current
+        if step is None or not step.used:
+            return {}
+        unique = sum(sum(u.numel() for u in rows.unique) for rows in step.used)
+        total = sum(rows.num_ids for rows in step.used)
+        return {
+            "lookup_wait_ms": sum(rows.wait_ms for rows in step.used),
+            "rows_fetched": float(unique),
+            "unique_ratio": unique / max(total, 1),
+            "wire_bytes": float(sum(rows.wire_bytes(WIRE_ELEMENT_SIZE[self.wire_dtype]) for rows in step.used)),
+            "staleness": float(step.lag),
+        }
+
+    def finish_step(self, scale: float) -> None:
+        """Pushes the open step's gradients (times ``scale``) asynchronously and closes the step."""
+        step, self._current = self._current, None
+        if step is None:
+            return
+        updates: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for rows in step.used:
+            for table, (ids, grads) in rows.gradients(scale).items():
+                if not bool(torch.isfinite(grads).all()):
+                    self.dropped_nonfinite_rows += ids.numel()
+                    continue
+                if table in updates:  # the module ran twice in this step; the shard sums duplicate ids
+                    ids = torch.cat([updates[table][0], ids])
+                    grads = torch.cat([updates[table][1], grads])
+                updates[table] = (ids, grads)
+        with self._lock:
+            self._finished_through = step.index + 1
+        if not updates:
+            self.window.acknowledge(step.index)
+            return
+        future = self.client.update_async(updates, wire_dtype=self.wire_dtype)
+        future.add_done_callback(lambda f, index=step.index: self._on_update_done(index, f))
+
+    def drain(self) -> None:
+        """Waits until every pushed update is applied (before a checkpoint, evaluation or the end)."""
+        self.finish_step(scale=1.0)
+        with self._lock:
+            through = self._finished_through
+        self.window.wait_until(through, self.timeout_s)
+
+    def _on_update_done(self, index: int, future: Future) -> None:
+        error = future.exception()
+        if error is not None:
+            self.window.fail(RuntimeError(f"embedding update of step {index} failed: {error}"))
+        else:
+            self.window.acknowledge(index)
+
+
+def _find_kjts(batch: Any, depth: int = 0) -> Iterator[KeyedJaggedTensor]:
+    """Every KeyedJaggedTensor inside a batch of dicts, lists, tuples and dataclasses."""
+    if depth > 4:
+        return
+    if isinstance(batch, KeyedJaggedTensor):
+        yield batch
+    elif isinstance(batch, dict):
+        for value in batch.values():
+            yield from _find_kjts(value, depth + 1)
+    elif isinstance(batch, (list, tuple)):
+        for value in batch:
+            yield from _find_kjts(value, depth + 1)
+    elif is_dataclass(batch) and not isinstance(batch, type):
+        for field in fields(batch):
+            yield from _find_kjts(getattr(batch, field.name), depth + 1)

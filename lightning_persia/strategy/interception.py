@@ -1,0 +1,161 @@
+"""Finding the embedding modules of a model and swapping them for their remote twins.
+
+Each table gets a name on the parameter server made of the module's path in the model and the table's
+own name (``sparse.ebc.t_cat_0``), so two collections may reuse table names. Settings come from the
+strategy's defaults, then from a per-table override keyed by either name.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from torch import nn
+from torchrec.modules.embedding_configs import PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+from lightning_persia.embedding.batch_rows import RemoteTable
+from lightning_persia.embedding.modules import (
+    RemoteEmbedding,
+    RemoteEmbeddingBag,
+    RemoteEmbeddingBagCollection,
+    RemoteEmbeddingCollection,
+    RemoteModule,
+)
+from lightning_persia.remote_ps.table_config import (
+    DEFAULT_CAPACITY,
+    Adagrad,
+    EmbeddingInit,
+    EmbeddingOptimizer,
+    InitLike,
+    Normal,
+    OptimizerLike,
+    TableConfig,
+    Uniform,
+)
+
+MODULE_KINDS = ("EmbeddingBagCollection", "EmbeddingCollection", "EmbeddingBag", "Embedding")
+
+
+@dataclass
+class TableOverride:
+    """Per-table settings that replace the strategy's defaults; ``None`` keeps the default.
+
+    Example (YAML)::
+
+        table_overrides:
+          t_cat_0: {capacity: 1000000, optimizer: {class_path: lightning_persia.SGD, init_args: {lr: 0.1}}}
+    """
+
+    optimizer: Optional[OptimizerLike] = None
+    init: Optional[InitLike] = None
+    capacity: Optional[int] = None
+    eviction: Optional[str] = None
+    admit_probability: Optional[float] = None
+    weight_bound: Optional[float] = None
+
+
+@dataclass
+class TableDefaults:
+    """The strategy's table settings; ``init=None`` keeps each module's own default initialisation."""
+
+    optimizer: EmbeddingOptimizer = field(default_factory=lambda: Adagrad(lr=0.01, rowwise=True))
+    init: Optional[EmbeddingInit] = None
+    capacity: int = DEFAULT_CAPACITY
+    eviction: str = "lru"
+    admit_probability: float = 1.0
+    weight_bound: Optional[float] = None
+    overrides: dict[str, TableOverride] = field(default_factory=dict)
+
+    def config_for(self, name: str, short_name: str, dim: int, module_init: EmbeddingInit) -> TableConfig:
+        settings = dict(
+            optimizer=self.optimizer,
+            init=self.init or module_init,
+            capacity=self.capacity,
+            eviction=self.eviction,
+            admit_probability=self.admit_probability,
+            weight_bound=self.weight_bound,
+        )
+        for key in (short_name, name):
+            override = self.overrides.get(key)
+            if override is not None:
+                settings.update({f.name: getattr(override, f.name) for f in dataclasses.fields(override) if getattr(override, f.name) is not None})
+        return TableConfig(name=name, dim=dim, **settings)
+
+
+def intercept(model: nn.Module, kinds: Sequence[str], exclude: Sequence[str], defaults: TableDefaults) -> list[RemoteModule]:
+    """Replaces, in place, every embedding module of ``kinds`` not under an ``exclude`` path; returns the twins."""
+    unknown = set(kinds) - set(MODULE_KINDS)
+    if unknown:
+        raise ValueError(f"intercept: unknown module kinds {sorted(unknown)}; choose from {list(MODULE_KINDS)}")
+    twins: list[RemoteModule] = []
+    replaced: list[str] = []
+    for path, module in list(model.named_modules()):
+        if not path or any(_under(path, p) for p in replaced) or any(_under(path, p) for p in exclude):
+            continue
+        twin = _twin(path, module, kinds, defaults)
+        if twin is None:
+            continue
+        parent_path, _, attribute = path.rpartition(".")
+        setattr(model.get_submodule(parent_path) if parent_path else model, attribute, twin)
+        replaced.append(path)
+        twins.append(twin)
+    names = [t.name for twin in twins for t in twin.remote_tables]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"two embedding tables map to the same parameter-server name: {duplicates}")
+    override_names = set(defaults.overrides)
+    unused = override_names - set(names) - {n.rpartition(".")[2] for n in names}
+    if unused:
+        raise ValueError(f"table_overrides name tables the model does not have: {sorted(unused)}; tables are {names}")
+    return twins
+
+
+def _under(path: str, prefix: str) -> bool:
+    return path == prefix or path.startswith(prefix + ".")
+
+
+def _twin(path: str, module: nn.Module, kinds: Sequence[str], defaults: TableDefaults) -> Optional[RemoteModule]:
+    if isinstance(module, EmbeddingBagCollection) and "EmbeddingBagCollection" in kinds:
+        configs = module.embedding_bag_configs()
+        poolings = {c.pooling for c in configs}
+        if len(poolings) > 1:
+            raise ValueError(f"{path}: tables with different pooling types in one EmbeddingBagCollection are not supported; split them")
+        pooling = "mean" if poolings == {PoolingType.MEAN} else "sum"
+        if poolings - {PoolingType.SUM, PoolingType.MEAN}:
+            raise ValueError(f"{path}: pooling {poolings} is not supported; use SUM or MEAN")
+        return RemoteEmbeddingBagCollection(path, _torchrec_tables(path, configs, defaults), pooling, module.is_weighted())
+    if isinstance(module, EmbeddingCollection) and "EmbeddingCollection" in kinds:
+        return RemoteEmbeddingCollection(path, _torchrec_tables(path, module.embedding_configs(), defaults))
+    if isinstance(module, nn.EmbeddingBag) and "EmbeddingBag" in kinds:
+        _check_plain(path, module)
+        if module.mode not in ("sum", "mean", "max"):
+            raise ValueError(f"{path}: nn.EmbeddingBag mode {module.mode!r} is not supported")
+        table = RemoteTable(path, defaults.config_for(path, path, module.embedding_dim, Normal(0.0, 1.0)))
+        return RemoteEmbeddingBag(path, table, module.mode, module.include_last_offset)
+    if isinstance(module, nn.Embedding) and "Embedding" in kinds:
+        _check_plain(path, module)
+        return RemoteEmbedding(path, RemoteTable(path, defaults.config_for(path, path, module.embedding_dim, Normal(0.0, 1.0))))
+    return None
+
+
+def _check_plain(path: str, module: nn.Module) -> None:
+    if module.padding_idx is not None or module.max_norm is not None:
+        raise ValueError(
+            f"{path}: {type(module).__name__} with padding_idx or max_norm cannot be served remotely; "
+            f"keep it local with PersiaStrategy(exclude=[{path!r}])"
+        )
+
+
+def _torchrec_tables(path: str, configs, defaults: TableDefaults) -> list[RemoteTable]:
+    tables = []
+    for config in configs:
+        if config.weight_init_min is not None and config.weight_init_max is not None:
+            module_init = Uniform(config.weight_init_min, config.weight_init_max)
+        else:  # TorchRec's own default: U(-sqrt(1/n), sqrt(1/n))
+            bound = math.sqrt(1.0 / config.num_embeddings)
+            module_init = Uniform(-bound, bound)
+        name = f"{path}.{config.name}"
+        tables.append(RemoteTable(name, defaults.config_for(name, config.name, config.embedding_dim, module_init), tuple(config.feature_names)))
+    return tables

@@ -1,0 +1,338 @@
+"""``PersiaStrategy``: embeddings on parameter-server shards (asynchronous, bounded staleness), dense network with DDP."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import RunningStage
+from torch import Tensor
+
+import lightning.pytorch as pl
+from lightning_persia.embedding.modules import RemoteModule
+from lightning_persia.embedding.prefetch import PrefetchingLoader
+from lightning_persia.embedding.worker import EmbeddingWorker
+from lightning_persia.remote_ps.client import PSClient
+from lightning_persia.remote_ps.table_config import DEFAULT_CAPACITY, InitLike, OptimizerLike
+from lightning_persia.strategy.interception import MODULE_KINDS, TableDefaults, TableOverride, intercept
+from lightning_persia.strategy.local_cluster import LocalCluster
+
+log = logging.getLogger(__name__)
+
+ADDRESSES_ENV = "PERSIA_PS_ADDRESSES"
+TOKEN_ENV = "PERSIA_PS_TOKEN"
+CHECKPOINT_KEY = "persia"
+
+
+class PersiaStrategy(DDPStrategy):
+    """Trains embedding tables on parameter-server shards and the dense network with DDP (PERSIA's hybrid algorithm).
+
+    In ``setup()`` every ``torchrec.EmbeddingBagCollection``, ``torchrec.EmbeddingCollection``,
+    ``nn.EmbeddingBag`` and ``nn.Embedding`` of the LightningModule is swapped for a remote twin with the same
+    call signature and output type; their tables then live on the shards and cost nothing on the trainer (they
+    may be declared on the ``meta`` device). The rest of the model trains synchronously with DDP.
+
+    Each batch's embedding rows are fetched ahead of its step, and its embedding gradients are pushed after its
+    backward without waiting: a lookup misses the updates of at most ``staleness`` earlier batches
+    (``staleness=0`` is exactly synchronous training).
+
+    Example::
+
+        trainer = L.Trainer(strategy=PersiaStrategy(staleness=4, embedding_optimizer=Adagrad(lr=0.01)), devices=2)
+        trainer.fit(model, datamodule)
+
+    Args:
+        ps_addresses: ``host:port`` of every shard in shard order. ``None`` reads ``PERSIA_PS_ADDRESSES``
+            (comma-separated) and, if unset, starts ``num_local_shards`` shards on this machine (embedded mode).
+        num_local_shards: shards of the embedded cluster.
+        staleness: how many earlier batches' embedding updates a lookup may miss.
+        embedding_optimizer: sparse optimizer run on the shards (default ``Adagrad(lr=0.01, rowwise=True)``).
+        embedding_init: initialiser of every table; ``None`` keeps each module's default (TorchRec's
+            ``U(-sqrt(1/n), sqrt(1/n))`` or its ``weight_init_min/max``; ``N(0, 1)`` for ``nn.Embedding[Bag]``).
+        table_overrides: per-table settings, keyed by the table's name or its full name ``<module path>.<name>``.
+        capacity: rows one shard keeps per table before it evicts.
+        eviction: ``"lru"`` or ``"lfu"``.
+        admit_probability: chance that an unseen id met in training gets a row.
+        weight_bound: clip embedding weights to ``[-weight_bound, weight_bound]`` after each update.
+        wire_dtype: ``"fp16"`` (default) or ``"fp32"`` for rows and gradients on the wire.
+        intercept: module kinds to serve remotely (default: all four).
+        exclude: module paths to keep local (trained by DDP like any dense parameter).
+        average_embedding_gradients: scale each rank's embedding gradient by ``1 / world_size`` so that an
+            embedding ``lr`` means what it means under DDP (mean over the global batch).
+        ps_seed: seed of the embedded shards' deterministic row initialisation.
+        ps_token: shared secret for shards started with ``--token`` (default: ``PERSIA_PS_TOKEN``).
+        ps_tls_root_cert: PEM file that signed the shards' TLS certificates.
+        ps_timeout_s: deadline of one parameter-server call, and of a wait on the staleness window.
+        ps_config: PS YAML config for the embedded shards.
+        log_embedding_metrics: log lookup wait, rows fetched, unique ratio, wire bytes and staleness each step.
+    """
+
+    strategy_name = "persia"
+
+    def __init__(
+        self,
+        ps_addresses: Optional[list[str]] = None,
+        num_local_shards: int = 2,
+        staleness: int = 4,
+        embedding_optimizer: Optional[OptimizerLike] = None,
+        embedding_init: Optional[InitLike] = None,
+        table_overrides: Optional[dict[str, TableOverride]] = None,
+        capacity: int = DEFAULT_CAPACITY,
+        eviction: Literal["lru", "lfu"] = "lru",
+        admit_probability: float = 1.0,
+        weight_bound: Optional[float] = None,
+        wire_dtype: Literal["fp16", "fp32"] = "fp16",
+        intercept: Optional[list[str]] = None,
+        exclude: Optional[list[str]] = None,
+        average_embedding_gradients: bool = True,
+        ps_seed: int = 0,
+        ps_token: Optional[str] = None,
+        ps_tls_root_cert: Optional[str] = None,
+        ps_timeout_s: float = 60.0,
+        ps_config: Optional[str] = None,
+        log_embedding_metrics: bool = True,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **ddp_kwargs: Any,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            **ddp_kwargs,
+        )
+        if staleness < 0:
+            raise ValueError(f"staleness must be >= 0, got {staleness}")
+        if num_local_shards < 1:
+            raise ValueError(f"num_local_shards must be >= 1, got {num_local_shards}")
+        if wire_dtype not in ("fp16", "fp32"):
+            raise ValueError(f"wire_dtype must be 'fp16' or 'fp32', got {wire_dtype!r}")
+        env_addresses = [a for a in os.environ.get(ADDRESSES_ENV, "").split(",") if a.strip()]
+        self.ps_addresses = list(ps_addresses) if ps_addresses else (env_addresses or None)
+        self.num_local_shards = num_local_shards
+        self.staleness = staleness
+        self.wire_dtype = wire_dtype
+        self.intercept_kinds = list(intercept) if intercept is not None else list(MODULE_KINDS)
+        self.exclude = list(exclude or [])
+        self.average_embedding_gradients = average_embedding_gradients
+        self.ps_seed = ps_seed
+        self.ps_token = ps_token or os.environ.get(TOKEN_ENV)
+        self.ps_tls_root_cert = ps_tls_root_cert
+        self.ps_timeout_s = ps_timeout_s
+        self.ps_config = ps_config
+        self.log_embedding_metrics = log_embedding_metrics
+        defaults = TableDefaults(
+            init=embedding_init,
+            capacity=capacity,
+            eviction=eviction,
+            admit_probability=admit_probability,
+            weight_bound=weight_bound,
+            overrides=dict(table_overrides or {}),
+        )
+        if embedding_optimizer is not None:
+            defaults.optimizer = embedding_optimizer
+        self.table_defaults = defaults
+        self.client: Optional[PSClient] = None
+        self.worker: Optional[EmbeddingWorker] = None
+        self.remote_modules: list[RemoteModule] = []
+        self._cluster: Optional[LocalCluster] = None
+        self._loaders: list[PrefetchingLoader] = []
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # The checkpoint's PS files are loaded through the client, which exists only after setup.
+        return True
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:  # type: ignore[override]
+        strategy_registry.register(cls.strategy_name, cls, description="PERSIA hybrid training: embeddings on PS shards, dense with DDP", override=True)
+
+    # ---- connection to the parameter server ---------------------------------------------------------
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.client is None:
+            self._connect()
+
+    def _connect(self) -> None:
+        addresses: Union[list[str], str, None] = self.ps_addresses
+        if addresses is None:
+            if self.global_rank == 0:
+                try:
+                    self._cluster = LocalCluster(self.num_local_shards, seed=self.ps_seed, config_path=self.ps_config)
+                    addresses = self._cluster.addresses
+                except Exception as error:  # every rank must leave the broadcast, then raise
+                    addresses = f"embedded parameter server failed to start: {error}"
+            addresses = self.broadcast(addresses)
+            if isinstance(addresses, str):
+                raise RuntimeError(addresses)
+        self.client = PSClient(addresses, token=self.ps_token, tls_root_cert=self.ps_tls_root_cert, timeout_s=self.ps_timeout_s)
+        self.client.wait_healthy(self.ps_timeout_s)
+
+    # ---- model ------------------------------------------------------------------------------------------
+
+    def setup(self, trainer: "pl.Trainer") -> None:
+        if not any(isinstance(m, RemoteModule) for m in self.model.modules()):
+            self._swap_embedding_modules()
+        super().setup(trainer)
+
+    def _swap_embedding_modules(self) -> None:
+        assert self.model is not None and self.client is not None
+        self.remote_modules = intercept(self.model, self.intercept_kinds, self.exclude, self.table_defaults)
+        if not self.remote_modules:
+            log.warning("PersiaStrategy found no embedding module to serve remotely; training runs as plain DDP")
+        self.client.configure([t.config for m in self.remote_modules for t in m.remote_tables])
+        self.worker = EmbeddingWorker(self.client, self.staleness, self.wire_dtype, self.root_device, timeout_s=self.ps_timeout_s)
+        for module in self.remote_modules:
+            self.worker.register(module)
+
+    def configure_ddp(self) -> None:
+        # DDP refuses a model without trainable parameters; with every table remote there may be none left.
+        if not any(p.requires_grad for p in self.model.parameters()):
+            log.info("PersiaStrategy: no dense parameter to synchronise, DDP is skipped")
+            return
+        super().configure_ddp()
+
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.worker is None or trainer is None or trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        loader = PrefetchingLoader(dataloader, self.worker)
+        self._loaders.append(loader)
+        return loader
+
+    # ---- the hybrid step --------------------------------------------------------------------------------
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self.worker is not None:
+            self.worker.begin_step()
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        if self.worker is not None and self.log_embedding_metrics:
+            metrics = self.worker.step_metrics()
+            if metrics:
+                self.lightning_module.log_dict({f"persia/{k}": v for k, v in metrics.items()}, on_step=True, on_epoch=False, batch_size=1)
+        return output
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        super().post_backward(closure_loss)
+        if self.worker is not None:
+            self.worker.finish_step(self._embedding_gradient_scale())
+
+    def _embedding_gradient_scale(self) -> float:
+        scale = 1.0 / self.world_size if self.average_embedding_gradients else 1.0
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None and scaler.is_enabled():
+            scale /= float(scaler.get_scale())  # gradients leave the trainer unscaled
+        return scale
+
+    def _drain(self) -> None:
+        if self.worker is not None:
+            self.worker.drain()
+
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._drain()
+
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._drain()
+
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self._drain()
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self._close_loaders()
+        self._drain()
+
+    def _close_loaders(self) -> None:
+        for loader in self._loaders:
+            loader.close()
+        self._loaders.clear()
+
+    # ---- checkpoints --------------------------------------------------------------------------------
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+        """Saves the shards' state beside the ``.ckpt`` (in ``<file>.ps/``), consistent with the same step."""
+        if self.client is not None and self.remote_modules:
+            self._drain()
+            self.barrier("persia_save_checkpoint")
+            ps_dir = _ps_dir(filepath)
+            if self.is_global_zero:
+                shutil.rmtree(ps_dir, ignore_errors=True)
+                self.client.save(str(ps_dir))
+            checkpoint[CHECKPOINT_KEY] = {"ps_dir": ps_dir.name, "tables": [t.name for m in self.remote_modules for t in m.remote_tables]}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Loads the dense state, and the shards' state from ``<file>.ps/`` (also into another shard count)."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        entry = checkpoint.get(CHECKPOINT_KEY)
+        if entry is not None and self.client is not None:
+            ps_dir = Path(checkpoint_path).parent / entry["ps_dir"]
+            self.barrier("persia_load_checkpoint")
+            if self.is_global_zero:
+                self.client.load(str(ps_dir))
+            self.barrier("persia_load_checkpoint_done")
+        return checkpoint
+
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            shutil.rmtree(_ps_dir(filepath), ignore_errors=True)
+
+    # ---- teardown ----------------------------------------------------------------------------------
+
+    def teardown(self) -> None:
+        # The connection and an embedded cluster stay up: a later trainer.test() must see the trained tables.
+        self._close_loaders()
+        self._drain()
+        super().teardown()
+
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        self._close_loaders()
+        self.close()
+
+    def close(self) -> None:
+        """Disconnects from the shards and stops the embedded cluster, if this rank started one."""
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        if self._cluster is not None:
+            self._cluster.stop()
+            self._cluster = None
+        self.worker = None
+
+
+def _ps_dir(filepath: _PATH) -> Path:
+    return Path(str(filepath) + ".ps")
+
+
+StrategyRegistry.register(
+    PersiaStrategy.strategy_name, PersiaStrategy, description="PERSIA hybrid training: embeddings on PS shards, dense with DDP", override=True
+)

@@ -61,6 +61,12 @@ class BatchRows:
         self.issue_time = time.perf_counter()
         self._issued.set()
 
+    def fail(self, error: BaseException) -> None:
+        """Makes the forward waiting for these rows raise ``error`` (the lookup was never issued)."""
+        future: Future = Future()
+        future.set_exception(error)
+        self.attach(future)
+
     def matches(self, source: tuple[torch.Tensor, ...]) -> bool:
         """Whether ``source`` (the tensors a forward received) holds the ids this lookup was planned from."""
         if len(source) != len(self.source):
@@ -74,12 +80,13 @@ class BatchRows:
                 return False
         return True
 
-    def materialize(self, device: torch.device, requires_grad: bool) -> torch.Tensor:
-        """The flat leaf of all rows on ``device`` (waits for the lookup)."""
+    def materialize(self, device: torch.device, requires_grad: bool, timeout_s: float) -> torch.Tensor:
+        """The flat leaf of all rows on ``device`` (waits up to ``timeout_s`` for the lookup to be issued and answered)."""
         start = time.perf_counter()
-        self._issued.wait()
+        if not self._issued.wait(timeout_s):
+            raise TimeoutError(f"the embedding lookup of tables {[t.name for t in self.tables]} was not issued within {timeout_s:.0f} s")
         assert self._rows is not None
-        fetched = self._rows.result()
+        fetched = self._rows.result(max(1.0, timeout_s - (time.perf_counter() - start)))
         self.wait_ms = (time.perf_counter() - start) * 1e3
         flat = torch.cat([fetched[t.name].reshape(-1) for t in self.tables])
         self.weights = flat.to(device, non_blocking=True).requires_grad_(requires_grad)

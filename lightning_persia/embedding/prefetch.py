@@ -77,7 +77,12 @@ class _PrefetchIterator:
                 if not self._put((batch, step)):
                     self._worker.abandon([step])
                     return
-                self._worker.issue(step, self._stop)
+                try:
+                    self._worker.issue(step, self._stop)
+                except BaseException:
+                    if self._stop.is_set():
+                        return
+                    raise
             self._put(_END)
         except BaseException as error:  # handed to the trainer's thread, which raises it
             self._put(error)

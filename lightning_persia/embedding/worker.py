@@ -18,7 +18,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_persia.embedding.batch_rows import BatchRows
-from lightning_persia.embedding.staleness import StalenessWindow
+from lightning_persia.embedding.staleness import StalenessTimeout, StalenessWindow
 
 if TYPE_CHECKING:
     from lightning_persia.embedding.modules import RemoteModule
@@ -92,23 +92,31 @@ class EmbeddingWorker:
         return step
 
     def issue(self, step: _Step, stop: threading.Event) -> None:
-        """Starts the step's lookups once the staleness window allows (returns early when ``stop`` is set)."""
-        while not stop.is_set():
-            try:
-                self.window.wait_for_lookup(step.index, timeout_s=0.1)
-                break
-            except TimeoutError:
-                continue
-        else:
-            return
-        step.lag = self.window.lag(step.index)
-        if step.planned:
-            request: dict[str, torch.Tensor] = {}
+        """Starts the step's lookups once the staleness window allows.
+
+        If ``stop`` is set first, or the window fails, the forward waiting for these rows raises instead.
+        """
+        try:
+            while True:
+                if stop.is_set():
+                    raise RuntimeError(f"the prefetch of step {step.index} was stopped before its lookup")
+                try:
+                    self.window.wait_for_lookup(step.index, timeout_s=0.1)
+                    break
+                except StalenessTimeout:
+                    continue
+            step.lag = self.window.lag(step.index)
+            if step.planned:
+                request: dict[str, torch.Tensor] = {}
+                for rows in step.planned:
+                    request.update(rows.request())
+                future = self.client.lookup_async(request, train=True, wire_dtype=self.wire_dtype)
+                for rows in step.planned:
+                    rows.attach(future)
+        except BaseException as error:
             for rows in step.planned:
-                request.update(rows.request())
-            future = self.client.lookup_async(request, train=True, wire_dtype=self.wire_dtype)
-            for rows in step.planned:
-                rows.attach(future)
+                rows.fail(error)
+            raise
 
     def enqueue(self, step: _Step) -> None:
         """Makes ``step`` the next one :meth:`begin_step` opens (the trainer consumes batches in order)."""
@@ -146,14 +154,14 @@ class EmbeddingWorker:
         if step is None:
             rows = plan()
             rows.attach(self.client.lookup_async(rows.request(), train=False, wire_dtype=self.wire_dtype))
-            rows.materialize(self.device, requires_grad=False)
+            rows.materialize(self.device, requires_grad=False, timeout_s=self.timeout_s)
             return rows
         rows = step.prefetched.pop(module.key, None)
         if rows is None or not rows.matches(source):
             rows = plan()
             self.window.wait_for_lookup(step.index, self.timeout_s)
             rows.attach(self.client.lookup_async(rows.request(), train=True, wire_dtype=self.wire_dtype))
-        rows.materialize(self.device, requires_grad=torch.is_grad_enabled())
+        rows.materialize(self.device, requires_grad=torch.is_grad_enabled(), timeout_s=self.timeout_s)
         step.used.append(rows)
         return rows
 

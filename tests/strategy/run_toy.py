@@ -1,0 +1,77 @@
+"""Trains ToyRecommender under PersiaStrategy in its own process (the DDP launcher re-executes this script).
+
+    python run_toy.py --out DIR [--devices 2] [--steps 50] [--staleness 0] [--shards 2]
+                      [--epoch-batches N] [--checkpoint-every N] [--resume CKPT]
+                      [--slow-after N]
+
+Every rank writes ``DIR/rank<R>.pt`` (dense state, losses); rank 0 also writes the tables fetched back from
+the shards. ``--slow-after N`` writes ``DIR/started`` after N steps and then slows down (for Ctrl-C tests).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import lightning as L
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from toy import INIT, NUM_IDS, ToyRecommender, loader, make_batches  # noqa: E402
+
+from lightning_persia import SGD, PersiaStrategy  # noqa: E402
+
+
+class _Record(L.Callback):
+    def __init__(self, out: str, slow_after: int) -> None:
+        self.out, self.slow_after, self.losses = out, slow_after, []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+        if self.slow_after and trainer.global_step >= self.slow_after:
+            if trainer.is_global_zero:
+                open(os.path.join(self.out, "started"), "w").close()
+            time.sleep(0.5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--staleness", type=int, default=0)
+    parser.add_argument("--shards", type=int, default=2)
+    parser.add_argument("--checkpoint-every", type=int, default=0)
+    parser.add_argument("--epoch-batches", type=int, default=0, help="batches per epoch (default: --steps)")
+    parser.add_argument("--resume")
+    parser.add_argument("--slow-after", type=int, default=0)
+    args = parser.parse_args()
+
+    batches = make_batches(args.epoch_batches or args.steps)  # the same batches in the same order every epoch
+    torch.manual_seed(0)
+    model = ToyRecommender(device="meta")
+    strategy = PersiaStrategy(
+        num_local_shards=args.shards, staleness=args.staleness, embedding_optimizer=SGD(lr=0.1),
+        embedding_init=INIT, wire_dtype="fp32", ps_timeout_s=30.0,
+    )
+    record = _Record(args.out, args.slow_after)
+    callbacks: list[L.Callback] = [record]
+    if args.checkpoint_every:
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=os.path.join(args.out, "ckpt"), every_n_train_steps=args.checkpoint_every, save_top_k=1, monitor="step", mode="max"))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=args.devices, max_steps=args.steps, max_epochs=-1, strategy=strategy,
+        use_distributed_sampler=False, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=bool(args.checkpoint_every), callbacks=callbacks,
+    )
+    trainer.fit(model, loader(batches), ckpt_path=args.resume)
+    state = {"dense": {k: v.clone() for k, v in model.state_dict().items()}, "losses": record.losses}
+    if trainer.is_global_zero:
+        ids = torch.arange(NUM_IDS)
+        state["tables"] = strategy.client.lookup({"ebc.t0": ids, "ebc.t1": ids}, train=False, wire_dtype="fp32")
+    torch.save(state, os.path.join(args.out, f"rank{trainer.global_rank}.pt"))
+    strategy.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Multi-process runs (each a subprocess of run_toy.py): 2-rank DDP, resume after a restart, Ctrl-C, no orphans."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).with_name("run_toy.py")
+RESUME_STEPS = int(os.environ.get("PERSIA_RESUME_STEPS", "40"))
+
+
+def _run(out: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    out.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), *args], capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def _children_of(pid: int) -> list[str]:
+    """Command lines of live processes started for ``pid`` (shards name their parent with --parent-pid)."""
+    found = subprocess.run(["pgrep", "-af", "--", f"--parent-pid {pid}( |$)"], capture_output=True, text=True).stdout
+    return [line for line in found.splitlines() if "pgrep" not in line]
+
+
+def _group(pgid: int) -> list[str]:
+    """Live (not zombie) processes of a process group."""
+    listing = subprocess.run(["ps", "-o", "stat=,cmd=", "-g", str(pgid)], capture_output=True, text=True).stdout
+    return [line for line in listing.splitlines() if line.strip() and not line.strip().startswith("Z")]
+
+
+def test_two_ranks_two_shards_identical_dense_weights_and_falling_loss(tmp_path):
+    _run(tmp_path, "--devices", "2", "--shards", "2", "--steps", "40", "--epoch-batches", "8", "--staleness", "2")
+    rank0 = torch.load(tmp_path / "rank0.pt")
+    rank1 = torch.load(tmp_path / "rank1.pt")
+    for name, value in rank0["dense"].items():
+        assert torch.equal(value, rank1["dense"][name]), f"dense weight {name} differs between ranks"
+    losses = rank0["losses"]
+    assert sum(losses[-8:]) < sum(losses[:8])
+    assert rank0["tables"]["ebc.t0"].abs().sum() > 0
+
+
+def test_resume_after_restart_gives_the_same_weights_as_one_run(tmp_path):
+    n = RESUME_STEPS
+    common = ("--devices", "1", "--staleness", "0", "--epoch-batches", str(n))
+    _run(tmp_path / "straight", *common, "--steps", str(2 * n))
+    _run(tmp_path / "first", *common, "--steps", str(n), "--checkpoint-every", str(n))
+    (ckpt,) = (tmp_path / "first" / "ckpt").glob("*.ckpt")
+    assert ckpt.with_name(ckpt.name + ".ps").is_dir(), "the PS state is saved beside the checkpoint"
+    _run(tmp_path / "second", *common, "--steps", str(2 * n), "--resume", str(ckpt), "--shards", "3")  # another shard count
+    straight = torch.load(tmp_path / "straight" / "rank0.pt")
+    resumed = torch.load(tmp_path / "second" / "rank0.pt")
+    for name, value in straight["dense"].items():
+        torch.testing.assert_close(resumed["dense"][name], value, rtol=0, atol=1e-5)
+    for table, rows in straight["tables"].items():
+        torch.testing.assert_close(resumed["tables"][table], rows, rtol=0, atol=1e-5)
+
+
+def test_model_checkpoint_keeps_ps_files_only_for_kept_checkpoints(tmp_path):
+    _run(tmp_path, "--devices", "1", "--steps", "12", "--checkpoint-every", "3")
+    kept = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert len([k for k in kept if k.endswith(".ckpt")]) == 1, kept
+    assert [k for k in kept if k.endswith(".ps")] == [k + ".ps" for k in kept if k.endswith(".ckpt")], kept
+
+
+def test_ctrl_c_stops_training_and_leaves_no_process_behind(tmp_path):
+    process = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--devices", "2", "--steps", "400", "--epoch-batches", "8", "--slow-after", "3"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while not (tmp_path / "started").exists():
+            assert process.poll() is None, process.stdout.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "training never started"
+            time.sleep(0.2)
+        assert _children_of(process.pid), "the embedded shards should be running"
+        os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        process.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while _group(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _group(process.pid) == [], "processes of the run (ranks or shards) still alive after Ctrl-C"
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            pytest.fail("the run did not stop on Ctrl-C")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from examples.common import RecommenderModule, embedding_bag_collection, mlp
 from lightning_persia.data import CRITEO_NUM_DENSE, CRITEO_SPARSE_FEATURES, SYNTHETIC_DEFAULT_CARDINALITIES, CriteoBatch

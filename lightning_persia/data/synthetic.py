@@ -177,6 +177,10 @@ class SyntheticCriteo:
             raise ValueError(f"positive_rate must be in (0, 1), got {positive_rate}")
         if not 1 <= latent_dim <= 4:
             raise ValueError(f"latent_dim must be in 1..4, got {latent_dim}")
+        if not 0 <= num_interactions <= CRITEO_NUM_SPARSE * (CRITEO_NUM_SPARSE - 1) // 2:
+            raise ValueError(f"num_interactions must be in 0..325, got {num_interactions}")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
         self.seed = int(seed)
         self.cardinalities = [int(c) for c in cardinalities]
         self.zipf_alpha = float(zipf_alpha)

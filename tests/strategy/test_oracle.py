@@ -99,3 +99,37 @@ def test_evaluation_never_inserts_or_updates():
         assert rows == 0 and updates == 0
     finally:
         strategy.close()
+
+
+def test_mixed_precision_and_accumulation_push_unscaled_gradients():
+    batches = make_batches(4)
+    local, remote = _pair()
+    _trainer(steps=2, accumulate_grad_batches=2).fit(local, loader(batches))
+    strategy = PersiaStrategy(staleness=0, embedding_optimizer=SGD(lr=0.1), embedding_init=INIT, wire_dtype="fp32")
+    try:
+        _trainer(strategy, steps=2, accumulate_grad_batches=2, precision="bf16-mixed").fit(remote, loader(batches))
+        assert strategy.worker.dropped_nonfinite_rows == 0
+        for table in ("t0", "t1"):
+            torch.testing.assert_close(_remote_rows(strategy, table), local.ebc.embedding_bags[table].weight.detach(), rtol=0, atol=2e-3)
+    finally:
+        strategy.close()
+
+
+def test_fp16_loss_scale_is_taken_out_of_embedding_gradients():
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    strategy = PersiaStrategy(average_embedding_gradients=True)
+    strategy.precision_plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
+    strategy.cluster_environment = LightningEnvironment()
+    strategy.cluster_environment.set_world_size(2)  # gradients are averaged over the ranks too
+    assert strategy._embedding_gradient_scale() == pytest.approx(1 / (2 * 1024.0))
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [({"staleness": -1}, "staleness must be >= 0"), ({"num_local_shards": 0}, "num_local_shards"), ({"wire_dtype": "int8"}, "wire_dtype")],
+)
+def test_bad_arguments_are_refused_with_their_name(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PersiaStrategy(**kwargs)

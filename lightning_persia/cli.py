@@ -1,10 +1,11 @@
 """The ``lightning-persia`` console entry.
 
+    lightning-persia fit --config examples/dlrm/config.yaml [--trainer.strategy.init_args.staleness=8 ...]
+    lightning-persia validate|test|predict --config ... [--ckpt_path ...]
     lightning-persia ps serve --port 5000 --shard-index 0 --num-shards 2 [--config ps.yaml] [key=value ...]
 
-``ps`` runs parameter-server processes and never imports Lightning. Every command is one entry of
-:data:`COMMANDS`; the training subcommands (``fit``, ``validate``, ``test``, ``predict``, run by LightningCLI)
-are added there as further entries.
+The training commands are LightningCLI's, with ``strategy: persia`` available. ``ps`` runs parameter-server
+processes and never imports Lightning. Every command is one entry of :data:`COMMANDS`.
 """
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ def _ps_parser() -> argparse.ArgumentParser:
                        help="exit when this process is gone (set by launchers that own the shard). When it is the "
                        "direct parent, the shard also asks Linux for SIGTERM at the parent's death, which fires when "
                        "the parent *thread* that started the shard exits: start shards from a thread that outlives them")
+    serve.add_argument("--restore-from", metavar="DIR",
+                       help="load a checkpoint before serving: a checkpoint folder, or a folder holding several (the "
+                       "newest complete one is used). The shard refuses to start if none loads (config: restore_from)")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     serve.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                        help="config overrides in OmegaConf dotlist form, e.g. seed=7 tables.user.dim=32")
@@ -66,22 +70,43 @@ def _ps_main(argv: Sequence[str]) -> int:
 
     from lightning_persia.remote_ps import server
     from lightning_persia.remote_ps.config import load_ps_config
+    from lightning_persia.remote_ps.store import CheckpointError
     from lightning_persia.remote_ps.table_config import ConfigError
 
     tls = server.TLSFiles(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
     try:
         config = load_ps_config(args.config, args.overrides)
+        if args.restore_from:
+            config.restore_from = os.path.abspath(args.restore_from)
         return server.run_shard(
             shard_index=args.shard_index, num_shards=args.num_shards, config=config, host=args.host,
             port=args.port, token=args.token, tls=tls, insecure=args.insecure, parent_pid=args.parent_pid,
         )
+    except CheckpointError as err:
+        print(f"lightning-persia ps serve: error: cannot restore: {err}", file=sys.stderr, flush=True)
+        return 2
     except (server.BindSecurityError, ConfigError, OSError) as err:
         print(f"lightning-persia ps serve: error: {err}", file=sys.stderr, flush=True)
         return 2
 
 
+def _lightning_command(command: str) -> Callable[[Sequence[str]], int]:
+    def run(argv: Sequence[str]) -> int:
+        # Configs name classes of the working directory (``examples.dlrm.model.DLRM``), as `python -m` would see them.
+        sys.path.insert(0, os.getcwd())
+        from lightning.pytorch.cli import LightningCLI
+
+        import lightning_persia  # noqa: F401  (registers strategy="persia")
+
+        LightningCLI(args=[command, *argv], save_config_kwargs={"overwrite": True})
+        return 0
+
+    return run
+
+
 # name -> (one-line help, handler of the remaining arguments)
 COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
+    **{name: (f"LightningCLI {name} (--config YAML, any --trainer/--model/--data flag)", _lightning_command(name)) for name in ("fit", "validate", "test", "predict")},
     "ps": ("parameter-server shards (ps serve ...)", _ps_main),
 }
 

@@ -26,6 +26,7 @@ from lightning_persia.embedding.modules import (
 from lightning_persia.remote_ps.table_config import (
     DEFAULT_CAPACITY,
     Adagrad,
+    Constant,
     EmbeddingInit,
     EmbeddingOptimizer,
     InitLike,
@@ -151,7 +152,9 @@ def _check_plain(path: str, module: nn.Module) -> None:
 def _torchrec_tables(path: str, configs, defaults: TableDefaults) -> list[RemoteTable]:
     tables = []
     for config in configs:
-        if config.weight_init_min is not None and config.weight_init_max is not None:
+        if config.weight_init_min is not None and config.weight_init_min == config.weight_init_max:
+            module_init = Constant(config.weight_init_min)
+        elif config.weight_init_min is not None and config.weight_init_max is not None:
             module_init = Uniform(config.weight_init_min, config.weight_init_max)
         else:  # TorchRec's own default: U(-sqrt(1/n), sqrt(1/n))
             bound = math.sqrt(1.0 / config.num_embeddings)

@@ -112,3 +112,16 @@ def test_exclude_keeps_a_module_local_and_overrides_apply():
     assert isinstance(model["keep"], nn.Embedding) and [t.key for t in twins] == ["go"]
     config = twins[0].remote_tables[0].config
     assert config.capacity == 7 and config.optimizer == SGD(lr=3.0)
+
+
+def test_torchrec_init_bounds_become_the_remote_initialiser():
+    from lightning_persia.remote_ps.table_config import Constant
+
+    ebc = EmbeddingBagCollection(tables=[
+        EmbeddingBagConfig(name="zero", embedding_dim=1, num_embeddings=10, feature_names=["a"], weight_init_min=0.0, weight_init_max=0.0),
+        EmbeddingBagConfig(name="bounded", embedding_dim=2, num_embeddings=10, feature_names=["b"], weight_init_min=-0.2, weight_init_max=0.3),
+        EmbeddingBagConfig(name="default", embedding_dim=2, num_embeddings=100, feature_names=["c"]),
+    ], device=torch.device("meta"))
+    (twin,) = intercept(nn.ModuleDict({"ebc": ebc}), ["EmbeddingBagCollection"], [], TableDefaults())
+    inits = [t.config.init for t in twin.remote_tables]
+    assert inits == [Constant(0.0), Uniform(-0.2, 0.3), Uniform(-0.1, 0.1)]

@@ -259,7 +259,7 @@ class AUCCeiling(Callback):
     def _log(self, trainer: Trainer, module: LightningModule, split: str) -> None:
         ceiling = self._ceiling(trainer, split)
         if ceiling is not None:
-            module.log(f"{split}_auc_ceiling", ceiling, rank_zero_only=True)
+            module.log(f"{split}_auc_ceiling", ceiling, sync_dist=True)  # the same value on every rank
 
     def _print(self, trainer: Trainer, split: str) -> None:
         ceiling = self._ceilings.get(split)

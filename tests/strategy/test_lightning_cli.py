@@ -1,0 +1,41 @@
+"""PersiaStrategy from a LightningCLI YAML: every argument typed, nested optimizer/initialiser configs, overrides."""
+from __future__ import annotations
+
+from lightning.pytorch.cli import LightningCLI
+
+from lightning_persia import SGD, Adam, Normal, PersiaStrategy
+from toy import ToyRecommender
+
+CONFIG = """
+trainer:
+  accelerator: cpu
+  devices: 1
+  strategy:
+    class_path: lightning_persia.PersiaStrategy
+    init_args:
+      staleness: 3
+      wire_dtype: fp32
+      num_local_shards: 3
+      embedding_optimizer: {class_path: lightning_persia.Adam, init_args: {lr: 0.002, betas: [0.8, 0.9]}}
+      embedding_init: {class_path: lightning_persia.Normal, init_args: {std: 0.02}}
+      table_overrides:
+        t0: {capacity: 1000, eviction: lfu, optimizer: {class_path: lightning_persia.SGD, init_args: {lr: 0.5}}}
+"""
+
+
+def test_yaml_configures_the_strategy_and_command_line_overrides_win(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text(CONFIG)
+    cli = LightningCLI(ToyRecommender, run=False, args=["--config", str(path), "--trainer.strategy.init_args.staleness=8"])
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, PersiaStrategy)
+    assert (strategy.staleness, strategy.wire_dtype, strategy.num_local_shards) == (8, "fp32", 3)
+    assert strategy.table_defaults.optimizer == Adam(lr=0.002, betas=(0.8, 0.9))
+    assert strategy.table_defaults.init == Normal(std=0.02)
+    override = strategy.table_defaults.overrides["t0"]
+    assert (override.capacity, override.eviction, override.optimizer) == (1000, "lfu", SGD(lr=0.5))
+
+
+def test_strategy_by_its_registered_name():
+    cli = LightningCLI(ToyRecommender, run=False, args=["--trainer.strategy=persia", "--trainer.accelerator=cpu", "--trainer.devices=1"])
+    assert isinstance(cli.trainer.strategy, PersiaStrategy)

@@ -9,9 +9,9 @@ The models are ordinary LightningModules with ordinary ``torchrec.EmbeddingBagCo
   collections by remote twins (whose optimizer is the strategy's) before the optimizers are configured, so
   :meth:`RecommenderModule.configure_optimizers` then sees the dense parameters only.
 
-Sparse ids are reduced modulo each table's ``num_embeddings`` before the lookup (the usual hashing trick),
-since the data modules hash categorical values to arbitrary non-negative int64 ids. A remote table is not
-bounded by ``num_embeddings``; declare it large (e.g. ``2**40`` on ``meta``) to keep ids apart.
+Local tables (``embedding_device="cpu"``) see ids reduced modulo each table's ``num_embeddings`` (the usual
+hashing trick), since the data modules hash categorical values to arbitrary non-negative int64 ids. Remote
+tables (``"meta"``) are not bounded by ``num_embeddings`` and see the ids as they are.
 """
 from __future__ import annotations
 
@@ -136,14 +136,22 @@ class RecommenderModule(LightningModule):
         self._key_index: Dict[tuple, Tensor] = {}
 
     # ------------------------------------------------------------------ tables
-    def _set_tables(self, feature_names: Sequence[str], num_embeddings: Sequence[int]) -> None:
+    def _set_tables(self, feature_names: Sequence[str], num_embeddings: Sequence[int], embedding_device: str = "cpu") -> None:
         if len(feature_names) != len(num_embeddings):
             raise ValueError(f"{len(feature_names)} sparse features but {len(num_embeddings)} num_embeddings")
         self.sparse_feature_names = list(feature_names)
+        # Tables declared on "meta" are served remotely, where any int64 id has a row: ids go through as they
+        # are, so the batch the strategy prefetched is the batch the tables see.
+        self._reduce_ids = embedding_device != "meta"
         self.register_buffer("_table_rows", torch.tensor(list(num_embeddings), dtype=torch.int64), persistent=False)
 
     def table_ids(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """``features`` with every id reduced modulo its table's ``num_embeddings`` (the hashing trick)."""
+        """``features`` with every id reduced modulo its table's ``num_embeddings`` (the hashing trick).
+
+        Unchanged when the tables are remote (declared on ``meta``): a remote table is unbounded.
+        """
+        if not self._reduce_ids:
+            return features
         keys = tuple(features.keys())
         index = self._key_index.get(keys)
         if index is None:
@@ -237,8 +245,8 @@ def _embedding_optimizer(name: str, params: List[nn.Parameter], lr: float) -> to
     return torch.optim.SGD(params, lr=lr, foreach=False)
 
 
-class AUCCeiling(Callback):
-    """Prints the model's ``val_auc``/``test_auc`` next to the data's ground-truth ceiling, when it has one.
+class PrintAUC(Callback):
+    """Prints the model's ``val_auc``/``test_auc``, next to the data's ground-truth ceiling when it has one.
 
     The ceiling comes from ``datamodule.ground_truth_auc(split)`` (``SyntheticCriteoDataModule``: the AUC of
     the true click probabilities on the very rows evaluated); it is also logged as ``val_auc_ceiling``.
@@ -264,8 +272,10 @@ class AUCCeiling(Callback):
     def _print(self, trainer: Trainer, split: str) -> None:
         ceiling = self._ceilings.get(split)
         metric = trainer.callback_metrics.get(f"{split}_auc")
-        if ceiling is not None and metric is not None:
-            rank_zero_info(f"{split}_auc {float(metric):.4f} vs ground-truth ceiling {ceiling:.4f} (step {trainer.global_step})")
+        if metric is None:
+            return
+        against = f" vs ground-truth ceiling {ceiling:.4f}" if ceiling is not None else ""
+        rank_zero_info(f"{split}_auc {float(metric):.4f}{against} (step {trainer.global_step})")
 
     def on_validation_epoch_end(self, trainer: Trainer, module: LightningModule) -> None:
         if not trainer.sanity_checking:

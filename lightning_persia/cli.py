@@ -90,15 +90,23 @@ def _ps_main(argv: Sequence[str]) -> int:
         return 2
 
 
+def lightning_cli(args: Sequence[str]):
+    """Runs LightningCLI on ``args`` (``["fit", "--config", ...]``) with ``strategy: persia`` available.
+
+    Configs may name classes of the working directory (``examples.dlrm.model.DLRM``), as ``python -m`` sees them.
+    """
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    from lightning.pytorch.cli import LightningCLI
+
+    import lightning_persia  # noqa: F401  (registers strategy="persia")
+
+    return LightningCLI(args=list(args), save_config_kwargs={"overwrite": True})
+
+
 def _lightning_command(command: str) -> Callable[[Sequence[str]], int]:
     def run(argv: Sequence[str]) -> int:
-        # Configs name classes of the working directory (``examples.dlrm.model.DLRM``), as `python -m` would see them.
-        sys.path.insert(0, os.getcwd())
-        from lightning.pytorch.cli import LightningCLI
-
-        import lightning_persia  # noqa: F401  (registers strategy="persia")
-
-        LightningCLI(args=[command, *argv], save_config_kwargs={"overwrite": True})
+        lightning_cli([command, *argv])
         return 0
 
     return run

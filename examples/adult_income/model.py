@@ -50,7 +50,7 @@ class WideAndDeep(RecommenderModule):
         self.save_hyperparameters()
         features = list(sparse_features or ADULT_SPARSE_FEATURES)
         rows = list(num_embeddings or ADULT_CARDINALITIES)
-        self._set_tables(features, rows)
+        self._set_tables(features, rows, embedding_device)
         self.wide_sparse = embedding_bag_collection(features, rows, 1, embedding_device, zero_init=True, table_prefix="wide_")
         self.wide_dense = nn.Linear(num_dense_features, 1)
         self.deep_embeddings = embedding_bag_collection(

@@ -50,7 +50,7 @@ class DeepFM(RecommenderModule):
         self.save_hyperparameters()
         features = list(sparse_features or CRITEO_SPARSE_FEATURES)
         rows = list(num_embeddings or SYNTHETIC_DEFAULT_CARDINALITIES)
-        self._set_tables(features, rows)
+        self._set_tables(features, rows, embedding_device)
         self.embedding_dim = embedding_dim
         self.ebc = embedding_bag_collection(features, rows, embedding_dim, embedding_device, init_scale=embedding_init_scale)
         self.first_order = embedding_bag_collection(

@@ -54,7 +54,7 @@ class DLRM(RecommenderModule):
         self.save_hyperparameters()
         features = list(sparse_features or CRITEO_SPARSE_FEATURES)
         rows = list(num_embeddings or SYNTHETIC_DEFAULT_CARDINALITIES)
-        self._set_tables(features, rows)
+        self._set_tables(features, rows, embedding_device)
         self.ebc = embedding_bag_collection(features, rows, embedding_dim, embedding_device, init_scale=embedding_init_scale)
         self.bottom = mlp(num_dense_features, [*bottom_mlp, embedding_dim])
         num_vectors = len(features) + 1

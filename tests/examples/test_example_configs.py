@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from examples.run import main
+from lightning_persia.cli import lightning_cli
 
 _EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
 
@@ -21,13 +21,14 @@ def test_config_runs_a_few_steps(name, tmp_path):
             "--data.init_args.num_val_batches=1",
             "--data.init_args.batch_size=256",
         ]
-    cli = main(
+    cli = lightning_cli(
         [
             "fit",
             "--config",
             config,
             *small,
             "--trainer.max_steps=2",
+            "--trainer.devices=1",  # in-process: the DDP launcher would re-run pytest
             "--trainer.limit_train_batches=2",
             "--trainer.limit_val_batches=1",
             "--trainer.enable_progress_bar=false",
@@ -36,3 +37,6 @@ def test_config_runs_a_few_steps(name, tmp_path):
     )
     assert cli.trainer.global_step == 2
     assert "val_auc" in cli.trainer.callback_metrics
+    assert type(cli.trainer.strategy).__name__ == "PersiaStrategy"
+    assert not any(p.is_meta for p in cli.model.parameters())
+    cli.trainer.strategy.close()

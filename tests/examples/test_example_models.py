@@ -107,7 +107,7 @@ def test_tables_are_declared_one_per_feature_with_unique_names():
 
 
 def test_ids_are_reduced_modulo_table_sizes_whatever_the_key_order():
-    model = WideAndDeep(num_embeddings=[5, 7, 11, 13, 17, 19, 23, 29], embedding_device="meta")
+    model = WideAndDeep(num_embeddings=[5, 7, 11, 13, 17, 19, 23, 29], embedding_device="cpu")
     keys = list(reversed(model.sparse_feature_names))
     values = torch.arange(1_000_000, 1_000_016, dtype=torch.int64)
     kjt = KeyedJaggedTensor(keys=keys, values=values, lengths=torch.tensor([2] * 8, dtype=torch.int32), stride=1)
@@ -115,6 +115,12 @@ def test_ids_are_reduced_modulo_table_sizes_whatever_the_key_order():
     sizes = dict(zip(model.sparse_feature_names, [5, 7, 11, 13, 17, 19, 23, 29]))
     for key in keys:
         assert torch.equal(out[key].values(), kjt.to_dict()[key].values() % sizes[key])
+
+
+def test_remote_tables_see_the_ids_unchanged():
+    model = WideAndDeep(num_embeddings=[5, 7, 11, 13, 17, 19, 23, 29], embedding_device="meta")
+    kjt = KeyedJaggedTensor(keys=model.sparse_feature_names, values=torch.arange(1_000_000, 1_000_008), lengths=torch.ones(8, dtype=torch.int32), stride=1)
+    assert model.table_ids(kjt) is kjt
 
 
 def test_batch_moves_with_lightning(synthetic):

@@ -39,6 +39,8 @@ from lightning_persia.remote_ps.table_config import TableConfig
 
 _WIRE_ENUM = {"fp16": persia_pb2.FP16, "fp32": persia_pb2.FP32}
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_FENCED = frozenset({"Lookup", "Update", "Save"})  # as remote_ps.server.FENCED_METHODS (no server import here)
+_INCARNATION_KEY = "persia-incarnation"
 
 PathOrPEM = Union[str, os.PathLike, bytes]
 
@@ -53,6 +55,12 @@ class PSRequestError(PSError):
     def __init__(self, shard: int, address: str, code: grpc.StatusCode, details: str) -> None:
         super().__init__(f"shard {shard} at {address} answered {code.name}: {details}")
         self.shard, self.address, self.code, self.details = shard, address, code, details
+
+
+class ShardRestartedError(PSRequestError):
+    """A shard restarted since this client learnt its incarnation (``ABORTED``): rows written since the last
+    checkpoint may be lost on it, so the call was refused. Roll back to a checkpoint, then call
+    :meth:`PSClient.wait_healthy` (or :meth:`PSClient.refresh_incarnations`) to talk to the new incarnation."""
 
 
 class ShardUnavailableError(PSError):
@@ -138,7 +146,10 @@ class PSClient:
         self.max_ids_per_message = max_ids_per_message
         self.checkpoint_timeout_s = checkpoint_timeout_s
         self._max_message_bytes = max_message_mb << 20
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        # Incarnation of each shard as last seen (wait_healthy / refresh_incarnations); once known, lookups,
+        # updates and saves carry it, and a restarted shard refuses them with ShardRestartedError.
+        self.incarnations: List[Optional[str]] = [None] * len(self.addresses)
         self._seqs = [itertools.count(1) for _ in self.addresses]
         self._seq_lock = threading.Lock()
         self._dims: Dict[str, int] = {}
@@ -288,8 +299,14 @@ class PSClient:
         return {c.name: c for c in configs}
 
     def save(self, directory: Union[str, os.PathLike]) -> None:
-        """Every shard writes its part of a checkpoint under ``directory`` (a path all shards can reach)."""
-        self._all("Save", persia_pb2.SaveRequest(directory=os.path.abspath(directory)), self.checkpoint_timeout_s)
+        """Every shard writes its part of a checkpoint under ``directory`` (a path all shards can reach).
+
+        Each shard's folder appears atomically; all carry one save id, so a save into the same directory that
+        is interrupted half-way leaves a checkpoint that loads refuse. Save into a fresh directory to keep the
+        previous checkpoint loadable until this one is complete.
+        """
+        request = persia_pb2.SaveRequest(directory=os.path.abspath(directory), save_id=uuid.uuid4().hex)
+        self._all("Save", request, self.checkpoint_timeout_s)
 
     def load(self, directory: Union[str, os.PathLike]) -> None:
         """Every shard replaces its tables by its part of the checkpoint under ``directory`` (any shard count)."""
@@ -302,18 +319,29 @@ class PSClient:
         for shard, response in enumerate(self._all("Stats", persia_pb2.StatsRequest(), self.timeout_s)):
             body = json.loads(response.json)
             out.append({"shard_index": response.shard_index, "num_shards": response.num_shards,
-                        "address": self.addresses[shard], **body})
+                        "address": self.addresses[shard], "incarnation": response.incarnation, **body})
         return out
 
     def wait_healthy(self, timeout_s: float = 60.0) -> None:
-        """Waits until every shard reports SERVING and is the shard its position says it is."""
+        """Waits until every shard reports SERVING and is the shard its position says it is.
+
+        Also records every shard's incarnation: from then on a shard that restarts refuses this client's
+        lookups, updates and saves (:class:`ShardRestartedError`) until it is called again.
+        """
         self._wait(self._wait_healthy(timeout_s))
-        for shard, stats in enumerate(self.stats()):
-            if (stats["shard_index"], stats["num_shards"]) != (shard, self.num_shards):
+        self.refresh_incarnations()
+
+    def refresh_incarnations(self) -> List[str]:
+        """Reads every shard's current incarnation and accepts it (after a restart has been dealt with)."""
+        stats = self.stats()
+        for shard, entry in enumerate(stats):
+            if (entry["shard_index"], entry["num_shards"]) != (shard, self.num_shards):
                 raise PSError(
-                    f"{self.addresses[shard]} is shard {stats['shard_index']} of {stats['num_shards']}, but this client "
+                    f"{self.addresses[shard]} is shard {entry['shard_index']} of {entry['num_shards']}, but this client "
                     f"lists it as shard {shard} of {self.num_shards}; pass the addresses in shard order"
                 )
+        self.incarnations = [entry["incarnation"] or None for entry in stats]
+        return list(self.incarnations)
 
     async def _wait_healthy(self, timeout_s: float) -> None:
         start = time.monotonic()
@@ -327,7 +355,7 @@ class PSClient:
                 try:
                     response = await self._health[shard].Check(
                         health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=max(0.05, min(2.0, remaining)),
-                        metadata=self._metadata,
+                        metadata=self._metadata or None,
                     )
                     if response.status == health_pb2.HealthCheckResponse.SERVING:
                         return
@@ -426,10 +454,16 @@ class PSClient:
         rpc = getattr(self._stubs[shard], method)
         start = time.monotonic()
         for attempt in itertools.count(1):
+            metadata = self._metadata
+            incarnation = self.incarnations[shard]
+            if incarnation is not None and method in _FENCED:
+                metadata = metadata + ((_INCARNATION_KEY, incarnation),)
             try:
-                return await rpc(request, timeout=timeout_s, metadata=self._metadata)
+                return await rpc(request, timeout=timeout_s, metadata=metadata or None)
             except grpc.aio.AioRpcError as err:
                 code = err.code()
+                if code == grpc.StatusCode.ABORTED and method in _FENCED:
+                    raise ShardRestartedError(shard, self.addresses[shard], code, err.details() or "") from None
                 if code not in _RETRYABLE:
                     raise PSRequestError(shard, self.addresses[shard], code, err.details() or "") from None
                 if attempt > self.max_retries:

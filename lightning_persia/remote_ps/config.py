@@ -50,17 +50,33 @@ class PSConfig:
     """On SIGTERM, how long in-flight requests may run before the shard exits."""
     malloc_trim_interval_s: float = 1.0
     """Every so often, hand memory freed by finished requests back to the OS (glibc); 0 never does."""
+    max_tables: int = 1024
+    """Most tables one shard holds; a Configure that would create more is RESOURCE_EXHAUSTED."""
+    checkpoint_root: Optional[str] = None
+    """Save and Load only under this folder (PERMISSION_DENIED elsewhere); ``None`` allows any absolute path the
+    shard process can write, which any client holding the token can then use."""
+    restore_from: Optional[str] = None
+    """Load a checkpoint before serving: a checkpoint folder, or a folder holding several (the newest complete
+    one is loaded, e.g. a PersiaStrategy ``<ckpt>.ps`` folder or a whole checkpoint directory). A shard
+    that cannot load one refuses to start (exit status 2) rather than serve empty tables."""
+    fault_delay_s: float = 0.0
+    """Testing only: every Lookup and Update sleeps this long before it runs (a slow shard)."""
+    fault_save_delay_s: float = 0.0
+    """Testing only: a Save pauses this long after each file it writes (to kill a shard in the middle of a save)."""
     tables: Dict[str, Any] = field(default_factory=dict)
     """Table defaults: ``{name: TableConfig fields without the name}``."""
 
     def __post_init__(self) -> None:
-        for name in ("max_ids_per_request", "max_message_mb", "server_threads", "dedup_window", "dedup_max_clients"):
+        for name in ("max_ids_per_request", "max_message_mb", "server_threads", "dedup_window", "dedup_max_clients", "max_tables"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"PS config: {name} must be >= 1, got {getattr(self, name)}")
         if self.torch_threads < 0:
             raise ConfigError(f"PS config: torch_threads must be >= 0, got {self.torch_threads}")
         if self.malloc_trim_interval_s < 0:
             raise ConfigError(f"PS config: malloc_trim_interval_s must be >= 0, got {self.malloc_trim_interval_s}")
+        for name in ("fault_delay_s", "fault_save_delay_s"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"PS config: {name} must be >= 0, got {getattr(self, name)}")
         if self.grace_s < 0:
             raise ConfigError(f"PS config: grace_s must be >= 0, got {self.grace_s}")
         self.table_configs()  # fail at load time, naming the table

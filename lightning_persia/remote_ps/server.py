@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -46,6 +47,11 @@ log = logging.getLogger("lightning_persia.ps")
 
 LISTENING_PREFIX = "PERSIA_PS_LISTENING"
 AUTH_METADATA_KEY = "authorization"
+INCARNATION_METADATA_KEY = "persia-incarnation"
+# Calls that must never land on a restarted shard without the caller knowing (they read or write rows that a
+# restart may have lost or rolled back). The others are safe whatever the shard's history.
+FENCED_METHODS = frozenset({"Lookup", "Update", "Save"})
+_DELAYED_METHODS = frozenset({"Lookup", "Update"})
 
 # Wire dtype enum -> codec name. Lookup treats UNSPECIFIED as fp16 (the default); Update refuses it.
 _DTYPE_NAMES = {persia_pb2.FP16: "fp16", persia_pb2.FP32: "fp32"}
@@ -129,6 +135,10 @@ def _rpc(method: Callable) -> Callable:
     def wrapper(self: "PSServicer", request, context: grpc.ServicerContext):
         self._count(name)
         try:
+            if self.config.fault_delay_s and name in _DELAYED_METHODS:
+                time.sleep(self.config.fault_delay_s)
+            if name in FENCED_METHODS:
+                self._check_incarnation(context)
             if isinstance(request, _Undecodable):
                 raise _invalid(f"request bytes are not a valid {request.message_type} message ({request.error})")
             return method(self, request, context)
@@ -181,6 +191,25 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         self.dedup = UpdateDeduplicator(config.dedup_window, config.dedup_max_clients)
         self._counters: collections.Counter[str] = collections.Counter()
         self._counter_lock = threading.Lock()
+        # New in every process (and every servicer): a client that saw another one talks to a restarted shard.
+        self.incarnation = uuid.uuid4().hex[:16]
+        self.started_at = time.time()
+        self.restored_from: Optional[str] = None
+
+    def _check_incarnation(self, context) -> None:
+        for key, value in context.invocation_metadata() or ():
+            if key == INCARNATION_METADATA_KEY:
+                expected = value.decode(errors="replace") if isinstance(value, bytes) else value
+                if expected != self.incarnation:
+                    restored = f", restored from {self.restored_from}" if self.restored_from else ", with empty tables"
+                    raise _Abort(
+                        grpc.StatusCode.ABORTED,
+                        f"shard restarted: the caller knew incarnation {expected!r}, this process is incarnation "
+                        f"{self.incarnation!r} (started {time.time() - self.started_at:.1f} s ago{restored}); rows "
+                        "written since the last checkpoint may be lost. Roll back to a checkpoint, then refresh the "
+                        "client's incarnations (PSClient.wait_healthy)",
+                    )
+                return
 
     def _count(self, key: str, amount: int = 1) -> None:
         with self._counter_lock:
@@ -297,6 +326,14 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
                 continue
             if existing.dim != config.dim:
                 raise _invalid(f"table {config.name!r} exists with dim {existing.dim}, asked for dim {config.dim}")
+        existing_count = self.store.table_count()
+        new_tables = [c.name for c in configs if c.name not in self.store.tables()]
+        if existing_count + len(new_tables) > self.config.max_tables:
+            raise _Abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"creating {len(new_tables)} more tables would exceed max_tables={self.config.max_tables} "
+                f"(the shard holds {existing_count})",
+            )
         applied = [self.store.configure(config) for config in configs]
         return persia_pb2.ConfigureResponse(tables_json=[json.dumps(c.to_dict()) for c in applied])
 
@@ -307,22 +344,34 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
 
     @_rpc
     def Save(self, request: persia_pb2.SaveRequest, context) -> persia_pb2.SaveResponse:
-        self.store.save(_checkpoint_directory(request.directory))
+        self.store.save(self._checkpoint_directory(request.directory), save_id=request.save_id)
         return persia_pb2.SaveResponse()
 
     @_rpc
     def Load(self, request: persia_pb2.LoadRequest, context) -> persia_pb2.LoadResponse:
-        self.store.load(_checkpoint_directory(request.directory))
+        self.store.load(self._checkpoint_directory(request.directory))
         return persia_pb2.LoadResponse()
+
+    def _checkpoint_directory(self, directory: str) -> str:
+        directory = _checkpoint_directory(directory)
+        root = self.config.checkpoint_root
+        if root is not None:
+            real, real_root = os.path.realpath(directory), os.path.realpath(root)
+            if os.path.commonpath([real, real_root]) != real_root:
+                raise _Abort(grpc.StatusCode.PERMISSION_DENIED,
+                             f"checkpoint directory {directory!r} is outside this shard's checkpoint_root {root!r}")
+        return directory
 
     @_rpc
     def Stats(self, request: persia_pb2.StatsRequest, context) -> persia_pb2.StatsResponse:
         with self._counter_lock:
             server = dict(self._counters)
         server["dedup_duplicates"] = self.dedup.duplicates
+        server.update(incarnation=self.incarnation, started_at=self.started_at, restored_from=self.restored_from)
         body = {"tables": self.store.stats(), "server": server}
         return persia_pb2.StatsResponse(
-            shard_index=self.store.shard_index, num_shards=self.store.num_shards, json=json.dumps(body)
+            shard_index=self.store.shard_index, num_shards=self.store.num_shards, json=json.dumps(body),
+            incarnation=self.incarnation,
         )
 
 
@@ -527,8 +576,17 @@ def run_shard(
     """
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
-    store = ShardStore(shard_index=shard_index, num_shards=num_shards, seed=config.seed, table_defaults=config.table_configs())
+    store = ShardStore(shard_index=shard_index, num_shards=num_shards, seed=config.seed, table_defaults=config.table_configs(),
+                       fault_save_delay_s=config.fault_save_delay_s)
+    restored = None
+    if config.restore_from:  # before binding: a shard that cannot restore never answers with empty tables
+        restored = store.load_latest(config.restore_from)  # CheckpointError: refuse to start
+        log.info("shard %d/%d restored from %s", shard_index, num_shards, restored)
     server = ShardServer(store, config, host=host, port=port, token=token, tls=tls, insecure=insecure)
+    server.servicer.restored_from = restored
+    if insecure and not (is_loopback_host(host) or token or tls):
+        log.warning("serving on %s with neither TLS nor a token (--insecure): anyone who reaches it can read and "
+                    "overwrite the tables", host)
 
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -556,6 +614,16 @@ class ShardStartError(RuntimeError):
     """A shard process exited or stayed silent before it printed its address."""
 
 
+@dataclass
+class ShardEvent:
+    """Something the supervisor of :class:`LocalShards` saw or did: ``exited``, ``restarted``, ``restart_failed``, ``gave_up``."""
+
+    time: float
+    shard: int
+    kind: str
+    detail: str
+
+
 class LocalShards:
     """``num_shards`` shard processes on loopback, started with ``lightning-persia ps serve --port 0``.
 
@@ -564,6 +632,12 @@ class LocalShards:
     otherwise each gets ``cpu_count // (num_shards + 1)`` torch threads (at least one), and OpenMP threads
     that sleep instead of spinning when idle (``OMP_WAIT_POLICY=PASSIVE``): spinning threads of several
     processes on the same cores multiply request latency.
+
+    With ``restart=True`` a supervisor (the thread that forked the shards) checks them every ``poll_s``
+    seconds and restarts a shard that died (SIGKILL, OOM, crash) on the same port, at most ``max_restarts``
+    times per shard, with ``--restore-from restore_from`` when that is set (assign the attribute after each
+    checkpoint). A restarted shard is a new *incarnation*: clients that knew the old one are refused until
+    they refresh (see ``PSClient.wait_healthy``). What the supervisor saw and did is in :attr:`events`.
 
     Example::
 
@@ -581,39 +655,55 @@ class LocalShards:
         extra_args: Sequence[str] = (),
         env: Optional[dict] = None,
         startup_timeout_s: float = 120.0,
+        restart: bool = False,
+        max_restarts: int = 3,
+        restore_from: Optional[str] = None,
+        poll_s: float = 0.2,
     ) -> None:
         self.num_shards = num_shards
         self.processes: list[subprocess.Popen] = []
         self.addresses: list[str] = []
-        self._logs: list[collections.deque] = []
+        self.restart = restart
+        self.max_restarts = max_restarts
+        self.restore_from = restore_from
+        self.restarts = [0] * num_shards
+        self.events: list[ShardEvent] = []
+        self.startup_timeout_s = startup_timeout_s
+        self._logs: list[collections.deque] = [collections.deque(maxlen=200) for _ in range(num_shards)]
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._seen_dead: set[int] = set()  # pids whose exit was recorded
         threads = max(1, (os.cpu_count() or 1) // (num_shards + 1))
         overrides = [f"torch_threads={threads}", *overrides]  # a later override of the caller's wins
-        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, **(env or {})}
-        commands = []
+        self._env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, **(env or {})}
+        self._commands = []
         for index in range(num_shards):
-            command = [sys.executable, "-m", "lightning_persia.cli", "ps", "serve", "--port", "0",
+            command = [sys.executable, "-m", "lightning_persia.cli", "ps", "serve",
                        "--host", host, "--shard-index", str(index), "--num-shards", str(num_shards),
                        "--parent-pid", str(os.getpid()), *extra_args]
             if config_path:
                 command += ["--config", config_path]
-            commands.append(command + list(overrides))
+            self._commands.append(command + list(overrides))
         # The kernel's parent-death signal follows the *thread* that forked a shard, so the shards are forked
-        # by a thread of their own that lives until stop(), whatever thread creates this object.
+        # by a thread of their own that lives until stop(), whatever thread creates this object. The same
+        # thread restarts dead shards.
         self._keeper_done = threading.Event()
         spawned: futures.Future = futures.Future()
 
         def keeper() -> None:
             try:
-                for command in commands:
-                    self.processes.append(subprocess.Popen(
-                        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                        env=env,
-                    ))
+                for index in range(num_shards):
+                    self.processes.append(self._popen(index, 0, None))
             except BaseException as err:
                 spawned.set_exception(err)
                 return
             spawned.set_result(None)
-            self._keeper_done.wait()
+            while not self._keeper_done.wait(poll_s):
+                if self.restart:
+                    try:
+                        self._supervise()
+                    except Exception:  # never let the supervisor die: the shards' parent-death signal hangs on it
+                        log.exception("shard supervisor failed")
 
         threading.Thread(target=keeper, name="persia-ps-shard-keeper", daemon=True).start()
         try:
@@ -625,9 +715,63 @@ class LocalShards:
             self.stop()
             raise
 
+    def _popen(self, index: int, port: int, restore_from: Optional[str]) -> subprocess.Popen:
+        command = [*self._commands[index][:5], "--port", str(port), *self._commands[index][5:]]
+        if restore_from:
+            command[5:5] = ["--restore-from", str(restore_from)]
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=self._env)
+
+    def _event(self, shard: int, kind: str, detail: str) -> None:
+        (log.warning if kind != "restarted" else log.info)("shard %d: %s: %s", shard, kind, detail)
+        self.events.append(ShardEvent(time.time(), shard, kind, detail))
+
+    def _supervise(self) -> None:
+        for index in range(self.num_shards):
+            with self._lock:
+                if self._stopping:
+                    return
+                process = self.processes[index]
+            status = process.poll()
+            if status is None:
+                continue
+            if process.pid not in self._seen_dead:
+                self._seen_dead.add(process.pid)
+                self._event(index, "exited", f"pid {process.pid} exited with status {status}; last output:\n"
+                            + "\n".join(list(self._logs[index])[-5:]))
+            if self.restarts[index] >= self.max_restarts:
+                if self.restarts[index] == self.max_restarts:
+                    self.restarts[index] += 1  # report once
+                    self._event(index, "gave_up", f"not restarted: max_restarts={self.max_restarts} reached")
+                continue
+            self._restart(index)
+
+    def _restart(self, index: int) -> None:
+        self.restarts[index] += 1
+        port = int(self.addresses[index].rsplit(":", 1)[1])
+        restore = self.restore_from
+        with self._lock:
+            if self._stopping:
+                return
+            process = self._popen(index, port, restore)
+            self.processes[index] = process
+        try:
+            address = self._read_address(index, process, time.monotonic() + self.startup_timeout_s)
+        except ShardStartError as err:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            self._seen_dead.add(process.pid)
+            self._event(index, "restart_failed", f"attempt {self.restarts[index]}/{self.max_restarts}: {err}")
+            return
+        if address != self.addresses[index]:  # cannot happen with a fixed port; a safety net for the clients
+            self._event(index, "restart_failed", f"came back on {address}, not {self.addresses[index]}")
+            process.kill()
+            return
+        origin = f"restored from {restore}" if restore else "with empty tables (no checkpoint to restore)"
+        self._event(index, "restarted", f"pid {process.pid} on {address}, {origin} (restart {self.restarts[index]}/{self.max_restarts})")
+
     def _read_address(self, index: int, process: subprocess.Popen, deadline: float) -> str:
-        lines: collections.deque = collections.deque(maxlen=200)
-        self._logs.append(lines)
+        lines = self._logs[index]
         found: list[str] = []
         ready = threading.Event()
 
@@ -650,16 +794,24 @@ class LocalShards:
         return found[0]
 
     def output(self, index: int) -> str:
-        """The last lines a shard printed (its log), for error messages."""
+        """The last lines a shard printed (its log, across restarts), for error messages."""
         return "\n".join(self._logs[index]) if index < len(self._logs) else ""
 
+    def alive(self) -> list[bool]:
+        """Whether each shard process is running now."""
+        with self._lock:
+            return [p.poll() is None for p in self.processes]
+
     def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM to every shard, then SIGKILL to any still alive after ``timeout_s``."""
-        for process in self.processes:
+        """SIGTERM to every shard, then SIGKILL to any still alive after ``timeout_s``; no restart after this."""
+        with self._lock:
+            self._stopping = True
+            processes = list(self.processes)
+        for process in processes:
             if process.poll() is None:
                 process.terminate()
         deadline = time.monotonic() + timeout_s
-        for process in self.processes:
+        for process in processes:
             try:
                 process.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

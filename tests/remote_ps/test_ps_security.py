@@ -142,3 +142,25 @@ def test_bind_policy():
         check_bind_security("0.0.0.0", **protection)
     with pytest.raises(BindSecurityError):
         check_bind_security("192.168.1.1", token=None, tls=False, insecure=False)
+
+
+def test_every_rpc_without_or_with_a_wrong_token_is_refused_and_writes_nothing(secured, tmp_path):
+    """Raw calls (no client-side checks) of all seven RPCs: UNAUTHENTICATED, and Save/Load/Configure did nothing."""
+    from lightning_persia.remote_ps.protocol import persia_pb2 as pb
+
+    requests = {
+        "Lookup": pb.LookupRequest(tables=[pb.TableIds(table="token_table", ids=b"\0" * 8)], train=True),
+        "Update": pb.UpdateRequest(client_id="intruder", seq=1, tables=[pb.TableGrads(table="token_table", ids=b"\0" * 8, grads=b"\0" * 12, dtype=pb.FP32)]),
+        "Configure": pb.ConfigureRequest(tables_json=['{"name": "token_intruder2", "dim": 2}']),
+        "Describe": pb.DescribeRequest(),
+        "Save": pb.SaveRequest(directory=str(tmp_path / "stolen")),
+        "Load": pb.LoadRequest(directory=str(tmp_path / "planted")),
+        "Stats": pb.StatsRequest(),
+    }
+    with grpc.insecure_channel(secured["token_address"]) as channel:
+        for metadata in (None, (("authorization", "Bearer wrong"),), (("authorization", TOKEN),)):  # last: no "Bearer "
+            for method, request in requests.items():
+                with pytest.raises(grpc.RpcError) as info:
+                    channel.unary_unary(f"/persia.ParameterServer/{method}")(request.SerializeToString(), timeout=10, metadata=metadata)
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, (method, metadata)
+    assert not (tmp_path / "stolen").exists()

@@ -107,10 +107,12 @@ class DescribeResponse(_message.Message):
     def __init__(self, tables_json: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
-    __slots__ = ("directory",)
+    __slots__ = ("directory", "save_id")
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    SAVE_ID_FIELD_NUMBER: _ClassVar[int]
     directory: str
-    def __init__(self, directory: _Optional[str] = ...) -> None: ...
+    save_id: str
+    def __init__(self, directory: _Optional[str] = ..., save_id: _Optional[str] = ...) -> None: ...
 
 class SaveResponse(_message.Message):
     __slots__ = ()
@@ -131,11 +133,13 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "json")
+    __slots__ = ("shard_index", "num_shards", "json", "incarnation")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     JSON_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     json: str
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., json: _Optional[str] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., json: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...

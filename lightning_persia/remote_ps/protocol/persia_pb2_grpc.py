@@ -28,7 +28,12 @@ if _version_not_supported:
 class ParameterServerStub:
     """One shard of the parameter server. Errors: NOT_FOUND (unknown table), INVALID_ARGUMENT (malformed
     request, wrong dim or dtype), RESOURCE_EXHAUSTED (more ids than the shard's max_ids_per_request),
-    FAILED_PRECONDITION / DATA_LOSS (checkpoint refused), UNAUTHENTICATED (missing or wrong token).
+    FAILED_PRECONDITION / DATA_LOSS (checkpoint refused), UNAUTHENTICATED (missing or wrong token),
+    ABORTED (the shard restarted since the client learnt its incarnation).
+
+    Fencing: a client that sends "persia-incarnation: <id>" metadata on Lookup, Update or Save gets ABORTED
+    when <id> is not the shard's current incarnation, so a call never silently lands on a shard that lost
+    state in a restart (a retry after the restart included). Stats, Describe, Configure and Load are not fenced.
     """
 
     def __init__(self, channel):
@@ -77,7 +82,12 @@ class ParameterServerStub:
 class ParameterServerServicer:
     """One shard of the parameter server. Errors: NOT_FOUND (unknown table), INVALID_ARGUMENT (malformed
     request, wrong dim or dtype), RESOURCE_EXHAUSTED (more ids than the shard's max_ids_per_request),
-    FAILED_PRECONDITION / DATA_LOSS (checkpoint refused), UNAUTHENTICATED (missing or wrong token).
+    FAILED_PRECONDITION / DATA_LOSS (checkpoint refused), UNAUTHENTICATED (missing or wrong token),
+    ABORTED (the shard restarted since the client learnt its incarnation).
+
+    Fencing: a client that sends "persia-incarnation: <id>" metadata on Lookup, Update or Save gets ABORTED
+    when <id> is not the shard's current incarnation, so a call never silently lands on a shard that lost
+    state in a restart (a retry after the restart included). Stats, Describe, Configure and Load are not fenced.
     """
 
     def Lookup(self, request, context):
@@ -178,7 +188,12 @@ def add_ParameterServerServicer_to_server(servicer, server):
 class ParameterServer:
     """One shard of the parameter server. Errors: NOT_FOUND (unknown table), INVALID_ARGUMENT (malformed
     request, wrong dim or dtype), RESOURCE_EXHAUSTED (more ids than the shard's max_ids_per_request),
-    FAILED_PRECONDITION / DATA_LOSS (checkpoint refused), UNAUTHENTICATED (missing or wrong token).
+    FAILED_PRECONDITION / DATA_LOSS (checkpoint refused), UNAUTHENTICATED (missing or wrong token),
+    ABORTED (the shard restarted since the client learnt its incarnation).
+
+    Fencing: a client that sends "persia-incarnation: <id>" metadata on Lookup, Update or Save gets ABORTED
+    when <id> is not the shard's current incarnation, so a call never silently lands on a shard that lost
+    state in a restart (a retry after the restart included). Stats, Describe, Configure and Load are not fenced.
     """
 
     @staticmethod

@@ -7,7 +7,7 @@ import torch
 
 from lightning_persia.ops.hashing import shard_of
 from lightning_persia.remote_ps.store import checkpoint
-from lightning_persia.remote_ps.store.errors import InvalidRequestError, UnknownTableError
+from lightning_persia.remote_ps.store.errors import CheckpointError, InvalidRequestError, UnknownTableError
 from lightning_persia.remote_ps.store.table import Table
 from lightning_persia.remote_ps.table_config import TableConfig
 
@@ -27,13 +27,17 @@ class ShardStore:
         store.update("user", torch.tensor([3, 7]), torch.ones(2, 16))
     """
 
-    def __init__(self, shard_index: int, num_shards: int, seed: int = 0, table_defaults: dict[str, TableConfig] | None = None) -> None:
+    def __init__(
+        self, shard_index: int, num_shards: int, seed: int = 0, table_defaults: dict[str, TableConfig] | None = None,
+        fault_save_delay_s: float = 0.0,
+    ) -> None:
         if not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index must be in [0, {num_shards}), got {shard_index}")
         self.shard_index = shard_index
         self.num_shards = num_shards
         self.seed = seed
         self._defaults = dict(table_defaults or {})
+        self.fault_save_delay_s = fault_save_delay_s  # testing only: see PSConfig.fault_save_delay_s
         self._tables: dict[str, Table] = {}
         self._lock = threading.Lock()
 
@@ -50,6 +54,11 @@ class ShardStore:
 
     def describe(self, name: str) -> TableConfig:
         return self._table(name).config
+
+    def table_count(self) -> int:
+        """Tables created so far (declared defaults not used yet do not count)."""
+        with self._lock:
+            return len(self._tables)
 
     def tables(self) -> list[str]:
         with self._lock:
@@ -77,11 +86,12 @@ class ShardStore:
             tables = dict(self._tables)
         return {name: table.stats() for name, table in sorted(tables.items())}
 
-    def save(self, directory: str) -> None:
-        """Writes this shard's part of a checkpoint under ``directory``."""
+    def save(self, directory: str, save_id: str = "") -> None:
+        """Writes this shard's part of a checkpoint under ``directory`` (``save_id``: the same for every shard)."""
         with self._lock:
             tables = list(self._tables.values())
-        checkpoint.write_shard(directory, self.shard_index, self.num_shards, [t.snapshot() for t in tables])
+        checkpoint.write_shard(directory, self.shard_index, self.num_shards, [t.snapshot() for t in tables], save_id=save_id,
+                               pause_s=self.fault_save_delay_s)
 
     def load(self, directory: str) -> None:
         """Replaces every table by the rows of the checkpoint at ``directory`` that belong to this shard.
@@ -92,6 +102,22 @@ class ShardStore:
         tables = {s.config.name: Table.from_snapshot(s, self.seed) for s in snapshots}
         with self._lock:
             self._tables = tables
+
+    def load_latest(self, root: str) -> str:
+        """Loads the newest complete checkpoint at or under ``root`` (see :func:`checkpoint.candidate_checkpoints`).
+
+        Returns its path. Raises :class:`CheckpointError` listing why each candidate was refused when none loads.
+        """
+        refused = []
+        for candidate in checkpoint.candidate_checkpoints(root):
+            try:
+                self.load(str(candidate))
+            except CheckpointError as err:
+                refused.append(f"{candidate}: {err}")
+                continue
+            return str(candidate)
+        reasons = "; ".join(refused) if refused else "no folder with shard-NNNNN-of-NNNNN folders in it"
+        raise CheckpointError(f"no complete parameter-server checkpoint at or under {root} ({reasons})")
 
     def _table(self, name: str) -> Table:
         with self._lock:

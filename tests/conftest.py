@@ -1,9 +1,30 @@
 """Fixtures shared by the whole suite."""
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch.distributed as dist
 
 from lightning_persia.remote_ps.server import LocalShards
+
+# What a Trainer leaves in the environment and the process; a later subprocess would take it for its own launch.
+_DDP_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "PL_GLOBAL_SEED")
+
+
+@pytest.fixture(autouse=True)
+def clean_distributed():
+    """Every test starts without DDP variables (a subprocess would take them for its own launch); any process
+    group a test's Trainer created is destroyed after it."""
+    saved = {k: os.environ.pop(k, None) for k in _DDP_ENV}
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 # ---- parameter-server clusters: real shard processes on loopback (`lightning-persia ps serve --port 0`) ----

@@ -36,6 +36,7 @@ class _Step:
         self.planned: tuple[BatchRows, ...] = ()  # the same rows, for the prefetch thread to issue
         self.used: list[BatchRows] = []
         self.lag = 0
+        self.generation = 0  # EmbeddingWorker.generation when planned; rows of an older one are refetched
 
 
 class EmbeddingWorker:
@@ -64,6 +65,10 @@ class EmbeddingWorker:
         self._finished_through = 0  # steps 0 .. _finished_through - 1 are pushed or abandoned
         self._ready: deque[_Step] = deque()
         self._current: Optional[_Step] = None
+        # Set by the strategy's recovery: a failed update is reported to it (True: handled, the window goes on)
+        # instead of failing the staleness window.
+        self.on_update_error: Optional[Callable[[int, BaseException], bool]] = None
+        self.generation = 0
 
     # ---- modules -------------------------------------------------------------------------------------
 
@@ -82,6 +87,7 @@ class EmbeddingWorker:
         """Numbers ``batch`` as the next step and dedups the ids of every module that can be prefetched."""
         with self._lock:
             step = _Step(self._allocated)
+            step.generation = self.generation
             self._allocated += 1
         kjts = list(_find_kjts(batch))
         for key, module in self.modules.items():
@@ -141,6 +147,8 @@ class EmbeddingWorker:
         self.finish_step(scale=1.0)
         if self._ready:
             self._current = self._ready.popleft()
+            if self._current.generation != self.generation:
+                self._current.prefetched.clear()  # fetched before a rollback: the forward fetches them again
         else:
             with self._lock:
                 self._current = _Step(self._allocated)
@@ -206,12 +214,26 @@ class EmbeddingWorker:
     def drain(self) -> None:
         """Waits until every pushed update is applied (before a checkpoint, evaluation or the end)."""
         self.finish_step(scale=1.0)
+        self.wait_for_pushed()
+
+    def wait_for_pushed(self) -> None:
+        """Waits until every update pushed so far is answered; the open step stays open."""
         with self._lock:
             through = self._finished_through
         self.window.wait_until(through, self.timeout_s)
 
+    def invalidate_prefetched(self) -> None:
+        """Rows fetched so far (for the open step and every planned one) are stale: fetch them again."""
+        with self._lock:
+            self.generation += 1
+        if self._current is not None:
+            self._current.prefetched.clear()
+
     def _on_update_done(self, index: int, future: Future) -> None:
         error = future.exception()
+        if error is not None and self.on_update_error is not None and self.on_update_error(index, error):
+            self.window.acknowledge(index)
+            return
         if error is not None:
             self.window.fail(RuntimeError(f"embedding update of step {index} failed: {error}"))
         else:

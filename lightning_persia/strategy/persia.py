@@ -25,6 +25,7 @@ from lightning_persia.remote_ps.client import PSClient
 from lightning_persia.remote_ps.table_config import DEFAULT_CAPACITY, InitLike, OptimizerLike
 from lightning_persia.strategy.interception import MODULE_KINDS, TableDefaults, TableOverride, intercept
 from lightning_persia.strategy.local_cluster import LocalCluster
+from lightning_persia.strategy.recovery import Recovery, RecoveryConfig, new_save_id
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class PersiaStrategy(DDPStrategy):
         ps_timeout_s: deadline of one parameter-server call, and of a wait on the staleness window.
         ps_config: PS YAML config for the embedded shards.
         log_embedding_metrics: log lookup wait, rows fetched, unique ratio, wire bytes and staleness each step.
+        recovery: what happens when a shard dies or restarts (default: roll back to the last checkpoint and go
+            on; the embedded launcher restarts dead shards). See ``lightning_persia.strategy.recovery``.
     """
 
     strategy_name = "persia"
@@ -100,6 +103,7 @@ class PersiaStrategy(DDPStrategy):
         ps_timeout_s: float = 60.0,
         ps_config: Optional[str] = None,
         log_embedding_metrics: bool = True,
+        recovery: Optional[RecoveryConfig] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -157,6 +161,8 @@ class PersiaStrategy(DDPStrategy):
         self.remote_modules: list[RemoteModule] = []
         self._cluster: Optional[LocalCluster] = None
         self._loaders: list[PrefetchingLoader] = []
+        self.recovery = recovery if recovery is not None else RecoveryConfig()
+        self._recovery = Recovery(self, self.recovery)
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -179,7 +185,10 @@ class PersiaStrategy(DDPStrategy):
         if addresses is None:
             if self.global_rank == 0:
                 try:
-                    self._cluster = LocalCluster(self.num_local_shards, seed=self.ps_seed, config_path=self.ps_config)
+                    self._cluster = LocalCluster(
+                        self.num_local_shards, seed=self.ps_seed, config_path=self.ps_config,
+                        restart=self.recovery.enabled and self.recovery.restart_local_shards, max_restarts=self.recovery.max_local_restarts,
+                    )
                     addresses = self._cluster.addresses
                 except Exception as error:  # every rank must leave the broadcast, then raise
                     addresses = f"embedded parameter server failed to start: {error}"
@@ -187,6 +196,7 @@ class PersiaStrategy(DDPStrategy):
             if isinstance(addresses, str):
                 raise RuntimeError(addresses)
         self.client = PSClient(addresses, token=self.ps_token, tls_root_cert=self.ps_tls_root_cert, timeout_s=self.ps_timeout_s)
+        self._recovery.attach(self.client, None)
         self.client.wait_healthy(self.ps_timeout_s)
 
     # ---- model ------------------------------------------------------------------------------------------
@@ -205,6 +215,7 @@ class PersiaStrategy(DDPStrategy):
         self.worker = EmbeddingWorker(self.client, self.staleness, self.wire_dtype, self.root_device, timeout_s=self.ps_timeout_s)
         for module in self.remote_modules:
             self.worker.register(module)
+        self._recovery.attach(self.client, self.worker)
 
     def configure_ddp(self) -> None:
         # DDP refuses a model without trainable parameters; with every table remote there may be none left.
@@ -227,6 +238,7 @@ class PersiaStrategy(DDPStrategy):
         super().on_train_batch_start(batch, batch_idx)
         if self.worker is not None:
             self.worker.begin_step()
+            self._recovery.check("train")
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
@@ -255,6 +267,7 @@ class PersiaStrategy(DDPStrategy):
     def on_validation_start(self) -> None:
         super().on_validation_start()
         self._drain()
+        self._recovery.check("validation")
 
     def on_test_start(self) -> None:
         super().on_test_start()
@@ -278,15 +291,25 @@ class PersiaStrategy(DDPStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
         """Saves the shards' state beside the ``.ckpt`` (in ``<file>.ps/``), consistent with the same step."""
+        ps_dir = None
         if self.client is not None and self.remote_modules:
             self._drain()
             self.barrier("persia_save_checkpoint")
-            ps_dir = _ps_dir(filepath)
+            self._recovery.check("checkpoint", checkpoint)
+            # A fresh folder per save (<file>.ps/<save id>/): the previous one, named by the .ckpt it belongs to,
+            # stays intact until the new .ckpt has replaced it, so a save killed half-way never breaks the pair.
+            ps_dir = _ps_dir(filepath) / self.broadcast(new_save_id())
             if self.is_global_zero:
-                shutil.rmtree(ps_dir, ignore_errors=True)
                 self.client.save(str(ps_dir))
-            checkpoint[CHECKPOINT_KEY] = {"ps_dir": ps_dir.name, "tables": [t.name for m in self.remote_modules for t in m.remote_tables]}
+            checkpoint[CHECKPOINT_KEY] = {"ps_dir": f"{ps_dir.parent.name}/{ps_dir.name}",
+                                          "tables": [t.name for m in self.remote_modules for t in m.remote_tables]}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if ps_dir is not None:
+            if self.is_global_zero:
+                for old in ps_dir.parent.iterdir():
+                    if old.name != ps_dir.name:
+                        shutil.rmtree(old, ignore_errors=True)
+            self._recovery.saved(filepath, ps_dir)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Loads the dense state, and the shards' state from ``<file>.ps/`` (also into another shard count)."""
@@ -298,6 +321,7 @@ class PersiaStrategy(DDPStrategy):
             if self.is_global_zero:
                 self.client.load(str(ps_dir))
             self.barrier("persia_load_checkpoint_done")
+            self._recovery.loaded(checkpoint_path, ps_dir)
         return checkpoint
 
     def remove_checkpoint(self, filepath: _PATH) -> None:

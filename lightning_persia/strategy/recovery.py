@@ -1,0 +1,287 @@
+"""Automatic recovery of a PersiaStrategy run from a parameter-server shard that died (and came back).
+
+What happens (the choice made for Lightning 2.6, kept simple):
+
+1. **Noticing.** A shard that dies makes the calls to it fail (``ShardUnavailableError`` after the client's
+   retries); a shard that restarted refuses every client that knew its previous *incarnation*
+   (``ShardRestartedError``), so no lookup or update ever lands silently on a shard that lost rows. With
+   recovery on, a failed embedding update does not fail the staleness window: it is recorded, and the step
+   goes on to the next check.
+2. **Agreeing.** At the start of every training batch (after the batch's prefetched lookups have answered),
+   before validation, and before a checkpoint is written, every rank reports whether it saw such a failure;
+   the ranks agree with one all-reduce (nothing on one rank). So every rank rolls back at the same step, and
+   none is left waiting in a DDP collective.
+3. **Rolling back in place** (inside the running ``fit``; no new process, no new process group):
+   every rank drains its in-flight updates; rank 0 waits until every shard answers again (the embedded
+   launcher restarts a dead shard on its port with ``--restore-from`` the latest checkpoint; in a cluster,
+   whoever restarts it) and loads the last checkpoint's PS state into *all* shards; every rank accepts the
+   shards' new incarnations, loads the same checkpoint's dense weights and optimizer state (``weights_only``)
+   and drops the rows it had prefetched. Dense and sparse state are then those of one checkpoint.
+4. **Going on** with the current batch. The batches trained between the checkpoint and the failure are not
+   replayed (their effect is undone; the data loader and the step counter go on): the run loses at most one
+   checkpoint interval of progress, never its consistency.
+
+Without a checkpoint to return to, or after ``max_rollbacks`` rollbacks in one ``fit``, or when the shards do not
+answer within ``wait_for_shards_s``, every rank raises :class:`PersiaRecoveryError` with the reason; the
+strategy's ``on_exception`` then stops the embedded shards. Nothing waits forever.
+
+Not recovered in place (the run fails cleanly; resume with ``fit(ckpt_path=...)``): a shard failing in the
+middle of a step's forward (after the check), a failure during validation lookups, a dead trainer rank.
+Learning-rate schedulers and callbacks' states are not rolled back.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from concurrent.futures import CancelledError
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_persia.remote_ps.client import PSError
+
+if TYPE_CHECKING:
+    from lightning_persia.embedding.worker import EmbeddingWorker
+    from lightning_persia.strategy.persia import PersiaStrategy
+
+log = logging.getLogger(__name__)
+
+
+class PersiaRecoveryError(RuntimeError):
+    """A parameter-server failure that could not be recovered from; the message says why and what to do."""
+
+
+@dataclass
+class RecoveryConfig:
+    """How PersiaStrategy reacts to a parameter-server shard that dies or restarts (see the module docstring).
+
+    Example (YAML: ``trainer.strategy.init_args.recovery: {max_rollbacks: 5}``)::
+
+        PersiaStrategy(recovery=RecoveryConfig(max_rollbacks=5, wait_for_shards_s=300))
+    """
+
+    enabled: bool = True
+    """Roll back to the last checkpoint on a shard failure; ``False``: the first failure fails the run."""
+    max_rollbacks: int = 3
+    """Rollbacks allowed in one ``fit``; one more failure fails the run."""
+    wait_for_shards_s: float = 120.0
+    """How long a rollback waits for every shard to answer again before it gives up."""
+    restart_local_shards: bool = True
+    """Embedded mode: the launcher restarts a dead shard on its port, from the latest checkpoint."""
+    max_local_restarts: int = 3
+    """Embedded mode: restarts per shard before the launcher gives up on it."""
+    client_max_retries: int = 5
+    """Retries of a PS call that failed with UNAVAILABLE or DEADLINE_EXCEEDED (each with ``ps_timeout_s``)."""
+    client_backoff_s: float = 0.1
+    """First back-off between retries (doubles each time, with jitter)."""
+    client_max_backoff_s: float = 5.0
+    """Longest back-off between retries."""
+
+    def __post_init__(self) -> None:
+        if self.max_rollbacks < 0 or self.max_local_restarts < 0 or self.client_max_retries < 0:
+            raise ValueError("RecoveryConfig: max_rollbacks, max_local_restarts and client_max_retries must be >= 0")
+        if self.wait_for_shards_s <= 0 or self.client_backoff_s < 0 or self.client_max_backoff_s < 0:
+            raise ValueError("RecoveryConfig: wait_for_shards_s must be > 0 and the back-offs >= 0")
+
+
+@dataclass
+class RollbackEvent:
+    """One rollback: when, why, to which checkpoint, and how long it took."""
+
+    step: int
+    where: str
+    reason: str
+    checkpoint: str
+    seconds: float
+    at: float = field(default_factory=time.time)
+
+
+class Recovery:
+    """The recovery logic of one PersiaStrategy (hooks: ``attach``, ``check``, ``saved``, ``loaded``)."""
+
+    def __init__(self, strategy: "PersiaStrategy", config: RecoveryConfig) -> None:
+        self.strategy = strategy
+        self.config = config
+        self.events: list[RollbackEvent] = []
+        self.last_checkpoint: Optional[str] = None
+        self._failure: Optional[str] = None
+
+    # ---- hooks called by the strategy ----------------------------------------------------------------
+
+    def attach(self, client: Any, worker: Optional["EmbeddingWorker"]) -> None:
+        """Applies the client's retry settings and makes failed updates wait for the next check."""
+        client.max_retries = self.config.client_max_retries
+        client.backoff_s = self.config.client_backoff_s
+        client.max_backoff_s = self.config.client_max_backoff_s
+        if worker is not None and self.config.enabled:
+            worker.on_update_error = self._on_update_error
+
+    def saved(self, filepath: Any, ps_dir: Optional[Path]) -> None:
+        """A checkpoint (dense file + PS folder) is complete: the target of the next rollback."""
+        self.last_checkpoint = str(filepath)
+        cluster = self.strategy._cluster
+        if cluster is not None and ps_dir is not None:
+            cluster.restore_from = str(ps_dir)
+
+    def loaded(self, filepath: Any, ps_dir: Optional[Path]) -> None:
+        """The run resumed from a checkpoint: it is the rollback target until a newer one is saved."""
+        self.saved(filepath, ps_dir)
+
+    def check(self, where: str, checkpoint: Optional[dict] = None) -> bool:
+        """Collective: rolls every rank back if any saw a shard failure. Returns whether it rolled back.
+
+        ``where``: ``"train"`` (start of a batch: also waits for its prefetched lookups), ``"validation"`` or
+        ``"checkpoint"`` (then ``checkpoint``, the dict about to be written, is refilled after a rollback).
+        """
+        worker = self.strategy.worker
+        if not self.config.enabled or worker is None or self.strategy.client is None:
+            return False
+        local = self._failure or (self._lookup_failure(worker) if where == "train" else None)
+        if not self._any_rank(local is not None):
+            return False
+        self._rollback(local or "another rank saw a parameter-server failure", where, checkpoint)
+        return True
+
+    # ---- internals -----------------------------------------------------------------------------------
+
+    def _on_update_error(self, index: int, error: BaseException) -> bool:
+        if isinstance(error, (PSError, CancelledError)):
+            if self._failure is None:
+                self._failure = f"the embedding update of step {index} failed: {error}"
+            return True  # acknowledged; the next check rolls back
+        return False
+
+    def _lookup_failure(self, worker: "EmbeddingWorker") -> Optional[str]:
+        step = getattr(worker, "_current", None)
+        if step is None:
+            return None
+        client = self.strategy.client
+        # long enough for the client's own retries to end, so that their error (naming the shard) is the reason
+        budget = client.timeout_s * (client.max_retries + 1) + client.max_backoff_s * client.max_retries + 1.0
+        for rows in step.prefetched.values():
+            issued = getattr(rows, "_issued", None)
+            if issued is not None and not issued.wait(worker.timeout_s):
+                return f"the embedding lookup of step {step.index} was not issued within {worker.timeout_s:.1f} s"
+            future = getattr(rows, "_rows", None)
+            if future is None:
+                continue
+            try:
+                error = future.exception(budget)
+            except FutureTimeout:
+                return f"the embedding lookup of step {step.index} did not answer within {budget:.1f} s"
+            except CancelledError:
+                return f"the embedding lookup of step {step.index} was cancelled"
+            if isinstance(error, PSError):
+                return f"the embedding lookup of step {step.index} failed: {error}"
+        return None
+
+    def _distributed(self) -> bool:
+        return self.strategy.world_size > 1 and dist.is_available() and dist.is_initialized()
+
+    def _any_rank(self, flag: bool) -> bool:
+        if not self._distributed():
+            return flag
+        value = torch.tensor([1 if flag else 0], device=self.strategy.root_device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
+    def _all_ok(self, error: Optional[str], stage: str) -> None:
+        """Raises the same PersiaRecoveryError on every rank if any rank failed ``stage``."""
+        if self._any_rank(error is not None):
+            raise PersiaRecoveryError(
+                f"PersiaStrategy could not roll back to the last checkpoint ({stage}): "
+                f"{error or 'another rank failed this stage; see its log'}"
+            )
+
+    def _rollback(self, reason: str, where: str, checkpoint: Optional[dict]) -> None:
+        strategy = self.strategy
+        trainer = strategy.lightning_module.trainer
+        step = trainer.global_step
+        started = time.monotonic()
+        if len(self.events) >= self.config.max_rollbacks:
+            raise PersiaRecoveryError(
+                f"a parameter-server shard failed again at step {step} ({reason}) after {len(self.events)} rollbacks "
+                f"(RecoveryConfig.max_rollbacks={self.config.max_rollbacks}); giving up"
+            )
+        target = self.last_checkpoint
+        if target is None:
+            raise PersiaRecoveryError(
+                f"a parameter-server shard failed at step {step} ({reason}) and no checkpoint of this run exists to "
+                "roll back to: the embedding rows written since the start may be lost. Save checkpoints during "
+                "training (e.g. ModelCheckpoint(every_n_train_steps=...)) so that PersiaStrategy can recover, or "
+                "restart the run"
+            )
+        log.warning("PersiaStrategy: %s at step %d (%s); rolling back to %s", reason, step, where, target)
+        worker = strategy.worker
+        client = strategy.client
+        assert worker is not None and client is not None
+
+        # 1. every update this rank pushed is answered (applied or failed), so none lands after the load
+        error = None
+        try:
+            worker.wait_for_pushed()  # not drain(): the open step (this batch) must stay open
+        except Exception as err:  # noqa: BLE001 - reported on every rank below
+            error = f"in-flight embedding updates did not finish: {err}"
+        self._all_ok(error, "draining updates")
+
+        # 2. rank 0: every shard answers again; all of them get the checkpoint's rows
+        entry = None
+        try:
+            dense = strategy.checkpoint_io.load_checkpoint(target, weights_only=True)
+            entry = dense.get("persia")
+        except Exception as err:  # noqa: BLE001
+            dense, error = None, f"cannot read {target}: {type(err).__name__}: {err}"
+        self._all_ok(error, "reading the checkpoint")
+        ps_dir = Path(target).parent / entry["ps_dir"] if entry else None
+        status = "ok"
+        if strategy.is_global_zero:
+            try:
+                client.wait_healthy(self.config.wait_for_shards_s)
+                if ps_dir is not None:
+                    client.load(str(ps_dir))
+            except Exception as err:  # noqa: BLE001
+                status = (f"the shards did not come back within {self.config.wait_for_shards_s:.0f} s or refused the "
+                          f"checkpoint {ps_dir}: {type(err).__name__}: {err}{self._cluster_events()}")
+        status = strategy.broadcast(status)
+        self._all_ok(None if status == "ok" else status, "restoring the shards")
+
+        # 3. every rank: the shards' new incarnations, the dense state of the same checkpoint, no stale rows
+        error = None
+        try:
+            if not strategy.is_global_zero:
+                client.refresh_incarnations()
+            strategy.load_model_state_dict(dense, strict=True)
+            strategy.load_optimizer_state_dict(dense)
+            invalidate = getattr(worker, "invalidate_prefetched", None)
+            if invalidate is not None:
+                invalidate()
+        except Exception as err:  # noqa: BLE001
+            error = f"{type(err).__name__}: {err}"
+        self._all_ok(error, "restoring the dense state")
+        self._failure = None
+
+        if checkpoint is not None:  # the dict about to be written was dumped before the rollback
+            fresh = trainer._checkpoint_connector.dump_checkpoint(weights_only="optimizer_states" not in checkpoint)
+            checkpoint.clear()
+            checkpoint.update(fresh)
+        event = RollbackEvent(step=step, where=where, reason=reason, checkpoint=target, seconds=time.monotonic() - started)
+        self.events.append(event)
+        log.warning("PersiaStrategy: rolled back to %s in %.1f s (rollback %d of at most %d); training goes on",
+                    target, event.seconds, len(self.events), self.config.max_rollbacks)
+
+    def _cluster_events(self) -> str:
+        cluster = self.strategy._cluster
+        events = getattr(cluster, "events", None)
+        if not events:
+            return ""
+        return "; embedded launcher: " + "; ".join(f"shard {e.shard} {e.kind}: {e.detail.splitlines()[0]}" for e in events[-4:])
+
+
+def new_save_id() -> str:
+    """A fresh id for one checkpoint's PS folder (``<ckpt>.ps/<save_id>``)."""
+    return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:8]

@@ -16,6 +16,8 @@ EMPTY = -1
 TOMBSTONE = -2
 _MAX_LOAD = 0.5
 _MIN_SLOTS = 1 << 10
+_WIDE_BELOW = 2048  # unresolved ids below which a probe pass reads a window of slots per id
+_WIDE_WINDOW = 8
 
 
 class IdIndex:
@@ -64,21 +66,42 @@ class IdIndex:
         self._place(extra[0], extra[1].to(torch.int32))
 
     def _probe(self, ids: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row and slot of each id (row -1 when absent; its slot is then meaningless).
+
+        A pass costs a dozen tensor ops whatever the number of ids, and the number of passes is the longest
+        probe chain among the ids. So while many ids are unresolved each pass looks at one slot per id; once
+        few are left (the long chains of linear probing), a pass looks at the next ``_WIDE_WINDOW`` slots of
+        each at once. Finding the few hundred ids per table of a training step (a 4096-row batch over 26
+        tables and 2 shards) then takes 1-2 passes instead of the 10-20 of one slot per pass.
+        """
         mask = self._slots.numel() - 1
         pos = slot_hash(ids) & mask
         rows = torch.full_like(ids, EMPTY)
         positions = pos.clone()
-        active = torch.arange(ids.numel())
-        want = ids
-        while active.numel():
-            slot = self._slots[pos].to(torch.int64)
-            match = (slot >= 0) & (keys[slot.clamp(min=0)] == want)
-            done = match | (slot == EMPTY)
-            hit = active[match]
-            rows[hit] = slot[match]
-            positions[hit] = pos[match]
-            keep = ~done
-            active, pos, want = active[keep], (pos[keep] + 1) & mask, want[keep]
+        active = None  # positions in ``ids`` of the unresolved ids; None: all of them
+        want, start = ids, pos
+        while want.numel():
+            width = 1 if want.numel() > _WIDE_BELOW else _WIDE_WINDOW
+            if width == 1:
+                cand = start
+                slot = self._slots[cand].to(torch.int64)
+                matched = (slot >= 0) & (keys[slot.clamp(min=0)] == want)
+                stopped = matched | (slot == EMPTY)
+            else:
+                cand = (start.unsqueeze(1) + torch.arange(width)) & mask
+                slots = self._slots[cand].to(torch.int64)
+                match = (slots >= 0) & (keys[slots.clamp(min=0)] == want.unsqueeze(1))
+                stop = match | (slots == EMPTY)
+                first = stop.to(torch.int8).argmax(1, keepdim=True)  # the first slot that ends the chain
+                stopped = stop.gather(1, first).squeeze(1)
+                matched = match.gather(1, first).squeeze(1) & stopped
+                slot, cand = slots.gather(1, first).squeeze(1), cand.gather(1, first).squeeze(1)
+            hit = matched if active is None else active[matched]
+            rows[hit] = slot[matched]
+            positions[hit] = cand[matched]
+            keep = ~stopped
+            active = torch.nonzero(keep).squeeze(1) if active is None else active[keep]
+            want, start = want[keep], (start[keep] + width) & mask
         return rows, positions
 
     def _place(self, ids: torch.Tensor, rows: torch.Tensor) -> None:

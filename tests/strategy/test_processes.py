@@ -15,7 +15,7 @@ SCRIPT = Path(__file__).with_name("run_toy.py")
 RESUME_STEPS = int(os.environ.get("PERSIA_RESUME_STEPS", "40"))
 
 
-def _run(out: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def _run(out: Path, *args: str, timeout: float = 240 + 0.5 * RESUME_STEPS) -> subprocess.CompletedProcess:
     out.mkdir(parents=True, exist_ok=True)
     result = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), *args], capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

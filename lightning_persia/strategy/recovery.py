@@ -45,6 +45,8 @@ import torch.distributed as dist
 
 from lightning_persia.remote_ps.client import PSError
 
+COMMIT_MARKER = "COMMITTED"  # = remote_ps.store.checkpoint.COMMIT_MARKER (the strategy does not import the store)
+
 if TYPE_CHECKING:
     from lightning_persia.embedding.worker import EmbeddingWorker
     from lightning_persia.strategy.persia import PersiaStrategy
@@ -121,16 +123,24 @@ class Recovery:
         if worker is not None and self.config.enabled:
             worker.on_update_error = self._on_update_error
 
-    def saved(self, filepath: Any, ps_dir: Optional[Path]) -> None:
-        """A checkpoint (dense file + PS folder) is complete: the target of the next rollback."""
+    def saved(self, filepath: Any, ps_dir: Optional[Path], commit: bool = True) -> None:
+        """A checkpoint (dense file + PS folder) is complete: the target of the next rollback.
+
+        Rank 0 marks the PS folder committed (a shard started with ``--restore-from`` on a folder of checkpoints
+        then prefers it to a PS folder whose ``.ckpt`` was never written)."""
         self.last_checkpoint = str(filepath)
+        if commit and ps_dir is not None and self.strategy.is_global_zero:
+            try:
+                (ps_dir / COMMIT_MARKER).write_text(f"{Path(str(filepath)).name}\n")
+            except OSError as err:  # the shards' file system may not be this rank's; nothing depends on it
+                log.debug("cannot mark %s committed: %s", ps_dir, err)
         cluster = self.strategy._cluster
         if cluster is not None and ps_dir is not None:
             cluster.restore_from = str(ps_dir)
 
     def loaded(self, filepath: Any, ps_dir: Optional[Path]) -> None:
         """The run resumed from a checkpoint: it is the rollback target until a newer one is saved."""
-        self.saved(filepath, ps_dir)
+        self.saved(filepath, ps_dir, commit=False)
 
     def check(self, where: str, checkpoint: Optional[dict] = None) -> bool:
         """Collective: rolls every rank back if any saw a shard failure. Returns whether it rolled back.

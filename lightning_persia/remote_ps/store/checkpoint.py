@@ -103,6 +103,12 @@ def _fsync_directory(path: Path) -> None:
         os.close(fd)
 
 
+COMMIT_MARKER = "COMMITTED"
+"""A file that a trainer writes into a checkpoint folder once the rest of its checkpoint (the dense ``.ckpt``)
+is written too. Where some candidates carry it, :func:`candidate_checkpoints` offers only those: a PS
+checkpoint whose trainer died before its ``.ckpt`` was written is complete but belongs to no checkpoint."""
+
+
 def is_checkpoint(directory: str | os.PathLike) -> bool:
     """Whether ``directory`` holds shard folders (complete or not)."""
     path = Path(directory)
@@ -113,7 +119,8 @@ def candidate_checkpoints(root: str | os.PathLike, max_depth: int = 3) -> list[P
     """Folders at or under ``root`` that hold shard folders, newest first (by their newest manifest).
 
     ``root`` may be a checkpoint itself, the ``<ckpt>.ps`` folder of PersiaStrategy, or a folder of many
-    checkpoints. Completeness is not checked here: :func:`read_for_shard` does that when loading.
+    checkpoints. Completeness is not checked here: :func:`read_for_shard` does that when loading. If any
+    candidate carries :data:`COMMIT_MARKER`, only the committed ones are returned.
     """
     found: list[tuple[float, Path]] = []
 
@@ -133,7 +140,9 @@ def candidate_checkpoints(root: str | os.PathLike, max_depth: int = 3) -> list[P
                     visit(child, depth + 1)
 
     visit(Path(root), 0)
-    return [path for _, path in sorted(found, key=lambda item: item[0], reverse=True)]
+    ordered = [path for _, path in sorted(found, key=lambda item: item[0], reverse=True)]
+    committed = [path for path in ordered if (path / COMMIT_MARKER).is_file()]
+    return committed or ordered
 
 
 def read_for_shard(directory: str | os.PathLike, shard_index: int, num_shards: int) -> list[TableSnapshot]:

@@ -589,8 +589,16 @@ def run_shard(
                     "overwrite the tables", host)
 
     stop = threading.Event()
+    signalled: list[int] = []
+
+    def on_signal(signum, frame) -> None:
+        # No lock here (not even Event.set): the handler runs on the main thread between two bytecodes, possibly
+        # while that thread holds the very lock it would take (a second SIGTERM landing inside the first
+        # handler's Event.set deadlocked the shard for good). The main loop below polls the list.
+        signalled.append(signum)
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+        signal.signal(signum, on_signal)
     if parent_pid is not None:
         _exit_with_parent(parent_pid, stop)
 
@@ -600,7 +608,7 @@ def run_shard(
     protection = " + ".join(name for name, on in (("TLS", tls), ("token", token)) if on) or "no TLS, no token"
     log.info("shard %d/%d serving on %s (%s)", shard_index, num_shards, address, protection)
     print(f"{LISTENING_PREFIX} {address}", flush=True)
-    while not stop.wait(1.0):  # a timed wait keeps the main thread responsive to signals
+    while not signalled and not stop.wait(0.2):  # a timed wait keeps the main thread responsive to signals
         pass
     log.info("shard %d/%d stopping (grace %.1f s)", shard_index, num_shards, config.grace_s)
     server.stop(config.grace_s)

@@ -1,7 +1,7 @@
 """Trains ToyRecommender under PersiaStrategy with an injected fault (its own process: the DDP launcher re-runs it).
 
     python run_faults.py --out DIR [--devices 2] [--shards 2] [--steps 24] [--checkpoint-every 4]
-        [--kill-shard S --kill-shard-at STEP]     rank 0 SIGKILLs embedded shard S after step STEP
+        [--kill-shards S@STEP[,S@STEP...]]       rank 0 SIGKILLs embedded shard S after step STEP
         [--kill-rank R --kill-rank-at STEP]       rank R SIGKILLs itself after step STEP
         [--kill-in-save N]                        rank 0 SIGKILLs itself in the middle of its N-th PS save
         [--save-delay S]                          the shards pause S seconds per checkpoint file they write
@@ -35,16 +35,20 @@ class _Faults(L.Callback):
         self.args = args
         self.losses: list[float] = []
         self.saves = 0
+        self.done: set = set()
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
         step = trainer.global_step
         print(f"STEP {step} rank {trainer.global_rank}", flush=True)
         a = self.args
-        if a.kill_shard is not None and step == a.kill_shard_at and trainer.is_global_zero:
-            process = trainer.strategy._cluster.shards.processes[a.kill_shard]
-            print(f"KILL shard {a.kill_shard} pid {process.pid}", flush=True)
-            os.kill(process.pid, signal.SIGKILL)
+        for spec in filter(None, (a.kill_shards or "").split(",")):
+            shard, at = (int(x) for x in spec.split("@"))
+            if step == at and trainer.is_global_zero and (shard, at) not in self.done:
+                self.done.add((shard, at))
+                process = trainer.strategy._cluster.shards.processes[shard]
+                print(f"KILL shard {shard} pid {process.pid} after step {step}", flush=True)
+                os.kill(process.pid, signal.SIGKILL)
         if a.kill_rank is not None and step == a.kill_rank_at and trainer.global_rank == a.kill_rank:
             print(f"KILL rank {a.kill_rank} pid {os.getpid()}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -72,8 +76,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--staleness", type=int, default=1)
     parser.add_argument("--checkpoint-every", type=int, default=4)
-    parser.add_argument("--kill-shard", type=int)
-    parser.add_argument("--kill-shard-at", type=int, default=10)
+    parser.add_argument("--kill-shards", help="S@STEP[,S@STEP...]")
     parser.add_argument("--kill-rank", type=int)
     parser.add_argument("--kill-rank-at", type=int, default=10)
     parser.add_argument("--kill-in-save", type=int, default=0)

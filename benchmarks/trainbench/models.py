@@ -1,0 +1,70 @@
+"""The benchmark's model: the example DLRM, with its tables either remote (PersiaStrategy) or local and fused.
+
+Every configuration builds the DLRM with its ``EmbeddingBagCollection`` on the ``meta`` device right after
+``torch.manual_seed(seed)``, so the dense layers start from the same weights everywhere. Then:
+
+* remote runs hand the meta collection to ``PersiaStrategy``, which swaps it for its remote twin;
+* the local baseline replaces it by a TorchRec ``FusedEmbeddingBagCollection`` (FBGEMM's CPU
+  ``SplitTableBatchedEmbeddingBagsCodegen``, one batched kernel for all 26 tables, with the optimizer fused
+  into the backward: ``EXACT_ROWWISE_ADAGRAD``) whose rows start from exactly the values the parameter
+  server gives the same ids (its deterministic ``(seed, table, id)`` initialiser), so local and remote runs
+  differ only in where the embeddings live and are updated.
+"""
+from __future__ import annotations
+
+import math
+from typing import List
+
+import torch
+from torch import nn
+from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+from torchrec.optim import RowWiseAdagrad
+
+from examples.dlrm.model import DLRM
+from lightning_persia.remote_ps.store.initializers import initial_rows
+from lightning_persia.remote_ps.table_config import Uniform
+
+EBC_PATH = "ebc"  # where DLRM keeps its collection: the remote tables are named "ebc.<table>"
+
+
+class BenchDLRM(DLRM):
+    """DLRM whose ``configure_optimizers`` leaves a fused local collection to its own (fused) optimizer."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if isinstance(self.ebc, FusedEmbeddingBagCollection):
+            fused = {id(p) for p in self.ebc.parameters()}
+            dense = [p for p in self.parameters() if p.requires_grad and id(p) not in fused]
+            return torch.optim.Adam(dense, lr=self.lr, weight_decay=self.weight_decay)
+        return super().configure_optimizers()
+
+
+def build_model(cardinalities: List[int], *, dim: int, seed: int, dense_lr: float) -> BenchDLRM:
+    torch.manual_seed(seed)
+    return BenchDLRM(embedding_dim=dim, num_embeddings=list(cardinalities), embedding_device="meta", lr=dense_lr, optimizer="adam")
+
+
+def ps_init(num_embeddings: int) -> Uniform:
+    """The initialiser PersiaStrategy gives a TorchRec table without explicit bounds (TorchRec's default)."""
+    bound = math.sqrt(1.0 / num_embeddings)
+    return Uniform(-bound, bound)
+
+
+def make_local_fused(model: BenchDLRM, *, lr: float, eps: float, ps_seed: int, chunk_rows: int = 1 << 18) -> None:
+    """Replaces ``model.ebc`` (meta) by a fused CPU collection initialised as the parameter server would."""
+    configs = model.ebc.embedding_bag_configs()
+    fused = FusedEmbeddingBagCollection(
+        tables=configs, optimizer_type=RowWiseAdagrad, optimizer_kwargs={"lr": lr, "eps": eps}, device=torch.device("cpu"),
+    )
+    weights = dict(fused.named_parameters())
+    with torch.no_grad():
+        for config in configs:
+            weight = weights[f"embedding_bags.{config.name}.weight"]
+            init = ps_init(config.num_embeddings)
+            for first in range(0, config.num_embeddings, chunk_rows):
+                ids = torch.arange(first, min(first + chunk_rows, config.num_embeddings))
+                weight[first : first + ids.numel()] = initial_rows(init, ps_seed, f"{EBC_PATH}.{config.name}", ids, config.embedding_dim)
+    model.ebc = fused
+
+
+def count_parameters(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters() if p.device.type != "meta")

@@ -1,0 +1,159 @@
+"""One benchmark configuration, in its own process (and, with 2 ranks, the DDP launcher of the second one).
+
+``config`` (a JSON object on the command line) says everything: the mode (``local`` or ``persia``), ranks,
+staleness, sizes, the data cache, and where rank 0 writes its result JSON.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+import warnings
+from typing import Any, Dict, List
+
+import torch
+
+
+def _quiet() -> None:
+    import logging
+
+    warnings.filterwarnings("ignore")
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_persia", "torch.distributed"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+class _StepClock:
+    """Timestamps of every training step's end (rank 0), for samples/s over windows of steps."""
+
+    def __init__(self) -> None:
+        import lightning as L
+
+        clock = self
+
+        class Callback(L.Callback):
+            def on_train_start(self, trainer, module) -> None:
+                clock.start = time.perf_counter()
+
+            def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+                clock.ends.append(time.perf_counter())
+                if isinstance(outputs, dict) and "loss" in outputs:
+                    clock.losses.append(float(outputs["loss"]))
+
+        self.start = 0.0
+        self.ends: List[float] = []
+        self.losses: List[float] = []
+        self.callback = Callback()
+
+    def windows(self, warmup: int, window: int, global_batch: int) -> List[float]:
+        """samples/s of each full window of ``window`` steps after the first ``warmup`` steps."""
+        ends = self.ends
+        rates = []
+        first = warmup  # ends[warmup - 1] is the end of the last warm-up step
+        while first + window <= len(ends) and first >= 1:
+            seconds = ends[first + window - 1] - ends[first - 1]
+            rates.append(window * global_batch / seconds)
+            first += window
+        return rates
+
+
+def run(config: Dict[str, Any]) -> None:
+    _quiet()
+    threads = config.get("torch_threads")
+    if threads:
+        torch.set_num_threads(int(threads))
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_persia import Adagrad, PersiaStrategy
+    from trainbench.data import RankSlices
+    from trainbench.models import build_model, make_local_fused
+    from trainbench.probe import StepProbe
+
+    world = int(config["world"])
+    batch = int(config["batch_size"])
+    rank = int(os.environ.get("LOCAL_RANK", "0"))  # one node: local rank == global rank
+    setup_start = time.perf_counter()
+
+    model = build_model(config["cardinalities"], dim=config["dim"], seed=config["seed"], dense_lr=config["dense_lr"])
+    if config["mode"] == "local":
+        if world != 1:
+            raise ValueError("the local baseline runs on one rank (its tables are not sharded across ranks)")
+        make_local_fused(model, lr=config["emb_lr"], eps=config["emb_eps"], ps_seed=config["ps_seed"])
+        strategy: Any = "auto"
+    else:
+        strategy = PersiaStrategy(
+            ps_addresses=config.get("ps_addresses"),
+            num_local_shards=config["shards"],
+            staleness=config["staleness"],
+            embedding_optimizer=Adagrad(lr=config["emb_lr"], eps=config["emb_eps"], rowwise=True),
+            wire_dtype=config["wire_dtype"],
+            ps_seed=config["ps_seed"],
+            ps_token=config.get("ps_token"),
+            ps_timeout_s=120.0,
+        )
+
+    clock = _StepClock()
+    callbacks = [clock.callback]
+    probe = None
+    if config.get("profile"):
+        probe = StepProbe(element_size=2 if config.get("wire_dtype", "fp16") == "fp16" else 4)
+        probe.warmup = config["warmup"]
+        import trainbench.probe as probe_module
+
+        probe_module.SHARD_PIDS[:] = config.get("shard_pids", [])
+        if config["mode"] != "local":
+            probe.install_worker_probes()
+        callbacks.append(probe)
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=config["steps"],
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+        inference_mode=False,  # FBGEMM's CPU TBE has no inference-mode kernel; no_grad evaluation everywhere
+        limit_val_batches=0,
+        callbacks=callbacks,
+    )
+    train = RankSlices(config["data_path"], "train", batch, config["steps"], rank, world)
+    test = RankSlices(config["data_path"], "test", batch, config["test_batches"], rank, world)
+    fit_start = time.perf_counter()
+    trainer.fit(model, train_dataloaders=DataLoader(train, batch_size=None, shuffle=False))
+    fit_s = time.perf_counter() - fit_start
+    test_start = time.perf_counter()
+    metrics = trainer.test(model, dataloaders=DataLoader(test, batch_size=None, shuffle=False), verbose=False)
+    test_s = time.perf_counter() - test_start
+    if isinstance(strategy, PersiaStrategy):
+        strategy.close()
+    if trainer.global_rank != 0:
+        return
+
+    rates = clock.windows(config["warmup"], config["window"], batch)
+    result = {
+        "name": config["name"],
+        "samples_per_s": statistics.median(rates) if rates else None,
+        "window_samples_per_s": rates,
+        "auc": float(metrics[0]["test_auc"]),
+        "test_loss": float(metrics[0]["test_loss"]),
+        "final_train_loss": statistics.mean(clock.losses[-10:]) if clock.losses else None,
+        "steps": len(clock.ends),
+        "samples": len(clock.ends) * batch,
+        "fit_s": fit_s,
+        "test_s": test_s,
+        "setup_s": fit_start - setup_start,
+        "first_step_s": (clock.ends[0] - clock.start) if clock.ends else None,
+        "torch_threads": torch.get_num_threads(),
+    }
+    if probe is not None:
+        result["profile"] = probe.summary(skip=config["warmup"])
+    tmp = config["out"] + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, config["out"])

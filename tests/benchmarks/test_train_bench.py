@@ -1,0 +1,102 @@
+"""Smoke tests of benchmarks/train_bench.py: a tiny run end to end, and the emulated network's plumbing."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "train_bench.py"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from trainbench.netem import EmulatedNetwork, NetemError, _burst_bytes, parse_netem  # noqa: E402
+
+REQUIRED = ("local_samples_per_s", "sync_samples_per_s", "hybrid_samples_per_s", "auc_local", "auc_sync", "auc_hybrid")
+
+
+def test_tiny_run_reports_every_figure(tmp_path):
+    """1 rank, batch 256, 6 steps of local, sync and hybrid (τ=2) on tiny tables: the JSON has every figure."""
+    command = [
+        sys.executable, str(SCRIPT), "--json", "--steps", "6", "--warmup", "2", "--window", "2", "--batch-size", "256",
+        "--test-batches", "2", "--ranks", "1", "--staleness", "2", "--cardinality-scale", "0.001",
+        "--cache-dir", str(tmp_path / "cache"), "--profile", "--timeout", "120",
+    ]
+    start = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=170, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    for key in REQUIRED:
+        assert isinstance(summary[key], float) and summary[key] > 0, (key, summary[key])
+    assert summary["hybrid_vs_local"] > 0 and summary["hybrid_vs_sync"] > 0
+    assert {r["name"] for r in summary["runs"]} == {"local", "sync", "hybrid-2"}
+    profile = next(r["profile"] for r in summary["runs"] if r["name"] == "hybrid-2")
+    assert profile["step"] > 0 and profile["cpu_total"] > 0
+    assert "where a step's time goes" in done.stdout
+    print(f"smoke run took {time.monotonic() - start:.0f} s")
+
+
+def test_netem_argument_parsing():
+    assert parse_netem("1,10gbit") == (1.0, "10gbit")
+    assert parse_netem("0.5") == (0.5, "")
+    with pytest.raises(NetemError, match="DELAY_MS"):
+        parse_netem("fast")
+    assert _burst_bytes("10gbit") == 5_000_000  # 4 ms at 1.25 GB/s
+    assert _burst_bytes("1mbit") == 1 << 16
+
+
+def test_delay_proxy_adds_its_delay_each_way():
+    """The forwarder that stands in for netem's delay holds each chunk ~delay ms in each direction."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def echo() -> None:
+        conn, _ = server.accept()
+        with conn:
+            while data := conn.recv(65536):
+                conn.sendall(data)
+
+    threading.Thread(target=echo, daemon=True).start()
+    proxy = subprocess.Popen(
+        [sys.executable, str(ROOT / "benchmarks" / "trainbench" / "delay_proxy.py"), "--delay-ms", "20", f"127.0.0.1:0=127.0.0.1:{port}"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        line = proxy.stdout.readline()
+        assert line.startswith("DELAY_PROXY_READY"), line
+        with socket.create_connection(("127.0.0.1", int(line.split()[1]))) as conn:
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                conn.sendall(b"x" * 1000)
+                received = b""
+                while len(received) < 1000:
+                    received += conn.recv(65536)
+                times.append(time.perf_counter() - start)
+        assert 0.035 < min(times) < 0.5, times  # 2 x 20 ms
+    finally:
+        proxy.terminate()
+        proxy.wait(10)
+        server.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None, reason="needs root and iproute2")
+def test_emulated_network_is_removed_on_close():
+    net = EmulatedNetwork(1.0, "1gbit", name=f"pbt{os.getpid() % 10000}")
+    try:
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert net.trainer_ns in names and net.ps_ns in names
+        assert ("netem" in net.qdisc()) != net.delay_by_proxy
+        reach = subprocess.run(net.in_trainer_ns(["ip", "route", "get", net.ps_ip]), capture_output=True, text=True)
+        assert reach.returncode == 0, reach.stderr
+    finally:
+        net.close()
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert net.trainer_ns not in names and net.ps_ns not in names

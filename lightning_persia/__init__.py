@@ -18,9 +18,10 @@ import sys
 
 from lightning_persia.remote_ps.table_config import SGD, Adagrad, Adam, Constant, Normal, TableConfig, Uniform
 
-__all__ = ["PersiaStrategy", "SGD", "Adagrad", "Adam", "Uniform", "Normal", "Constant", "TableOverride", "TableConfig"]
+__all__ = ["PersiaStrategy", "SGD", "Adagrad", "Adam", "Uniform", "Normal", "Constant", "TableOverride", "TableConfig", "RecoveryConfig"]
 
-_STRATEGY_NAMES = {"PersiaStrategy": "lightning_persia.strategy", "TableOverride": "lightning_persia.strategy.interception"}
+_STRATEGY_NAMES = {"PersiaStrategy": "lightning_persia.strategy", "TableOverride": "lightning_persia.strategy.interception",
+                   "RecoveryConfig": "lightning_persia.strategy.recovery"}
 
 
 def __getattr__(name: str):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Optional
 
@@ -86,7 +87,10 @@ class BatchRows:
         if not self._issued.wait(timeout_s):
             raise TimeoutError(f"the embedding lookup of tables {[t.name for t in self.tables]} was not issued within {timeout_s:.0f} s")
         assert self._rows is not None
-        fetched = self._rows.result(max(1.0, timeout_s - (time.perf_counter() - start)))
+        try:
+            fetched = self._rows.result(max(1.0, timeout_s - (time.perf_counter() - start)))
+        except FutureTimeout:
+            raise TimeoutError(f"the embedding lookup of tables {[t.name for t in self.tables]} got no answer within {timeout_s:.0f} s") from None
         self.wait_ms = (time.perf_counter() - start) * 1e3
         flat = torch.cat([fetched[t.name].reshape(-1) for t in self.tables])
         self.weights = flat.to(device, non_blocking=True).requires_grad_(requires_grad)

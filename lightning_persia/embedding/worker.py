@@ -4,9 +4,18 @@ Batches are numbered in the order the trainer consumes them (a *step*). For each
 the rows every remote module fetched; after the backward it pushes their gradients to the shards in one
 asynchronous update, and the acknowledgement of that update opens the staleness window for the lookup
 ``staleness + 1`` steps later.
+
+The window bounds staleness; it is not a target. A lookup issued as early as the window allows misses the
+updates of ``staleness`` earlier steps every time, even when the shards answer well within one step, and
+on tables that every batch touches (small vocabularies are updated by every step, like dense weights)
+those stale gradients cost accuracy. So the prefetch thread also waits until the trainer has begun step
+``t - lookahead`` before it issues the lookup of step ``t``, where ``lookahead`` (1 .. ``staleness``) is
+just enough to hide the measured lookup latency: ``ceil(1.2 * lookup latency / step time)``. Fast shards
+then give a staleness of 1-2 whatever the bound; slow ones use the whole window.
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -25,6 +34,8 @@ if TYPE_CHECKING:
     from lightning_persia.remote_ps.client import PSClient
 
 WIRE_ELEMENT_SIZE = {"fp16": 2, "fp32": 4}
+LOOKAHEAD_MARGIN = 1.2  # issue a lookup this many of its latencies ahead of its step (rounded up to whole steps)
+_EMA = 0.2  # weight of the newest sample in the latency and step-time averages
 
 
 class _Step:
@@ -65,6 +76,11 @@ class EmbeddingWorker:
         self._finished_through = 0  # steps 0 .. _finished_through - 1 are pushed or abandoned
         self._ready: deque[_Step] = deque()
         self._current: Optional[_Step] = None
+        self._progress = threading.Condition()  # guards the figures below, notified when a step begins
+        self._begun = -1  # index of the last step the trainer opened
+        self._last_begin: Optional[float] = None
+        self.step_seconds: Optional[float] = None  # moving average of the time between two steps' starts
+        self.lookup_seconds: Optional[float] = None  # moving average of a lookup's latency (issue -> rows)
         # Set by the strategy's recovery: a failed update is reported to it (True: handled, the window goes on)
         # instead of failing the staleness window.
         self.on_update_error: Optional[Callable[[int, BaseException], bool]] = None
@@ -97,12 +113,29 @@ class EmbeddingWorker:
         step.planned = tuple(step.prefetched.values())
         return step
 
+    def lookahead(self) -> int:
+        """How many steps before its own a step's lookup is issued: 1 .. staleness (0 when synchronous)."""
+        staleness = self.window.staleness
+        with self._progress:
+            lookup, step = self.lookup_seconds, self.step_seconds
+        if staleness <= 1 or lookup is None or not step:
+            return min(staleness, 1)
+        return max(1, min(staleness, math.ceil(LOOKAHEAD_MARGIN * lookup / step)))
+
     def issue(self, step: _Step, stop: threading.Event) -> None:
-        """Starts the step's lookups once the staleness window allows.
+        """Starts the step's lookups once the trainer is :meth:`lookahead` steps away and the window allows.
 
         If ``stop`` is set first, or the window fails, the forward waiting for these rows raises instead.
         """
         try:
+            while self.window.staleness > 0:  # staleness 0: the window alone orders lookups after updates
+                if stop.is_set():
+                    raise RuntimeError(f"the prefetch of step {step.index} was stopped before its lookup")
+                lookahead = self.lookahead()
+                with self._progress:
+                    if step.index - lookahead <= self._begun:
+                        break
+                    self._progress.wait(0.1)
             while True:
                 if stop.is_set():
                     raise RuntimeError(f"the prefetch of step {step.index} was stopped before its lookup")
@@ -116,7 +149,9 @@ class EmbeddingWorker:
                 request: dict[str, torch.Tensor] = {}
                 for rows in step.planned:
                     request.update(rows.request())
+                issued = time.perf_counter()
                 future = self.client.lookup_async(request, train=True, wire_dtype=self.wire_dtype)
+                future.add_done_callback(lambda f: self._observe_lookup(time.perf_counter() - issued))
                 for rows in step.planned:
                     rows.attach(future)
         except BaseException as error:
@@ -155,6 +190,24 @@ class EmbeddingWorker:
                 self._allocated += 1
             self.window.wait_for_lookup(self._current.index, self.timeout_s)
             self._current.lag = self.window.lag(self._current.index)
+        self._observe_begin(self._current.index)
+
+    def _observe_begin(self, index: int) -> None:
+        now = time.perf_counter()
+        with self._progress:
+            if self._last_begin is not None:
+                interval = now - self._last_begin
+                if self.step_seconds is None:
+                    self.step_seconds = interval
+                elif interval < 10 * self.step_seconds:  # not a pause (validation, a checkpoint)
+                    self.step_seconds += _EMA * (interval - self.step_seconds)
+            self._last_begin = now
+            self._begun = max(self._begun, index)
+            self._progress.notify_all()
+
+    def _observe_lookup(self, seconds: float) -> None:
+        with self._progress:
+            self.lookup_seconds = seconds if self.lookup_seconds is None else self.lookup_seconds + _EMA * (seconds - self.lookup_seconds)
 
     def rows_for(self, module: "RemoteModule", source: tuple[torch.Tensor, ...], plan: Callable[[], BatchRows]) -> BatchRows:
         """The batch-local rows for one forward call of ``module``, materialised on the device."""

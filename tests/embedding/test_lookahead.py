@@ -1,0 +1,56 @@
+"""The prefetcher issues a hybrid lookup just early enough to hide its latency, never beyond the staleness bound."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from lightning_persia.embedding.worker import EmbeddingWorker, _Step
+
+
+def _worker(staleness: int) -> EmbeddingWorker:
+    return EmbeddingWorker(client=None, staleness=staleness, wire_dtype="fp32", device=torch.device("cpu"))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "staleness, lookup_s, step_s, expected",
+    [(0, None, None, 0), (4, None, None, 1), (4, 0.05, 0.1, 1), (4, 0.25, 0.1, 3), (4, 1.0, 0.1, 4), (1, 1.0, 0.1, 1)],
+)
+def test_lookahead_hides_the_measured_latency_within_the_bound(staleness, lookup_s, step_s, expected):
+    worker = _worker(staleness)
+    worker.lookup_seconds, worker.step_seconds = lookup_s, step_s
+    assert worker.lookahead() == expected
+
+
+def test_a_lookup_waits_until_the_trainer_is_lookahead_steps_away():
+    worker = _worker(staleness=4)  # nothing measured yet: lookahead 1
+    step = _Step(2)  # no planned rows: issuing only passes the gate and the window
+    stop = threading.Event()
+    issued = threading.Event()
+    thread = threading.Thread(target=lambda: (worker.issue(step, stop), issued.set()), daemon=True)
+    thread.start()
+    assert not issued.wait(0.3)  # the trainer has begun no step yet
+    worker._observe_begin(0)
+    assert not issued.wait(0.3)  # step 2 waits for the trainer to begin step 1
+    worker._observe_begin(1)
+    assert issued.wait(5)
+    thread.join(5)
+
+
+def test_a_stopped_prefetch_leaves_the_gate():
+    worker = _worker(staleness=4)
+    stop = threading.Event()
+    errors: list = []
+
+    def run() -> None:
+        try:
+            worker.issue(_Step(5), stop)
+        except RuntimeError as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    stop.set()
+    thread.join(5)
+    assert not thread.is_alive() and "stopped before its lookup" in str(errors[0])

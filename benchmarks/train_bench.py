@@ -63,6 +63,7 @@ def make_configs(args: argparse.Namespace, meta: Dict[str, Any]) -> List[Dict[st
     )
     if args.threads:
         common["torch_threads"] = args.threads
+
     configs = []
     if not args.no_local:
         configs.append(dict(common, name="local", mode="local", world=1, staleness=None))
@@ -193,16 +194,17 @@ def print_profile(results: List[Dict[str, Any]]) -> None:
     if not rows:
         return
     print("\nwhere a step's time goes (ms per step on rank 0, mean over the timed steps; see benchmarks/trainbench/probe.py)")
-    header = f"{'run':<14}" + "".join(f"{p:>10}" for p in (*TRAINER_PARTS, "step")) + f"{'|':>3}" + "".join(f"{p:>9}" for p in BACKGROUND_PARTS) + f"{'wire MB':>9}"
+    header = f"{'run':<14}" + "".join(f"{p:>10}" for p in (*TRAINER_PARTS, "step")) + f"{'|':>3}" + "".join(f"{p:>9}" for p in BACKGROUND_PARTS) + f"{'lag':>6}{'wire MB':>9}"
     print(header)
     print("-" * len(header))
     for r in rows:
         p = r["profile"]
         line = f"{r['name']:<14}" + "".join(f"{p[k]:>10.1f}" for k in (*TRAINER_PARTS, "step")) + f"{'|':>3}"
         line += "".join(f"{_fmt(p.get(k + '_median'), '.1f'):>9}" for k in BACKGROUND_PARTS)
-        line += f"{_fmt(p.get('wire_mb_per_step'), '.2f'):>9}"
+        line += f"{_fmt(p.get('staleness_mean'), '.1f'):>6}{_fmt(p.get('wire_mb_per_step'), '.2f'):>9}"
         print(line)
-    print("background columns (plan, gate, lookup, update) are medians per batch and overlap the trainer thread's parts")
+    print("background columns (plan, gate, lookup, update) are medians per batch and overlap the trainer thread's parts;\n"
+          "lag: earlier steps' updates a step's lookup missed (mean)")
     from trainbench.probe import CPU_PARTS
 
     print("\nCPU time per step (ms of CPU; the machine has " f"{os.cpu_count()} cores, so at most {os.cpu_count()} x the step time)")

@@ -21,6 +21,7 @@ CPU time (ms of CPU per step, between the end of the warm-up and the end of trai
   cpu_prefetch  the prefetch thread (dedup, bucketing and encoding of lookups)
   cpu_client    the PS client's event-loop thread (gRPC calls, decoding rows)
   cpu_other     every other thread of the trainer process (gRPC core, Lightning)
+  cpu_ranks     the other trainer ranks (rank 0 launched them), whole processes
   cpu_shards    the shard processes (and, with --netem without kernel netem, the delaying forwarder)
 
 in the background (overlapping the above)
@@ -28,6 +29,7 @@ in the background (overlapping the above)
   gate       the prefetch thread waiting for the staleness window (an update acknowledgement)
   lookup     Lookup RPCs: issue -> rows decoded (client encode, network, shard, decode)
   update     Update RPCs: submit -> acknowledged by every shard
+  lag        updates of earlier steps the step's lookup missed (mean; at most the staleness bound)
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ import lightning as L
 
 _TICK_MS = 1000.0 / os.sysconf("SC_CLK_TCK")
 SHARD_PIDS: List[int] = []  # shard processes that are not children of this one (--netem)
-CPU_PARTS = ("cpu_main", "cpu_pool", "cpu_prefetch", "cpu_client", "cpu_other", "cpu_shards")
+CPU_PARTS = ("cpu_main", "cpu_pool", "cpu_prefetch", "cpu_client", "cpu_other", "cpu_ranks", "cpu_shards")
 
 
 def _stat_cpu_ms(path: str) -> float:
@@ -94,9 +96,23 @@ def cpu_snapshot() -> Dict[str, Any]:
     for tid in os.listdir("/proc/self/task"):
         tid_i = int(tid)
         threads[tid_i] = (_role(tid_i, names, main_tid), _stat_cpu_ms(f"/proc/self/task/{tid}/stat"))
-    pids = set(_children(os.getpid())) | set(SHARD_PIDS)
-    children = sum(_stat_cpu_ms(f"/proc/{pid}/stat") for pid in pids)
-    return {"threads": threads, "process": _stat_cpu_ms("/proc/self/stat"), "children": children}
+    shards = ranks = 0.0
+    for pid in set(_children(os.getpid())) | set(SHARD_PIDS):
+        ms = _stat_cpu_ms(f"/proc/{pid}/stat")
+        if pid in SHARD_PIDS or _is_shard(pid):
+            shards += ms
+        else:  # with 2 ranks, rank 0 is the launcher of rank 1
+            ranks += ms
+    return {"threads": threads, "process": _stat_cpu_ms("/proc/self/stat"), "children": shards, "ranks": ranks}
+
+
+def _is_shard(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            args = f.read().split(b"\0")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return b"serve" in args and b"ps" in args
 
 
 def thread_cpu_ms() -> float:
@@ -130,6 +146,7 @@ def cpu_delta(start: Dict[str, Any], end: Dict[str, Any], final: Dict[int, float
     roles = {role for role, _ in ended}
     out[roles.pop() if len(roles) == 1 else "cpu_other"] += max(0.0, ended_ms)
     out["cpu_shards"] = end["children"] - start["children"]
+    out["cpu_ranks"] = end["ranks"] - start["ranks"]
     return out
 
 
@@ -145,6 +162,7 @@ class StepProbe(L.Callback):
         self.steps: List[Dict[str, float]] = []
         self.background: Dict[str, List[float]] = defaultdict(list)
         self.wire_bytes: List[float] = []
+        self.lags: List[float] = []  # updates each step's lookup missed (at most the staleness bound)
         self._lock = threading.Lock()
         self._current: Dict[str, float] = defaultdict(float)
         self._marks: Dict[str, float] = {}
@@ -263,6 +281,7 @@ class StepProbe(L.Callback):
         def timed_finish(self, *args, **kwargs):
             if self._current is None:
                 return finish(self, *args, **kwargs)
+            probe.lags.append(float(self._current.lag))
             start = time.perf_counter()
             out = finish(self, *args, **kwargs)
             probe.add("push", (time.perf_counter() - start) * 1e3)
@@ -305,6 +324,8 @@ class StepProbe(L.Callback):
                 values = self.background.get(part, [])[skip:]
                 out[f"{part}_mean"] = statistics.mean(values) if values else None
                 out[f"{part}_median"] = statistics.median(values) if values else None
+        lags = self.lags[skip:]
+        out["staleness_mean"] = statistics.mean(lags) if lags else None
         wire = self.wire_bytes[skip:]
         out["wire_mb_per_step"] = statistics.mean(wire) / 2**20 if wire else None
         if self._cpu_start and self._cpu_end and self._cpu_steps > 0:

@@ -157,3 +157,4 @@ def run(config: Dict[str, Any]) -> None:
     with open(tmp, "w") as f:
         json.dump(result, f)
     os.replace(tmp, config["out"])
+

@@ -16,15 +16,17 @@ starts from the same seed and trains with Adam.
 Reported per run: samples/s (median over windows of --window steps after --warmup steps), the test AUC
 after the run (--test-batches held-out batches), and the ratios hybrid/local and hybrid/sync.
 
-    .venv/bin/python benchmarks/train_bench.py                    # the full table (about 10 min)
-    .venv/bin/python benchmarks/train_bench.py --quick            # 1 rank, τ=4 only, fewer steps (about 2 min)
+    .venv/bin/python benchmarks/train_bench.py                    # the full table (3.5 min on an idle 2-core machine)
+    .venv/bin/python benchmarks/train_bench.py --quick            # local, sync, τ=4; 1 rank, 40 steps (about 1.5 min)
     .venv/bin/python benchmarks/train_bench.py --profile          # + where a step's time goes
     .venv/bin/python benchmarks/train_bench.py --netem 1,10gbit   # shards behind an emulated network (root)
     .venv/bin/python benchmarks/train_bench.py --json             # + one JSON object on the last line
 
 --netem DELAY_MS,RATE puts the shards in a network namespace and the trainers in another, joined by a
-veth pair shaped with ``tc netem delay DELAY_MS rate RATE`` in each direction; the shards bind the
-namespace's address with a random token. The namespaces are removed at the end, on error and on Ctrl-C.
+veth pair shaped with ``tc netem delay DELAY_MS rate RATE`` in each direction (on kernels without netem: a
+``tbf`` qdisc for the rate and a forwarder that delays every chunk, see trainbench/netem.py); the shards
+bind the namespace's address with a random token. The namespaces are removed at the end, on error and on
+Ctrl-C. Results, commands and what bounds them: BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -254,7 +256,7 @@ def headline(results: List[Dict[str, Any]], args: argparse.Namespace) -> Dict[st
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="1 rank, τ=4 only, 40 steps of 4096 (about 2 minutes)")
+    parser.add_argument("--quick", action="store_true", help="1 rank, τ=4 only, 40 steps of 4096 (about 1.5 minutes)")
     parser.add_argument("--batch-size", type=int, default=4096, help="global batch (split across ranks)")
     parser.add_argument("--steps", type=int, default=None, help="training steps of every run (default 100; --quick 40)")
     parser.add_argument("--warmup", type=int, default=None, help="steps not timed (default 20; --quick 10)")

@@ -15,6 +15,7 @@ then give a staleness of 1-2 whatever the bound; slow ones use the whole window.
 """
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -32,6 +33,8 @@ from lightning_persia.embedding.staleness import StalenessTimeout, StalenessWind
 if TYPE_CHECKING:
     from lightning_persia.embedding.modules import RemoteModule
     from lightning_persia.remote_ps.client import PSClient
+
+log = logging.getLogger(__name__)
 
 WIRE_ELEMENT_SIZE = {"fp16": 2, "fp32": 4}
 LOOKAHEAD_MARGIN = 1.2  # issue a lookup this many of its latencies ahead of its step (rounded up to whole steps)
@@ -81,6 +84,8 @@ class EmbeddingWorker:
         self._last_begin: Optional[float] = None
         self.step_seconds: Optional[float] = None  # moving average of the time between two steps' starts
         self.lookup_seconds: Optional[float] = None  # moving average of a lookup's latency (issue -> rows)
+        self.prefetch_misses = 0  # forwards whose ids differed from the ones their lookup was planned from
+        self._reported_misses: set[str] = set()
         # Set by the strategy's recovery: a failed update is reported to it (True: handled, the window goes on)
         # instead of failing the staleness window.
         self.on_update_error: Optional[Callable[[int, BaseException], bool]] = None
@@ -218,13 +223,28 @@ class EmbeddingWorker:
             rows.materialize(self.device, requires_grad=False, timeout_s=self.timeout_s)
             return rows
         rows = step.prefetched.pop(module.key, None)
-        if rows is None or not rows.matches(source):
+        if rows is not None and not rows.matches(source):
+            self._prefetch_missed(module)
+            rows = None
+        if rows is None:
             rows = plan()
             self.window.wait_for_lookup(step.index, self.timeout_s)
             rows.attach(self.client.lookup_async(rows.request(), train=True, wire_dtype=self.wire_dtype))
         rows.materialize(self.device, requires_grad=torch.is_grad_enabled(), timeout_s=self.timeout_s)
         step.used.append(rows)
         return rows
+
+    def _prefetch_missed(self, module: "RemoteModule") -> None:
+        self.prefetch_misses += 1
+        if module.key in self._reported_misses:
+            return
+        self._reported_misses.add(module.key)
+        log.warning(
+            "%s %r received other ids than the batch its rows were prefetched from (does the model change the ids "
+            "before this module, e.g. hashing them modulo a table size? Do that in the data pipeline instead). Its "
+            "rows are fetched again inside the forward, which waits for them every step, and the prefetched lookup "
+            "admitted rows for nothing.", type(module).__name__, module.key,
+        )
 
     def step_metrics(self) -> dict[str, float]:
         """Figures of the open step so far: lookup wait, rows fetched, unique ratio, wire bytes, staleness."""

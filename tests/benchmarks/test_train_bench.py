@@ -87,7 +87,7 @@ def test_delay_proxy_adds_its_delay_each_way():
         server.close()
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None, reason="needs root and iproute2")
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None, reason="builds network namespaces: needs root and iproute2 (ip, tc), which a non-root or minimal machine lacks")
 def test_emulated_network_is_removed_on_close():
     net = EmulatedNetwork(1.0, "1gbit", name=f"pbt{os.getpid() % 10000}")
     try:

@@ -10,6 +10,8 @@ import hashlib
 
 import torch
 
+from lightning_persia.ops import native
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -54,6 +56,14 @@ def shard_of(ids: torch.Tensor, num_shards: int) -> torch.Tensor:
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     return (mix64(ids ^ _SHARD_SALT) & _POSITIVE) % num_shards
+
+
+def first_foreign(ids: torch.Tensor, num_shards: int, shard: int) -> int:
+    """Position of the first id that :func:`shard_of` does not put on ``shard``, or -1 when it owns them all."""
+    if native.available():
+        return native.first_foreign(ids, num_shards, shard)
+    foreign = torch.nonzero(shard_of(ids, num_shards) != shard)
+    return int(foreign[0, 0]) if foreign.numel() else -1
 
 
 def slot_hash(ids: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,6 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from lightning_persia.ops import wire
-from lightning_persia.ops.hashing import shard_of
 from lightning_persia.remote_ps.config import PSConfig
 from lightning_persia.remote_ps.exactly_once import StaleSequenceError, UpdateDeduplicator
 from lightning_persia.remote_ps.protocol import SERVICE_NAME, persia_pb2, persia_pb2_grpc
@@ -253,25 +252,6 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
             parsed.append(item)
         return parsed
 
-    def _check_all_applicable(self, items: list[_TableRequest]) -> None:
-        """The store's per-table checks, run on every table first, so a multi-table request is all or nothing.
-
-        A single-table request needs no such pass: the store checks it before changing anything.
-        """
-        if len(items) < 2:
-            return
-        for item in items:
-            if self.store.num_shards > 1 and item.ids.numel():
-                owners = shard_of(item.ids, self.store.num_shards)
-                foreign = owners != self.store.shard_index
-                if bool(foreign.any()):
-                    raise _invalid(
-                        f"table {item.name!r}: id {int(item.ids[foreign][0])} belongs to shard "
-                        f"{int(owners[foreign][0])}; the client and the shards disagree on the shard count"
-                    )
-            if item.grads is not None and not bool(torch.isfinite(item.grads).all()):
-                raise _invalid(f"table {item.name!r}: gradients contain NaN or infinity")
-
     # ---- RPCs ----------------------------------------------------------------------------------------
 
     @_rpc
@@ -288,11 +268,9 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
                 f"the rows asked for would take {response_bytes} bytes, over the {self.max_message_bytes}-byte "
                 "message limit (max_message_mb); ask for fewer ids per request",
             )
-        if request.train:
-            self._check_all_applicable(items)  # training lookups insert rows
         response = persia_pb2.LookupResponse(dtype=dtype_enum)
-        for item in items:
-            rows = self.store.lookup(item.name, item.ids, train=request.train)
+        found = self.store.lookup_many([(item.name, item.ids) for item in items], train=request.train)
+        for item, rows in zip(items, found):
             response.tables.add(table=item.name, dim=item.dim, rows=wire.encode_rows(rows, dtype))
         self._count("lookup_rows", sum(item.ids.numel() for item in items))
         return response
@@ -304,10 +282,9 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         if request.seq < 1:
             raise _invalid("update seq must be >= 1")
         items = self._parse(request.tables, with_grads=True)
-        self._check_all_applicable(items)
 
         def apply() -> int:
-            return sum(self.store.update(item.name, item.ids, item.grads) for item in items)
+            return self.store.update_many([(item.name, item.ids, item.grads) for item in items])
 
         rows, duplicate = self.dedup.run(request.client_id, request.seq, apply)
         self._count("update_duplicates" if duplicate else "update_rows", 1 if duplicate else rows)

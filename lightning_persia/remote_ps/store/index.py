@@ -5,11 +5,15 @@ an index costs 4 bytes per slot (8 to 16 bytes per row at load factor 0.25..0.5)
 (key, value) slot. Probing is linear and runs as whole-batch tensor operations: each pass resolves
 every id whose slot matches or is empty, and the rest step to the next slot. Deleted slots become
 tombstones that lookups walk past and inserts reuse.
+
+With the native kernels (:mod:`lightning_persia.ops.native`) a probe or a placement is one C loop over
+the ids, in the same slots; the tensor version below is what runs without a C compiler.
 """
 from __future__ import annotations
 
 import torch
 
+from lightning_persia.ops import native
 from lightning_persia.ops.hashing import slot_hash
 
 EMPTY = -1
@@ -74,6 +78,8 @@ class IdIndex:
         each at once. Finding the few hundred ids per table of a training step (a 4096-row batch over 26
         tables and 2 shards) then takes 1-2 passes instead of the 10-20 of one slot per pass.
         """
+        if native.available():
+            return native.index_find(self._slots, keys, ids)
         mask = self._slots.numel() - 1
         pos = slot_hash(ids) & mask
         rows = torch.full_like(ids, EMPTY)
@@ -105,9 +111,12 @@ class IdIndex:
         return rows, positions
 
     def _place(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        self._used += ids.numel()
+        if native.available():
+            self._used -= native.index_place(self._slots, ids, rows)
+            return
         mask = self._slots.numel() - 1
         pos = slot_hash(ids) & mask
-        self._used += ids.numel()
         while rows.numel():
             previous = self._slots[pos]
             free = previous < 0

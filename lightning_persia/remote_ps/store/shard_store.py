@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import threading
+from typing import Sequence
 
 import torch
 
-from lightning_persia.ops.hashing import shard_of
+from lightning_persia.ops.hashing import first_foreign, shard_of
 from lightning_persia.remote_ps.store import checkpoint
 from lightning_persia.remote_ps.store.errors import CheckpointError, InvalidRequestError, UnknownTableError
 from lightning_persia.remote_ps.store.table import Table
@@ -66,20 +67,33 @@ class ShardStore:
 
     def lookup(self, name: str, ids: torch.Tensor, train: bool) -> torch.Tensor:
         """Rows of ``ids`` (int64, 1-D) as float32 ``[n, dim]``; ``train`` admits unseen ids."""
-        table = self._table(name)
-        self._check_ids(name, ids)
-        return table.lookup(ids, train)
+        return self.lookup_many([(name, ids)], train)[0]
+
+    def lookup_many(self, requests: Sequence[tuple[str, torch.Tensor]], train: bool) -> list[torch.Tensor]:
+        """:meth:`lookup` of several tables; every table is checked before any admits a row."""
+        tables = [self._table(name) for name, _ in requests]
+        for name, ids in requests:
+            self._check_ids(name, ids)
+        return [table.lookup(ids, train) for table, (_, ids) in zip(tables, requests)]
 
     def update(self, name: str, ids: torch.Tensor, grads: torch.Tensor) -> int:
         """Applies the table's optimizer to the rows of ``ids``; duplicate ids have their gradients summed."""
-        table = self._table(name)
-        self._check_ids(name, ids)
-        expected = (ids.numel(), table.config.dim)
-        if grads.dtype != torch.float32 or tuple(grads.shape) != expected:
-            raise InvalidRequestError(f"table {name!r}: gradients must be float32 of shape {expected}, got {grads.dtype} {tuple(grads.shape)}")
-        if not bool(torch.isfinite(grads).all()):
-            raise InvalidRequestError(f"table {name!r}: gradients contain NaN or infinity")
-        return table.update(ids, grads)
+        return self.update_many([(name, ids, grads)])
+
+    def update_many(self, requests: Sequence[tuple[str, torch.Tensor, torch.Tensor]]) -> int:
+        """:meth:`update` of several tables, all or nothing: every table is checked before any row changes.
+
+        Returns the rows updated in all.
+        """
+        tables = [self._table(name) for name, _, _ in requests]
+        for table, (name, ids, grads) in zip(tables, requests):
+            self._check_ids(name, ids)
+            expected = (ids.numel(), table.config.dim)
+            if grads.dtype != torch.float32 or tuple(grads.shape) != expected:
+                raise InvalidRequestError(f"table {name!r}: gradients must be float32 of shape {expected}, got {grads.dtype} {tuple(grads.shape)}")
+            if not bool(torch.isfinite(grads).all()):
+                raise InvalidRequestError(f"table {name!r}: gradients contain NaN or infinity")
+        return sum(table.update(ids, grads) for table, (_, ids, grads) in zip(tables, requests))
 
     def stats(self) -> dict[str, dict[str, int | float]]:
         with self._lock:
@@ -131,12 +145,10 @@ class ShardStore:
     def _check_ids(self, name: str, ids: torch.Tensor) -> None:
         if ids.dtype != torch.int64 or ids.dim() != 1:
             raise InvalidRequestError(f"table {name!r}: ids must be a 1-D int64 tensor, got {ids.dtype} of shape {tuple(ids.shape)}")
-        if self.num_shards > 1 and ids.numel():
-            owners = shard_of(ids, self.num_shards)
-            foreign = owners != self.shard_index
-            if bool(foreign.any()):
-                example = int(ids[foreign][0])
-                raise InvalidRequestError(
-                    f"table {name!r}: id {example} belongs to shard {int(owners[foreign][0])}, not to this shard "
-                    f"{self.shard_index} of {self.num_shards}; the client and the shards disagree on the shard count"
-                )
+        foreign = first_foreign(ids, self.num_shards, self.shard_index) if self.num_shards > 1 else -1
+        if foreign >= 0:
+            example = ids[foreign : foreign + 1]
+            raise InvalidRequestError(
+                f"table {name!r}: id {int(example)} belongs to shard {int(shard_of(example, self.num_shards))}, not to this shard "
+                f"{self.shard_index} of {self.num_shards}; the client and the shards disagree on the shard count"
+            )

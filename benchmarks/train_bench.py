@@ -61,7 +61,7 @@ def make_configs(args: argparse.Namespace, meta: Dict[str, Any]) -> List[Dict[st
         batch_size=args.batch_size, steps=args.steps, warmup=args.warmup, window=args.window,
         test_batches=args.test_batches, data_path=meta["path"], cardinalities=meta["cardinalities"],
         dim=args.dim, seed=args.seed, ps_seed=args.seed, emb_lr=args.emb_lr, emb_eps=1e-8, dense_lr=args.dense_lr,
-        wire_dtype=args.wire_dtype, shards=args.shards, profile=args.profile,
+        wire_dtype=args.wire_dtype, shards=args.shards, profile=args.profile, data_parallel_max_rows=args.data_parallel_max_rows,
     )
     if args.threads:
         common["torch_threads"] = args.threads
@@ -265,6 +265,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--ranks", type=int, nargs="+", default=None, help="trainer ranks of the PersiaStrategy runs (default 1 2)")
     parser.add_argument("--staleness", type=int, nargs="+", default=None, help="hybrid staleness values (default 4 8); the first is the headline")
     parser.add_argument("--shards", type=int, default=2, help="PS shards")
+    parser.add_argument("--data-parallel-max-rows", type=int, default=0, metavar="N",
+                        help="PersiaStrategy(data_parallel_max_rows=N): tables of at most N rows stay on the trainers (default 0: all remote)")
     parser.add_argument("--wire-dtype", default="fp16", choices=["fp16", "fp32"])
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--emb-lr", type=float, default=0.05, help="row-wise Adagrad learning rate of the embeddings")

@@ -133,7 +133,8 @@ class EmbeddingWorker:
         If ``stop`` is set first, or the window fails, the forward waiting for these rows raises instead.
         """
         try:
-            while self.window.staleness > 0:  # staleness 0: the window alone orders lookups after updates
+            lookahead = 0  # staleness 0: the window alone orders lookups after updates
+            while self.window.staleness > 0:
                 if stop.is_set():
                     raise RuntimeError(f"the prefetch of step {step.index} was stopped before its lookup")
                 lookahead = self.lookahead()
@@ -145,7 +146,10 @@ class EmbeddingWorker:
                 if stop.is_set():
                     raise RuntimeError(f"the prefetch of step {step.index} was stopped before its lookup")
                 try:
-                    self.window.wait_for_lookup(step.index, timeout_s=0.1)
+                    # Every update older than the lookahead has been pushed by now: waiting for its
+                    # acknowledgement costs a fraction of a step and makes the lookup miss only `lookahead`
+                    # updates (the ones not computed yet), not up to `staleness`.
+                    self.window.wait_until(step.index - lookahead, timeout_s=0.1)
                     break
                 except StalenessTimeout:
                     continue

@@ -16,6 +16,7 @@ from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from lightning_persia.embedding.batch_rows import RemoteTable
+from lightning_persia.embedding.data_parallel import DataParallelTables
 from lightning_persia.embedding.modules import (
     RemoteEmbedding,
     RemoteEmbeddingBag,
@@ -68,6 +69,7 @@ class TableDefaults:
     admit_probability: float = 1.0
     weight_bound: Optional[float] = None
     overrides: dict[str, TableOverride] = field(default_factory=dict)
+    data_parallel_max_rows: int = 0
 
     def config_for(self, name: str, short_name: str, dim: int, module_init: EmbeddingInit) -> TableConfig:
         settings = dict(
@@ -85,8 +87,12 @@ class TableDefaults:
         return TableConfig(name=name, dim=dim, **settings)
 
 
-def intercept(model: nn.Module, kinds: Sequence[str], exclude: Sequence[str], defaults: TableDefaults) -> list[RemoteModule]:
-    """Replaces, in place, every embedding module of ``kinds`` not under an ``exclude`` path; returns the twins."""
+def intercept(model: nn.Module, kinds: Sequence[str], exclude: Sequence[str], defaults: TableDefaults, seed: int = 0) -> list[RemoteModule]:
+    """Replaces, in place, every embedding module of ``kinds`` not under an ``exclude`` path; returns the twins.
+
+    Tables of TorchRec collections with at most ``defaults.data_parallel_max_rows`` rows stay in the twin as
+    :class:`DataParallelTables`, initialised like the parameter server's rows of ``seed``.
+    """
     unknown = set(kinds) - set(MODULE_KINDS)
     if unknown:
         raise ValueError(f"intercept: unknown module kinds {sorted(unknown)}; choose from {list(MODULE_KINDS)}")
@@ -95,7 +101,7 @@ def intercept(model: nn.Module, kinds: Sequence[str], exclude: Sequence[str], de
     for path, module in list(model.named_modules()):
         if not path or any(_under(path, p) for p in replaced) or any(_under(path, p) for p in exclude):
             continue
-        twin = _twin(path, module, kinds, defaults)
+        twin = _twin(path, module, kinds, defaults, seed)
         if twin is None:
             continue
         parent_path, _, attribute = path.rpartition(".")
@@ -103,6 +109,7 @@ def intercept(model: nn.Module, kinds: Sequence[str], exclude: Sequence[str], de
         replaced.append(path)
         twins.append(twin)
     names = [t.name for twin in twins for t in twin.remote_tables]
+    names += [c.name for twin in twins if twin.data_parallel is not None for c in twin.data_parallel.configs]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ValueError(f"two embedding tables map to the same parameter-server name: {duplicates}")
@@ -117,7 +124,7 @@ def _under(path: str, prefix: str) -> bool:
     return path == prefix or path.startswith(prefix + ".")
 
 
-def _twin(path: str, module: nn.Module, kinds: Sequence[str], defaults: TableDefaults) -> Optional[RemoteModule]:
+def _twin(path: str, module: nn.Module, kinds: Sequence[str], defaults: TableDefaults, seed: int) -> Optional[RemoteModule]:
     if isinstance(module, EmbeddingBagCollection) and "EmbeddingBagCollection" in kinds:
         configs = module.embedding_bag_configs()
         poolings = {c.pooling for c in configs}
@@ -126,9 +133,12 @@ def _twin(path: str, module: nn.Module, kinds: Sequence[str], defaults: TableDef
         pooling = "mean" if poolings == {PoolingType.MEAN} else "sum"
         if poolings - {PoolingType.SUM, PoolingType.MEAN}:
             raise ValueError(f"{path}: pooling {poolings} is not supported; use SUM or MEAN")
-        return RemoteEmbeddingBagCollection(path, _torchrec_tables(path, configs, defaults), pooling, module.is_weighted())
+        remote, local = _torchrec_tables(path, configs, defaults, seed)
+        return RemoteEmbeddingBagCollection(path, remote, pooling, module.is_weighted(), local, _features(configs))
     if isinstance(module, EmbeddingCollection) and "EmbeddingCollection" in kinds:
-        return RemoteEmbeddingCollection(path, _torchrec_tables(path, module.embedding_configs(), defaults))
+        configs = module.embedding_configs()
+        remote, local = _torchrec_tables(path, configs, defaults, seed)
+        return RemoteEmbeddingCollection(path, remote, local, _features(configs))
     if isinstance(module, nn.EmbeddingBag) and "EmbeddingBag" in kinds:
         _check_plain(path, module)
         if module.mode not in ("sum", "mean", "max"):
@@ -149,8 +159,13 @@ def _check_plain(path: str, module: nn.Module) -> None:
         )
 
 
-def _torchrec_tables(path: str, configs, defaults: TableDefaults) -> list[RemoteTable]:
-    tables = []
+def _features(configs) -> list[str]:
+    return [f for config in configs for f in config.feature_names]
+
+
+def _torchrec_tables(path: str, configs, defaults: TableDefaults, seed: int) -> tuple[list[RemoteTable], Optional[DataParallelTables]]:
+    """The collection's tables served remotely, and those kept on the trainer (None when there are none)."""
+    remote, kept = [], []
     for config in configs:
         if config.weight_init_min is not None and config.weight_init_min == config.weight_init_max:
             module_init = Constant(config.weight_init_min)
@@ -160,5 +175,12 @@ def _torchrec_tables(path: str, configs, defaults: TableDefaults) -> list[Remote
             bound = math.sqrt(1.0 / config.num_embeddings)
             module_init = Uniform(-bound, bound)
         name = f"{path}.{config.name}"
-        tables.append(RemoteTable(name, defaults.config_for(name, config.name, config.embedding_dim, module_init), tuple(config.feature_names)))
-    return tables
+        table_config = defaults.config_for(name, config.name, config.embedding_dim, module_init)
+        if config.num_embeddings <= defaults.data_parallel_max_rows:
+            kept.append((table_config, config.num_embeddings, tuple(config.feature_names)))
+        else:
+            remote.append(RemoteTable(name, table_config, tuple(config.feature_names)))
+    if not kept:
+        return remote, None
+    configs_kept, rows, features = zip(*kept)
+    return remote, DataParallelTables(list(configs_kept), list(rows), list(features), seed)

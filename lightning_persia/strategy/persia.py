@@ -18,6 +18,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from torch import Tensor
 
 import lightning.pytorch as pl
+from lightning_persia.embedding.data_parallel import DataParallelTables
 from lightning_persia.embedding.modules import RemoteModule
 from lightning_persia.embedding.prefetch import PrefetchingLoader
 from lightning_persia.embedding.worker import EmbeddingWorker
@@ -67,6 +68,10 @@ class PersiaStrategy(DDPStrategy):
         wire_dtype: ``"fp16"`` (default) or ``"fp32"`` for rows and gradients on the wire.
         intercept: module kinds to serve remotely (default: all four).
         exclude: module paths to keep local (trained by DDP like any dense parameter).
+        data_parallel_max_rows: tables of TorchRec collections with at most this many rows stay on every
+            trainer (TorchRec's data-parallel placement) and train without staleness: DDP all-reduces their
+            gradient and the table's embedding optimizer runs here after each backward. Small tables are
+            touched by every batch, so this is where staleness costs accuracy. ``0`` (default): all remote.
         average_embedding_gradients: scale each rank's embedding gradient by ``1 / world_size`` so that an
             embedding ``lr`` means what it means under DDP (mean over the global batch).
         ps_seed: seed of the embedded shards' deterministic row initialisation.
@@ -96,6 +101,7 @@ class PersiaStrategy(DDPStrategy):
         wire_dtype: Literal["fp16", "fp32"] = "fp16",
         intercept: Optional[list[str]] = None,
         exclude: Optional[list[str]] = None,
+        data_parallel_max_rows: int = 0,
         average_embedding_gradients: bool = True,
         ps_seed: int = 0,
         ps_token: Optional[str] = None,
@@ -129,6 +135,8 @@ class PersiaStrategy(DDPStrategy):
             raise ValueError(f"staleness must be >= 0, got {staleness}")
         if num_local_shards < 1:
             raise ValueError(f"num_local_shards must be >= 1, got {num_local_shards}")
+        if data_parallel_max_rows < 0:
+            raise ValueError(f"data_parallel_max_rows must be >= 0, got {data_parallel_max_rows}")
         if wire_dtype not in ("fp16", "fp32"):
             raise ValueError(f"wire_dtype must be 'fp16' or 'fp32', got {wire_dtype!r}")
         env_addresses = [a for a in os.environ.get(ADDRESSES_ENV, "").split(",") if a.strip()]
@@ -152,6 +160,7 @@ class PersiaStrategy(DDPStrategy):
             admit_probability=admit_probability,
             weight_bound=weight_bound,
             overrides=dict(table_overrides or {}),
+            data_parallel_max_rows=data_parallel_max_rows,
         )
         if embedding_optimizer is not None:
             defaults.optimizer = embedding_optimizer
@@ -159,6 +168,7 @@ class PersiaStrategy(DDPStrategy):
         self.client: Optional[PSClient] = None
         self.worker: Optional[EmbeddingWorker] = None
         self.remote_modules: list[RemoteModule] = []
+        self.data_parallel_tables: list[DataParallelTables] = []
         self._cluster: Optional[LocalCluster] = None
         self._loaders: list[PrefetchingLoader] = []
         self.recovery = recovery if recovery is not None else RecoveryConfig()
@@ -208,9 +218,11 @@ class PersiaStrategy(DDPStrategy):
 
     def _swap_embedding_modules(self) -> None:
         assert self.model is not None and self.client is not None
-        self.remote_modules = intercept(self.model, self.intercept_kinds, self.exclude, self.table_defaults)
+        twins = intercept(self.model, self.intercept_kinds, self.exclude, self.table_defaults, seed=self.ps_seed)
+        self.data_parallel_tables = [m.data_parallel for m in twins if m.data_parallel is not None]
+        self.remote_modules = [m for m in twins if m.remote_tables]
         if not self.remote_modules:
-            log.warning("PersiaStrategy found no embedding module to serve remotely; training runs as plain DDP")
+            log.warning("PersiaStrategy found no embedding table to serve remotely; training runs as plain DDP")
         self.client.configure([t.config for m in self.remote_modules for t in m.remote_tables])
         self.worker = EmbeddingWorker(self.client, self.staleness, self.wire_dtype, self.root_device, timeout_s=self.ps_timeout_s)
         for module in self.remote_modules:
@@ -250,8 +262,11 @@ class PersiaStrategy(DDPStrategy):
 
     def post_backward(self, closure_loss: Tensor) -> None:
         super().post_backward(closure_loss)
+        scale = self._embedding_gradient_scale()
         if self.worker is not None:
-            self.worker.finish_step(self._embedding_gradient_scale())
+            self.worker.finish_step(scale)
+        for tables in self.data_parallel_tables:  # DDP has averaged their gradients over the ranks already
+            tables.apply_gradients(scale * self.world_size)
 
     def _embedding_gradient_scale(self) -> float:
         scale = 1.0 / self.world_size if self.average_embedding_gradients else 1.0

@@ -34,7 +34,10 @@ def test_a_lookup_waits_until_the_trainer_is_lookahead_steps_away():
     worker._observe_begin(0)
     assert not issued.wait(0.3)  # step 2 waits for the trainer to begin step 1
     worker._observe_begin(1)
+    assert not issued.wait(0.3)  # ... and for the update of step 0 (pushed by now) to be acknowledged
+    worker.window.acknowledge(0)
     assert issued.wait(5)
+    assert step.lag == 1  # it misses only the update of step 1, which is not computed yet
     thread.join(5)
 
 

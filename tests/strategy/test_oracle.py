@@ -19,11 +19,11 @@ def _trainer(strategy=None, steps: int = STEPS, **kwargs) -> L.Trainer:
     )
 
 
-def _pair() -> tuple[ToyRecommender, ToyRecommender]:
+def _pair(t1_rows: int = NUM_IDS) -> tuple[ToyRecommender, ToyRecommender]:
     torch.manual_seed(0)
-    local = ToyRecommender()
+    local = ToyRecommender(t1_rows=t1_rows)
     local.load_ps_initial_rows()
-    remote = ToyRecommender(device="meta")
+    remote = ToyRecommender(device="meta", t1_rows=t1_rows)
     remote.mlp.load_state_dict(local.mlp.state_dict())
     return local, remote
 
@@ -44,6 +44,32 @@ def test_staleness_zero_equals_training_without_the_strategy():
         for name, value in local.mlp.state_dict().items():
             torch.testing.assert_close(remote.mlp.state_dict()[name], value, rtol=0, atol=1e-5)
         assert not any(p.is_meta for p in remote.parameters()), "meta tables must not stay in the model"
+    finally:
+        strategy.close()
+
+
+@pytest.mark.parametrize("staleness,t1_rows", [(0, 2 * NUM_IDS), (4, NUM_IDS)])
+def test_data_parallel_tables_train_like_local_ones_at_any_staleness(staleness, t1_rows):
+    """t0 (NUM_IDS rows) stays on the trainer; t1 is remote when larger. Kept tables are never stale."""
+    batches = make_batches(STEPS)
+    local, remote = _pair(t1_rows)
+    _trainer().fit(local, loader(batches))
+    strategy = PersiaStrategy(staleness=staleness, embedding_optimizer=SGD(lr=0.1), embedding_init=INIT, wire_dtype="fp32",
+                              data_parallel_max_rows=NUM_IDS)
+    try:
+        trainer = _trainer(strategy)
+        trainer.fit(remote, loader(batches))
+        kept = remote.ebc.data_parallel
+        assert [c.name for c in kept.configs] == (["ebc.t0"] if t1_rows > NUM_IDS else ["ebc.t0", "ebc.t1"])
+        assert [t.name for t in remote.ebc.remote_tables] == (["ebc.t1"] if t1_rows > NUM_IDS else [])
+        for position, config in enumerate(kept.configs):
+            table = config.name.split(".")[1]
+            torch.testing.assert_close(kept.table_view(position).detach(), local.ebc.embedding_bags[table].weight.detach(), rtol=0, atol=1e-5)
+        if t1_rows > NUM_IDS:
+            torch.testing.assert_close(_remote_rows(strategy, "t1"), local.ebc.embedding_bags["t1"].weight.detach()[:NUM_IDS], rtol=0, atol=1e-5)
+        for name, value in local.mlp.state_dict().items():
+            torch.testing.assert_close(remote.mlp.state_dict()[name], value, rtol=0, atol=1e-5)
+        assert kept.weight.grad is None, "the user's optimizer must not step the kept tables a second time"
     finally:
         strategy.close()
 
@@ -128,7 +154,8 @@ def test_fp16_loss_scale_is_taken_out_of_embedding_gradients():
 
 @pytest.mark.parametrize(
     "kwargs,message",
-    [({"staleness": -1}, "staleness must be >= 0"), ({"num_local_shards": 0}, "num_local_shards"), ({"wire_dtype": "int8"}, "wire_dtype")],
+    [({"staleness": -1}, "staleness must be >= 0"), ({"num_local_shards": 0}, "num_local_shards"), ({"wire_dtype": "int8"}, "wire_dtype"),
+     ({"data_parallel_max_rows": -1}, "data_parallel_max_rows must be >= 0")],
 )
 def test_bad_arguments_are_refused_with_their_name(kwargs, message):
     with pytest.raises(ValueError, match=message):

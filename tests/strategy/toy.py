@@ -30,16 +30,19 @@ def make_batches(count: int, batch_size: int = 16, seed: int = 0) -> list[dict]:
 
 
 class ToyRecommender(L.LightningModule):
-    """EBC with a table of its own for f0 and one shared by f1 and f2, plus a small MLP."""
+    """EBC with a table of its own for f0 and one shared by f1 and f2, plus a small MLP.
 
-    def __init__(self, device: str = "cpu", lr: float = 0.1) -> None:
+    ``t1_rows`` makes t1 larger than the ids the batches use (which stay below ``NUM_IDS``).
+    """
+
+    def __init__(self, device: str = "cpu", lr: float = 0.1, t1_rows: int = NUM_IDS) -> None:
         super().__init__()
         self.lr = lr
         self.mlp = nn.Sequential(nn.Linear(3 * 4 + 3, 8), nn.ReLU(), nn.Linear(8, 1))
         self.ebc = EmbeddingBagCollection(
             tables=[
                 EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=NUM_IDS, feature_names=["f0"]),
-                EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=NUM_IDS, feature_names=["f1", "f2"]),
+                EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=t1_rows, feature_names=["f1", "f2"]),
             ],
             device=torch.device(device),
         )
@@ -64,8 +67,8 @@ class ToyRecommender(L.LightningModule):
         """Sets the local tables to the rows the parameter server would create (for comparisons)."""
         with torch.no_grad():
             for name in ("t0", "t1"):
-                rows = initial_rows(INIT, SEED, f"ebc.{name}", torch.arange(NUM_IDS), 4)
-                self.ebc.embedding_bags[name].weight.copy_(rows)
+                weight = self.ebc.embedding_bags[name].weight
+                weight.copy_(initial_rows(INIT, SEED, f"ebc.{name}", torch.arange(weight.shape[0]), 4))
 
 
 def loader(batches: list[dict]) -> torch.utils.data.DataLoader:

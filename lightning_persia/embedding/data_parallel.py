@@ -1,0 +1,117 @@
+"""Small tables kept on every trainer (TorchRec's data-parallel placement) and trained without staleness.
+
+A table of a few hundred rows is touched by every batch. On the parameter server its rows would train
+like dense weights with a delay of up to ``staleness`` steps, which costs accuracy, and each of its lookups
+would cost a round trip for a few kilobytes. ``PersiaStrategy(data_parallel_max_rows=N)`` keeps the
+tables of a TorchRec collection that have at most ``N`` rows on the trainer instead:
+
+* a collection's kept tables share one flat parameter (FBGEMM's table-batched layout), pooled by the same
+  kernel as the remote rows (:func:`~lightning_persia.ops.pooled_lookup.pooled_lookup`);
+* DDP all-reduces its gradient with the dense ones, so every replica stays identical;
+* after each backward, :meth:`DataParallelTables.apply_gradients` runs the table's own sparse rule (the one
+  the shards would run, row-wise Adagrad by default) on the rows whose gradient is not zero, then drops
+  the gradient so that the LightningModule's optimizer leaves the rows alone;
+* the rule's state is a buffer: checkpoints carry it with the weights.
+
+Rows start from the parameter server's deterministic initialiser, so a table gets the same first values
+wherever it is placed.
+"""
+from __future__ import annotations
+
+from itertools import accumulate
+from typing import Optional
+
+import torch
+from torch import nn
+
+from lightning_persia.ops.pooled_lookup import FlatLayout, pooled_lookup
+from lightning_persia.remote_ps.store.initializers import initial_rows
+from lightning_persia.remote_ps.store.optimizers import SparseRule, make_rule
+from lightning_persia.remote_ps.table_config import TableConfig
+
+
+class DataParallelTables(nn.Module):
+    """The kept-local tables of one collection: one flat weight, one flat optimizer state.
+
+    Example::
+
+        tables = DataParallelTables([TableConfig("ebc.t0", dim=8)], num_embeddings=[100], features=[("f0",)], seed=0)
+        pooled = tables.pooled(kjt.values(), kjt.offsets(), feature_tables=(0,))   # [B, 8]
+        pooled.sum().backward()
+        tables.apply_gradients(scale=1.0)
+    """
+
+    def __init__(self, configs: list[TableConfig], num_embeddings: list[int], features: list[tuple[str, ...]], seed: int) -> None:
+        super().__init__()
+        self.configs = list(configs)
+        self.num_embeddings = list(num_embeddings)
+        self.features = [f for names in features for f in names]
+        self.feature_tables = tuple(t for t, names in enumerate(features) for _ in names)
+        dims = [c.dim for c in self.configs]
+        self.layout = FlatLayout(rows=tuple(self.num_embeddings), dims=tuple(dims), feature_tables=self.feature_tables)
+        # Neighbouring tables with the same rule, dim and bound are updated as one block of rows.
+        self._segments: list[tuple[int, int, SparseRule, Optional[float]]] = []
+        for table, config in enumerate(self.configs):
+            rule = self._segments[-1][2] if self._segments else None
+            if rule is not None and (rule.config, rule.dim, self._segments[-1][3]) == (config.optimizer, config.dim, config.weight_bound):
+                self._segments[-1] = (self._segments[-1][0], table + 1, rule, config.weight_bound)
+            else:
+                self._segments.append((table, table + 1, make_rule(config.optimizer, config.dim), config.weight_bound))
+        widths = [rule.state_width for first, stop, rule, _ in self._segments for _ in range(first, stop)]
+        self._state_offsets = [0, *accumulate(n * w for n, w in zip(self.num_embeddings, widths))]
+        self.weight = nn.Parameter(torch.cat([
+            initial_rows(c.init, seed, c.name, torch.arange(n), c.dim).flatten() for c, n in zip(self.configs, self.num_embeddings)
+        ]))
+        self.register_buffer("optimizer_state", torch.cat([
+            rule.initial_state(sum(self.num_embeddings[first:stop])).flatten() for first, stop, rule, _ in self._segments
+        ]))
+        self.register_buffer("_rows_per_feature", torch.tensor([self.num_embeddings[t] for t in self.feature_tables]), persistent=False)
+
+    def table_view(self, table: int) -> torch.Tensor:
+        """Rows of table ``table`` as ``[num_embeddings, dim]`` (a view of the parameter)."""
+        offsets = self.layout.table_offsets
+        return self.weight[offsets[table] : offsets[table + 1]].view(self.num_embeddings[table], self.configs[table].dim)
+
+    def check_ids(self, ids: torch.Tensor, lengths_per_feature: list[int]) -> None:
+        """Raises ``IndexError`` naming the feature when an id is outside its table's ``[0, num_embeddings)``."""
+        bounds = torch.repeat_interleave(self._rows_per_feature, torch.tensor(lengths_per_feature, device=self._rows_per_feature.device))
+        bad = (ids < 0) | (ids >= bounds.to(ids.device))
+        if bool(bad.any()):
+            position = int(torch.nonzero(bad)[0, 0])
+            feature = int(torch.searchsorted(torch.tensor(list(accumulate(lengths_per_feature))), position, right=True))
+            table = self.feature_tables[feature]
+            raise IndexError(
+                f"feature {self.features[feature]!r}: id {int(ids[position])} is outside table {self.configs[table].name!r} "
+                f"of {self.num_embeddings[table]} rows (tables kept on the trainer by data_parallel_max_rows take ids in "
+                "[0, num_embeddings), as TorchRec's do)"
+            )
+
+    def pooled(self, ids: torch.Tensor, offsets: torch.Tensor, pooling: str, per_sample_weights: Optional[torch.Tensor]) -> torch.Tensor:
+        """Pooled embeddings ``[B, sum of feature dims]`` of this module's features (bags feature-major)."""
+        return pooled_lookup(self.weight, self.layout, ids, offsets, pooling, per_sample_weights)
+
+    @torch.no_grad()
+    def apply_gradients(self, scale: float) -> None:
+        """Runs each table's rule on the rows with a non-zero gradient (times ``scale``), then drops the gradient."""
+        grad = self.weight.grad
+        if grad is None:
+            return
+        offsets = self.layout.table_offsets
+        for first, stop, rule, bound in self._segments:
+            rows = sum(self.num_embeddings[first:stop])
+            weights = self.weight[offsets[first] : offsets[stop]].view(rows, rule.dim)
+            grads = grad[offsets[first] : offsets[stop]].view(rows, rule.dim)
+            touched = torch.nonzero(grads.ne(0).any(dim=1)).squeeze(1)
+            if not touched.numel():
+                continue
+            state = self.optimizer_state[self._state_offsets[first] : self._state_offsets[stop]].view(rows, rule.state_width)
+            row_weights, row_state = weights[touched], state[touched]
+            rule.apply(row_weights, row_state, grads[touched] * scale if scale != 1.0 else grads[touched])
+            if bound is not None:
+                row_weights.clamp_(-bound, bound)
+            weights[touched] = row_weights
+            state[touched] = row_state
+        self.weight.grad = None
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{c.name}: {n} rows, dim={c.dim}" for c, n in zip(self.configs, self.num_embeddings))

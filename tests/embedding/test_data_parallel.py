@@ -1,0 +1,86 @@
+"""Tables kept on the trainer: same outputs as TorchRec's modules, the shards' rule, clear errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from lightning_persia.embedding.data_parallel import DataParallelTables
+from lightning_persia.remote_ps.store import ShardStore
+from lightning_persia.remote_ps.table_config import SGD, Adagrad, TableConfig, Uniform
+from lightning_persia.strategy.interception import TableDefaults, intercept
+
+N = 30
+INIT = Uniform(-0.5, 0.5)
+
+
+def _collections() -> nn.Module:
+    model = nn.Module()
+    model.ebc = EmbeddingBagCollection(tables=[
+        EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=N, feature_names=["x"]),
+        EmbeddingBagConfig(name="b", embedding_dim=8, num_embeddings=N, feature_names=["y", "z"]),
+    ])
+    model.ec = EmbeddingCollection(tables=[EmbeddingConfig(name="c", embedding_dim=4, num_embeddings=N, feature_names=["x"])])
+    return model
+
+
+def _kjt(seed: int = 0, high: int = N) -> KeyedJaggedTensor:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 4, (3 * 5,), generator=gen)
+    return KeyedJaggedTensor.from_lengths_sync(keys=["z", "x", "y"], values=torch.randint(0, high, (int(lengths.sum()),), generator=gen), lengths=lengths)
+
+
+def test_kept_tables_give_what_torchrec_gives_in_its_key_order():
+    local, twin_model = _collections(), _collections()
+    twins = intercept(twin_model, ["EmbeddingBagCollection", "EmbeddingCollection"], [], TableDefaults(init=INIT, data_parallel_max_rows=N), seed=3)
+    assert all(not twin.remote_tables and twin.data_parallel is not None for twin in twins)
+    with torch.no_grad():
+        for name, table in (("a", 0), ("b", 1)):
+            local.ebc.embedding_bags[name].weight.copy_(twin_model.ebc.data_parallel.table_view(table))
+        local.ec.embeddings["c"].weight.copy_(twin_model.ec.data_parallel.table_view(0))
+    kjt = _kjt()
+    expected, got = local.ebc(kjt), twin_model.ebc(kjt)
+    assert got.keys() == expected.keys() == ["x", "y", "z"]
+    torch.testing.assert_close(got.values(), expected.values())
+    expected_ec, got_ec = local.ec(kjt), twin_model.ec(kjt)
+    assert list(got_ec) == list(expected_ec)
+    torch.testing.assert_close(got_ec["x"].values(), expected_ec["x"].values())
+    assert {"ebc.data_parallel.weight", "ebc.data_parallel.optimizer_state"} <= set(twin_model.state_dict())
+
+
+def test_apply_gradients_runs_the_shards_rule_on_the_touched_rows():
+    configs = [
+        TableConfig("m.a", dim=4, init=INIT, optimizer=Adagrad(lr=0.1, rowwise=True)),
+        TableConfig("m.b", dim=4, init=INIT, optimizer=Adagrad(lr=0.1, rowwise=True)),  # same block as m.a
+        TableConfig("m.c", dim=8, init=INIT, optimizer=SGD(lr=0.5), weight_bound=0.3),
+    ]
+    kept = DataParallelTables(configs, [N, N, N], [("x",), ("y",), ("z",)], seed=7)
+    store = ShardStore(0, 1, seed=7)
+    for config in configs:
+        store.configure(config)
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        grad = torch.zeros_like(kept.weight)
+        for table, config in enumerate(configs):
+            touched = torch.randperm(N, generator=gen)[:7]
+            grads = torch.randn(7, config.dim, generator=gen)
+            start = kept.layout.table_offsets[table]
+            grad[start : start + N * config.dim].view(N, config.dim)[touched] = grads
+            store.lookup(config.name, touched, train=True)
+            store.update(config.name, touched, grads * 2.0)
+        kept.weight.grad = grad
+        kept.apply_gradients(scale=2.0)
+        assert kept.weight.grad is None
+    for table, config in enumerate(configs):
+        torch.testing.assert_close(kept.table_view(table).detach(), store.lookup(config.name, torch.arange(N), train=False))
+
+
+def test_ids_outside_a_kept_table_are_refused_naming_the_feature():
+    model = _collections()
+    intercept(model, ["EmbeddingBagCollection"], [], TableDefaults(init=INIT, data_parallel_max_rows=N))
+    with pytest.raises(IndexError, match=r"feature 'y': id 3\d is outside table 'ebc.b' of 30 rows"):
+        model.ebc(KeyedJaggedTensor.from_lengths_sync(keys=["x", "y", "z"], values=torch.tensor([1, 35, 2]), lengths=torch.tensor([1, 1, 1])))
+    with pytest.raises(IndexError, match="feature 'x': id -1"):
+        model.ebc(KeyedJaggedTensor.from_lengths_sync(keys=["x", "y", "z"], values=torch.tensor([-1, 3, 2]), lengths=torch.tensor([1, 1, 1])))

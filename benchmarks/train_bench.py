@@ -16,7 +16,7 @@ starts from the same seed and trains with Adam.
 Reported per run: samples/s (median over windows of --window steps after --warmup steps), the test AUC
 after the run (--test-batches held-out batches), and the ratios hybrid/local and hybrid/sync.
 
-    .venv/bin/python benchmarks/train_bench.py                    # the full table (3.5 min on an idle 2-core machine)
+    .venv/bin/python benchmarks/train_bench.py                    # the full table, 3 rounds (about 10 min on a 2-core machine)
     .venv/bin/python benchmarks/train_bench.py --quick            # local, sync, τ=4; 1 rank, 40 steps (about 1.5 min)
     .venv/bin/python benchmarks/train_bench.py --profile          # + where a step's time goes
     .venv/bin/python benchmarks/train_bench.py --netem 1,10gbit   # shards behind an emulated network (root)
@@ -168,9 +168,21 @@ def _fmt(value: Optional[float], spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def merge_repeats(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One configuration's repeats as one result: median samples/s and median AUC; the profile of the median run."""
+    ordered = sorted(runs, key=lambda r: r["samples_per_s"] or 0.0)
+    merged = dict(ordered[len(ordered) // 2])
+    merged["samples_per_s"] = statistics.median(r["samples_per_s"] or 0.0 for r in runs)
+    merged["auc"] = statistics.median(r["auc"] for r in runs)
+    merged["samples_per_s_runs"] = [r["samples_per_s"] for r in runs]
+    merged["auc_runs"] = [r["auc"] for r in runs]
+    return merged
+
+
 def print_table(results: List[Dict[str, Any]], headline: Dict[str, Any]) -> None:
     local = next((r for r in results if r["mode"] == "local"), None)
-    header = f"{'run':<14}{'ranks':>6}{'τ':>4}{'samples/s':>12}{'vs local':>10}{'vs sync':>9}{'test AUC':>10}{'Δ AUC sync':>12}{'wall s':>8}"
+    header = (f"{'run':<14}{'ranks':>6}{'τ':>4}{'samples/s':>12}{'min..max':>16}{'vs local':>10}{'vs sync':>9}{'test AUC':>10}"
+              f"{'Δ AUC sync':>12}{'wall s':>8}")
     print(header)
     print("-" * len(header))
     for r in results:
@@ -179,7 +191,9 @@ def print_table(results: List[Dict[str, Any]], headline: Dict[str, Any]) -> None
         vs_sync = r["samples_per_s"] / sync["samples_per_s"] if sync and r["samples_per_s"] and sync["samples_per_s"] else None
         d_auc = r["auc"] - sync["auc"] if sync else None
         tau = "-" if r["staleness"] is None else str(r["staleness"])
-        print(f"{r['name']:<14}{r['world']:>6}{tau:>4}{_fmt(r['samples_per_s'], ',.0f'):>12}{_fmt(vs_local, '.2f'):>10}"
+        values = [v for v in r.get("samples_per_s_runs", [r["samples_per_s"]]) if v]
+        spread = f"{min(values) / 1e3:.1f}k..{max(values) / 1e3:.1f}k" if len(values) > 1 else "-"
+        print(f"{r['name']:<14}{r['world']:>6}{tau:>4}{_fmt(r['samples_per_s'], ',.0f'):>12}{spread:>16}{_fmt(vs_local, '.2f'):>10}"
               f"{_fmt(vs_sync, '.2f'):>9}{_fmt(r['auc'], '.4f'):>10}{_fmt(d_auc, '+.4f'):>12}{r['wall_s']:>8.0f}")
     h = headline
     print()
@@ -280,15 +294,18 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true", help="instrument the runs and print where a step's time goes")
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     parser.add_argument("--cache-dir", type=Path, default=None, help="where the generated data is cached")
+    parser.add_argument("--repeat", type=int, default=None, help="rounds of every run; medians are reported (default 3; --quick 1)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one configuration may take")
     args = parser.parse_args(argv)
     quick = args.quick
-    defaults = dict(steps=(40, 100), warmup=(10, 20), window=(5, 10), test_batches=(8, 16), ranks=([1], [1, 2]), staleness=([4], [4, 8]))
+    defaults = dict(steps=(40, 100), warmup=(10, 20), window=(5, 10), test_batches=(8, 16), ranks=([1], [1, 2]), staleness=([4], [4, 8]), repeat=(1, 3))
     for key, (q, full) in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, q if quick else full)
     if args.warmup < 1 or args.steps < args.warmup + args.window:
         parser.error(f"--steps ({args.steps}) must cover --warmup ({args.warmup}, >= 1) plus one --window ({args.window})")
+    if args.repeat < 1:
+        parser.error("--repeat must be >= 1")
     if any(args.batch_size % w for w in args.ranks):
         parser.error(f"--batch-size {args.batch_size} must be divisible by every --ranks value")
     if any(s < 1 for s in args.staleness):
@@ -327,13 +344,17 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(net.describe())
         with tempfile.TemporaryDirectory(prefix="train_bench-") as workdir:
             runner = Runner(Path(workdir), args.timeout, net)
-            for config in configs:
-                threads = config.get("torch_threads") or trainer_threads(config["world"])
-                where = "" if config["mode"] == "local" else f", {config['shards']} shards{' across the emulated network' if net and config['mode'] == 'persia' else ''}"
-                print(f"running {config['name']:<12} ({config['world']} rank(s) x {threads} torch thread(s){where}) ...", flush=True)
-                results.append(runner.run(config))
-                r = results[-1]
-                print(f"    {_fmt(r['samples_per_s'], ',.0f')} samples/s, test AUC {r['auc']:.4f}, {r['wall_s']:.0f} s", flush=True)
+            runs: Dict[str, List[Dict[str, Any]]] = {c["name"]: [] for c in configs}
+            for round_index in range(args.repeat):  # rounds, not repeats in a row: a busy spell hits every run alike
+                for config in configs:
+                    threads = config.get("torch_threads") or trainer_threads(config["world"])
+                    where = "" if config["mode"] == "local" else f", {config['shards']} shards{' across the emulated network' if net and config['mode'] == 'persia' else ''}"
+                    label = f" [{round_index + 1}/{args.repeat}]" if args.repeat > 1 else ""
+                    print(f"running {config['name']:<12} ({config['world']} rank(s) x {threads} torch thread(s){where}){label} ...", flush=True)
+                    r = runner.run(config)
+                    runs[config["name"]].append(r)
+                    print(f"    {_fmt(r['samples_per_s'], ',.0f')} samples/s, test AUC {r['auc']:.4f}, {r['wall_s']:.0f} s", flush=True)
+            results = [merge_repeats(runs[c["name"]]) for c in configs]
     except KeyboardInterrupt:
         print("interrupted; cleaning up", file=sys.stderr)
         return 130

@@ -230,9 +230,10 @@ class PersiaStrategy(DDPStrategy):
         self._recovery.attach(self.client, self.worker)
 
     def configure_ddp(self) -> None:
-        # DDP refuses a model without trainable parameters; with every table remote there may be none left.
-        if not any(p.requires_grad for p in self.model.parameters()):
-            log.info("PersiaStrategy: no dense parameter to synchronise, DDP is skipped")
+        # DDP refuses a model without trainable parameters (with every table remote there may be none left),
+        # and with one process it only adds a gradient copy and hooks to every step.
+        if self.world_size == 1 or not any(p.requires_grad for p in self.model.parameters()):
+            log.info("PersiaStrategy: %s, DDP is skipped", "one process" if self.world_size == 1 else "no dense parameter to synchronise")
             return
         super().configure_ddp()
 

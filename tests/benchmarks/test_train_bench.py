@@ -23,11 +23,12 @@ REQUIRED = ("local_samples_per_s", "sync_samples_per_s", "hybrid_samples_per_s",
 
 
 def test_tiny_run_reports_every_figure(tmp_path):
-    """1 rank, batch 256, 6 steps of local, sync and hybrid (τ=2) on tiny tables: the JSON has every figure."""
+    """1 rank, batch 256, 6 steps of local, sync and hybrid (τ=2) on tiny tables, two rounds, the small tables kept
+    on the trainer: the JSON has every figure."""
     command = [
         sys.executable, str(SCRIPT), "--json", "--steps", "6", "--warmup", "2", "--window", "2", "--batch-size", "256",
         "--test-batches", "2", "--ranks", "1", "--staleness", "2", "--cardinality-scale", "0.001",
-        "--cache-dir", str(tmp_path / "cache"), "--profile", "--timeout", "120",
+        "--cache-dir", str(tmp_path / "cache"), "--profile", "--timeout", "120", "--repeat", "2", "--data-parallel-max-rows", "20",
     ]
     start = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True, timeout=170, cwd=ROOT)
@@ -37,6 +38,7 @@ def test_tiny_run_reports_every_figure(tmp_path):
         assert isinstance(summary[key], float) and summary[key] > 0, (key, summary[key])
     assert summary["hybrid_vs_local"] > 0 and summary["hybrid_vs_sync"] > 0
     assert {r["name"] for r in summary["runs"]} == {"local", "sync", "hybrid-2"}
+    assert all(len(r["samples_per_s_runs"]) == 2 and len(r["auc_runs"]) == 2 for r in summary["runs"])
     profile = next(r["profile"] for r in summary["runs"] if r["name"] == "hybrid-2")
     assert profile["step"] > 0 and profile["cpu_total"] > 0
     assert "where a step's time goes" in done.stdout

@@ -31,7 +31,8 @@ import threading
 import time
 from typing import List, Optional, Sequence
 
-LISTENING_PREFIX = "PERSIA_PS_LISTENING"
+from lightning_persia.remote_ps.server import read_listening_address, stop_processes
+
 
 
 class NetemError(RuntimeError):
@@ -221,36 +222,13 @@ class NamespaceShards:
     def _read_address(self, index: int, process: subprocess.Popen, deadline: float) -> str:
         lines: List[str] = []
         self._logs.append(lines)
-        found: List[str] = []
-        ready = threading.Event()
-
-        def drain() -> None:
-            for line in process.stdout:
-                if line.startswith(LISTENING_PREFIX + " ") and not found:
-                    found.append(line.split(" ", 1)[1].strip())
-                    ready.set()
-                else:
-                    lines.append(line.rstrip("\n"))
-                    del lines[:-100]
-            ready.set()
-
-        threading.Thread(target=drain, daemon=True).start()
-        ready.wait(max(0.0, deadline - time.monotonic()))
-        if not found:
-            raise NetemError(f"shard {index} in the PS namespace did not start:\n" + "\n".join(lines))
-        return found[0]
+        address = read_listening_address(process, lines, deadline, thread_name=f"netem-shard-{index}-output")
+        if address is None:
+            raise NetemError(f"shard {index} in the PS namespace did not start:\n" + "\n".join(lines[-100:]))
+        return address
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.terminate()
-        deadline = time.monotonic() + timeout_s
-        for process in self.processes:
-            try:
-                process.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_processes(self.processes, timeout_s)
         self._keeper_done.set()
 
     def __enter__(self) -> "NamespaceShards":

@@ -14,7 +14,8 @@ tables of a TorchRec collection that have at most ``N`` rows on the trainer inst
 * the rule's state is a buffer: checkpoints carry it with the weights.
 
 Rows start from the parameter server's deterministic initialiser, so a table gets the same first values
-wherever it is placed.
+wherever it is placed. Ids are folded into a kept table's rows modulo its size (a remote table takes any
+id; see :meth:`DataParallelTables.rows_of`).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ class DataParallelTables(nn.Module):
     Example::
 
         tables = DataParallelTables([TableConfig("ebc.t0", dim=8)], num_embeddings=[100], features=[("f0",)], seed=0)
-        pooled = tables.pooled(kjt.values(), kjt.offsets(), feature_tables=(0,))   # [B, 8]
+        pooled = tables.pooled(tables.rows_of(kjt.values(), kjt.length_per_key()), kjt.offsets(), "sum", None)  # [B, 8]
         pooled.sum().backward()
         tables.apply_gradients(scale=1.0)
     """
@@ -72,19 +73,15 @@ class DataParallelTables(nn.Module):
         offsets = self.layout.table_offsets
         return self.weight[offsets[table] : offsets[table + 1]].view(self.num_embeddings[table], self.configs[table].dim)
 
-    def check_ids(self, ids: torch.Tensor, lengths_per_feature: list[int]) -> None:
-        """Raises ``IndexError`` naming the feature when an id is outside its table's ``[0, num_embeddings)``."""
-        bounds = torch.repeat_interleave(self._rows_per_feature, torch.tensor(lengths_per_feature, device=self._rows_per_feature.device))
-        bad = (ids < 0) | (ids >= bounds.to(ids.device))
-        if bool(bad.any()):
-            position = int(torch.nonzero(bad)[0, 0])
-            feature = int(torch.searchsorted(torch.tensor(list(accumulate(lengths_per_feature))), position, right=True))
-            table = self.feature_tables[feature]
-            raise IndexError(
-                f"feature {self.features[feature]!r}: id {int(ids[position])} is outside table {self.configs[table].name!r} "
-                f"of {self.num_embeddings[table]} rows (tables kept on the trainer by data_parallel_max_rows take ids in "
-                "[0, num_embeddings), as TorchRec's do)"
-            )
+    def rows_of(self, ids: torch.Tensor, lengths_per_feature: list[int]) -> torch.Tensor:
+        """Row of each id in its feature's table: ``id mod num_embeddings`` (the hashing trick).
+
+        A remote table takes any int64 id; a kept one has ``num_embeddings`` rows, so ids are folded into
+        them, as the examples' local models do (ids already in ``[0, num_embeddings)`` map to themselves).
+        """
+        counts = torch.tensor(lengths_per_feature, device=self._rows_per_feature.device)
+        modulus = torch.repeat_interleave(self._rows_per_feature, counts, output_size=ids.numel()).to(ids.device)
+        return torch.remainder(ids, modulus)
 
     def pooled(self, ids: torch.Tensor, offsets: torch.Tensor, pooling: str, per_sample_weights: Optional[torch.Tensor]) -> torch.Tensor:
         """Pooled embeddings ``[B, sum of feature dims]`` of this module's features (bags feature-major)."""

@@ -85,12 +85,11 @@ class _KJTModule(RemoteModule):
             raise KeyError(f"{type(self).__name__} {self.key!r}: features {missing} are missing from the input (it has {keys})")
         return kjt.permute([keys.index(f) for f in features])
 
-    def _select_local(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """The kept-local features of ``kjt``, with their ids checked against the tables' sizes."""
+    def _select_local(self, kjt: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, torch.Tensor]:
+        """The kept-local features of ``kjt`` and the rows their ids read."""
         assert self.data_parallel is not None
         mine = self._select(kjt, self.data_parallel.features)
-        self.data_parallel.check_ids(mine.values(), mine.length_per_key())
-        return mine
+        return mine, self.data_parallel.rows_of(mine.values(), mine.length_per_key())
 
     def _plan(self, kjt: KeyedJaggedTensor) -> BatchRows:
         mine = self._select(kjt)
@@ -147,10 +146,10 @@ class RemoteEmbeddingBagCollection(_KJTModule):
                 mine.weights().to(device) if self._is_weighted else None,
             ))
         if self.data_parallel is not None:
-            local = self._select_local(features)
+            local, rows_local = self._select_local(features)
             device = self.data_parallel.weight.device
             parts.append(self.data_parallel.pooled(
-                local.values().to(device), local.offsets().to(device), self.pooling,
+                rows_local.to(device), local.offsets().to(device), self.pooling,
                 local.weights().to(device) if self._is_weighted else None,
             ))
         pooled = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
@@ -169,9 +168,9 @@ class RemoteEmbeddingCollection(_KJTModule):
             device = rows.weights.device
             out.update(_per_id(mine, self.features, self.feature_tables, rows.table_view, rows.inverse.to(device, non_blocking=True)))
         if self.data_parallel is not None:
-            local = self._select_local(features)
+            local, rows_local = self._select_local(features)
             device = self.data_parallel.weight.device
-            out.update(_per_id(local, self.data_parallel.features, self.data_parallel.feature_tables, self.data_parallel.table_view, local.values().to(device)))
+            out.update(_per_id(local, self.data_parallel.features, self.data_parallel.feature_tables, self.data_parallel.table_view, rows_local.to(device)))
         return {feature: out[feature] for feature in self.output_features}
 
 

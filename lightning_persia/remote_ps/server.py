@@ -595,6 +595,44 @@ def run_shard(
 # ---- local clusters ------------------------------------------------------------------------------------
 
 
+def read_listening_address(process: subprocess.Popen, lines: list[str], deadline: float, thread_name: str) -> Optional[str]:
+    """The address a ``ps serve`` process prints on its ``LISTENING`` line, or None if none came by ``deadline``.
+
+    A daemon thread keeps reading the process's (text) stdout afterwards, so a chatty shard never blocks on
+    its pipe; every other line is appended to ``lines``.
+    """
+    found: list[str] = []
+    ready = threading.Event()
+
+    def drain() -> None:
+        for line in process.stdout:
+            line = line.rstrip("\n")
+            if line.startswith(LISTENING_PREFIX + " ") and not ready.is_set():
+                found.append(line.split(" ", 1)[1].strip())
+                ready.set()
+            else:
+                lines.append(line)
+        ready.set()
+
+    threading.Thread(target=drain, name=thread_name, daemon=True).start()
+    ready.wait(max(0.0, deadline - time.monotonic()))
+    return found[0] if found else None
+
+
+def stop_processes(processes: list[subprocess.Popen], timeout_s: float) -> None:
+    """SIGTERM to every process still running, then SIGKILL to any still alive after ``timeout_s``."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        try:
+            process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 class ShardStartError(RuntimeError):
     """A shard process exited or stayed silent before it printed its address."""
 
@@ -757,26 +795,12 @@ class LocalShards:
 
     def _read_address(self, index: int, process: subprocess.Popen, deadline: float) -> str:
         lines = self._logs[index]
-        found: list[str] = []
-        ready = threading.Event()
-
-        def drain() -> None:  # keeps reading after the address, so a chatty shard never blocks on its pipe
-            for line in process.stdout:
-                line = line.rstrip("\n")
-                if line.startswith(LISTENING_PREFIX + " ") and not ready.is_set():
-                    found.append(line.split(" ", 1)[1].strip())
-                    ready.set()
-                else:
-                    lines.append(line)
-            ready.set()
-
-        threading.Thread(target=drain, name=f"persia-ps-{index}-output", daemon=True).start()
-        ready.wait(max(0.0, deadline - time.monotonic()))
-        if not found:
+        address = read_listening_address(process, lines, deadline, thread_name=f"persia-ps-{index}-output")
+        if address is None:
             status = process.poll()
             state = f"exited with status {status}" if status is not None else "did not print its address in time"
             raise ShardStartError(f"shard {index}/{self.num_shards} {state}; its output:\n" + "\n".join(lines))
-        return found[0]
+        return address
 
     def output(self, index: int) -> str:
         """The last lines a shard printed (its log, across restarts), for error messages."""
@@ -792,16 +816,7 @@ class LocalShards:
         with self._lock:
             self._stopping = True
             processes = list(self.processes)
-        for process in processes:
-            if process.poll() is None:
-                process.terminate()
-        deadline = time.monotonic() + timeout_s
-        for process in processes:
-            try:
-                process.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_processes(processes, timeout_s)
         self._keeper_done.set()
 
     def __enter__(self) -> "LocalShards":

@@ -71,7 +71,8 @@ class PersiaStrategy(DDPStrategy):
         data_parallel_max_rows: tables of TorchRec collections with at most this many rows stay on every
             trainer (TorchRec's data-parallel placement) and train without staleness: DDP all-reduces their
             gradient and the table's embedding optimizer runs here after each backward. Small tables are
-            touched by every batch, so this is where staleness costs accuracy. ``0`` (default): all remote.
+            touched by every batch, so this is where staleness costs accuracy. A kept table reads row
+            ``id mod num_embeddings`` (a remote one takes any id). ``0`` (default): all remote.
         average_embedding_gradients: scale each rank's embedding gradient by ``1 / world_size`` so that an
             embedding ``lr`` means what it means under DDP (mean over the global batch).
         ps_seed: seed of the embedded shards' deterministic row initialisation.

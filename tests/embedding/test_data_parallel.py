@@ -77,10 +77,12 @@ def test_apply_gradients_runs_the_shards_rule_on_the_touched_rows():
         torch.testing.assert_close(kept.table_view(table).detach(), store.lookup(config.name, torch.arange(N), train=False))
 
 
-def test_ids_outside_a_kept_table_are_refused_naming_the_feature():
-    model = _collections()
-    intercept(model, ["EmbeddingBagCollection"], [], TableDefaults(init=INIT, data_parallel_max_rows=N))
-    with pytest.raises(IndexError, match=r"feature 'y': id 3\d is outside table 'ebc.b' of 30 rows"):
-        model.ebc(KeyedJaggedTensor.from_lengths_sync(keys=["x", "y", "z"], values=torch.tensor([1, 35, 2]), lengths=torch.tensor([1, 1, 1])))
-    with pytest.raises(IndexError, match="feature 'x': id -1"):
-        model.ebc(KeyedJaggedTensor.from_lengths_sync(keys=["x", "y", "z"], values=torch.tensor([-1, 3, 2]), lengths=torch.tensor([1, 1, 1])))
+def test_ids_outside_a_kept_table_are_folded_into_its_rows():
+    local, twin_model = _collections(), _collections()
+    intercept(twin_model, ["EmbeddingBagCollection"], [], TableDefaults(init=INIT, data_parallel_max_rows=N))
+    with torch.no_grad():
+        for name, table in (("a", 0), ("b", 1)):
+            local.ebc.embedding_bags[name].weight.copy_(twin_model.ebc.data_parallel.table_view(table))
+    wide = KeyedJaggedTensor.from_lengths_sync(keys=["x", "y", "z"], values=torch.tensor([1 + 7 * N, -1, (1 << 40) + 3]), lengths=torch.tensor([1, 1, 1]))
+    folded = KeyedJaggedTensor.from_lengths_sync(keys=["x", "y", "z"], values=torch.tensor([1, N - 1, ((1 << 40) + 3) % N]), lengths=torch.tensor([1, 1, 1]))
+    torch.testing.assert_close(twin_model.ebc(wide).values(), local.ebc(folded).values())

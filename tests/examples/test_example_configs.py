@@ -6,6 +6,7 @@ import os
 import pytest
 
 from lightning_persia.cli import lightning_cli
+from lightning_persia.data.synthetic import scaled_cardinalities
 
 _EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
 
@@ -14,9 +15,10 @@ _EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path
 def test_config_runs_a_few_steps(name, tmp_path):
     config = os.path.join(_EXAMPLES, name, "config.yaml")
     small = []
-    if name != "adult_income":  # keep the tables and the stream small
+    if name != "adult_income":  # keep the tables and the stream small; ids stay below the tables' sizes
         small = [
-            "--model.init_args.num_embeddings=" + str([1000] * 26),
+            "--model.init_args.num_embeddings=" + str(scaled_cardinalities(0.01)),
+            "--data.init_args.cardinality_scale=0.01",
             "--data.init_args.num_train_batches=2",
             "--data.init_args.num_val_batches=1",
             "--data.init_args.batch_size=256",
@@ -39,4 +41,8 @@ def test_config_runs_a_few_steps(name, tmp_path):
     assert "val_auc" in cli.trainer.callback_metrics
     assert type(cli.trainer.strategy).__name__ == "PersiaStrategy"
     assert not any(p.is_meta for p in cli.model.parameters())
+    if name != "adult_income":  # data_parallel_max_rows: 30000 keeps the small tables on the trainer
+        large = sum(rows > 30000 for rows in scaled_cardinalities(0.01))
+        twin = cli.model.ebc
+        assert large and len(twin.remote_tables) == large and len(twin.data_parallel.configs) == 26 - large
     cli.trainer.strategy.close()

@@ -46,14 +46,16 @@ def main() -> None:
     parser.add_argument("--epoch-batches", type=int, default=0, help="batches per epoch (default: --steps)")
     parser.add_argument("--resume")
     parser.add_argument("--slow-after", type=int, default=0)
+    parser.add_argument("--data-parallel-max-rows", type=int, default=0)
+    parser.add_argument("--t1-rows", type=int, default=NUM_IDS)
     args = parser.parse_args()
 
     batches = make_batches(args.epoch_batches or args.steps)  # the same batches in the same order every epoch
     torch.manual_seed(0)
-    model = ToyRecommender(device="meta")
+    model = ToyRecommender(device="meta", t1_rows=args.t1_rows)
     strategy = PersiaStrategy(
         num_local_shards=args.shards, staleness=args.staleness, embedding_optimizer=SGD(lr=0.1),
-        embedding_init=INIT, wire_dtype="fp32", ps_timeout_s=30.0,
+        embedding_init=INIT, wire_dtype="fp32", ps_timeout_s=30.0, data_parallel_max_rows=args.data_parallel_max_rows,
     )
     record = _Record(args.out, args.slow_after)
     callbacks: list[L.Callback] = [record]
@@ -67,8 +69,8 @@ def main() -> None:
     trainer.fit(model, loader(batches), ckpt_path=args.resume)
     state = {"dense": {k: v.clone() for k, v in model.state_dict().items()}, "losses": record.losses}
     if trainer.is_global_zero:
-        ids = torch.arange(NUM_IDS)
-        state["tables"] = strategy.client.lookup({"ebc.t0": ids, "ebc.t1": ids}, train=False, wire_dtype="fp32")
+        remote = [t.name for t in model.ebc.remote_tables]
+        state["tables"] = strategy.client.lookup({name: torch.arange(NUM_IDS) for name in remote}, train=False, wire_dtype="fp32")
     torch.save(state, os.path.join(args.out, f"rank{trainer.global_rank}.pt"))
     strategy.close()
 

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from toy import INIT, NUM_IDS
+
+from lightning_persia.remote_ps.store.initializers import initial_rows
 
 SCRIPT = Path(__file__).with_name("run_toy.py")
 RESUME_STEPS = int(os.environ.get("PERSIA_RESUME_STEPS", "40"))
@@ -34,20 +37,29 @@ def _group(pgid: int) -> list[str]:
     return [line for line in listing.splitlines() if line.strip() and not line.strip().startswith("Z")]
 
 
-def test_two_ranks_two_shards_identical_dense_weights_and_falling_loss(tmp_path):
-    _run(tmp_path, "--devices", "2", "--shards", "2", "--steps", "40", "--epoch-batches", "8", "--staleness", "2")
+KEEP_T0 = ("--data-parallel-max-rows", "40", "--t1-rows", "80")  # t0 (40 rows) on the trainers, t1 (80) remote
+
+
+@pytest.mark.parametrize("kept", [(), KEEP_T0], ids=["all-remote", "t0-kept"])
+def test_two_ranks_two_shards_identical_dense_weights_and_falling_loss(tmp_path, kept):
+    _run(tmp_path, "--devices", "2", "--shards", "2", "--steps", "40", "--epoch-batches", "8", "--staleness", "2", *kept)
     rank0 = torch.load(tmp_path / "rank0.pt")
     rank1 = torch.load(tmp_path / "rank1.pt")
-    for name, value in rank0["dense"].items():
+    for name, value in rank0["dense"].items():  # with t0 kept: its weight and optimizer state too
         assert torch.equal(value, rank1["dense"][name]), f"dense weight {name} differs between ranks"
     losses = rank0["losses"]
     assert sum(losses[-8:]) < sum(losses[:8])
-    assert rank0["tables"]["ebc.t0"].abs().sum() > 0
+    assert rank0["tables"]["ebc.t1"].abs().sum() > 0
+    if kept:
+        assert set(rank0["tables"]) == {"ebc.t1"}
+        initial = initial_rows(INIT, 0, "ebc.t0", torch.arange(NUM_IDS), 4).flatten()
+        assert not torch.allclose(rank0["dense"]["ebc.data_parallel.weight"], initial), "the kept table must train"
 
 
-def test_resume_after_restart_gives_the_same_weights_as_one_run(tmp_path):
+@pytest.mark.parametrize("kept", [(), KEEP_T0], ids=["all-remote", "t0-kept"])
+def test_resume_after_restart_gives_the_same_weights_as_one_run(tmp_path, kept):
     n = RESUME_STEPS
-    common = ("--devices", "1", "--staleness", "0", "--epoch-batches", str(n))
+    common = ("--devices", "1", "--staleness", "0", "--epoch-batches", str(n), *kept)
     _run(tmp_path / "straight", *common, "--steps", str(2 * n))
     _run(tmp_path / "first", *common, "--steps", str(n), "--checkpoint-every", str(n))
     (ckpt,) = (tmp_path / "first" / "ckpt").glob("*.ckpt")

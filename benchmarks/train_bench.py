@@ -8,7 +8,8 @@ ids) in the same order, the same number of steps, run one after another in this 
   sync       PersiaStrategy(staleness=0): each lookup sees the previous step's update
   hybrid-τ   PersiaStrategy(staleness=τ) for every τ of --staleness (default 4 and 8)
 
-PersiaStrategy runs use --shards (2) shard processes and --ranks (1 and 2) trainer ranks; --batch-size is
+PersiaStrategy runs use --shards (2) shard processes and --ranks (1 and 2) trainer ranks, and keep the
+tables of at most --data-parallel-max-rows (30,000: 21 of the 26) on the trainers; --batch-size is
 the *global* batch (2 ranks train on halves of the very same batches). Embedding rows start from the same
 values everywhere (the PS's deterministic initialiser) and train with row-wise Adagrad; the dense net
 starts from the same seed and trains with Adam.
@@ -16,7 +17,7 @@ starts from the same seed and trains with Adam.
 Reported per run: samples/s (median over windows of --window steps after --warmup steps), the test AUC
 after the run (--test-batches held-out batches), and the ratios hybrid/local and hybrid/sync.
 
-    .venv/bin/python benchmarks/train_bench.py                    # the full table, 3 rounds (about 10 min on a 2-core machine)
+    .venv/bin/python benchmarks/train_bench.py                    # the full table, 2 rounds (about 12 min on a 2-core machine)
     .venv/bin/python benchmarks/train_bench.py --quick            # local, sync, τ=4; 1 rank, 40 steps (about 1.5 min)
     .venv/bin/python benchmarks/train_bench.py --profile          # + where a step's time goes
     .venv/bin/python benchmarks/train_bench.py --netem 1,10gbit   # shards behind an emulated network (root)
@@ -272,15 +273,16 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="1 rank, τ=4 only, 40 steps of 4096 (about 1.5 minutes)")
     parser.add_argument("--batch-size", type=int, default=4096, help="global batch (split across ranks)")
-    parser.add_argument("--steps", type=int, default=None, help="training steps of every run (default 100; --quick 40)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps of every run (default 300; --quick 40)")
     parser.add_argument("--warmup", type=int, default=None, help="steps not timed (default 20; --quick 10)")
-    parser.add_argument("--window", type=int, default=None, help="steps per timed window (default 10; --quick 5)")
+    parser.add_argument("--window", type=int, default=None, help="steps per timed window (default 20; --quick 5)")
     parser.add_argument("--test-batches", type=int, default=None, help="held-out batches for the AUC (default 16; --quick 8)")
     parser.add_argument("--ranks", type=int, nargs="+", default=None, help="trainer ranks of the PersiaStrategy runs (default 1 2)")
     parser.add_argument("--staleness", type=int, nargs="+", default=None, help="hybrid staleness values (default 4 8); the first is the headline")
     parser.add_argument("--shards", type=int, default=2, help="PS shards")
-    parser.add_argument("--data-parallel-max-rows", type=int, default=0, metavar="N",
-                        help="PersiaStrategy(data_parallel_max_rows=N): tables of at most N rows stay on the trainers (default 0: all remote)")
+    parser.add_argument("--data-parallel-max-rows", type=int, default=30000, metavar="N",
+                        help="PersiaStrategy(data_parallel_max_rows=N): tables of at most N rows (21 of the 26 here) stay on "
+                             "the trainers (default 30000; 0: every table on the shards)")
     parser.add_argument("--wire-dtype", default="fp16", choices=["fp16", "fp32"])
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--emb-lr", type=float, default=0.05, help="row-wise Adagrad learning rate of the embeddings")
@@ -294,11 +296,11 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true", help="instrument the runs and print where a step's time goes")
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     parser.add_argument("--cache-dir", type=Path, default=None, help="where the generated data is cached")
-    parser.add_argument("--repeat", type=int, default=None, help="rounds of every run; medians are reported (default 3; --quick 1)")
+    parser.add_argument("--repeat", type=int, default=None, help="rounds of every run; medians are reported (default 2; --quick 1)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one configuration may take")
     args = parser.parse_args(argv)
     quick = args.quick
-    defaults = dict(steps=(40, 100), warmup=(10, 20), window=(5, 10), test_batches=(8, 16), ranks=([1], [1, 2]), staleness=([4], [4, 8]), repeat=(1, 3))
+    defaults = dict(steps=(40, 300), warmup=(10, 20), window=(5, 20), test_batches=(8, 16), ranks=([1], [1, 2]), staleness=([4], [4, 8]), repeat=(1, 2))
     for key, (q, full) in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, q if quick else full)

@@ -171,9 +171,10 @@ def _fmt(value: Optional[float], spec: str) -> str:
 
 def merge_repeats(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
     """One configuration's repeats as one result: median samples/s and median AUC; the profile of the median run."""
-    ordered = sorted(runs, key=lambda r: r["samples_per_s"] or 0.0)
+    timed = [r for r in runs if r["samples_per_s"]] or runs  # a run too short for a timed window has none
+    ordered = sorted(timed, key=lambda r: r["samples_per_s"] or 0.0)
     merged = dict(ordered[len(ordered) // 2])
-    merged["samples_per_s"] = statistics.median(r["samples_per_s"] or 0.0 for r in runs)
+    merged["samples_per_s"] = statistics.median(r["samples_per_s"] or 0.0 for r in timed)
     merged["auc"] = statistics.median(r["auc"] for r in runs)
     merged["samples_per_s_runs"] = [r["samples_per_s"] for r in runs]
     merged["auc_runs"] = [r["auc"] for r in runs]

@@ -22,6 +22,7 @@ Example::
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 import shutil
@@ -29,10 +30,9 @@ import subprocess
 import sys
 import threading
 import time
-from typing import List, Optional, Sequence
+from typing import Deque, List, Optional, Sequence
 
 from lightning_persia.remote_ps.server import read_listening_address, stop_processes
-
 
 
 class NetemError(RuntimeError):
@@ -167,7 +167,7 @@ class NamespaceShards:
     def __init__(self, net: EmulatedNetwork, num_shards: int, token: str, overrides: Sequence[str], threads: Optional[int]) -> None:
         self.processes: List[subprocess.Popen] = []
         self.addresses: List[str] = []
-        self._logs: List[List[str]] = []
+        self._logs: List[Deque[str]] = []
         threads = threads or max(1, (os.cpu_count() or 1) // (num_shards + 1))
         env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PERSIA_PS_TOKEN": token}  # token via env, not argv
         started = threading.Event()
@@ -220,11 +220,11 @@ class NamespaceShards:
         return [f"{net.ps_ip}:{port}" for port in ports]
 
     def _read_address(self, index: int, process: subprocess.Popen, deadline: float) -> str:
-        lines: List[str] = []
+        lines: Deque[str] = collections.deque(maxlen=100)
         self._logs.append(lines)
         address = read_listening_address(process, lines, deadline, thread_name=f"netem-shard-{index}-output")
         if address is None:
-            raise NetemError(f"shard {index} in the PS namespace did not start:\n" + "\n".join(lines[-100:]))
+            raise NetemError(f"shard {index} in the PS namespace did not start:\n" + "\n".join(lines))
         return address
 
     def stop(self, timeout_s: float = 15.0) -> None:

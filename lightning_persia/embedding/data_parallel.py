@@ -66,6 +66,7 @@ class DataParallelTables(nn.Module):
         self.register_buffer("optimizer_state", torch.cat([
             rule.initial_state(sum(self.num_embeddings[first:stop])).flatten() for first, stop, rule, _ in self._segments
         ]))
+        self.dropped_nonfinite_rows = 0
         self.register_buffer("_rows_per_feature", torch.tensor([self.num_embeddings[t] for t in self.feature_tables]), persistent=False)
 
     def table_view(self, table: int) -> torch.Tensor:
@@ -74,14 +75,14 @@ class DataParallelTables(nn.Module):
         return self.weight[offsets[table] : offsets[table + 1]].view(self.num_embeddings[table], self.configs[table].dim)
 
     def rows_of(self, ids: torch.Tensor, lengths_per_feature: list[int]) -> torch.Tensor:
-        """Row of each id in its feature's table: ``id mod num_embeddings`` (the hashing trick).
+        """Row of each id in its feature's table, ``id mod num_embeddings`` (the hashing trick), on this module's device.
 
         A remote table takes any int64 id; a kept one has ``num_embeddings`` rows, so ids are folded into
         them, as the examples' local models do (ids already in ``[0, num_embeddings)`` map to themselves).
         """
         counts = torch.tensor(lengths_per_feature, device=self._rows_per_feature.device)
-        modulus = torch.repeat_interleave(self._rows_per_feature, counts, output_size=ids.numel()).to(ids.device)
-        return torch.remainder(ids, modulus)
+        modulus = torch.repeat_interleave(self._rows_per_feature, counts, output_size=ids.numel())
+        return torch.remainder(ids.to(modulus.device), modulus)
 
     def pooled(self, ids: torch.Tensor, offsets: torch.Tensor, pooling: str, per_sample_weights: Optional[torch.Tensor]) -> torch.Tensor:
         """Pooled embeddings ``[B, sum of feature dims]`` of this module's features (bags feature-major)."""
@@ -89,7 +90,12 @@ class DataParallelTables(nn.Module):
 
     @torch.no_grad()
     def apply_gradients(self, scale: float) -> None:
-        """Runs each table's rule on the rows with a non-zero gradient (times ``scale``), then drops the gradient."""
+        """Runs each table's rule on the rows with a non-zero gradient (times ``scale``), then drops the gradient.
+
+        Rows whose gradient is not finite (an AMP overflow) are left alone and counted in
+        ``dropped_nonfinite_rows``, as the remote path drops them. A row touched with an exactly zero gradient
+        is not updated (a shard would still run its rule on it: it differs only with weight decay or Adam).
+        """
         grad = self.weight.grad
         if grad is None:
             return
@@ -98,17 +104,31 @@ class DataParallelTables(nn.Module):
             rows = sum(self.num_embeddings[first:stop])
             weights = self.weight[offsets[first] : offsets[stop]].view(rows, rule.dim)
             grads = grad[offsets[first] : offsets[stop]].view(rows, rule.dim)
-            touched = torch.nonzero(grads.ne(0).any(dim=1)).squeeze(1)
+            touched = grads.ne(0).any(dim=1)
+            finite = torch.isfinite(grads).all(dim=1)
+            self.dropped_nonfinite_rows += int((touched & ~finite).sum())
+            touched = torch.nonzero(touched & finite).squeeze(1)
             if not touched.numel():
                 continue
             state = self.optimizer_state[self._state_offsets[first] : self._state_offsets[stop]].view(rows, rule.state_width)
-            row_weights, row_state = weights[touched], state[touched]
-            rule.apply(row_weights, row_state, grads[touched] * scale if scale != 1.0 else grads[touched])
+            # The rule runs in float32 whatever the parameter's dtype, as on the shards.
+            row_weights, row_state, row_grads = weights[touched].float(), state[touched], grads[touched].float()
+            rule.apply(row_weights, row_state, row_grads * scale if scale != 1.0 else row_grads)
             if bound is not None:
                 row_weights.clamp_(-bound, bound)
-            weights[touched] = row_weights
+            weights[touched] = row_weights.to(weights.dtype)
             state[touched] = row_state
         self.weight.grad = None
+
+    def _apply(self, fn, recurse: bool = True):
+        # ``.to(dtype)`` / ``.half()`` of the model (Lightning's "*-true" precisions) must not round the rule's
+        # state: an Adagrad accumulator in bf16 stops growing.
+        state = self.optimizer_state
+        super()._apply(fn, recurse)
+        moved = self.optimizer_state
+        if moved.dtype != state.dtype:
+            self._buffers["optimizer_state"] = state.to(moved.device)
+        return self
 
     def extra_repr(self) -> str:
         return ", ".join(f"{c.name}: {n} rows, dim={c.dim}" for c, n in zip(self.configs, self.num_embeddings))

@@ -7,7 +7,7 @@ the parameter server after the backward.
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -86,7 +86,7 @@ class _KJTModule(RemoteModule):
         return kjt.permute([keys.index(f) for f in features])
 
     def _select_local(self, kjt: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, torch.Tensor]:
-        """The kept-local features of ``kjt`` and the rows their ids read."""
+        """The kept-local features of ``kjt`` and the rows their ids read (on the kept tables' device)."""
         assert self.data_parallel is not None
         mine = self._select(kjt, self.data_parallel.features)
         return mine, self.data_parallel.rows_of(mine.values(), mine.length_per_key())
@@ -147,9 +147,9 @@ class RemoteEmbeddingBagCollection(_KJTModule):
             ))
         if self.data_parallel is not None:
             local, rows_local = self._select_local(features)
-            device = self.data_parallel.weight.device
+            device = rows_local.device
             parts.append(self.data_parallel.pooled(
-                rows_local.to(device), local.offsets().to(device), self.pooling,
+                rows_local, local.offsets().to(device), self.pooling,
                 local.weights().to(device) if self._is_weighted else None,
             ))
         pooled = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
@@ -169,8 +169,7 @@ class RemoteEmbeddingCollection(_KJTModule):
             out.update(_per_id(mine, self.features, self.feature_tables, rows.table_view, rows.inverse.to(device, non_blocking=True)))
         if self.data_parallel is not None:
             local, rows_local = self._select_local(features)
-            device = self.data_parallel.weight.device
-            out.update(_per_id(local, self.data_parallel.features, self.data_parallel.feature_tables, self.data_parallel.table_view, rows_local.to(device)))
+            out.update(_per_id(local, self.data_parallel.features, self.data_parallel.feature_tables, self.data_parallel.table_view, rows_local))
         return {feature: out[feature] for feature in self.output_features}
 
 
@@ -207,7 +206,8 @@ class RemoteEmbedding(RemoteModule):
 
 
 def _per_id(
-    kjt: KeyedJaggedTensor, features: list[str], feature_tables: tuple[int, ...], table_view, rows: torch.Tensor
+    kjt: KeyedJaggedTensor, features: list[str], feature_tables: tuple[int, ...], table_view: Callable[[int], torch.Tensor],
+    rows: torch.Tensor,
 ) -> dict[str, JaggedTensor]:
     """``{feature: JaggedTensor of the embeddings of its ids}``; ``rows[i]`` is id i's row in its table's view."""
     lengths = kjt.lengths().to(rows.device)

@@ -60,7 +60,9 @@ def shard_of(ids: torch.Tensor, num_shards: int) -> torch.Tensor:
 
 def first_foreign(ids: torch.Tensor, num_shards: int, shard: int) -> int:
     """Position of the first id that :func:`shard_of` does not put on ``shard``, or -1 when it owns them all."""
-    if native.available():
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    if native.available() and ids.device.type == "cpu":
         return native.first_foreign(ids, num_shards, shard)
     foreign = torch.nonzero(shard_of(ids, num_shards) != shard)
     return int(foreign[0, 0]) if foreign.numel() else -1

@@ -42,6 +42,10 @@ class PSConfig:
     """gRPC handler threads (concurrent requests)."""
     torch_threads: int = 0
     """Intra-op threads of torch in the shard; 0 keeps torch's default."""
+    nice: int = 0
+    """Added to the shard process's nice value at start (0..19). Shards sharing cores with trainers (the
+    embedded cluster) run at a lower priority: a trainer's parallel regions stall on any core taken from
+    them, while a prefetched lookup has a whole step to come back."""
     dedup_window: int = 4096
     """Recently applied update seqs remembered per client, for exactly-once retries."""
     dedup_max_clients: int = 4096
@@ -72,6 +76,8 @@ class PSConfig:
                 raise ConfigError(f"PS config: {name} must be >= 1, got {getattr(self, name)}")
         if self.torch_threads < 0:
             raise ConfigError(f"PS config: torch_threads must be >= 0, got {self.torch_threads}")
+        if not 0 <= self.nice <= 19:
+            raise ConfigError(f"PS config: nice must be in [0, 19], got {self.nice}")
         if self.malloc_trim_interval_s < 0:
             raise ConfigError(f"PS config: malloc_trim_interval_s must be >= 0, got {self.malloc_trim_interval_s}")
         for name in ("fault_delay_s", "fault_save_delay_s"):

@@ -28,14 +28,14 @@ import time
 import uuid
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, MutableSequence, Optional, Sequence
 
 import grpc
 import torch
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from lightning_persia.ops import wire
+from lightning_persia.ops import native, wire
 from lightning_persia.remote_ps.config import PSConfig
 from lightning_persia.remote_ps.exactly_once import StaleSequenceError, UpdateDeduplicator
 from lightning_persia.remote_ps.protocol import SERVICE_NAME, persia_pb2, persia_pb2_grpc
@@ -553,6 +553,9 @@ def run_shard(
     """
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
+    if config.nice:
+        os.nice(config.nice)
+    native.available()  # builds or loads the kernels now, not inside the first request
     store = ShardStore(shard_index=shard_index, num_shards=num_shards, seed=config.seed, table_defaults=config.table_configs(),
                        fault_save_delay_s=config.fault_save_delay_s)
     restored = None
@@ -595,11 +598,11 @@ def run_shard(
 # ---- local clusters ------------------------------------------------------------------------------------
 
 
-def read_listening_address(process: subprocess.Popen, lines: list[str], deadline: float, thread_name: str) -> Optional[str]:
+def read_listening_address(process: subprocess.Popen, lines: MutableSequence[str], deadline: float, thread_name: str) -> Optional[str]:
     """The address a ``ps serve`` process prints on its ``LISTENING`` line, or None if none came by ``deadline``.
 
     A daemon thread keeps reading the process's (text) stdout afterwards, so a chatty shard never blocks on
-    its pipe; every other line is appended to ``lines``.
+    its pipe; every other line is appended to ``lines`` (a bounded ``deque`` keeps only the last ones).
     """
     found: list[str] = []
     ready = threading.Event()

@@ -16,6 +16,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage
 from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
 
 import lightning.pytorch as pl
 from lightning_persia.embedding.data_parallel import DataParallelTables
@@ -215,12 +216,12 @@ class PersiaStrategy(DDPStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         if not any(isinstance(m, RemoteModule) for m in self.model.modules()):
             self._swap_embedding_modules()
+        self.data_parallel_tables = [m for m in self.model.modules() if isinstance(m, DataParallelTables)]
         super().setup(trainer)
 
     def _swap_embedding_modules(self) -> None:
         assert self.model is not None and self.client is not None
         twins = intercept(self.model, self.intercept_kinds, self.exclude, self.table_defaults, seed=self.ps_seed)
-        self.data_parallel_tables = [m.data_parallel for m in twins if m.data_parallel is not None]
         self.remote_modules = [m for m in twins if m.remote_tables]
         if not self.remote_modules:
             log.warning("PersiaStrategy found no embedding table to serve remotely; training runs as plain DDP")
@@ -236,6 +237,11 @@ class PersiaStrategy(DDPStrategy):
         if self.world_size == 1 or not any(p.requires_grad for p in self.model.parameters()):
             log.info("PersiaStrategy: %s, DDP is skipped", "one process" if self.world_size == 1 else "no dense parameter to synchronise")
             return
+        # The twins' buffers are identical on every rank by construction (constants, and the kept tables' rule
+        # state, updated from all-reduced gradients): DDP need not broadcast them before every forward.
+        buffers = [f"{path}.{name}" for path, module in self.model.named_modules() if isinstance(module, RemoteModule)
+                   for name, _ in module.named_buffers()]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self.model, buffers)
         super().configure_ddp()
 
     def process_dataloader(self, dataloader: object) -> object:
@@ -267,6 +273,10 @@ class PersiaStrategy(DDPStrategy):
         scale = self._embedding_gradient_scale()
         if self.worker is not None:
             self.worker.finish_step(scale)
+        # Inside DDP's no_sync (all micro-batches of an accumulation but the last) a gradient is this rank's
+        # own: it stays and accumulates until DDP all-reduces the sum with the last micro-batch's backward.
+        if isinstance(self.model, DistributedDataParallel) and not self.model.require_backward_grad_sync:
+            return
         for tables in self.data_parallel_tables:  # DDP has averaged their gradients over the ranks already
             tables.apply_gradients(scale * self.world_size)
 

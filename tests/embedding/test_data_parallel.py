@@ -86,3 +86,19 @@ def test_ids_outside_a_kept_table_are_folded_into_its_rows():
     wide = KeyedJaggedTensor.from_lengths_sync(keys=["x", "y", "z"], values=torch.tensor([1 + 7 * N, -1, (1 << 40) + 3]), lengths=torch.tensor([1, 1, 1]))
     folded = KeyedJaggedTensor.from_lengths_sync(keys=["x", "y", "z"], values=torch.tensor([1, N - 1, ((1 << 40) + 3) % N]), lengths=torch.tensor([1, 1, 1]))
     torch.testing.assert_close(twin_model.ebc(wide).values(), local.ebc(folded).values())
+
+
+def test_non_finite_rows_are_dropped_and_the_state_stays_float32_in_a_bf16_model():
+    configs = [TableConfig("m.a", dim=4, init=INIT, optimizer=Adagrad(lr=0.1, rowwise=True, initial_accumulator_value=0.1))]
+    kept = DataParallelTables(configs, [N], [("x",)], seed=7).to(torch.bfloat16)
+    assert kept.weight.dtype == torch.bfloat16 and kept.optimizer_state.dtype == torch.float32
+    assert torch.equal(kept.optimizer_state, torch.full((N,), 0.1))
+    before = kept.table_view(0).detach().clone()
+    grad = torch.zeros(N, 4, dtype=torch.bfloat16)
+    grad[3], grad[5, 1] = 1.0, float("inf")
+    kept.weight.grad = grad.flatten()
+    kept.apply_gradients(scale=1.0)
+    after = kept.table_view(0).detach()
+    assert kept.dropped_nonfinite_rows == 1
+    assert torch.equal(after[5], before[5]) and torch.isfinite(kept.optimizer_state).all()
+    assert not torch.equal(after[3], before[3]) and kept.optimizer_state[3] == pytest.approx(1.1)

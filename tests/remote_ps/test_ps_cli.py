@@ -115,3 +115,8 @@ def test_console_script_is_installed():
     script = os.path.join(os.path.dirname(sys.executable), "lightning-persia")
     result = subprocess.run([script, "ps", "serve", "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "PERSIA_PS_LISTENING" in result.stdout
+
+
+def test_nice_lowers_the_shard_process_priority(start_ps_cluster):
+    shards = start_ps_cluster(1, overrides=["nice=5"])
+    assert os.getpriority(os.PRIO_PROCESS, shards.processes[0].pid) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + 5)

@@ -34,6 +34,7 @@ def test_yaml_env_and_overrides(tmp_path, monkeypatch):
         (["no_such_key=1"], "Key 'no_such_key' not in 'PSConfig'"),
         (["seed=abc"], "could not be converted to Integer"),
         (["server_threads=0"], "server_threads must be >= 1"),
+        (["nice=20"], "nice must be in [0, 19], got 20"),
         (["tables.t.dim=0"], "tables.t: table 't': dim must be in 1..65536"),
         (["tables.t.dim=2", "tables.t.optimizer.kind=Lion"], "unknown optimizer kind 'Lion'"),
         (["seed"], "overrides must be key=value"),
@@ -41,7 +42,7 @@ def test_yaml_env_and_overrides(tmp_path, monkeypatch):
     ],
 )
 def test_bad_settings_are_named(overrides, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("$", r"\$").replace("{", r"\{")):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("$", r"\$").replace("{", r"\{").replace("[", r"\[")):
         load_ps_config(None, overrides)
 
 

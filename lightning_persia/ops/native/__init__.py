@@ -19,9 +19,11 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -41,7 +43,9 @@ def available() -> bool:
 
 def index_find(slots: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row of each id in an index (``-1`` when absent) and the slot where its probe ended."""
-    ids = ids.contiguous()
+    _check(slots, torch.int32, "slots")
+    _check(keys, torch.int64, "keys")
+    ids = _check(ids, torch.int64, "ids").contiguous()
     rows = torch.empty_like(ids)
     positions = torch.empty_like(ids)
     _require().lp_index_find(slots.data_ptr(), slots.numel(), keys.data_ptr(), ids.data_ptr(), ids.numel(),
@@ -51,14 +55,28 @@ def index_find(slots: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor) -> tu
 
 def index_place(slots: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> int:
     """Writes ``rows`` (int32) into the first free slot of each id's chain; returns how many were tombstones."""
-    ids, rows = ids.contiguous(), rows.to(torch.int32).contiguous()
+    _check(slots, torch.int32, "slots")
+    ids, rows = _check(ids, torch.int64, "ids").contiguous(), rows.to(torch.int32).contiguous()
+    if ids.numel() != rows.numel():
+        raise ValueError(f"index_place: {ids.numel()} ids but {rows.numel()} rows")
     return _require().lp_index_place(slots.data_ptr(), slots.numel(), ids.data_ptr(), rows.data_ptr(), ids.numel())
 
 
 def first_foreign(ids: torch.Tensor, num_shards: int, shard: int) -> int:
     """Position of the first id that :func:`~lightning_persia.ops.hashing.shard_of` puts on another shard, or -1."""
-    ids = ids.contiguous()
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    ids = _check(ids, torch.int64, "ids").contiguous()
     return _require().lp_first_foreign(ids.data_ptr(), ids.numel(), num_shards, shard)
+
+
+def _check(tensor: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
+    """The C loops read raw CPU buffers of one dtype: anything else would be read (or written) out of bounds."""
+    if tensor.dtype != dtype or tensor.device.type != "cpu" or tensor.dim() != 1:
+        raise ValueError(f"{what} must be a 1-D {dtype} CPU tensor, got {tensor.dtype} {tuple(tensor.shape)} on {tensor.device}")
+    if what in ("slots", "keys") and not tensor.is_contiguous():
+        raise ValueError(f"{what} must be contiguous: it is written or read in place")
+    return tensor
 
 
 def _require() -> ctypes.CDLL:
@@ -68,12 +86,16 @@ def _require() -> ctypes.CDLL:
     return library
 
 
+_BUILD_LOCK = threading.Lock()  # the gRPC handler threads of a shard all ask at once on the first requests
+
+
 @functools.lru_cache(maxsize=None)
 def _library() -> Optional[ctypes.CDLL]:
     if os.environ.get("LIGHTNING_PERSIA_NATIVE", "1") == "0":
         return None
     try:
-        library = ctypes.CDLL(str(_build()))
+        with _BUILD_LOCK:
+            library = ctypes.CDLL(str(_build()))
     except (OSError, RuntimeError) as err:
         warnings.warn(f"lightning_persia: native kernels unavailable ({err}); using the slower tensor implementation")
         return None
@@ -88,8 +110,8 @@ def _library() -> Optional[ctypes.CDLL]:
 
 def _build() -> Path:
     source = _SOURCE.read_bytes()
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    compiler = shlex.split(os.environ["CC"]) if os.environ.get("CC") else [c for c in (shutil.which("cc") or shutil.which("gcc"),) if c]
+    if not compiler:
         raise RuntimeError("no C compiler found (set CC)")
     digest = hashlib.sha1(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("LIGHTNING_PERSIA_CACHE", Path.home() / ".cache" / "lightning_persia")) / "native"
@@ -101,9 +123,10 @@ def _build() -> Path:
     fd, partial = tempfile.mkstemp(dir=cache, suffix=".so.partial")
     os.close(fd)
     try:
-        result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", partial], capture_output=True, text=True)
+        result = subprocess.run([*compiler, *_FLAGS, str(_SOURCE), "-o", partial], capture_output=True, text=True)
         if result.returncode:
-            raise RuntimeError(f"{compiler} could not build {_SOURCE.name}: {result.stderr.strip()[-800:]}")
+            raise RuntimeError(f"{' '.join(compiler)} could not build {_SOURCE.name}: {result.stderr.strip()[-800:]}")
+        os.chmod(partial, 0o755)  # mkstemp's 0600 would hide the library from other users of a shared cache
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):

@@ -31,6 +31,25 @@ from lightning_persia.remote_ps.store.optimizers import SparseRule, make_rule
 from lightning_persia.remote_ps.table_config import TableConfig
 
 
+def _apply_rule(
+    rule: SparseRule, weights: torch.Tensor, state: torch.Tensor, grads: torch.Tensor, touched: Optional[torch.Tensor],
+    scale: float, bound: Optional[float],
+) -> None:
+    """``rule`` on the ``touched`` rows of a block (all of them when None), in float32 whatever the weights' dtype."""
+    if touched is not None:
+        row_weights, row_state, row_grads = weights[touched].float(), state[touched], grads[touched].float()
+    else:
+        row_weights, row_state, row_grads = weights.float(), state, grads.float()
+    rule.apply(row_weights, row_state, row_grads * scale if scale != 1.0 else row_grads)
+    if bound is not None:
+        row_weights.clamp_(-bound, bound)
+    if touched is not None:
+        weights[touched] = row_weights.to(weights.dtype)
+        state[touched] = row_state
+    elif row_weights.data_ptr() != weights.data_ptr():  # a float copy of lower-precision weights
+        weights.copy_(row_weights)
+
+
 class DataParallelTables(nn.Module):
     """The kept-local tables of one collection: one flat weight, one flat optimizer state.
 
@@ -100,24 +119,22 @@ class DataParallelTables(nn.Module):
         if grad is None:
             return
         offsets = self.layout.table_offsets
+        all_finite = bool(torch.isfinite(grad).all())
         for first, stop, rule, bound in self._segments:
             rows = sum(self.num_embeddings[first:stop])
             weights = self.weight[offsets[first] : offsets[stop]].view(rows, rule.dim)
             grads = grad[offsets[first] : offsets[stop]].view(rows, rule.dim)
-            touched = grads.ne(0).any(dim=1)
-            finite = torch.isfinite(grads).all(dim=1)
-            self.dropped_nonfinite_rows += int((touched & ~finite).sum())
-            touched = torch.nonzero(touched & finite).squeeze(1)
-            if not touched.numel():
-                continue
             state = self.optimizer_state[self._state_offsets[first] : self._state_offsets[stop]].view(rows, rule.state_width)
-            # The rule runs in float32 whatever the parameter's dtype, as on the shards.
-            row_weights, row_state, row_grads = weights[touched].float(), state[touched], grads[touched].float()
-            rule.apply(row_weights, row_state, row_grads * scale if scale != 1.0 else row_grads)
-            if bound is not None:
-                row_weights.clamp_(-bound, bound)
-            weights[touched] = row_weights.to(weights.dtype)
-            state[touched] = row_state
+            if all_finite and bound is None and rule.zero_gradient_is_noop:
+                touched = None  # every row at once: the untouched ones, with a zero gradient, come out unchanged
+            else:
+                nonzero = grads.ne(0).any(dim=1)
+                finite = torch.isfinite(grads).all(dim=1)
+                self.dropped_nonfinite_rows += int((nonzero & ~finite).sum())
+                touched = torch.nonzero(nonzero & finite).squeeze(1)
+                if not touched.numel():
+                    continue
+            _apply_rule(rule, weights, state, grads, touched, scale, bound)
         self.weight.grad = None
 
     def _apply(self, fn, recurse: bool = True):

@@ -20,6 +20,12 @@ class SparseRule:
         self.config = config
         self.dim = dim
 
+    @property
+    def zero_gradient_is_noop(self) -> bool:
+        """Whether a row with a zero gradient comes out unchanged: then the rule may run on a whole block of
+        rows at once (a trainer's dense gradient) instead of gathering the touched ones first."""
+        return not self.config.weight_decay
+
     def initial_state(self, n: int) -> torch.Tensor:
         return torch.zeros(n, self.state_width, dtype=torch.float32)
 
@@ -72,6 +78,8 @@ class AdamRule(SparseRule):
 
     State columns: ``[exp_avg (dim) | exp_avg_sq (dim) | step (1)]``.
     """
+
+    zero_gradient_is_noop = False  # the moments decay and the step counts
 
     def __init__(self, config: Adam, dim: int) -> None:
         super().__init__(config, dim)

@@ -102,3 +102,11 @@ def test_non_finite_rows_are_dropped_and_the_state_stays_float32_in_a_bf16_model
     assert kept.dropped_nonfinite_rows == 1
     assert torch.equal(after[5], before[5]) and torch.isfinite(kept.optimizer_state).all()
     assert not torch.equal(after[3], before[3]) and kept.optimizer_state[3] == pytest.approx(1.1)
+    finite = torch.zeros(N, 4, dtype=torch.bfloat16)
+    finite[7] = 2.0
+    kept.weight.grad = finite.flatten()
+    kept.apply_gradients(scale=0.5)  # all finite: the whole block at once, through a float32 copy
+    again = kept.table_view(0).detach()
+    assert kept.optimizer_state[7] == pytest.approx(1.1) and not torch.equal(again[7], after[7])
+    unchanged = torch.arange(N) != 7
+    assert torch.equal(again[unchanged], after[unchanged]) and kept.optimizer_state[3] == pytest.approx(1.1)

@@ -41,8 +41,4 @@ def test_config_runs_a_few_steps(name, tmp_path):
     assert "val_auc" in cli.trainer.callback_metrics
     assert type(cli.trainer.strategy).__name__ == "PersiaStrategy"
     assert not any(p.is_meta for p in cli.model.parameters())
-    if name != "adult_income":  # data_parallel_max_rows: 30000 keeps the small tables on the trainer
-        large = sum(rows > 30000 for rows in scaled_cardinalities(0.01))
-        twin = cli.model.ebc
-        assert large and len(twin.remote_tables) == large and len(twin.data_parallel.configs) == 26 - large
     cli.trainer.strategy.close()

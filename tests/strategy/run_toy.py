@@ -48,6 +48,7 @@ def main() -> None:
     parser.add_argument("--slow-after", type=int, default=0)
     parser.add_argument("--data-parallel-max-rows", type=int, default=0)
     parser.add_argument("--t1-rows", type=int, default=NUM_IDS)
+    parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
     args = parser.parse_args()
 
     batches = make_batches(args.epoch_batches or args.steps)  # the same batches in the same order every epoch
@@ -64,7 +65,7 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, max_steps=args.steps, max_epochs=-1, strategy=strategy,
         use_distributed_sampler=False, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=bool(args.checkpoint_every), callbacks=callbacks,
+        enable_checkpointing=bool(args.checkpoint_every), callbacks=callbacks, accumulate_grad_batches=args.accumulate,
     )
     trainer.fit(model, loader(batches), ckpt_path=args.resume)
     state = {"dense": {k: v.clone() for k, v in model.state_dict().items()}, "losses": record.losses}

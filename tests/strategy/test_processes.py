@@ -40,7 +40,7 @@ def _group(pgid: int) -> list[str]:
 KEEP_T0 = ("--data-parallel-max-rows", "40", "--t1-rows", "80")  # t0 (40 rows) on the trainers, t1 (80) remote
 
 
-@pytest.mark.parametrize("kept", [(), KEEP_T0], ids=["all-remote", "t0-kept"])
+@pytest.mark.parametrize("kept", [(), KEEP_T0, (*KEEP_T0, "--accumulate", "2")], ids=["all-remote", "t0-kept", "t0-kept-accumulating"])
 def test_two_ranks_two_shards_identical_dense_weights_and_falling_loss(tmp_path, kept):
     _run(tmp_path, "--devices", "2", "--shards", "2", "--steps", "40", "--epoch-batches", "8", "--staleness", "2", *kept)
     rank0 = torch.load(tmp_path / "rank0.pt")

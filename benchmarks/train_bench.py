@@ -171,10 +171,9 @@ def _fmt(value: Optional[float], spec: str) -> str:
 
 def merge_repeats(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
     """One configuration's repeats as one result: median samples/s and median AUC; the profile of the median run."""
-    timed = [r for r in runs if r["samples_per_s"]] or runs  # a run too short for a timed window has none
-    ordered = sorted(timed, key=lambda r: r["samples_per_s"] or 0.0)
-    merged = dict(ordered[len(ordered) // 2])
-    merged["samples_per_s"] = statistics.median(r["samples_per_s"] or 0.0 for r in timed)
+    timed = sorted((r for r in runs if r["samples_per_s"]), key=lambda r: r["samples_per_s"])  # a run too short to time has none
+    merged = dict(timed[len(timed) // 2] if timed else runs[0])
+    merged["samples_per_s"] = statistics.median(r["samples_per_s"] for r in timed) if timed else None
     merged["auc"] = statistics.median(r["auc"] for r in runs)
     merged["samples_per_s_runs"] = [r["samples_per_s"] for r in runs]
     merged["auc_runs"] = [r["auc"] for r in runs]

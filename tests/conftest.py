@@ -6,6 +6,7 @@ import os
 import pytest
 import torch.distributed as dist
 
+from lightning_persia.ops import native
 from lightning_persia.remote_ps.server import LocalShards
 
 # What a Trainer leaves in the environment and the process; a later subprocess would take it for its own launch.
@@ -28,6 +29,19 @@ def clean_distributed():
 
 
 # ---- parameter-server clusters: real shard processes on loopback (`lightning-persia ps serve --port 0`) ----
+
+
+@pytest.fixture
+def native_kernels() -> None:
+    """For tests of the C kernels themselves (``lightning_persia.ops.native``).
+
+    They are compiled with the machine's C compiler; on a machine without one there is nothing to test, and
+    the library runs its tensor implementation instead, which is tested on its own (the "tensor" cases of
+    tests/remote_ps/store/test_index.py, tests/ops/test_hashing.py). CI machines have a compiler.
+    """
+    if not native.available():
+        pytest.skip("no C compiler here, so no native kernels to test; the tensor implementation the library "
+                    "falls back to is tested on its own (test_index.py 'tensor' cases, test_hashing.py)")
 
 
 @pytest.fixture(scope="session")

@@ -128,6 +128,7 @@ class RemoteEmbeddingBagCollection(_KJTModule):
         self._output_dims = [dims[f] for f in self.output_features]
         columns = [c for f in self.output_features for c in range(starts[f], starts[f] + dims[f])]
         self.register_buffer("_column_order", torch.tensor(columns, dtype=torch.int64), persistent=False)
+        self._reordered = computed != self.output_features
 
     def is_weighted(self) -> bool:
         return self._is_weighted
@@ -153,7 +154,7 @@ class RemoteEmbeddingBagCollection(_KJTModule):
                 local.weights().to(device) if self._is_weighted else None,
             ))
         pooled = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        if self._computed_features() != self.output_features:
+        if self._reordered:
             pooled = pooled.index_select(1, self._column_order)
         return KeyedTensor(keys=self.output_features, length_per_key=self._output_dims, values=pooled)
 

@@ -45,6 +45,29 @@ def test_tiny_run_reports_every_figure(tmp_path):
     print(f"smoke run took {time.monotonic() - start:.0f} s")
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--repeat", "0"], "--repeat must be >= 1"),
+    (["--steps", "10", "--warmup", "5", "--window", "10"], "must cover --warmup"),
+])
+def test_bad_arguments_are_named(argv, message, capsys):
+    import train_bench
+
+    with pytest.raises(SystemExit):
+        train_bench.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_repeats_merge_into_medians():
+    import train_bench
+
+    runs = [dict(samples_per_s=v, auc=a, name="sync", profile={"step": v}) for v, a in ((30.0, 0.70), (10.0, 0.72), (20.0, 0.71))]
+    merged = train_bench.merge_repeats(runs)
+    assert merged["samples_per_s"] == 20.0 and merged["auc"] == 0.71 and merged["profile"] == {"step": 20.0}
+    assert merged["samples_per_s_runs"] == [30.0, 10.0, 20.0]
+    untimed = train_bench.merge_repeats([dict(samples_per_s=None, auc=0.7, name="sync")])
+    assert untimed["samples_per_s"] is None and untimed["auc"] == 0.7
+
+
 def test_netem_argument_parsing():
     assert parse_netem("1,10gbit") == (1.0, "10gbit")
     assert parse_netem("0.5") == (0.5, "")

@@ -4,7 +4,6 @@ import random
 import pytest
 import torch
 
-from lightning_persia.ops import native
 from lightning_persia.remote_ps.store import index as index_module
 from lightning_persia.remote_ps.store.index import IdIndex
 
@@ -12,8 +11,7 @@ from lightning_persia.remote_ps.store.index import IdIndex
 @pytest.fixture(params=["native", "tensor"])
 def implementation(request, monkeypatch):
     if request.param == "native":
-        if not native.available():
-            pytest.skip("no C compiler: the native kernels are not built")
+        request.getfixturevalue("native_kernels")
     else:
         monkeypatch.setattr(index_module.native, "available", lambda: False)
     return request.param
@@ -44,9 +42,7 @@ def test_index_agrees_with_a_dict_through_inserts_removals_and_growth(implementa
         assert found.tolist() == [truth.get(key, -1) for key in probe]
 
 
-def test_both_implementations_read_each_others_slots(monkeypatch):
-    if not native.available():
-        pytest.skip("no C compiler: the native kernels are not built")
+def test_both_implementations_read_each_others_slots(native_kernels, monkeypatch):
     keys = torch.randperm(1 << 20)[:3000].to(torch.int64) * 7919
     built = IdIndex()
     built.insert(keys, torch.arange(3000), keys)

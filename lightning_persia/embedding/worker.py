@@ -10,8 +10,10 @@ updates of ``staleness`` earlier steps every time, even when the shards answer w
 on tables that every batch touches (small vocabularies are updated by every step, like dense weights)
 those stale gradients cost accuracy. So the prefetch thread also waits until the trainer has begun step
 ``t - lookahead`` before it issues the lookup of step ``t``, where ``lookahead`` (1 .. ``staleness``) is
-just enough to hide the measured lookup latency: ``ceil(1.2 * lookup latency / step time)``. Fast shards
-then give a staleness of 1-2 whatever the bound; slow ones use the whole window.
+just enough to hide what the lookup waits for: the acknowledgement of the update of step
+``t - lookahead - 1``, pushed as step ``t - lookahead`` begins, then the lookup itself. So
+``lookahead = ceil(1.2 * (update latency + lookup latency) / step time)``. Fast shards then give a staleness
+of 1 whatever the bound; far or slow ones use more of the window.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_persia.embedding.batch_rows import BatchRows
+from lightning_persia.embedding.rank_merge import RankMerge
 from lightning_persia.embedding.staleness import StalenessTimeout, StalenessWindow
 
 if TYPE_CHECKING:
@@ -84,11 +87,14 @@ class EmbeddingWorker:
         self._last_begin: Optional[float] = None
         self.step_seconds: Optional[float] = None  # moving average of the time between two steps' starts
         self.lookup_seconds: Optional[float] = None  # moving average of a lookup's latency (issue -> rows)
+        self.update_seconds: Optional[float] = None  # moving average of an update's latency (push -> acknowledged)
         self.prefetch_misses = 0  # forwards whose ids differed from the ones their lookup was planned from
         self._reported_misses: set[str] = set()
         # Set by the strategy's recovery: a failed update is reported to it (True: handled, the window goes on)
         # instead of failing the staleness window.
         self.on_update_error: Optional[Callable[[int, BaseException], bool]] = None
+        # Set by the strategy with more than one rank: the ranks push one summed update per step.
+        self.rank_merge: Optional[RankMerge] = None
         self.generation = 0
 
     # ---- modules -------------------------------------------------------------------------------------
@@ -122,10 +128,10 @@ class EmbeddingWorker:
         """How many steps before its own a step's lookup is issued: 1 .. staleness (0 when synchronous)."""
         staleness = self.window.staleness
         with self._progress:
-            lookup, step = self.lookup_seconds, self.step_seconds
+            lookup, update, step = self.lookup_seconds, self.update_seconds or 0.0, self.step_seconds
         if staleness <= 1 or lookup is None or not step:
             return min(staleness, 1)
-        return max(1, min(staleness, math.ceil(LOOKAHEAD_MARGIN * lookup / step)))
+        return max(1, min(staleness, math.ceil(LOOKAHEAD_MARGIN * (update + lookup) / step)))
 
     def issue(self, step: _Step, stop: threading.Event) -> None:
         """Starts the step's lookups once the trainer is :meth:`lookahead` steps away and the window allows.
@@ -160,7 +166,7 @@ class EmbeddingWorker:
                     request.update(rows.request())
                 issued = time.perf_counter()
                 future = self.client.lookup_async(request, train=True, wire_dtype=self.wire_dtype)
-                future.add_done_callback(lambda f: self._observe_lookup(time.perf_counter() - issued))
+                future.add_done_callback(lambda f: self._observe("lookup_seconds", time.perf_counter() - issued))
                 for rows in step.planned:
                     rows.attach(future)
         except BaseException as error:
@@ -188,7 +194,7 @@ class EmbeddingWorker:
 
     def begin_step(self) -> None:
         """Opens the next training step: the batch the trainer is about to run."""
-        self.finish_step(scale=1.0)
+        self.finish_step(scale=1.0, merge=False)  # a step left open had no backward, so no gradient
         if self._ready:
             self._current = self._ready.popleft()
             if self._current.generation != self.generation:
@@ -214,9 +220,11 @@ class EmbeddingWorker:
             self._begun = max(self._begun, index)
             self._progress.notify_all()
 
-    def _observe_lookup(self, seconds: float) -> None:
+    def _observe(self, latency: str, seconds: float) -> None:
+        """Folds one measured latency into the moving average ``self.<latency>``."""
         with self._progress:
-            self.lookup_seconds = seconds if self.lookup_seconds is None else self.lookup_seconds + _EMA * (seconds - self.lookup_seconds)
+            average = getattr(self, latency)
+            setattr(self, latency, seconds if average is None else average + _EMA * (seconds - average))
 
     def rows_for(self, module: "RemoteModule", source: tuple[torch.Tensor, ...], plan: Callable[[], BatchRows]) -> BatchRows:
         """The batch-local rows for one forward call of ``module``, materialised on the device."""
@@ -265,8 +273,12 @@ class EmbeddingWorker:
             "staleness": float(step.lag),
         }
 
-    def finish_step(self, scale: float) -> None:
-        """Pushes the open step's gradients (times ``scale``) asynchronously and closes the step."""
+    def finish_step(self, scale: float, merge: bool = True) -> None:
+        """Pushes the open step's gradients (times ``scale``) asynchronously and closes the step.
+
+        With :attr:`rank_merge` set and ``merge`` true (after a backward, which every rank runs), the ranks'
+        gradients are summed first and pushed as one update (a collective: every rank must call this).
+        """
         step, self._current = self._current, None
         if step is None:
             return
@@ -280,17 +292,21 @@ class EmbeddingWorker:
                     ids = torch.cat([updates[table][0], ids])
                     grads = torch.cat([updates[table][1], grads])
                 updates[table] = (ids, grads)
+        sender = None
+        if merge and self.rank_merge is not None:
+            updates, sender = self.rank_merge(updates), self.rank_merge.sender
         with self._lock:
             self._finished_through = step.index + 1
         if not updates:
             self.window.acknowledge(step.index)
             return
-        future = self.client.update_async(updates, wire_dtype=self.wire_dtype)
-        future.add_done_callback(lambda f, index=step.index: self._on_update_done(index, f))
+        pushed = time.perf_counter()
+        future = self.client.update_async(updates, wire_dtype=self.wire_dtype, sender=sender)
+        future.add_done_callback(lambda f, index=step.index: self._on_update_done(index, f, time.perf_counter() - pushed))
 
     def drain(self) -> None:
         """Waits until every pushed update is applied (before a checkpoint, evaluation or the end)."""
-        self.finish_step(scale=1.0)
+        self.finish_step(scale=1.0, merge=False)  # as in begin_step
         self.wait_for_pushed()
 
     def wait_for_pushed(self) -> None:
@@ -306,8 +322,10 @@ class EmbeddingWorker:
         if self._current is not None:
             self._current.prefetched.clear()
 
-    def _on_update_done(self, index: int, future: Future) -> None:
+    def _on_update_done(self, index: int, future: Future, seconds: float) -> None:
         error = future.exception()
+        if error is None:
+            self._observe("update_seconds", seconds)
         if error is not None and self.on_update_error is not None and self.on_update_error(index, error):
             self.window.acknowledge(index)
             return

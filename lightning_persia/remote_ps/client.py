@@ -25,7 +25,7 @@ import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Awaitable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Awaitable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import grpc
 import grpc.aio
@@ -150,7 +150,7 @@ class PSClient:
         # Incarnation of each shard as last seen (wait_healthy / refresh_incarnations); once known, lookups,
         # updates and saves carry it, and a restarted shard refuses them with ShardRestartedError.
         self.incarnations: List[Optional[str]] = [None] * len(self.addresses)
-        self._seqs = [itertools.count(1) for _ in self.addresses]
+        self._seqs: Dict[str, List[Iterator[int]]] = {}  # per sender, per shard
         self._seq_lock = threading.Lock()
         self._dims: Dict[str, int] = {}
 
@@ -233,12 +233,20 @@ class PSClient:
                     target.index_copy_(0, bucket.order[start:end], view.to(torch.float32))
         return out
 
-    def update_async(self, updates: Mapping[str, Tuple[torch.Tensor, torch.Tensor]], *, wire_dtype: str = "fp16") -> "Future[None]":
+    def update_async(
+        self, updates: Mapping[str, Tuple[torch.Tensor, torch.Tensor]], *, wire_dtype: str = "fp16", sender: Optional[str] = None,
+    ) -> "Future[None]":
         """Sends gradients ``{table: (ids [n], grads [n, dim])}``; each shard applies its part exactly once.
 
         Ids need not be unique (gradients of duplicates are summed on the shard). Every message carries
-        this client's id and a fresh sequence number, and is resent with the same number on retry.
+        ``sender`` (default: this client's id) and the sender's next sequence number, and is resent with the
+        same number on retry. Clients that send the very same updates in the same order under one shared
+        ``sender`` make each shard apply every update once, and each of them hears back only after it is
+        applied (how ranks push one merged gradient, see ``embedding/rank_merge.py``)::
+
+            client.update_async({"user": (ids, grads)}, sender="job-42-merged")
         """
+        sender = sender or self.client_id
         dtype = _wire_enum(wire_dtype)
         buckets: Dict[str, _Bucketed] = {}
         grads: Dict[str, torch.Tensor] = {}
@@ -257,8 +265,9 @@ class PSClient:
             segments = [(name, b.starts[shard], b.starts[shard + 1], 8 + elem * grads[name].shape[1]) for name, b in buckets.items()]
             for pieces in self._pack(segments):
                 with self._seq_lock:
-                    seq = next(self._seqs[shard])
-                request = persia_pb2.UpdateRequest(client_id=self.client_id, seq=seq)
+                    seqs = self._seqs.setdefault(sender, [itertools.count(1) for _ in self.addresses])
+                    seq = next(seqs[shard])
+                request = persia_pb2.UpdateRequest(client_id=sender, seq=seq)
                 for name, start, end in pieces:
                     request.tables.add(
                         table=name, ids=wire.encode_ids(buckets[name].ids[start:end]),

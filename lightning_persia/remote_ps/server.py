@@ -281,9 +281,11 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
             raise _invalid("update without a client_id; exactly-once delivery needs (client_id, seq)")
         if request.seq < 1:
             raise _invalid("update seq must be >= 1")
-        items = self._parse(request.tables, with_grads=True)
 
         def apply() -> int:
+            # Parsed here, not before: a duplicate (a retry, or the same merged update from another rank)
+            # is answered without decoding its gradients again.
+            items = self._parse(request.tables, with_grads=True)
             return self.store.update_many([(item.name, item.ids, item.grads) for item in items])
 
         rows, duplicate = self.dedup.run(request.client_id, request.seq, apply)

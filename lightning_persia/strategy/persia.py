@@ -22,6 +22,7 @@ import lightning.pytorch as pl
 from lightning_persia.embedding.data_parallel import DataParallelTables
 from lightning_persia.embedding.modules import RemoteModule
 from lightning_persia.embedding.prefetch import PrefetchingLoader
+from lightning_persia.embedding.rank_merge import RankMerge
 from lightning_persia.embedding.worker import EmbeddingWorker
 from lightning_persia.remote_ps.client import PSClient
 from lightning_persia.remote_ps.table_config import DEFAULT_CAPACITY, InitLike, OptimizerLike
@@ -76,6 +77,10 @@ class PersiaStrategy(DDPStrategy):
             ``id mod num_embeddings`` (a remote one takes any id). ``0`` (default): all remote.
         average_embedding_gradients: scale each rank's embedding gradient by ``1 / world_size`` so that an
             embedding ``lr`` means what it means under DDP (mean over the global batch).
+        merge_rank_gradients: with several ranks, sum the ranks' embedding gradients of a step and apply
+            them as one update (default), so N ranks train the tables as one rank on the global batch and
+            staleness counts steps of the job. ``False``: every rank's gradient is its own update, as in
+            PERSIA (no all-gather; the model then depends on the rank count). See ``embedding/rank_merge.py``.
         ps_seed: seed of the embedded shards' deterministic row initialisation.
         ps_token: shared secret for shards started with ``--token`` (default: ``PERSIA_PS_TOKEN``).
         ps_tls_root_cert: PEM file that signed the shards' TLS certificates.
@@ -105,6 +110,7 @@ class PersiaStrategy(DDPStrategy):
         exclude: Optional[list[str]] = None,
         data_parallel_max_rows: int = 0,
         average_embedding_gradients: bool = True,
+        merge_rank_gradients: bool = True,
         ps_seed: int = 0,
         ps_token: Optional[str] = None,
         ps_tls_root_cert: Optional[str] = None,
@@ -149,6 +155,7 @@ class PersiaStrategy(DDPStrategy):
         self.intercept_kinds = list(intercept) if intercept is not None else list(MODULE_KINDS)
         self.exclude = list(exclude or [])
         self.average_embedding_gradients = average_embedding_gradients
+        self.merge_rank_gradients = merge_rank_gradients
         self.ps_seed = ps_seed
         self.ps_token = ps_token or os.environ.get(TOKEN_ENV)
         self.ps_tls_root_cert = ps_tls_root_cert
@@ -229,6 +236,8 @@ class PersiaStrategy(DDPStrategy):
         self.worker = EmbeddingWorker(self.client, self.staleness, self.wire_dtype, self.root_device, timeout_s=self.ps_timeout_s)
         for module in self.remote_modules:
             self.worker.register(module)
+        if self.merge_rank_gradients and self.world_size > 1:
+            self.worker.rank_merge = RankMerge(self.broadcast(f"{self.client.client_id}-merged"))
         self._recovery.attach(self.client, self.worker)
 
     def configure_ddp(self) -> None:

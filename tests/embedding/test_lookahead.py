@@ -14,12 +14,16 @@ def _worker(staleness: int) -> EmbeddingWorker:
 
 
 @pytest.mark.parametrize(
-    "staleness, lookup_s, step_s, expected",
-    [(0, None, None, 0), (4, None, None, 1), (4, 0.05, 0.1, 1), (4, 0.25, 0.1, 3), (4, 1.0, 0.1, 4), (1, 1.0, 0.1, 1)],
+    "staleness, lookup_s, update_s, step_s, expected",
+    [
+        (0, None, None, None, 0), (4, None, None, None, 1), (4, 0.05, None, 0.1, 1), (4, 0.25, None, 0.1, 3),
+        (4, 1.0, None, 0.1, 4), (1, 1.0, None, 0.1, 1),
+        (4, 0.04, 0.04, 0.1, 1), (4, 0.095, 0.094, 0.146, 2), (8, 0.25, 0.25, 0.1, 6),  # the update's ack counts too
+    ],
 )
-def test_lookahead_hides_the_measured_latency_within_the_bound(staleness, lookup_s, step_s, expected):
+def test_lookahead_hides_the_measured_latencies_within_the_bound(staleness, lookup_s, update_s, step_s, expected):
     worker = _worker(staleness)
-    worker.lookup_seconds, worker.step_seconds = lookup_s, step_s
+    worker.lookup_seconds, worker.update_seconds, worker.step_seconds = lookup_s, update_s, step_s
     assert worker.lookahead() == expected
 
 

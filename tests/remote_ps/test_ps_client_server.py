@@ -206,6 +206,26 @@ def test_futures_overlap_and_stats(ps_cluster, make_client):
     assert sum(s["tables"]["overlap"]["rows"] for s in stats) == torch.cat(batches).unique().numel()
 
 
+def test_clients_sending_one_update_under_a_shared_sender_apply_it_once(ps_cluster, make_client):
+    """How merged ranks push: the same updates, in the same order, under one sender id."""
+    first, second = make_client(ps_cluster.addresses), make_client(ps_cluster.addresses)
+    first.configure([TableConfig("shared", 2, optimizer=SGD(lr=1.0), init=Constant(0.0))])
+    ids = _ids(300, seed=21)
+    first.lookup({"shared": ids}, train=True)  # the rows exist
+    duplicates_before = sum(s["server"].get("update_duplicates", 0) for s in first.stats())
+    for step in range(3):
+        grads = torch.full((ids.numel(), 2), float(step + 1))
+        futures = [c.update_async({"shared": (ids, grads)}, wire_dtype="fp32", sender="job-merged") for c in (first, second)]
+        for future in futures:
+            assert future.result(30) is None
+    got = second.lookup({"shared": ids}, train=False, wire_dtype="fp32")["shared"]
+    assert torch.equal(got, torch.full_like(got, -6.0))  # 1 + 2 + 3, each once
+    duplicates = sum(s["server"].get("update_duplicates", 0) for s in first.stats()) - duplicates_before
+    assert duplicates == 3 * len(ps_cluster.addresses)  # every second copy, on every shard
+    first.update({"shared": (ids, torch.ones(ids.numel(), 2))}, wire_dtype="fp32")  # its own sender: applied
+    assert torch.equal(first.lookup({"shared": ids}, train=False, wire_dtype="fp32")["shared"], torch.full_like(got, -7.0))
+
+
 def test_retried_update_is_applied_once(ps_cluster, make_client):
     """The first attempt reaches the shard but its answer is lost: the client resends the same seq."""
     client = make_client(ps_cluster.addresses, backoff_s=0.01)

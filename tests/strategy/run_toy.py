@@ -2,7 +2,7 @@
 
     python run_toy.py --out DIR [--devices 2] [--steps 50] [--staleness 0] [--shards 2]
                       [--epoch-batches N] [--checkpoint-every N] [--resume CKPT]
-                      [--slow-after N]
+                      [--slow-after N] [--adagrad] [--no-merge]
 
 Every rank writes ``DIR/rank<R>.pt`` (dense state, losses); rank 0 also writes the tables fetched back from
 the shards. ``--slow-after N`` writes ``DIR/started`` after N steps and then slows down (for Ctrl-C tests).
@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from toy import INIT, NUM_IDS, ToyRecommender, loader, make_batches  # noqa: E402
 
-from lightning_persia import SGD, PersiaStrategy  # noqa: E402
+from lightning_persia import SGD, Adagrad, PersiaStrategy  # noqa: E402
 
 
 class _Record(L.Callback):
@@ -49,14 +49,17 @@ def main() -> None:
     parser.add_argument("--data-parallel-max-rows", type=int, default=0)
     parser.add_argument("--t1-rows", type=int, default=NUM_IDS)
     parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
+    parser.add_argument("--adagrad", action="store_true", help="row-wise Adagrad on the tables (default SGD)")
+    parser.add_argument("--no-merge", action="store_true", help="merge_rank_gradients=False")
     args = parser.parse_args()
 
     batches = make_batches(args.epoch_batches or args.steps)  # the same batches in the same order every epoch
     torch.manual_seed(0)
     model = ToyRecommender(device="meta", t1_rows=args.t1_rows)
     strategy = PersiaStrategy(
-        num_local_shards=args.shards, staleness=args.staleness, embedding_optimizer=SGD(lr=0.1),
+        num_local_shards=args.shards, staleness=args.staleness, embedding_optimizer=Adagrad(lr=0.1, rowwise=True) if args.adagrad else SGD(lr=0.1),
         embedding_init=INIT, wire_dtype="fp32", ps_timeout_s=30.0, data_parallel_max_rows=args.data_parallel_max_rows,
+        merge_rank_gradients=not args.no_merge,
     )
     record = _Record(args.out, args.slow_after)
     callbacks: list[L.Callback] = [record]

@@ -56,6 +56,25 @@ def test_two_ranks_two_shards_identical_dense_weights_and_falling_loss(tmp_path,
         assert not torch.allclose(rank0["dense"]["ebc.data_parallel.weight"], initial), "the kept table must train"
 
 
+@pytest.mark.parametrize("merge", [True, False], ids=["merged", "per-rank"])
+def test_two_ranks_train_the_tables_as_one_rank_when_their_gradients_are_merged(tmp_path, merge):
+    # Both ranks train on the same batches here (no distributed sampler), so with merged gradients 2 ranks
+    # take exactly the steps of 1 rank. Per rank, row-wise Adagrad takes two half steps where 1 rank takes
+    # one, and lands elsewhere.
+    common = ("--shards", "2", "--steps", "12", "--staleness", "0", "--adagrad")
+    _run(tmp_path / "one", "--devices", "1", *common)
+    _run(tmp_path / "two", "--devices", "2", *common, *(() if merge else ("--no-merge",)))
+    one = torch.load(tmp_path / "one" / "rank0.pt")
+    two = torch.load(tmp_path / "two" / "rank0.pt")
+    gap = max(float((two["tables"][t] - rows).abs().max()) for t, rows in one["tables"].items())
+    if merge:
+        assert gap < 1e-5, f"2 merged ranks moved the tables {gap} away from 1 rank"
+        for name, value in one["dense"].items():
+            torch.testing.assert_close(two["dense"][name], value, rtol=0, atol=1e-5)
+    else:
+        assert gap > 1e-2, "per-rank updates are two Adagrad steps: the tables must differ from 1 rank's"
+
+
 @pytest.mark.parametrize("kept", [(), KEEP_T0], ids=["all-remote", "t0-kept"])
 def test_resume_after_restart_gives_the_same_weights_as_one_run(tmp_path, kept):
     n = RESUME_STEPS

@@ -1,0 +1,48 @@
+"""RankMerge: the ranks' embedding gradients summed into one update, identical on every rank."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_persia.embedding.rank_merge import RankMerge, merge_updates
+
+
+def _part(ids: list[int], value: float, dim: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.tensor(ids), torch.full((len(ids), dim), value)
+
+
+def test_merge_sums_the_rows_of_every_rank_once_per_id():
+    rank0 = {"t": _part([5, 1, 5], 1.0)}
+    rank1 = {"t": _part([1, 9], 10.0), "u": _part([3], 2.0, dim=3)}
+    merged = merge_updates([rank0, rank1])
+    assert list(merged) == ["t", "u"]
+    ids, grads = merged["t"]
+    assert ids.tolist() == [1, 5, 9]
+    assert grads[:, 0].tolist() == [11.0, 2.0, 10.0]
+    assert merged["u"][0].tolist() == [3] and merged["u"][1].shape == (1, 3)
+
+
+def test_merge_gives_the_same_bytes_whatever_the_order_of_the_tables_in_a_part():
+    a = {"t": _part([4, 2], 1.5), "u": _part([7], 0.25)}
+    b = {"u": _part([7], 0.25), "t": _part([4, 2], 1.5)}
+    left, right = merge_updates([a, a]), merge_updates([b, b])
+    assert list(left) == list(right)
+    for name in left:
+        assert torch.equal(left[name][0], right[name][0]) and torch.equal(left[name][1], right[name][1])
+
+
+def test_merge_of_nothing_is_empty():
+    assert merge_updates([]) == {}
+    assert merge_updates([{}, {}]) == {}
+
+
+def test_rank_merge_needs_a_sender():
+    with pytest.raises(ValueError, match="sender"):
+        RankMerge("")
+
+
+def test_rank_merge_in_a_one_process_group_returns_this_ranks_update(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    merged = RankMerge("job-merged")({"t": _part([2, 2, 0], 1.0)})
+    assert merged["t"][0].tolist() == [0, 2] and merged["t"][1][:, 0].tolist() == [1.0, 2.0]

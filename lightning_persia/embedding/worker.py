@@ -277,7 +277,7 @@ class EmbeddingWorker:
         """Pushes the open step's gradients (times ``scale``) asynchronously and closes the step.
 
         With :attr:`rank_merge` set and ``merge`` true (after a backward, which every rank runs), the ranks'
-        gradients are summed first and pushed as one update (a collective: every rank must call this).
+        gradients are summed first, in the background, and pushed as one update (every rank must call this).
         """
         step, self._current = self._current, None
         if step is None:
@@ -292,16 +292,17 @@ class EmbeddingWorker:
                     ids = torch.cat([updates[table][0], ids])
                     grads = torch.cat([updates[table][1], grads])
                 updates[table] = (ids, grads)
-        sender = None
-        if merge and self.rank_merge is not None:
-            updates, sender = self.rank_merge(updates), self.rank_merge.sender
         with self._lock:
             self._finished_through = step.index + 1
-        if not updates:
+        pushed = time.perf_counter()
+        if merge and self.rank_merge is not None:
+            sender = self.rank_merge.sender
+            future = self.rank_merge.submit(updates, lambda merged: self.client.update_async(merged, wire_dtype=self.wire_dtype, sender=sender))
+        elif updates:
+            future = self.client.update_async(updates, wire_dtype=self.wire_dtype)
+        else:
             self.window.acknowledge(step.index)
             return
-        pushed = time.perf_counter()
-        future = self.client.update_async(updates, wire_dtype=self.wire_dtype, sender=sender)
         future.add_done_callback(lambda f, index=step.index: self._on_update_done(index, f, time.perf_counter() - pushed))
 
     def drain(self) -> None:

@@ -237,7 +237,9 @@ class PersiaStrategy(DDPStrategy):
         for module in self.remote_modules:
             self.worker.register(module)
         if self.merge_rank_gradients and self.world_size > 1:
-            self.worker.rank_merge = RankMerge(self.broadcast(f"{self.client.client_id}-merged"))
+            dims = {t.name: t.dim for m in self.remote_modules for t in m.remote_tables}
+            sender = self.broadcast(f"{self.client.client_id}-merged")
+            self.worker.rank_merge = RankMerge(sender, dims, timeout_s=self.ps_timeout_s)
         self._recovery.attach(self.client, self.worker)
 
     def configure_ddp(self) -> None:
@@ -380,6 +382,8 @@ class PersiaStrategy(DDPStrategy):
 
     def close(self) -> None:
         """Disconnects from the shards and stops the embedded cluster, if this rank started one."""
+        if self.worker is not None and self.worker.rank_merge is not None:
+            self.worker.rank_merge.close()
         if self.client is not None:
             self.client.close()
             self.client = None

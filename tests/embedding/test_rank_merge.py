@@ -1,6 +1,8 @@
 """RankMerge: the ranks' embedding gradients summed into one update, identical on every rank."""
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -39,10 +41,42 @@ def test_merge_of_nothing_is_empty():
 
 def test_rank_merge_needs_a_sender():
     with pytest.raises(ValueError, match="sender"):
-        RankMerge("")
+        RankMerge("", {"t": 2})
 
 
-def test_rank_merge_in_a_one_process_group_returns_this_ranks_update(tmp_path):
+@pytest.fixture
+def one_process_group(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    merged = RankMerge("job-merged")({"t": _part([2, 2, 0], 1.0)})
+    yield
+
+
+def test_rank_merge_pushes_the_merged_update_and_reports_its_outcome(one_process_group):
+    merge = RankMerge("job-merged", {"t": 2, "u": 3})
+    pushed = []
+
+    def push(merged):
+        pushed.append(merged)
+        done = Future()
+        done.set_result(None)
+        return done
+
+    assert merge.submit({"t": _part([2, 2, 0], 1.0), "u": _part([7], 0.5, dim=3)}, push).result(10) is None
+    assert merge.submit({}, push).result(10) is None  # nothing to push: answered without a push
+    (merged,) = pushed
     assert merged["t"][0].tolist() == [0, 2] and merged["t"][1][:, 0].tolist() == [1.0, 2.0]
+    assert torch.equal(merged["u"][1], torch.full((1, 3), 0.5))
+
+    def refused(merged):
+        raise ValueError("shard said no")
+
+    with pytest.raises(ValueError, match="shard said no"):
+        merge.submit({"t": _part([1], 1.0)}, refused).result(10)
+    assert merge.submit({"t": _part([1], 1.0)}, push).result(10) is None  # a failed push is that step's alone
+    merge.close()
+
+
+def test_rank_merge_refuses_tables_it_does_not_know(one_process_group):
+    merge = RankMerge("job-merged", {"t": 2})
+    with pytest.raises(ValueError, match=r"\['v'\]"):
+        merge.submit({"v": _part([1], 1.0)}, lambda merged: None)
+    merge.close()

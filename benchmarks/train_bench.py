@@ -63,6 +63,7 @@ def make_configs(args: argparse.Namespace, meta: Dict[str, Any]) -> List[Dict[st
         test_batches=args.test_batches, data_path=meta["path"], cardinalities=meta["cardinalities"],
         dim=args.dim, seed=args.seed, ps_seed=args.seed, emb_lr=args.emb_lr, emb_eps=1e-8, dense_lr=args.dense_lr,
         wire_dtype=args.wire_dtype, shards=args.shards, profile=args.profile, data_parallel_max_rows=args.data_parallel_max_rows,
+        merge_rank_gradients=not args.per_rank_updates,
     )
     if args.threads:
         common["torch_threads"] = args.threads
@@ -283,6 +284,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--data-parallel-max-rows", type=int, default=30000, metavar="N",
                         help="PersiaStrategy(data_parallel_max_rows=N): tables of at most N rows (21 of the 26 here) stay on "
                              "the trainers (default 30000; 0: every table on the shards)")
+    parser.add_argument("--per-rank-updates", action="store_true",
+                        help="PersiaStrategy(merge_rank_gradients=False): each rank's embedding gradient is its own update, as in "
+                             "PERSIA (default: the ranks' gradients of a step are merged into one)")
     parser.add_argument("--wire-dtype", default="fp16", choices=["fp16", "fp32"])
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--emb-lr", type=float, default=0.05, help="row-wise Adagrad learning rate of the embeddings")
@@ -371,7 +375,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"train_bench: DLRM dim {args.dim}, global batch {args.batch_size}, {args.steps} steps "
           f"(samples/s: median of windows of {args.window} steps after {args.warmup}), test AUC on "
           f"{args.test_batches * args.batch_size:,} rows (ceiling {meta['ground_truth_auc']:.4f}), {args.shards} shards, "
-          f"{args.wire_dtype} on the wire{'; ' + net.describe() if net else ', loopback'}")
+          f"{args.wire_dtype} on the wire{', per-rank updates' if args.per_rank_updates else ''}"
+          f"{'; ' + net.describe() if net else ', loopback'}")
     print(f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after (other work on the machine lowers every figure)")
     head = headline(results, args)
     print_table(results, head)

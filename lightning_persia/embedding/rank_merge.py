@@ -20,7 +20,9 @@ it once, and answers every rank only after it is applied. So:
 The cost: two all-gathers of the embedding gradients per step (sizes, then the bytes), and every rank uploads
 the merged update (its duplicates are answered without being decoded; the shards' ``update_duplicates``
 counter counts them). Both run on a thread of their own with a gloo group of their own, so the trainer goes on
-to the optimizer step and the next forward as it does without merging.
+to the optimizer step and the next forward as it does without merging. A copy that arrives while the first
+is being applied holds a shard handler thread until then: give the shards more ``server_threads`` than there
+are ranks. Copies that differ (they never should) are refused with FAILED_PRECONDITION, not dropped.
 """
 from __future__ import annotations
 
@@ -49,12 +51,15 @@ class RankMerge:
         future.result()   # this step's merged update is applied on every shard
     """
 
-    def __init__(self, sender: str, dims: dict[str, int], timeout_s: float = 300.0) -> None:
+    def __init__(self, sender: str, dims: dict[str, int], timeout: Optional[timedelta] = None) -> None:
         if not sender:
             raise ValueError("RankMerge needs a sender id shared by every rank")
+        if not dims:
+            raise ValueError("RankMerge needs the remote tables' dims (there is nothing to merge without a table)")
         self.sender = sender
         self.dims = dict(sorted(dims.items()))
-        self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        # The ranks meet here once a step, so the timeout bounds how far apart they may drift (as DDP's does).
+        self._group = dist.new_group(backend="gloo", timeout=timeout)
         self._world = dist.get_world_size()
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="persia-rank-merge", daemon=True)
@@ -65,6 +70,11 @@ class RankMerge:
         unknown = sorted(set(updates) - set(self.dims))
         if unknown:
             raise ValueError(f"gradients of tables the rank merge was not set up for: {unknown}")
+        for name, (ids, grads) in updates.items():
+            if ids.dim() != 1 or tuple(grads.shape) != (ids.numel(), self.dims[name]):
+                raise ValueError(
+                    f"table {name!r}: expected ids [n] and grads [n, {self.dims[name]}], got {tuple(ids.shape)} and {tuple(grads.shape)}"
+                )
         done: Future = Future()
         self._queue.put((updates, push, done))
         return done

@@ -194,7 +194,7 @@ class EmbeddingWorker:
 
     def begin_step(self) -> None:
         """Opens the next training step: the batch the trainer is about to run."""
-        self.finish_step(scale=1.0, merge=False)  # a step left open had no backward, so no gradient
+        self.finish_step(scale=1.0)
         if self._ready:
             self._current = self._ready.popleft()
             if self._current.generation != self.generation:
@@ -273,11 +273,13 @@ class EmbeddingWorker:
             "staleness": float(step.lag),
         }
 
-    def finish_step(self, scale: float, merge: bool = True) -> None:
+    def finish_step(self, scale: float) -> None:
         """Pushes the open step's gradients (times ``scale``) asynchronously and closes the step.
 
-        With :attr:`rank_merge` set and ``merge`` true (after a backward, which every rank runs), the ranks'
-        gradients are summed first, in the background, and pushed as one update (every rank must call this).
+        With :attr:`rank_merge` set, the ranks' gradients are summed first, in the background, and pushed as
+        one update. Every step the trainer opens is closed once, by whichever call comes first (after its
+        backward, or when the next step opens or the worker drains), so each rank submits once per step, with
+        or without a gradient, and the ranks' merges stay paired step by step.
         """
         step, self._current = self._current, None
         if step is None:
@@ -295,7 +297,7 @@ class EmbeddingWorker:
         with self._lock:
             self._finished_through = step.index + 1
         pushed = time.perf_counter()
-        if merge and self.rank_merge is not None:
+        if self.rank_merge is not None:
             sender = self.rank_merge.sender
             future = self.rank_merge.submit(updates, lambda merged: self.client.update_async(merged, wire_dtype=self.wire_dtype, sender=sender))
         elif updates:
@@ -307,7 +309,7 @@ class EmbeddingWorker:
 
     def drain(self) -> None:
         """Waits until every pushed update is applied (before a checkpoint, evaluation or the end)."""
-        self.finish_step(scale=1.0, merge=False)  # as in begin_step
+        self.finish_step(scale=1.0)
         self.wait_for_pushed()
 
     def wait_for_pushed(self) -> None:

@@ -283,9 +283,11 @@ class PSClient:
         """Blocking :meth:`lookup_async`."""
         return self.lookup_async(ids, train=train, wire_dtype=wire_dtype).result()
 
-    def update(self, updates: Mapping[str, Tuple[torch.Tensor, torch.Tensor]], *, wire_dtype: str = "fp16") -> None:
+    def update(
+        self, updates: Mapping[str, Tuple[torch.Tensor, torch.Tensor]], *, wire_dtype: str = "fp16", sender: Optional[str] = None,
+    ) -> None:
         """Blocking :meth:`update_async`."""
-        self.update_async(updates, wire_dtype=wire_dtype).result()
+        self.update_async(updates, wire_dtype=wire_dtype, sender=sender).result()
 
     # ---- tables, checkpoints, stats ----------------------------------------------------------------
 

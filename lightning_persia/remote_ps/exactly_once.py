@@ -9,7 +9,10 @@ per client, a bounded window of the sequence numbers it applied:
 - a seq whose first attempt is still being applied waits for it, then answers as that attempt did;
 - a seq whose attempt failed is forgotten, so a retry applies it;
 - a seq older than every seq the window still remembers cannot be told apart from an applied one, and is
-  refused with :class:`StaleSequenceError` rather than risk applying it twice.
+  refused with :class:`StaleSequenceError` rather than risk applying it twice;
+- with a ``digest`` of the content, a duplicate whose digest differs from the first attempt's is refused with
+  :class:`ConflictingDuplicateError`: senders that share a client id (ranks pushing one merged update) must
+  send the same bytes, and a divergence is an error, not a silent choice of one version.
 
 Memory is bounded by ``window`` seqs per client and ``max_clients`` clients (least recently seen dropped).
 """
@@ -26,20 +29,25 @@ class StaleSequenceError(RuntimeError):
     """An update whose seq fell out of the de-duplication window: whether it was applied is unknown."""
 
 
-class _Pending(Generic[T]):
-    __slots__ = ("done", "ok", "result")
+class ConflictingDuplicateError(RuntimeError):
+    """A seq sent again with other content than the attempt that was applied."""
 
-    def __init__(self) -> None:
+
+class _Pending(Generic[T]):
+    __slots__ = ("done", "ok", "result", "digest")
+
+    def __init__(self, digest: Optional[int]) -> None:
         self.done = threading.Event()
         self.ok = False
         self.result: Optional[T] = None
+        self.digest = digest
 
 
 class _Client:
     __slots__ = ("applied", "floor", "pending")
 
     def __init__(self) -> None:
-        self.applied: OrderedDict[int, object] = OrderedDict()  # seq -> result, oldest first
+        self.applied: OrderedDict[int, tuple] = OrderedDict()  # seq -> (result, digest), oldest first
         self.floor = 0  # highest seq dropped from `applied`
         self.pending: dict[int, _Pending] = {}
 
@@ -56,8 +64,11 @@ class UpdateDeduplicator:
         self._lock = threading.Lock()
         self.duplicates = 0
 
-    def run(self, client_id: str, seq: int, apply: Callable[[], T]) -> Tuple[T, bool]:
-        """``(result, duplicate)``: ``apply()``'s result, or the first attempt's result and ``True``."""
+    def run(self, client_id: str, seq: int, apply: Callable[[], T], digest: Optional[int] = None) -> Tuple[T, bool]:
+        """``(result, duplicate)``: ``apply()``'s result, or the first attempt's result and ``True``.
+
+        ``digest`` (optional) identifies the content; a duplicate must carry the first attempt's.
+        """
         while True:
             with self._lock:
                 client = self._clients.get(client_id)
@@ -68,17 +79,21 @@ class UpdateDeduplicator:
                 else:
                     self._clients.move_to_end(client_id)
                 if seq in client.applied:
+                    result, first_digest = client.applied[seq]
+                    _check_same(client_id, seq, first_digest, digest)
                     self.duplicates += 1
-                    return client.applied[seq], True  # type: ignore[return-value]
+                    return result, True
                 pending = client.pending.get(seq)
-                if pending is None:
+                if pending is not None:
+                    _check_same(client_id, seq, pending.digest, digest)
+                else:
                     if seq <= client.floor:
                         raise StaleSequenceError(
                             f"update seq {seq} of client {client_id!r} is older than the de-duplication window "
                             f"(the last {self.window} updates, seqs above {client.floor}); whether it was applied "
                             "is unknown, so it is refused"
                         )
-                    pending = client.pending[seq] = _Pending()
+                    pending = client.pending[seq] = _Pending(digest)
                     break
             # Another thread is applying this seq: wait, then answer as it did, or try again if it failed.
             pending.done.wait()
@@ -96,10 +111,18 @@ class UpdateDeduplicator:
             raise
         with self._lock:
             client.pending.pop(seq, None)
-            client.applied[seq] = result
+            client.applied[seq] = (result, digest)
             while len(client.applied) > self.window:
                 dropped, _ = client.applied.popitem(last=False)
                 client.floor = max(client.floor, dropped)
         pending.ok, pending.result = True, result
         pending.done.set()
         return result, False
+
+
+def _check_same(client_id: str, seq: int, first: Optional[int], again: Optional[int]) -> None:
+    if first is not None and again is not None and first != again:
+        raise ConflictingDuplicateError(
+            f"update seq {seq} of client {client_id!r} arrived again with other content than the attempt applied "
+            "first; clients sharing a client id must send identical updates (nothing was applied from this one)"
+        )

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import uuid
+import zlib
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Callable, MutableSequence, Optional, Sequence
@@ -37,7 +38,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from lightning_persia.ops import native, wire
 from lightning_persia.remote_ps.config import PSConfig
-from lightning_persia.remote_ps.exactly_once import StaleSequenceError, UpdateDeduplicator
+from lightning_persia.remote_ps.exactly_once import ConflictingDuplicateError, StaleSequenceError, UpdateDeduplicator
 from lightning_persia.remote_ps.protocol import SERVICE_NAME, persia_pb2, persia_pb2_grpc
 from lightning_persia.remote_ps.store import CheckpointError, InvalidRequestError, ShardStore, StoreError, UnknownTableError
 from lightning_persia.remote_ps.table_config import ConfigError, TableConfig
@@ -148,7 +149,7 @@ def _rpc(method: Callable) -> Callable:
             message = str(err)
         except (ConfigError, wire.WireFormatError) as err:
             code, message = grpc.StatusCode.INVALID_ARGUMENT, str(err)
-        except StaleSequenceError as err:
+        except (StaleSequenceError, ConflictingDuplicateError) as err:
             code, message = grpc.StatusCode.FAILED_PRECONDITION, str(err)
         except Exception as err:  # a bug: keep serving, tell the caller, keep the traceback in the log
             log.exception("%s failed", name)
@@ -288,7 +289,7 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
             items = self._parse(request.tables, with_grads=True)
             return self.store.update_many([(item.name, item.ids, item.grads) for item in items])
 
-        rows, duplicate = self.dedup.run(request.client_id, request.seq, apply)
+        rows, duplicate = self.dedup.run(request.client_id, request.seq, apply, digest=_digest(request))
         self._count("update_duplicates" if duplicate else "update_rows", 1 if duplicate else rows)
         return persia_pb2.UpdateResponse(rows_applied=rows, duplicate=duplicate)
 
@@ -352,6 +353,15 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
             shard_index=self.store.shard_index, num_shards=self.store.num_shards, json=json.dumps(body),
             incarnation=self.incarnation,
         )
+
+
+def _digest(request: persia_pb2.UpdateRequest) -> int:
+    """CRC32 of an update's tables: cheap (no decoding), and the same for every copy of the same update."""
+    crc = 0
+    for entry in request.tables:
+        for part in (entry.table.encode(), entry.ids, entry.grads, str(entry.dtype).encode()):
+            crc = zlib.crc32(part, crc)
+    return crc
 
 
 def _dtype_label(value: int) -> str:

@@ -236,10 +236,10 @@ class PersiaStrategy(DDPStrategy):
         self.worker = EmbeddingWorker(self.client, self.staleness, self.wire_dtype, self.root_device, timeout_s=self.ps_timeout_s)
         for module in self.remote_modules:
             self.worker.register(module)
-        if self.merge_rank_gradients and self.world_size > 1:
-            dims = {t.name: t.dim for m in self.remote_modules for t in m.remote_tables}
+        dims = {t.name: t.dim for m in self.remote_modules for t in m.remote_tables}
+        if self.merge_rank_gradients and self.world_size > 1 and dims:
             sender = self.broadcast(f"{self.client.client_id}-merged")
-            self.worker.rank_merge = RankMerge(sender, dims, timeout_s=self.ps_timeout_s)
+            self.worker.rank_merge = RankMerge(sender, dims, timeout=self._timeout)
         self._recovery.attach(self.client, self.worker)
 
     def configure_ddp(self) -> None:

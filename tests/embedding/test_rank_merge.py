@@ -39,9 +39,11 @@ def test_merge_of_nothing_is_empty():
     assert merge_updates([{}, {}]) == {}
 
 
-def test_rank_merge_needs_a_sender():
+def test_rank_merge_needs_a_sender_and_tables():
     with pytest.raises(ValueError, match="sender"):
         RankMerge("", {"t": 2})
+    with pytest.raises(ValueError, match="dims"):
+        RankMerge("job-merged", {})
 
 
 @pytest.fixture
@@ -75,8 +77,10 @@ def test_rank_merge_pushes_the_merged_update_and_reports_its_outcome(one_process
     merge.close()
 
 
-def test_rank_merge_refuses_tables_it_does_not_know(one_process_group):
+def test_rank_merge_refuses_unknown_tables_and_misshapen_gradients(one_process_group):
     merge = RankMerge("job-merged", {"t": 2})
     with pytest.raises(ValueError, match=r"\['v'\]"):
         merge.submit({"v": _part([1], 1.0)}, lambda merged: None)
+    with pytest.raises(ValueError, match=r"table 't': expected ids \[n\] and grads \[n, 2\], got \(1,\) and \(1, 3\)"):
+        merge.submit({"t": _part([1], 1.0, dim=3)}, lambda merged: None)
     merge.close()

@@ -224,6 +224,11 @@ def test_clients_sending_one_update_under_a_shared_sender_apply_it_once(ps_clust
     assert duplicates == 3 * len(ps_cluster.addresses)  # every second copy, on every shard
     first.update({"shared": (ids, torch.ones(ids.numel(), 2))}, wire_dtype="fp32")  # its own sender: applied
     assert torch.equal(first.lookup({"shared": ids}, train=False, wire_dtype="fp32")["shared"], torch.full_like(got, -7.0))
+    # Clients that diverge under a shared sender are told so; only the first version is applied.
+    first.update({"shared": (ids, torch.ones(ids.numel(), 2))}, wire_dtype="fp32", sender="job-merged")
+    with pytest.raises(PSRequestError, match="other content"):
+        second.update({"shared": (ids, torch.full((ids.numel(), 2), 5.0))}, wire_dtype="fp32", sender="job-merged")
+    assert torch.equal(first.lookup({"shared": ids}, train=False, wire_dtype="fp32")["shared"], torch.full_like(got, -8.0))
 
 
 def test_retried_update_is_applied_once(ps_cluster, make_client):

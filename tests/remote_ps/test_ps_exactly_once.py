@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from lightning_persia.remote_ps.exactly_once import StaleSequenceError, UpdateDeduplicator
+from lightning_persia.remote_ps.exactly_once import ConflictingDuplicateError, StaleSequenceError, UpdateDeduplicator
 
 
 class Counter:
@@ -105,3 +105,13 @@ def test_least_recently_seen_clients_are_forgotten():
         dedup.run(client, 1, apply)
     assert dedup.run("c", 1, apply)[1] is True
     assert dedup.run("a", 1, apply)[1] is False  # "a" was dropped to keep two clients
+
+
+def test_a_duplicate_with_other_content_is_refused_not_dropped():
+    dedup, apply = UpdateDeduplicator(), Counter()
+    assert dedup.run("shared", 1, apply, digest=111) == (10, False)
+    assert dedup.run("shared", 1, apply, digest=111) == (10, True)  # the same bytes again: a duplicate
+    with pytest.raises(ConflictingDuplicateError, match="seq 1 of client 'shared'.*other content"):
+        dedup.run("shared", 1, apply, digest=222)
+    assert dedup.run("shared", 1, apply) == (10, True)  # no digest: nothing to compare
+    assert apply.calls == 1

@@ -39,7 +39,8 @@ class PSConfig:
     max_message_mb: int = 512
     """Largest gRPC message the shard sends or receives."""
     server_threads: int = 8
-    """gRPC handler threads (concurrent requests)."""
+    """gRPC handler threads (concurrent requests). Keep it above the number of trainer ranks: each rank sends
+    its copy of a merged update, and a copy that arrives during the first one's apply waits in a thread."""
     torch_threads: int = 0
     """Intra-op threads of torch in the shard; 0 keeps torch's default."""
     nice: int = 0

@@ -58,6 +58,7 @@ class RankMerge:
             raise ValueError("RankMerge needs the remote tables' dims (there is nothing to merge without a table)")
         self.sender = sender
         self.dims = dict(sorted(dims.items()))
+        self._row_bytes = torch.tensor([8 + 4 * d for d in self.dims.values()], dtype=torch.int64)  # int64 id + float32 row
         # The ranks meet here once a step, so the timeout bounds how far apart they may drift (as DDP's does).
         self._group = dist.new_group(backend="gloo", timeout=timeout)
         self._world = dist.get_world_size()
@@ -109,8 +110,7 @@ class RankMerge:
         counts = torch.tensor([updates[n][0].numel() if n in updates else 0 for n in self.dims], dtype=torch.int64)
         all_counts = [torch.empty_like(counts) for _ in range(self._world)]
         dist.all_gather(all_counts, counts, group=self._group)
-        row_bytes = torch.tensor([8 + 4 * d for d in self.dims.values()], dtype=torch.int64)
-        size = max(int((c * row_bytes).sum()) for c in all_counts)
+        size = max(int((c * self._row_bytes).sum()) for c in all_counts)
         mine = torch.zeros(size, dtype=torch.uint8)
         offset = 0
         for name, dim in self.dims.items():

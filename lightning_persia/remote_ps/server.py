@@ -270,7 +270,7 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
                 "message limit (max_message_mb); ask for fewer ids per request",
             )
         response = persia_pb2.LookupResponse(dtype=dtype_enum)
-        found = self.store.lookup_many([(item.name, item.ids) for item in items], train=request.train)
+        found = self.store.lookup_many([(item.name, item.ids) for item in items], train=request.train, dtype=wire.WIRE_DTYPES[dtype])
         for item, rows in zip(items, found):
             response.tables.add(table=item.name, dim=item.dim, rows=wire.encode_rows(rows, dtype))
         self._count("lookup_rows", sum(item.ids.numel() for item in items))

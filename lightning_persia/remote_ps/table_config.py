@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Tuple, Union
 
+import torch
+
 
 class ConfigError(ValueError):
     """A table, optimizer or initialiser setting that cannot work; the message names the setting."""
@@ -121,6 +123,8 @@ class Constant(EmbeddingInit):
 
 
 EVICTION_POLICIES = ("lru", "lfu")
+STORAGE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+"""How a shard stores a table's rows; the optimizer state is float32 either way."""
 DEFAULT_CAPACITY = 1 << 26
 
 _OPTIMIZERS = {cls.__name__: cls for cls in (SGD, Adagrad, Adam)}
@@ -133,7 +137,8 @@ class TableConfig:
 
     ``capacity`` is the number of rows one shard keeps before it evicts (``eviction`` picks the victims);
     ``admit_probability`` is the chance that an unseen id met in training gets a row; ``weight_bound``
-    clips every updated weight to ``[-weight_bound, weight_bound]``.
+    clips every updated weight to ``[-weight_bound, weight_bound]``; ``storage_dtype`` is how the shard stores
+    the rows (``"fp16"`` halves their memory; updates are computed in float32 and rounded to nearest).
     """
 
     name: str
@@ -144,6 +149,7 @@ class TableConfig:
     eviction: str = "lru"
     admit_probability: float = 1.0
     weight_bound: Optional[float] = None
+    storage_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         _check(isinstance(self.name, str) and 0 < len(self.name) <= 256, f"table name must be 1..256 characters, got {self.name!r}")
@@ -157,6 +163,8 @@ class TableConfig:
             self.weight_bound is None or self.weight_bound > 0,
             f"table {self.name!r}: weight_bound must be > 0 or None, got {self.weight_bound}",
         )
+        _check(self.storage_dtype in STORAGE_DTYPES,
+               f"table {self.name!r}: storage_dtype must be one of {sorted(STORAGE_DTYPES)}, got {self.storage_dtype!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-safe) form, as sent over the wire and stored in checkpoints."""

@@ -53,18 +53,3 @@ def test_first_foreign_matches_shard_of(native_kernels, num_shards):
         foreign = torch.nonzero(owners != shard)
         assert native.first_foreign(ids, num_shards, shard) == int(foreign[0, 0])
     assert native.first_foreign(ids[:0], num_shards, 0) == -1
-
-
-def test_wrong_buffers_are_refused_before_any_c_code_runs(native_kernels):
-    slots = torch.full((1024,), -1, dtype=torch.int32)
-    keys = torch.arange(10)
-    with pytest.raises(ValueError, match="ids must be a 1-D torch.int64 CPU tensor, got torch.int32"):
-        native.index_find(slots, keys, torch.arange(3, dtype=torch.int32))
-    with pytest.raises(ValueError, match="slots must be a 1-D torch.int32"):
-        native.index_find(slots.long(), keys, torch.arange(3))
-    with pytest.raises(ValueError, match="keys must be contiguous"):
-        native.index_find(slots, torch.arange(20)[::2], torch.arange(3))
-    with pytest.raises(ValueError, match="3 ids but 2 rows"):
-        native.index_place(slots, torch.arange(3), torch.arange(2))
-    with pytest.raises(ValueError, match="num_shards must be >= 1"):
-        hashing.first_foreign(torch.arange(3), 0, 0)

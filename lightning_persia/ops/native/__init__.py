@@ -1,7 +1,8 @@
 """Native kernels (``kernels.c``), compiled with the system C compiler on first use and called through ctypes.
 
 A table operation of a training step touches a few hundred ids; in tensor ops its index probe costs a
-dozen dispatches per pass and dominated the shard's CPU. The C loop does the same work in microseconds.
+dozen dispatches per pass and dominated the shard's CPU. The C loop does the same work in microseconds, and on
+tables far larger than the caches it keeps many cache misses in flight at once (see kernels.c).
 The library is built once per source version into ``$LIGHTNING_PERSIA_CACHE`` (default
 ``~/.cache/lightning_persia``)/native. Without a C compiler, or with ``LIGHTNING_PERSIA_NATIVE=0``, every
 caller keeps its tensor implementation (same results, slower); :func:`available` tells which is in use.
@@ -11,12 +12,14 @@ Example::
     from lightning_persia.ops import native
     if native.available():
         first = native.first_foreign(ids, num_shards=2, shard=0)
+        index = native.Index()
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import platform
 import shlex
@@ -41,25 +44,82 @@ def available() -> bool:
     return _library() is not None
 
 
-def index_find(slots: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row of each id in an index (``-1`` when absent) and the slot where its probe ended."""
-    _check(slots, torch.int32, "slots")
-    _check(keys, torch.int64, "keys")
-    ids = _check(ids, torch.int64, "ids").contiguous()
-    rows = torch.empty_like(ids)
-    positions = torch.empty_like(ids)
-    _require().lp_index_find(slots.data_ptr(), slots.numel(), keys.data_ptr(), ids.data_ptr(), ids.numel(),
-                             rows.data_ptr(), positions.data_ptr())
-    return rows, positions
+def gather(chunks: torch.Tensor, shift: int, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out[i] = row rows[i]`` of a field kept in chunks of ``2**shift`` rows (``chunks``: their addresses).
+
+    A row of the field is ``out[i]``'s bytes; ``rows[i] < 0`` leaves ``out[i]`` as it is. Returns ``out``.
+    """
+    rows = _rows(chunks, shift, rows, out)
+    _require().lp_gather(chunks.data_ptr(), shift, _row_bytes(out), rows.data_ptr(), rows.numel(), out.data_ptr())
+    return out
 
 
-def index_place(slots: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> int:
-    """Writes ``rows`` (int32) into the first free slot of each id's chain; returns how many were tombstones."""
-    _check(slots, torch.int32, "slots")
-    ids, rows = _check(ids, torch.int64, "ids").contiguous(), rows.to(torch.int32).contiguous()
-    if ids.numel() != rows.numel():
-        raise ValueError(f"index_place: {ids.numel()} ids but {rows.numel()} rows")
-    return _require().lp_index_place(slots.data_ptr(), slots.numel(), ids.data_ptr(), rows.data_ptr(), ids.numel())
+def scatter(chunks: torch.Tensor, shift: int, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """Row ``rows[i]`` of a chunked field becomes ``values[i]``; ``rows[i] < 0`` is skipped."""
+    values = values.contiguous()
+    rows = _rows(chunks, shift, rows, values)
+    _require().lp_scatter(chunks.data_ptr(), shift, _row_bytes(values), rows.data_ptr(), rows.numel(), values.data_ptr())
+
+
+def set_int32(chunks: torch.Tensor, shift: int, rows: torch.Tensor, value: int, add: bool = False) -> None:
+    """An int32 chunked field of ``rows`` (``< 0``: skipped) becomes ``value``, or grows by it with ``add``."""
+    rows = _rows(chunks, shift, rows, None)
+    _require().lp_set_i32(chunks.data_ptr(), shift, rows.data_ptr(), rows.numel(), value, int(add))
+
+
+class Index:
+    """The native id index of one table (``kernels.c``): id -> row. Keys are read from the table's chunked ids
+    field (``keys``: its chunk addresses, ``shift``: log2 of its rows per chunk).
+
+    Example::
+
+        index = native.Index()
+        index.insert(ids, rows, keys, shift)      # the ids field already holds ids at rows
+        assert torch.equal(index.find(ids, keys, shift), rows)
+    """
+
+    def __init__(self) -> None:
+        self._library = _require()
+        self._handle = self._library.lp_index_new()
+        if not self._handle:
+            raise MemoryError("cannot allocate an id index")
+
+    def __del__(self) -> None:
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle:
+            self._library.lp_index_free(handle)
+
+    def info(self) -> tuple[int, int, int]:
+        """``(ids present, bytes, partition rebuilds so far)``."""
+        out = (ctypes.c_int64 * 3)()
+        self._library.lp_index_info(self._handle, out)
+        return out[0], out[1], out[2]
+
+    def find(self, ids: torch.Tensor, keys: torch.Tensor, shift: int) -> torch.Tensor:
+        """Row of each id, ``-1`` when absent."""
+        ids = _check(ids, torch.int64, "ids").contiguous()
+        _check(keys, torch.int64, "keys")
+        rows = torch.empty_like(ids)
+        self._library.lp_index_find(self._handle, keys.data_ptr(), shift, ids.data_ptr(), ids.numel(), rows.data_ptr())
+        return rows
+
+    def insert(self, ids: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, shift: int) -> None:
+        """Adds ``ids`` (unique, absent, already written to their ``rows`` of the keys) pointing at ``rows``."""
+        ids = _check(ids, torch.int64, "ids").contiguous()
+        rows = _rows(keys, shift, rows, None)
+        if ids.numel() != rows.numel():
+            raise ValueError(f"Index.insert: {ids.numel()} ids but {rows.numel()} rows")
+        if rows.numel() and int(rows.min()) < 0:
+            raise ValueError("Index.insert: rows must be >= 0")
+        if self._library.lp_index_insert(self._handle, keys.data_ptr(), shift, ids.data_ptr(), rows.data_ptr(), ids.numel()):
+            self.remove(ids, keys, shift)
+            raise MemoryError(f"out of memory while indexing {ids.numel()} new ids")
+
+    def remove(self, ids: torch.Tensor, keys: torch.Tensor, shift: int) -> int:
+        """Drops the ``ids`` present; returns how many were."""
+        ids = _check(ids, torch.int64, "ids").contiguous()
+        _check(keys, torch.int64, "keys")
+        return self._library.lp_index_remove(self._handle, keys.data_ptr(), shift, ids.data_ptr(), ids.numel())
 
 
 def first_foreign(ids: torch.Tensor, num_shards: int, shard: int) -> int:
@@ -74,9 +134,24 @@ def _check(tensor: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
     """The C loops read raw CPU buffers of one dtype: anything else would be read (or written) out of bounds."""
     if tensor.dtype != dtype or tensor.device.type != "cpu" or tensor.dim() != 1:
         raise ValueError(f"{what} must be a 1-D {dtype} CPU tensor, got {tensor.dtype} {tuple(tensor.shape)} on {tensor.device}")
-    if what in ("slots", "keys") and not tensor.is_contiguous():
-        raise ValueError(f"{what} must be contiguous: it is written or read in place")
+    if what in ("chunks", "keys") and not tensor.is_contiguous():
+        raise ValueError(f"{what} must be contiguous: the C code reads it in place")
     return tensor
+
+
+def _row_bytes(data: torch.Tensor) -> int:
+    return math.prod(data.shape[1:]) * data.element_size()
+
+
+def _rows(chunks: torch.Tensor, shift: int, rows: torch.Tensor, data: Optional[torch.Tensor]) -> torch.Tensor:
+    """Checked row numbers: the C loops write wherever a row number points, so none may point past the chunks."""
+    _check(chunks, torch.int64, "chunks")
+    rows = _check(rows, torch.int64, "rows").contiguous()
+    if data is not None and (data.device.type != "cpu" or not data.is_contiguous() or data.shape[0] != rows.numel()):
+        raise ValueError(f"a contiguous CPU tensor of {rows.numel()} rows is needed, got {tuple(data.shape)} on {data.device}")
+    if rows.numel() and int(rows.max()) >= chunks.numel() << shift:
+        raise ValueError(f"row {int(rows.max())} is past the {chunks.numel() << shift} rows of the chunks")
+    return rows
 
 
 def _require() -> ctypes.CDLL:
@@ -99,12 +174,20 @@ def _library() -> Optional[ctypes.CDLL]:
     except (OSError, RuntimeError) as err:
         warnings.warn(f"lightning_persia: native kernels unavailable ({err}); using the slower tensor implementation")
         return None
-    library.lp_index_find.argtypes = [_P, _I64, _P, _P, _I64, _P, _P]
-    library.lp_index_find.restype = None
-    library.lp_index_place.argtypes = [_P, _I64, _P, _P, _I64]
-    library.lp_index_place.restype = _I64
-    library.lp_first_foreign.argtypes = [_P, _I64, _I64, _I64]
-    library.lp_first_foreign.restype = _I64
+    for name, arguments, result in (
+        ("lp_gather", [_P, _I64, _I64, _P, _I64, _P], None),
+        ("lp_scatter", [_P, _I64, _I64, _P, _I64, _P], None),
+        ("lp_set_i32", [_P, _I64, _P, _I64, ctypes.c_int32, ctypes.c_int32], None),
+        ("lp_index_new", [], _P),
+        ("lp_index_free", [_P], None),
+        ("lp_index_info", [_P, _P], None),
+        ("lp_index_find", [_P, _P, _I64, _P, _I64, _P], None),
+        ("lp_index_insert", [_P, _P, _I64, _P, _P, _I64], _I64),
+        ("lp_index_remove", [_P, _P, _I64, _P, _I64], _I64),
+        ("lp_first_foreign", [_P, _I64, _I64, _I64], _I64),
+    ):
+        function = getattr(library, name)
+        function.argtypes, function.restype = arguments, result
     return library
 
 

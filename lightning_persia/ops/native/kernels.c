@@ -1,14 +1,14 @@
-/* Native kernels of the parameter server's hot path: the id index of a table and the shard-ownership check.
+/* Native kernels of the parameter server's hot path: the id index of a table, gathers and scatters of rows kept
+ * in fixed-size chunks, and the shard-ownership check.
  *
- * Called through ctypes on the buffers of contiguous CPU tensors (see __init__.py); each call does the work
- * of one table operation in one pass, where the tensor version costs a dozen dispatched ops per probe pass.
- * The hash is lightning_persia.ops.hashing's splitmix64 finaliser, bit for bit, so both implementations
- * place and find ids in the same slots.
+ * Called through ctypes on the buffers of CPU tensors (see __init__.py). A table of hundreds of millions of rows
+ * lives far outside the caches, so every kernel walks its ids in blocks and prefetches the memory of a whole block
+ * before it touches any of it: a block's cache misses then overlap instead of queueing one behind the other.
+ * The hash is lightning_persia.ops.hashing's splitmix64 finaliser, bit for bit.
  */
 #include <stdint.h>
-
-#define EMPTY (-1)
-#define TOMBSTONE (-2)
+#include <stdlib.h>
+#include <string.h>
 
 static const uint64_t SLOT_SALT = 0x9E3779B97F4A7C15ULL;
 static const uint64_t SHARD_SALT = 0x2545F4914F6CDD1DULL;
@@ -21,41 +21,291 @@ static inline uint64_t mix64(uint64_t x) {
     return x ^ (x >> 31);
 }
 
-/* rows[i]: the row of ids[i], or -1 when absent; positions[i]: its slot (the ending empty slot when absent). */
-void lp_index_find(const int32_t *slots, int64_t num_slots, const int64_t *keys, const int64_t *ids, int64_t n,
-                   int64_t *rows, int64_t *positions) {
-    const uint64_t mask = (uint64_t)num_slots - 1;
-    for (int64_t i = 0; i < n; ++i) {
-        const int64_t id = ids[i];
-        uint64_t p = mix64((uint64_t)id ^ SLOT_SALT) & mask;
-        for (;;) {
-            const int32_t s = slots[p];
-            if (s == EMPTY) {
-                rows[i] = -1;
-                break;
-            }
-            if (s >= 0 && keys[s] == id) {
-                rows[i] = s;
-                break;
-            }
-            p = (p + 1) & mask;
-        }
-        positions[i] = (int64_t)p;
+#define BLOCK 32 /* ids whose memory is prefetched together */
+#define PREFETCH(address) __builtin_prefetch((const void *)(address), 0, 0)
+#define PREFETCH_WRITE(address) __builtin_prefetch((const void *)(address), 1, 0)
+
+/* ---- rows in chunks ---------------------------------------------------------------------------------------
+ * One field (ids, weights, optimizer state, ...) of a table is a list of chunks of 2^shift rows of row_bytes
+ * each; chunks[c] is the address of chunk c. Growing a table appends a chunk: no stored row ever moves. */
+
+static inline char *row_address(const int64_t *chunks, int64_t shift, int64_t row_bytes, int64_t row) {
+    return (char *)(intptr_t)chunks[row >> shift] + (row & ((1LL << shift) - 1)) * row_bytes;
+}
+
+/* out[i] = row rows[i] of the field; rows[i] < 0 leaves out[i] as it is. */
+void lp_gather(const int64_t *chunks, int64_t shift, int64_t row_bytes, const int64_t *rows, int64_t n, char *out) {
+    for (int64_t start = 0; start < n; start += BLOCK) {
+        const int64_t end = start + BLOCK < n ? start + BLOCK : n;
+        for (int64_t i = start; i < end; ++i)
+            if (rows[i] >= 0) PREFETCH(row_address(chunks, shift, row_bytes, rows[i]));
+        for (int64_t i = start; i < end; ++i)
+            if (rows[i] >= 0) memcpy(out + i * row_bytes, row_address(chunks, shift, row_bytes, rows[i]), (size_t)row_bytes);
     }
 }
 
-/* Puts rows[i] in the first free (empty or tombstone) slot of ids[i]'s chain; returns the tombstones reused. */
-int64_t lp_index_place(int32_t *slots, int64_t num_slots, const int64_t *ids, const int32_t *rows, int64_t n) {
-    const uint64_t mask = (uint64_t)num_slots - 1;
-    int64_t reused = 0;
-    for (int64_t i = 0; i < n; ++i) {
-        uint64_t p = mix64((uint64_t)ids[i] ^ SLOT_SALT) & mask;
-        while (slots[p] >= 0) p = (p + 1) & mask;
-        reused += slots[p] == TOMBSTONE;
-        slots[p] = rows[i];
+/* Row rows[i] of the field = src[i]; rows[i] < 0 is skipped. */
+void lp_scatter(const int64_t *chunks, int64_t shift, int64_t row_bytes, const int64_t *rows, int64_t n, const char *src) {
+    for (int64_t start = 0; start < n; start += BLOCK) {
+        const int64_t end = start + BLOCK < n ? start + BLOCK : n;
+        for (int64_t i = start; i < end; ++i)
+            if (rows[i] >= 0) PREFETCH_WRITE(row_address(chunks, shift, row_bytes, rows[i]));
+        for (int64_t i = start; i < end; ++i)
+            if (rows[i] >= 0) memcpy(row_address(chunks, shift, row_bytes, rows[i]), src + i * row_bytes, (size_t)row_bytes);
     }
-    return reused;
 }
+
+/* An int32 field of rows[i] (>= 0) becomes `value`, or grows by `value` when `add` is set. */
+void lp_set_i32(const int64_t *chunks, int64_t shift, const int64_t *rows, int64_t n, int32_t value, int32_t add) {
+    for (int64_t start = 0; start < n; start += BLOCK) {
+        const int64_t end = start + BLOCK < n ? start + BLOCK : n;
+        for (int64_t i = start; i < end; ++i)
+            if (rows[i] >= 0) PREFETCH_WRITE(row_address(chunks, shift, 4, rows[i]));
+        for (int64_t i = start; i < end; ++i) {
+            if (rows[i] < 0) continue;
+            int32_t *cell = (int32_t *)row_address(chunks, shift, 4, rows[i]);
+            *cell = add ? *cell + value : value;
+        }
+    }
+}
+
+/* ---- the id index ------------------------------------------------------------------------------------------
+ * id -> row of a table. The keys themselves stay in the table's ids field (row-aligned), so a slot holds a row
+ * number and a one-byte tag (8 bits of the id's hash) that spares reading the key of almost every other slot.
+ *
+ * Slots come in buckets of 12, one cache line each; a probe reads the home bucket, then the next ones while they
+ * are full and marked `overflowed` (an insert passed through them). The index is split into 2^PART_BITS
+ * partitions by the top bits of the hash, each grown on its own (to a load of 0.55, once it reaches a load
+ * between 0.75 and 0.9 that differs per partition), so growing the table rehashes a small slice at a time: no request ever waits for
+ * the whole index to be rebuilt, whatever the table size. Bucket counts need not be powers of two (the home
+ * bucket is a multiply-shift of 32 hash bits), which keeps the load, and the memory per row, within 1.5x. */
+
+#define SLOTS 12
+#define EMPTY_TAG 0
+#define TOMB_TAG 1
+#define PART_BITS 10
+#define PARTS (1 << PART_BITS)
+#define TARGET_LOAD 0.55
+
+typedef struct {
+    uint8_t tags[SLOTS];
+    uint32_t overflowed; /* an insert found this bucket full and went on to the next one */
+    int32_t rows[SLOTS];
+} bucket_t;
+
+typedef struct {
+    bucket_t *buckets;
+    uint32_t count;    /* buckets */
+    uint32_t live;     /* ids present */
+    uint32_t used;     /* live + tombstones: what lengthens probes */
+    uint32_t limit;    /* used may not pass this: the partition grows (or drops its tombstones) first */
+} part_t;
+
+typedef struct {
+    part_t parts[PARTS];
+    int64_t live;
+    int64_t bucket_count;
+    int64_t grown; /* partition rebuilds so far */
+} index_t;
+
+static inline uint32_t part_of(uint64_t h) { return (uint32_t)(h >> (64 - PART_BITS)); }
+static inline uint8_t tag_of(uint64_t h) { return (uint8_t)(2 + ((h >> 40) & 0xFFFF) % 254); }
+static inline uint32_t home_of(uint64_t h, uint32_t count) { return (uint32_t)(((h & 0xFFFFFFFFULL) * count) >> 32); }
+static inline uint64_t hash_of(int64_t id) { return mix64((uint64_t)id ^ SLOT_SALT); }
+
+static inline int64_t key_of(const int64_t *keys, int64_t shift, int32_t row) {
+    return *(const int64_t *)row_address(keys, shift, 8, row);
+}
+
+static double max_load(uint32_t part) { /* 0.75 .. 0.9, spread over the partitions so they grow at different times */
+    return 0.75 + 0.15 * (double)(mix64(part + 1) >> 11) / (double)(1ULL << 53);
+}
+
+static int part_init(part_t *p, uint32_t part, uint32_t count) {
+    bucket_t *buckets = calloc(count, sizeof(bucket_t));
+    if (!buckets) return -1;
+    p->buckets = buckets;
+    p->count = count;
+    p->live = p->used = 0;
+    p->limit = (uint32_t)(max_load(part) * count * SLOTS);
+    if (p->limit < 1) p->limit = 1;
+    return 0;
+}
+
+/* Puts `row` in the first free slot of the chain that starts at `h`'s home bucket (the id must be absent). */
+static int place(part_t *p, uint64_t h, int32_t row) {
+    const uint8_t tag = tag_of(h);
+    uint32_t b = home_of(h, p->count);
+    for (;;) {
+        bucket_t *bucket = &p->buckets[b];
+        for (int s = 0; s < SLOTS; ++s) {
+            if (bucket->tags[s] <= TOMB_TAG) {
+                int reused = bucket->tags[s] == TOMB_TAG;
+                bucket->tags[s] = tag;
+                bucket->rows[s] = row;
+                return reused;
+            }
+        }
+        bucket->overflowed = 1;
+        b = b + 1 == p->count ? 0 : b + 1;
+    }
+}
+
+/* Slot of `id` as (bucket, slot) packed in an int64, or -1. */
+static int64_t probe(const part_t *p, uint64_t h, int64_t id, const int64_t *keys, int64_t shift) {
+    const uint8_t tag = tag_of(h);
+    uint32_t b = home_of(h, p->count);
+    for (uint32_t visited = 0; visited < p->count; ++visited) {
+        const bucket_t *bucket = &p->buckets[b];
+        int empty = 0;
+        for (int s = 0; s < SLOTS; ++s) {
+            const uint8_t t = bucket->tags[s];
+            if (t == tag && key_of(keys, shift, bucket->rows[s]) == id) return (int64_t)b * SLOTS + s;
+            empty |= t == EMPTY_TAG;
+        }
+        if (empty || !bucket->overflowed) return -1;
+        b = b + 1 == p->count ? 0 : b + 1;
+    }
+    return -1;
+}
+
+/* Rebuilds partition `part` at load TARGET_LOAD for its live ids and `extra` more: x1.4-1.6 when live ids filled
+ * it, smaller when tombstones did. Reads the keys of its live rows, prefetched a block at a time. */
+static int rebuild(index_t *index, uint32_t part, uint32_t extra, const int64_t *keys, int64_t shift) {
+    part_t *p = &index->parts[part];
+    part_t fresh;
+    if (part_init(&fresh, part, (uint32_t)((p->live + extra) / TARGET_LOAD / SLOTS) + 1)) return -1;
+    int32_t rows[BLOCK];
+    int pending = 0;
+    for (uint32_t b = 0; b < p->count; ++b) {
+        for (int s = 0; s < SLOTS; ++s) {
+            if (p->buckets[b].tags[s] <= TOMB_TAG) continue;
+            rows[pending] = p->buckets[b].rows[s];
+            PREFETCH(row_address(keys, shift, 8, rows[pending]));
+            if (++pending < BLOCK) continue;
+            for (int i = 0; i < pending; ++i) place(&fresh, hash_of(key_of(keys, shift, rows[i])), rows[i]);
+            pending = 0;
+        }
+    }
+    for (int i = 0; i < pending; ++i) place(&fresh, hash_of(key_of(keys, shift, rows[i])), rows[i]);
+    fresh.live = fresh.used = p->live;
+    index->bucket_count += (int64_t)fresh.count - p->count;
+    index->grown += 1;
+    free(p->buckets);
+    *p = fresh;
+    return 0;
+}
+
+void *lp_index_new(void) {
+    index_t *index = calloc(1, sizeof(index_t));
+    if (!index) return NULL;
+    for (uint32_t part = 0; part < PARTS; ++part) {
+        if (part_init(&index->parts[part], part, 1)) {
+            for (uint32_t q = 0; q < part; ++q) free(index->parts[q].buckets);
+            free(index);
+            return NULL;
+        }
+    }
+    index->bucket_count = PARTS;
+    return index;
+}
+
+void lp_index_free(void *handle) {
+    index_t *index = handle;
+    if (!index) return;
+    for (uint32_t part = 0; part < PARTS; ++part) free(index->parts[part].buckets);
+    free(index);
+}
+
+/* [live ids, bytes of buckets, partition rebuilds so far] */
+void lp_index_info(const void *handle, int64_t *out) {
+    const index_t *index = handle;
+    out[0] = index->live;
+    out[1] = index->bucket_count * (int64_t)sizeof(bucket_t) + (int64_t)sizeof(index_t);
+    out[2] = index->grown;
+}
+
+/* rows[i]: the row of ids[i], or -1 when absent. */
+void lp_index_find(const void *handle, const int64_t *keys, int64_t shift, const int64_t *ids, int64_t n, int64_t *rows) {
+    const index_t *index = handle;
+    uint64_t hashes[BLOCK];
+    const bucket_t *homes[BLOCK];
+    int32_t first[BLOCK];
+    for (int64_t start = 0; start < n; start += BLOCK) {
+        const int m = (int)(start + BLOCK < n ? BLOCK : n - start);
+        for (int i = 0; i < m; ++i) {  /* 1: every home bucket of the block on its way into the cache */
+            const uint64_t h = hashes[i] = hash_of(ids[start + i]);
+            const part_t *p = &index->parts[part_of(h)];
+            homes[i] = &p->buckets[home_of(h, p->count)];
+            PREFETCH(homes[i]);
+        }
+        for (int i = 0; i < m; ++i) {  /* 2: the first tag match of each, and its key on its way */
+            const uint8_t tag = tag_of(hashes[i]);
+            first[i] = -1;
+            for (int s = 0; s < SLOTS; ++s) {
+                if (homes[i]->tags[s] == tag) {
+                    first[i] = homes[i]->rows[s];
+                    PREFETCH(row_address(keys, shift, 8, first[i]));
+                    break;
+                }
+            }
+        }
+        for (int i = 0; i < m; ++i) {  /* 3: confirm; a collision or a longer chain takes the full probe */
+            const int64_t id = ids[start + i];
+            if (first[i] >= 0 && key_of(keys, shift, first[i]) == id) {
+                rows[start + i] = first[i];
+                continue;
+            }
+            const part_t *p = &index->parts[part_of(hashes[i])];
+            const int64_t slot = probe(p, hashes[i], id, keys, shift);
+            rows[start + i] = slot < 0 ? -1 : p->buckets[slot / SLOTS].rows[slot % SLOTS];
+        }
+    }
+}
+
+/* Adds ids (unique, absent, their keys already written to their rows) pointing at rows. 0, or -1 out of memory
+ * (the ids placed before the failure stay; the caller drops the table's new rows). */
+int64_t lp_index_insert(void *handle, const int64_t *keys, int64_t shift, const int64_t *ids, const int64_t *rows, int64_t n) {
+    index_t *index = handle;
+    for (int64_t start = 0; start < n; start += BLOCK) {
+        const int m = (int)(start + BLOCK < n ? BLOCK : n - start);
+        uint64_t hashes[BLOCK];
+        for (int i = 0; i < m; ++i) {
+            const uint64_t h = hashes[i] = hash_of(ids[start + i]);
+            const part_t *p = &index->parts[part_of(h)];
+            PREFETCH_WRITE(&p->buckets[home_of(h, p->count)]);
+        }
+        for (int i = 0; i < m; ++i) {
+            const uint32_t part = part_of(hashes[i]);
+            part_t *p = &index->parts[part];
+            if (p->used + 1 > p->limit && rebuild(index, part, 1, keys, shift)) return -1;
+            const int reused = place(p, hashes[i], (int32_t)rows[start + i]);
+            p->live += 1;
+            p->used += !reused;
+            index->live += 1;
+        }
+    }
+    return 0;
+}
+
+/* Drops the ids present (tombstones); returns how many were. */
+int64_t lp_index_remove(void *handle, const int64_t *keys, int64_t shift, const int64_t *ids, int64_t n) {
+    index_t *index = handle;
+    int64_t removed = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        const uint64_t h = hash_of(ids[i]);
+        part_t *p = &index->parts[part_of(h)];
+        const int64_t slot = probe(p, h, ids[i], keys, shift);
+        if (slot < 0) continue;
+        p->buckets[slot / SLOTS].tags[slot % SLOTS] = TOMB_TAG;
+        p->live -= 1;
+        index->live -= 1;
+        removed += 1;
+    }
+    return removed;
+}
+
+/* ---- shard ownership ------------------------------------------------------------------------------------ */
 
 /* Index of the first id not owned by shard `shard` of `num_shards`, or -1 when all are. */
 int64_t lp_first_foreign(const int64_t *ids, int64_t n, int64_t num_shards, int64_t shard) {

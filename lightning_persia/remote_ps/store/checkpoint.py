@@ -1,80 +1,107 @@
-"""A shard's checkpoint on disk: one folder per shard, plain ``.npy`` arrays and a checksummed manifest.
+"""A shard's checkpoint on disk: one folder per shard, ``.npy`` arrays streamed chunk by chunk, a checksummed manifest.
 
 Layout of a checkpoint written by N shards::
 
     DIR/shard-00000-of-00002/manifest.json      tables, configs, row counts, sha256 of every file
     DIR/shard-00000-of-00002/<table>.<array>.npy ids, weights, state, access (live rows only)
 
+Saving streams: each table hands out its rows one chunk at a time (``Table.begin_snapshot``: one consistent
+point for the whole shard, taken before the first chunk), each chunk is appended to the table's ``.npy`` files
+and to their running sha256, then dropped; the extra memory is a chunk, not the table. Loading streams too:
+the files are checked against the manifest (size and sha256) before any table is replaced, then read a block
+of rows at a time. Weights are stored in the table's ``storage_dtype`` (fp16 or fp32); format version 1 (always
+fp32, written before chunked tables) still loads.
+
 A shard writes into a temporary folder and renames it into place, so a folder with the final name is
 always complete. Every manifest carries the ``save_id`` of the save that wrote it: a checkpoint whose shard
 folders come from different saves (a save into the same directory interrupted after some shards had
 renamed theirs) is refused, never loaded as a mix. To keep the previous checkpoint loadable while a new one
 is written, save into a new directory (PersiaStrategy does: ``<ckpt>.ps/<save_id>/``).
-Arrays are read with ``allow_pickle=False``: loading never runs code from the file.
-Loading into M shards reads every folder of the checkpoint and keeps the ids that hash to the shard.
+Arrays are read with their header parsed by numpy and never unpickled: loading never runs code from the file.
+Loading into M shards reads every folder of the checkpoint and keeps the ids that hash to the shard; into the
+same number of shards, each shard reads only its own folder.
 """
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
+
 import numpy as np
 import torch
 
 from lightning_persia.ops.hashing import shard_of
-from lightning_persia.remote_ps.store.errors import CheckpointError
-from lightning_persia.remote_ps.store.table import TableSnapshot
+from lightning_persia.remote_ps.store.errors import CheckpointError, StoreError
+from lightning_persia.remote_ps.store.table import SAVED_FIELDS, TableSnapshot
 from lightning_persia.remote_ps.table_config import ConfigError, TableConfig
 
-FORMAT_VERSION = 1
-_ARRAYS = ("ids", "weights", "state", "access")
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+BLOCK_ROWS = 1 << 20
+"""Rows read at a time when loading (a block of every array of a table)."""
+_HASH_BLOCK = 1 << 24
 _FOLDER = re.compile(r"^shard-(\d{5})-of-(\d{5})$")
+_DTYPES = {"ids": ("<i8",), "access": ("<i4",), "state": ("<f4",), "weights": ("<f2", "<f4")}
 
 
 def shard_folder(directory: str | os.PathLike, shard_index: int, num_shards: int) -> Path:
     return Path(directory) / f"shard-{shard_index:05d}-of-{num_shards:05d}"
 
 
+# ---- writing -------------------------------------------------------------------------------------------
+
+
 def write_shard(
     directory: str | os.PathLike, shard_index: int, num_shards: int, snapshots: list[TableSnapshot], save_id: str = "",
     pause_s: float = 0.0,
 ) -> Path:
-    """Writes one shard's tables under ``directory`` atomically; returns the shard's folder.
+    """Writes one shard's tables under ``directory`` atomically, a chunk of rows at a time; returns the folder.
 
     ``pause_s`` (testing only) sleeps after each file, so that a test can kill the writer half-way.
     Raises :class:`CheckpointError` (naming the path) when the files cannot be written; nothing is left behind.
     """
-    try:
-        return _write_shard(directory, shard_index, num_shards, snapshots, save_id, pause_s)
-    except OSError as err:
-        final = shard_folder(directory, shard_index, num_shards)
-        shutil.rmtree(final.with_name(f".{final.name}.tmp-{os.getpid()}"), ignore_errors=True)
-        raise CheckpointError(f"cannot write the checkpoint of shard {shard_index} under {directory}: {err}") from None
-
-
-def _write_shard(directory, shard_index: int, num_shards: int, snapshots: list[TableSnapshot], save_id: str, pause_s: float) -> Path:
     final = shard_folder(directory, shard_index, num_shards)
     temporary = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    try:
+        return _write_shard(final, temporary, shard_index, num_shards, snapshots, save_id, pause_s)
+    except OSError as err:
+        raise CheckpointError(f"cannot write the checkpoint of shard {shard_index} under {directory}: {err}") from None
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
+
+
+def _write_shard(final: Path, temporary: Path, shard_index: int, num_shards: int, snapshots: list[TableSnapshot],
+                 save_id: str, pause_s: float) -> Path:
     shutil.rmtree(temporary, ignore_errors=True)
     temporary.mkdir(parents=True)
     tables = {}
     for position, snapshot in enumerate(snapshots):
+        writers = {name: _ArrayWriter(temporary / f"t{position:04d}.{name}.npy", spec.dtype, spec.shape(snapshot.rows))
+                   for name, spec in snapshot.field_specs.items()}
+        written = 0
+        try:
+            for chunk in snapshot.chunks():
+                for name, writer in writers.items():
+                    writer.append(chunk[name])
+                written += chunk["ids"].numel()
+        finally:
+            for writer in writers.values():
+                writer.close()
+        if written != snapshot.rows:
+            raise StoreError(f"table {snapshot.config.name!r}: {written} rows written for the {snapshot.rows} of its snapshot")
         files = {}
-        for array in _ARRAYS:
-            name = f"t{position:04d}.{array}.npy"
-            data = getattr(snapshot, array).numpy()
-            with open(temporary / name, "wb") as f:
-                np.save(f, data, allow_pickle=False)
-                f.flush()
-                os.fsync(f.fileno())
-            files[array] = {"file": name, "sha256": _sha256(temporary / name), "bytes": (temporary / name).stat().st_size}
+        for name, writer in writers.items():
+            files[name] = writer.entry()
             if pause_s:
                 time.sleep(pause_s)
-        tables[snapshot.config.name] = {"config": snapshot.config.to_dict(), "step": snapshot.step, "rows": snapshot.ids.numel(), "files": files}
+        tables[snapshot.config.name] = {"config": snapshot.config.to_dict(), "step": snapshot.step, "rows": snapshot.rows, "files": files}
     manifest = {"format_version": FORMAT_VERSION, "shard_index": shard_index, "num_shards": num_shards,
                 "save_id": save_id, "tables": tables}
     with open(temporary / "manifest.json", "w") as f:
@@ -88,6 +115,38 @@ def _write_shard(directory, shard_index: int, num_shards: int, snapshots: list[T
     _fsync_directory(final.parent)
     shutil.rmtree(previous, ignore_errors=True)
     return final
+
+
+class _ArrayWriter:
+    """One ``.npy`` file (header for ``rows`` rows first) appended a block of rows at a time, hashed on the way."""
+
+    def __init__(self, path: Path, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        self.path = path
+        self._dtype = torch.empty(0, dtype=dtype).numpy().dtype.newbyteorder("<")
+        header = io.BytesIO()
+        np.lib.format.write_array_header_1_0(header, {"descr": np.lib.format.dtype_to_descr(self._dtype),
+                                                      "fortran_order": False, "shape": shape})
+        self._digest = hashlib.sha256()
+        self._file = open(path, "wb")
+        self._write(memoryview(header.getvalue()))
+
+    def _write(self, data: memoryview) -> None:
+        self._file.write(data)
+        self._digest.update(data)
+
+    def append(self, values: torch.Tensor) -> None:
+        array = np.ascontiguousarray(values.numpy(), dtype=self._dtype)
+        if array.size:
+            self._write(memoryview(array.reshape(-1)).cast("B"))
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+
+    def entry(self) -> dict:
+        return {"file": self.path.name, "sha256": self._digest.hexdigest(), "bytes": self.path.stat().st_size}
 
 
 def _fsync_directory(path: Path) -> None:
@@ -145,22 +204,86 @@ def candidate_checkpoints(root: str | os.PathLike, max_depth: int = 3) -> list[P
     return committed or ordered
 
 
-def read_for_shard(directory: str | os.PathLike, shard_index: int, num_shards: int) -> list[TableSnapshot]:
-    """The rows of every table in the checkpoint at ``directory`` that belong to shard ``shard_index`` of ``num_shards``.
+# ---- reading -------------------------------------------------------------------------------------------
 
+
+@dataclass
+class _Part:
+    """One table's arrays in one shard folder of a checkpoint."""
+
+    folder: Path
+    entry: dict
+
+
+@dataclass
+class TableSource:
+    """One table of a checkpoint as a shard reloads it: its config, step, and the folders holding its rows."""
+
+    name: str
+    config: TableConfig
+    step: int
+    parts: list[_Part]
+
+    def blocks(self, shard_index: int, num_shards: int, block_rows: int = BLOCK_ROWS) -> Iterator[dict[str, torch.Tensor]]:
+        """``{field: rows}`` of the rows that belong to shard ``shard_index`` of ``num_shards``, block by block.
+
+        Raises :class:`CheckpointError` naming the file when one cannot be read as the manifest describes it.
+        """
+        for part in self.parts:
+            readers = {name: _ArrayReader(part.folder, part.entry, name) for name in SAVED_FIELDS}
+            try:
+                for start in range(0, part.entry["rows"], block_rows):
+                    count = min(block_rows, part.entry["rows"] - start)
+                    block = {name: reader.read(count) for name, reader in readers.items()}
+                    if len(self.parts) > 1 or num_shards != _saved_shards(part):
+                        keep = torch.nonzero(shard_of(block["ids"], num_shards) == shard_index).squeeze(1)
+                        block = {name: values[keep] for name, values in block.items()}
+                    yield block
+            finally:
+                for reader in readers.values():
+                    reader.close()
+
+
+def open_for_shard(directory: str | os.PathLike, shard_index: int, num_shards: int) -> list[TableSource]:
+    """The tables of the checkpoint at ``directory``, as shard ``shard_index`` of ``num_shards`` reloads them.
+
+    Every file the shard will read is checked first (size and sha256 against the manifest), so a load can replace
+    the tables only once the checkpoint is known to be whole. Into as many shards as saved it, a shard reads its
+    own folder (the hash puts no id of it anywhere else); otherwise it reads every folder and keeps its ids.
     Raises :class:`CheckpointError` naming the file when the checkpoint is incomplete or corrupted.
     """
     manifests = _manifests(Path(directory))
-    merged: dict[str, list[TableSnapshot]] = {}
+    if len(manifests) == num_shards:
+        manifests = [manifests[shard_index]]
+    sources: dict[str, TableSource] = {}
     for folder, manifest in manifests:
         try:
             for name, entry in manifest["tables"].items():
-                merged.setdefault(name, []).append(_read_table(folder, name, entry, shard_index, num_shards))
+                config = _table_config(folder, name, entry)
+                part = _Part(folder, entry)
+                for array in SAVED_FIELDS:
+                    _verify(folder, entry["files"][array])
+                    _ArrayReader(folder, entry, array).close()  # its header: dtype and rows as the manifest says
+                source = sources.setdefault(name, TableSource(name, config, int(entry["step"]), []))
+                source.step = max(source.step, int(entry["step"]))
+                source.parts.append(part)
         except OSError as err:
             raise CheckpointError(f"cannot read the checkpoint files in {folder}: {err}") from None
         except (KeyError, TypeError, AttributeError, ValueError) as err:
             raise CheckpointError(f"{folder / 'manifest.json'} is malformed: {type(err).__name__}: {err}") from None
-    return [_concat(parts) for parts in merged.values()]
+    return list(sources.values())
+
+
+def _saved_shards(part: _Part) -> int:
+    match = _FOLDER.match(part.folder.name)
+    return int(match.group(2)) if match else -1
+
+
+def _table_config(folder: Path, name: str, entry: dict) -> TableConfig:
+    try:
+        return TableConfig.from_dict(entry["config"])
+    except (ConfigError, KeyError) as err:
+        raise CheckpointError(f"{folder / 'manifest.json'}: bad config for table {name!r}: {err}") from None
 
 
 def _manifests(directory: Path) -> list[tuple[Path, dict]]:
@@ -193,8 +316,8 @@ def _read_manifests(directory: Path) -> list[tuple[Path, dict]]:
             manifest = json.loads(path.read_text())
         except (OSError, ValueError) as err:
             raise CheckpointError(f"cannot read {path}: {err}") from None
-        if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION or manifest.get("shard_index") != index:
-            raise CheckpointError(f"{path} is not a version-{FORMAT_VERSION} manifest of shard {index}")
+        if not isinstance(manifest, dict) or manifest.get("format_version") not in READABLE_VERSIONS or manifest.get("shard_index") != index:
+            raise CheckpointError(f"{path} is not a manifest of shard {index} in a format this version reads {READABLE_VERSIONS}")
         out.append((found[index], manifest))
     save_ids = {manifest.get("save_id", "") for _, manifest in out}
     if len(save_ids) > 1:
@@ -205,53 +328,57 @@ def _read_manifests(directory: Path) -> list[tuple[Path, dict]]:
     return out
 
 
-def _read_table(folder: Path, name: str, entry: dict, shard_index: int, num_shards: int) -> TableSnapshot:
-    try:
-        config = TableConfig.from_dict(entry["config"])
-    except (ConfigError, KeyError) as err:
-        raise CheckpointError(f"{folder / 'manifest.json'}: bad config for table {name!r}: {err}") from None
-    arrays = {array: _load_array(folder, entry["files"][array]) for array in _ARRAYS}
-    rows = entry["rows"]
-    for array, data in arrays.items():
-        if data.shape[0] != rows:
-            raise CheckpointError(f"{folder / entry['files'][array]['file']}: {data.shape[0]} rows, manifest says {rows}")
-    ids = torch.from_numpy(arrays["ids"])
-    keep = torch.nonzero(shard_of(ids, num_shards) == shard_index).squeeze(1)
-    return TableSnapshot(
-        config=config,
-        step=int(entry["step"]),
-        ids=ids[keep],
-        **{array: torch.from_numpy(arrays[array])[keep] for array in ("weights", "state", "access")},
-    )
-
-
-def _load_array(folder: Path, spec: dict) -> np.ndarray:
+def _path(folder: Path, spec: dict) -> Path:
     path = folder / spec["file"]
     if path.resolve().parent != folder.resolve():
         raise CheckpointError(f"{folder / 'manifest.json'} names a file outside its folder: {spec['file']!r}")
+    return path
+
+
+def _verify(folder: Path, spec: dict) -> None:
+    path = _path(folder, spec)
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} is missing")
     if path.stat().st_size != spec["bytes"] or _sha256(path) != spec["sha256"]:
         raise CheckpointError(f"checkpoint file {path} is truncated or corrupted (size or sha256 differs from the manifest)")
-    try:
-        return np.load(path, allow_pickle=False)
-    except (ValueError, OSError, EOFError) as err:
-        raise CheckpointError(f"checkpoint file {path} cannot be read: {err}") from None
 
 
-def _concat(parts: list[TableSnapshot]) -> TableSnapshot:
-    first = parts[0]
-    return TableSnapshot(
-        config=first.config,
-        step=max(p.step for p in parts),
-        **{array: torch.cat([getattr(p, array) for p in parts]) for array in _ARRAYS},
-    )
+class _ArrayReader:
+    """Rows of one ``.npy`` array of a table, read a block at a time after its header (never unpickled)."""
+
+    def __init__(self, folder: Path, entry: dict, name: str) -> None:
+        self.path = _path(folder, entry["files"][name])
+        self._file = open(self.path, "rb")
+        try:
+            major, _ = np.lib.format.read_magic(self._file)
+            read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+            shape, fortran, dtype = read_header(self._file)
+        except (ValueError, OSError, EOFError) as err:
+            self._file.close()
+            raise CheckpointError(f"checkpoint file {self.path} cannot be read: {err}") from None
+        rows = entry["rows"]
+        if fortran or not shape or shape[0] != rows or dtype.str not in _DTYPES[name]:
+            self._file.close()
+            raise CheckpointError(f"checkpoint file {self.path} holds {dtype} {shape}, not the {rows} rows of {name} "
+                                  f"({' or '.join(_DTYPES[name])}) that its manifest describes")
+        self._dtype = dtype
+        self._width = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+        self._shape = shape[1:]
+
+    def read(self, rows: int) -> torch.Tensor:
+        count = rows * self._width
+        data = np.fromfile(self._file, dtype=self._dtype, count=count)
+        if data.size != count:
+            raise CheckpointError(f"checkpoint file {self.path} ends early")
+        return torch.from_numpy(data.astype(self._dtype.newbyteorder("="), copy=False).reshape((rows, *self._shape)))
+
+    def close(self) -> None:
+        self._file.close()
 
 
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
+        for block in iter(lambda: f.read(_HASH_BLOCK), b""):
             digest.update(block)
     return digest.hexdigest()
-

@@ -1,20 +1,19 @@
-"""Id -> row index of one table: a vectorised open-addressing hash table.
+"""Id -> row index of one table. The keys live in the table's chunked ``ids`` field; the index holds row numbers.
 
-Slots hold int32 row numbers; the keys themselves live in the row-aligned ``ids`` array of the table, so
-an index costs 4 bytes per slot (8 to 16 bytes per row at load factor 0.25..0.5) instead of the 16 of a
-(key, value) slot. Probing is linear and runs as whole-batch tensor operations: each pass resolves
-every id whose slot matches or is empty, and the rest step to the next slot. Deleted slots become
-tombstones that lookups walk past and inserts reuse.
-
-With the native kernels (:mod:`lightning_persia.ops.native`) a probe or a placement is one C loop over
-the ids, in the same slots; the tensor version below is what runs without a C compiler.
+:func:`make_index` picks the native index when the kernels are loaded (``ops/native/kernels.c``: buckets of
+12 tagged slots in one cache line, 1,024 partitions grown one at a time, so a growing table never waits for a
+whole-index rebuild and a lookup costs about one cache miss in the index), else :class:`TensorIdIndex`, a
+vectorised open-addressing table in tensor ops (same answers, slower, and it rebuilds whole when it grows).
 """
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 
 from lightning_persia.ops import native
 from lightning_persia.ops.hashing import slot_hash
+from lightning_persia.remote_ps.store.chunked_rows import ChunkedField
 
 EMPTY = -1
 TOMBSTONE = -2
@@ -22,64 +21,111 @@ _MAX_LOAD = 0.5
 _MIN_SLOTS = 1 << 10
 _WIDE_BELOW = 2048  # unresolved ids below which a probe pass reads a window of slots per id
 _WIDE_WINDOW = 8
+_MAX_TOMBSTONES = 0.25
 
 
-class IdIndex:
-    """Maps int64 ids to int32 row numbers of a table whose ids are kept in ``keys`` (row-aligned)."""
+class IdIndex(Protocol):
+    """What a table needs of its index; ``keys`` is the table's ids field, already holding every indexed id."""
 
-    def __init__(self, expected_rows: int = 0) -> None:
-        self._slots = torch.full((_slots_for(expected_rows),), EMPTY, dtype=torch.int32)
+    def find(self, ids: torch.Tensor) -> torch.Tensor:
+        """Row of each id, or -1 when absent."""
+
+    def insert(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Adds ``ids`` (unique, absent, already written to ``keys`` at ``rows``) pointing at ``rows``."""
+
+    def remove(self, ids: torch.Tensor) -> None:
+        """Drops the ``ids`` present."""
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the index holds."""
+
+
+def make_index(keys: ChunkedField) -> IdIndex:
+    """The fastest index available here, over the ids field ``keys``."""
+    return NativeIdIndex(keys) if native.available() else TensorIdIndex(keys)
+
+
+class NativeIdIndex:
+    """:class:`IdIndex` in C (see the module docstring)."""
+
+    def __init__(self, keys: ChunkedField) -> None:
+        self._keys = keys
+        self._index = native.Index()
+
+    @property
+    def nbytes(self) -> int:
+        return self._index.info()[1]
+
+    @property
+    def rebuilds(self) -> int:
+        """Partition rebuilds so far (each rehashes about 1/1024 of the ids)."""
+        return self._index.info()[2]
+
+    def find(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._index.find(ids, self._keys.addresses, self._keys.shift)
+
+    def insert(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        self._index.insert(ids, rows, self._keys.addresses, self._keys.shift)
+
+    def remove(self, ids: torch.Tensor) -> None:
+        self._index.remove(ids, self._keys.addresses, self._keys.shift)
+
+
+class TensorIdIndex:
+    """:class:`IdIndex` as whole-batch tensor operations, for machines without the native kernels.
+
+    Slots hold int32 row numbers (4 bytes a slot, load 0.25..0.5); probing is linear, each pass resolving every
+    id whose slot matches or is empty. Deleted slots become tombstones that lookups walk past and inserts reuse;
+    past a quarter of the slots they are dropped by a rebuild.
+    """
+
+    def __init__(self, keys: ChunkedField) -> None:
+        self._keys = keys
+        self._slots = torch.full((_MIN_SLOTS,), EMPTY, dtype=torch.int32)
         self._used = 0  # live entries + tombstones: what lengthens probe chains
+        self._tombstones = 0
 
     @property
     def nbytes(self) -> int:
         return self._slots.numel() * self._slots.element_size()
 
-    def find(self, ids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """Row of each id, or -1 when absent."""
-        rows, _ = self._probe(ids, keys)
+    def find(self, ids: torch.Tensor) -> torch.Tensor:
+        rows, _ = self._probe(ids)
         return rows
 
-    def insert(self, ids: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor) -> None:
-        """Adds ``ids`` (unique, absent, already written to ``keys[rows]``) pointing at ``rows``."""
+    def insert(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         live = self._used + ids.numel()
         if live > _MAX_LOAD * self._slots.numel():
-            self._rebuild(live, keys, extra=(ids, rows))
-            return
+            self._rebuild(live - self._tombstones)
         self._place(ids, rows.to(torch.int32))
 
-    def remove(self, ids: torch.Tensor, keys: torch.Tensor) -> None:
-        """Turns the slots of present ``ids`` into tombstones."""
-        rows, positions = self._probe(ids, keys)
-        self._slots[positions[rows >= 0]] = TOMBSTONE
+    def remove(self, ids: torch.Tensor) -> None:
+        rows, positions = self._probe(ids)
+        gone = positions[rows >= 0]
+        self._slots[gone] = TOMBSTONE
+        self._tombstones += gone.numel()
+        if self._tombstones > _MAX_TOMBSTONES * self._slots.numel():
+            self._rebuild(self._used - self._tombstones)
 
-    def rebuild(self, rows: torch.Tensor, keys: torch.Tensor) -> None:
-        """Re-creates the index from scratch for ``rows`` (drops tombstones)."""
-        self._slots = torch.full((_slots_for(rows.numel()),), EMPTY, dtype=torch.int32)
-        self._used = 0
-        self._place(keys[rows], rows.to(torch.int32))
-
-    def tombstone_ratio(self) -> float:
-        return float((self._slots == TOMBSTONE).sum()) / self._slots.numel()
-
-    def _rebuild(self, live: int, keys: torch.Tensor, extra: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def _rebuild(self, live: int) -> None:
         current = self._slots[self._slots >= 0]
         self._slots = torch.full((_slots_for(live),), EMPTY, dtype=torch.int32)
-        self._used = 0
-        self._place(keys[current.to(torch.int64)], current)
-        self._place(extra[0], extra[1].to(torch.int32))
+        self._used = self._tombstones = 0
+        self._place(self._key_of(current.to(torch.int64)), current)
 
-    def _probe(self, ids: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _key_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """The key in each slot's row (0 for an empty slot or a tombstone: only compared where the slot holds a row)."""
+        return self._keys.gather(slots, torch.zeros(slots.shape, dtype=torch.int64))
+
+    def _probe(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Row and slot of each id (row -1 when absent; its slot is then meaningless).
 
         A pass costs a dozen tensor ops whatever the number of ids, and the number of passes is the longest
         probe chain among the ids. So while many ids are unresolved each pass looks at one slot per id; once
         few are left (the long chains of linear probing), a pass looks at the next ``_WIDE_WINDOW`` slots of
-        each at once. Finding the few hundred ids per table of a training step (a 4096-row batch over 26
-        tables and 2 shards) then takes 1-2 passes instead of the 10-20 of one slot per pass.
+        each at once.
         """
-        if native.available():
-            return native.index_find(self._slots, keys, ids)
         mask = self._slots.numel() - 1
         pos = slot_hash(ids) & mask
         rows = torch.full_like(ids, EMPTY)
@@ -91,12 +137,13 @@ class IdIndex:
             if width == 1:
                 cand = start
                 slot = self._slots[cand].to(torch.int64)
-                matched = (slot >= 0) & (keys[slot.clamp(min=0)] == want)
+                matched = (slot >= 0) & (self._key_of(slot) == want)
                 stopped = matched | (slot == EMPTY)
             else:
                 cand = (start.unsqueeze(1) + torch.arange(width)) & mask
                 slots = self._slots[cand].to(torch.int64)
-                match = (slots >= 0) & (keys[slots.clamp(min=0)] == want.unsqueeze(1))
+                keys = self._key_of(slots.reshape(-1)).view(slots.shape)
+                match = (slots >= 0) & (keys == want.unsqueeze(1))
                 stop = match | (slots == EMPTY)
                 first = stop.to(torch.int8).argmax(1, keepdim=True)  # the first slot that ends the chain
                 stopped = stop.gather(1, first).squeeze(1)
@@ -112,9 +159,6 @@ class IdIndex:
 
     def _place(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         self._used += ids.numel()
-        if native.available():
-            self._used -= native.index_place(self._slots, ids, rows)
-            return
         mask = self._slots.numel() - 1
         pos = slot_hash(ids) & mask
         while rows.numel():
@@ -124,7 +168,9 @@ class IdIndex:
             self._slots[pos[free]] = rows[free]
             won = free.clone()
             won[free] = self._slots[pos[free]] == rows[free]
-            self._used -= int((previous[won] == TOMBSTONE).sum())
+            reused = int((previous[won] == TOMBSTONE).sum())
+            self._used -= reused
+            self._tombstones -= reused
             keep = ~won
             rows, pos = rows[keep], (pos[keep] + 1) & mask
 

@@ -1,6 +1,7 @@
 """The tables of one shard behind one lock-free facade: what the gRPC servicer calls."""
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Sequence
 
@@ -41,6 +42,7 @@ class ShardStore:
         self.fault_save_delay_s = fault_save_delay_s  # testing only: see PSConfig.fault_save_delay_s
         self._tables: dict[str, Table] = {}
         self._lock = threading.Lock()
+        self._save_lock = threading.Lock()  # one save or load at a time
 
     def configure(self, config: TableConfig) -> TableConfig:
         """Creates the table, or returns the existing one's config when the dims agree."""
@@ -65,16 +67,16 @@ class ShardStore:
         with self._lock:
             return sorted(set(self._tables) | set(self._defaults))
 
-    def lookup(self, name: str, ids: torch.Tensor, train: bool) -> torch.Tensor:
-        """Rows of ``ids`` (int64, 1-D) as float32 ``[n, dim]``; ``train`` admits unseen ids."""
-        return self.lookup_many([(name, ids)], train)[0]
+    def lookup(self, name: str, ids: torch.Tensor, train: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows of ``ids`` (int64, 1-D) as ``[n, dim]`` of ``dtype``; ``train`` admits unseen ids."""
+        return self.lookup_many([(name, ids)], train, dtype)[0]
 
-    def lookup_many(self, requests: Sequence[tuple[str, torch.Tensor]], train: bool) -> list[torch.Tensor]:
+    def lookup_many(self, requests: Sequence[tuple[str, torch.Tensor]], train: bool, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
         """:meth:`lookup` of several tables; every table is checked before any admits a row."""
         tables = [self._table(name) for name, _ in requests]
         for name, ids in requests:
             self._check_ids(name, ids)
-        return [table.lookup(ids, train) for table, (_, ids) in zip(tables, requests)]
+        return [table.lookup(ids, train, dtype) for table, (_, ids) in zip(tables, requests)]
 
     def update(self, name: str, ids: torch.Tensor, grads: torch.Tensor) -> int:
         """Applies the table's optimizer to the rows of ``ids``; duplicate ids have their gradients summed."""
@@ -101,21 +103,46 @@ class ShardStore:
         return {name: table.stats() for name, table in sorted(tables.items())}
 
     def save(self, directory: str, save_id: str = "") -> None:
-        """Writes this shard's part of a checkpoint under ``directory`` (``save_id``: the same for every shard)."""
-        with self._lock:
-            tables = list(self._tables.values())
-        checkpoint.write_shard(directory, self.shard_index, self.num_shards, [t.snapshot() for t in tables], save_id=save_id,
-                               pause_s=self.fault_save_delay_s)
+        """Writes this shard's part of a checkpoint under ``directory`` (``save_id``: the same for every shard).
+
+        One consistent point for all tables (taken with every table's lock held at once), then each table is
+        streamed to disk a chunk at a time while the shard keeps serving. One save at a time.
+        """
+        with self._save_lock:
+            with self._lock:
+                tables = [self._tables[name] for name in sorted(self._tables)]
+            with contextlib.ExitStack() as held:
+                for table in tables:
+                    held.enter_context(table.lock)
+                snapshots = [table.begin_snapshot() for table in tables]
+            try:
+                checkpoint.write_shard(directory, self.shard_index, self.num_shards, snapshots, save_id=save_id,
+                                       pause_s=self.fault_save_delay_s)
+            finally:
+                for snapshot in snapshots:
+                    snapshot.close()
 
     def load(self, directory: str) -> None:
         """Replaces every table by the rows of the checkpoint at ``directory`` that belong to this shard.
 
-        The checkpoint may come from any number of shards. Nothing changes if it is incomplete or corrupted.
+        The checkpoint may come from any number of shards. Every file is checked before a table is replaced:
+        nothing changes if the checkpoint is incomplete or corrupted. The tables are then read a block at a
+        time, after the old ones are dropped (memory for one copy of the tables, not two); lookups in the
+        meantime find no table.
         """
-        snapshots = checkpoint.read_for_shard(directory, self.shard_index, self.num_shards)
-        tables = {s.config.name: Table.from_snapshot(s, self.seed) for s in snapshots}
-        with self._lock:
-            self._tables = tables
+        sources = checkpoint.open_for_shard(directory, self.shard_index, self.num_shards)
+        with self._save_lock:
+            with self._lock:
+                self._tables = {}
+            tables = {}
+            for source in sources:
+                table = Table(source.config, self.seed)
+                table.restore_step(source.step)
+                for block in source.blocks(self.shard_index, self.num_shards):
+                    table.append(block)
+                tables[source.name] = table
+            with self._lock:
+                self._tables = tables
 
     def load_latest(self, root: str) -> str:
         """Loads the newest complete checkpoint at or under ``root`` (see :func:`checkpoint.candidate_checkpoints`).

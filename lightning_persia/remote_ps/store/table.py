@@ -1,69 +1,125 @@
-"""One embedding table on one shard: ids, rows, optimizer state and access statistics, kept row-aligned.
+"""One embedding table on one shard: ids, rows, optimizer state, access statistics and change versions.
 
-Row arrays are allocated for twice the rows in use (up to the capacity) and never written beyond the
-rows in use, so the untouched part costs address space only: resident memory follows the rows stored.
+The fields live in a chunked row store (``chunked_rows.py``), so the table grows without copying or pausing;
+the id index (``index.py``) maps ids to rows. Rows are stored in the table's ``storage_dtype`` (fp16 halves
+the memory of the values); the optimizer state stays float32 whatever it is, and every update runs in float32.
+
+**Versions.** Every row records the table's *version* at its last change (insert, update, eviction). A
+checkpoint or a serving delta advances the version, so "changed since point P" is ``version > P``. That gives a
+streamed checkpoint its consistent point: :meth:`begin_snapshot` takes the point, then :meth:`snapshot_chunks`
+copies one chunk at a time under the lock while training goes on; a write to a row of a chunk not copied yet
+first keeps the row's pre-image (its value at the point), so the checkpoint holds every row as it was at the
+point. Only the access statistics (LRU step / LFU count) may be newer than the point.
 """
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
 
 import torch
 
 from lightning_persia.ops.hashing import name_hash
 from lightning_persia.remote_ps.store import eviction
-from lightning_persia.remote_ps.store.index import IdIndex
+from lightning_persia.remote_ps.store.chunked_rows import ChunkedRows, FieldSpec
+from lightning_persia.remote_ps.store.errors import StoreError
+from lightning_persia.remote_ps.store.index import make_index
 from lightning_persia.remote_ps.store.initializers import initial_rows
 from lightning_persia.remote_ps.store.optimizers import make_rule
-from lightning_persia.remote_ps.table_config import TableConfig
+from lightning_persia.remote_ps.table_config import STORAGE_DTYPES, TableConfig
 
-_MIN_ROWS = 1024
+SAVED_FIELDS = ("ids", "weights", "state", "access")
+"""The fields a checkpoint keeps per row (versions restart with the process)."""
 
 
 @dataclass
-class TableSnapshot:
-    """The live rows of a table, as saved in a checkpoint."""
+class _Snapshot:
+    """A checkpoint of the table in progress: its point, and the pre-images of rows changed since."""
 
-    config: TableConfig
+    point: int  # rows with version <= point have not changed since
+    size: int  # rows allocated at the point; later ones did not exist
+    live: int
     step: int
-    ids: torch.Tensor
-    weights: torch.Tensor
-    state: torch.Tensor
-    access: torch.Tensor
+    next_chunk: int = 0  # chunks below it are copied: their rows need no pre-image
+    preimages: dict[int, list[dict[str, torch.Tensor]]] = field(default_factory=dict)
+    preimage_rows: int = 0
+
+
+class TableSnapshot:
+    """The rows of a table at one point, handed out a chunk at a time (see :meth:`Table.begin_snapshot`)."""
+
+    def __init__(self, table: "Table", state: _Snapshot) -> None:
+        self.config = table.config
+        self.step = state.step
+        self.rows = state.live
+        self._table = table
+        self._state = state
+
+    @property
+    def field_specs(self) -> dict[str, FieldSpec]:
+        return {name: spec for name, spec in self._table.field_specs.items() if name in SAVED_FIELDS}
+
+    def chunks(self) -> Iterator[dict[str, torch.Tensor]]:
+        """``{field: rows}`` of the live rows at the point, chunk by chunk; the table serves between chunks."""
+        return self._table._snapshot_chunks(self._state)
+
+    def close(self) -> None:
+        """Ends the snapshot (written or abandoned): the table stops keeping pre-images for it."""
+        self._table._end_snapshot(self._state)
 
 
 class Table:
-    """Thread-safe store of one table's rows on one shard."""
+    """Thread-safe store of one table's rows on one shard.
+
+    ``lock`` serialises every read and write of the table; a caller that needs one consistent point over several
+    tables holds all their locks while it calls :meth:`begin_snapshot` on each.
+    """
 
     def __init__(self, config: TableConfig, seed: int) -> None:
         self.config = config
         self.seed = seed
         self.rule = make_rule(config.optimizer, config.dim)
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
+        self.field_specs = {
+            "ids": FieldSpec(torch.int64),
+            "weights": FieldSpec(STORAGE_DTYPES[config.storage_dtype], config.dim),
+            "state": FieldSpec(torch.float32, self.rule.state_width),
+            "access": FieldSpec(torch.int32),
+            "version": FieldSpec(torch.int32),
+        }
+        self._rows = ChunkedRows({name: spec for name, spec in self.field_specs.items() if spec.row_bytes > 0})
+        self._index = make_index(self._rows["ids"])
         self._admission = torch.Generator().manual_seed((seed ^ name_hash(config.name)) & ((1 << 63) - 1))
-        self._index = IdIndex()
-        self._size = 0
+        self._eviction_sample = torch.Generator().manual_seed(seed)
+        self._size = 0  # rows allocated so far (live or free)
+        self._live = 0
         self._free = torch.empty(0, dtype=torch.int64)
         self._step = 0
+        self._version = 1  # written into every changed row; never-written rows read 0
+        self._snapshot: Optional[_Snapshot] = None
         self._counters = dict(lookups=0, lookup_rows=0, inserted=0, evicted=0, not_admitted=0, updates=0, update_rows=0, dropped_update_rows=0)
-        self._allocate_arrays(_MIN_ROWS)
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return self.field_specs["weights"].dtype
 
     # ---- reads and writes ------------------------------------------------------------------------
 
-    def lookup(self, ids: torch.Tensor, train: bool) -> torch.Tensor:
-        """Rows of ``ids`` as float32 ``[n, dim]``; training lookups admit unseen ids."""
-        with self._lock:
-            rows = self._index.find(ids, self._ids)
+    def lookup(self, ids: torch.Tensor, train: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows of ``ids`` as ``[n, dim]`` of ``dtype``; training lookups admit unseen ids."""
+        with self.lock:
+            rows = self._index.find(ids)
+            out = self._rows["weights"].gather(rows, torch.empty(ids.numel(), self.config.dim, dtype=self.storage_dtype))
             missing = rows < 0
-            out = self._weights.index_select(0, rows.clamp(min=0))
             self._counters["lookups"] += 1
             self._counters["lookup_rows"] += ids.numel()
             if train:
                 self._step += 1
-                eviction.touch(self._access, rows[~missing], self.config.eviction, self._step)
+                value, add = eviction.touch_value(self.config.eviction, self._step)
+                self._rows["access"].fill(rows, value, add)
             if bool(missing.any()):
                 out[missing] = self._fill_missing(ids[missing], train)
-            return out
+        return out.to(dtype)
 
     def update(self, ids: torch.Tensor, grads: torch.Tensor) -> int:
         """Applies the optimizer to the rows of ``ids``; returns how many rows were present and updated."""
@@ -71,70 +127,131 @@ class Table:
         if unique.numel() < ids.numel():
             grads = torch.zeros(unique.numel(), grads.shape[1], dtype=grads.dtype).index_add_(0, inverse, grads)
             ids = unique
-        with self._lock:
-            rows = self._index.find(ids, self._ids)
+        with self.lock:
+            rows = self._index.find(ids)
             present = rows >= 0
             if not bool(present.all()):
                 self._counters["dropped_update_rows"] += int((~present).sum())
                 rows, grads = rows[present], grads[present]
-            weights, state = self._weights[rows], self._state[rows]
+            weights = self._rows["weights"].gather(rows).float()
+            state = self._rows["state"].gather(rows) if "state" in self._rows.fields else torch.empty(rows.numel(), 0)
+            self._preserve(rows)
             self.rule.apply(weights, state, grads)
             if self.config.weight_bound is not None:
                 weights.clamp_(-self.config.weight_bound, self.config.weight_bound)
-            self._weights[rows] = weights
-            self._state[rows] = state
+            self._rows["weights"].scatter(rows, weights)
+            if state.shape[1]:
+                self._rows["state"].scatter(rows, state)
+            self._rows["version"].fill(rows, self._version)
             self._counters["updates"] += 1
             self._counters["update_rows"] += rows.numel()
             return rows.numel()
 
-    # ---- snapshots ---------------------------------------------------------------------------------
+    def append(self, rows: dict[str, torch.Tensor]) -> None:
+        """Adds rows read from a checkpoint (``{field: values}`` of :data:`SAVED_FIELDS`; ids absent from the table)."""
+        ids = rows["ids"]
+        with self.lock:
+            positions = torch.arange(self._size, self._size + ids.numel())
+            self._rows.reserve(self._size + ids.numel())
+            for name in SAVED_FIELDS:
+                if name in self._rows.fields:
+                    self._rows[name].scatter(positions, rows[name])
+            self._index.insert(ids, positions)
+            self._size += ids.numel()
+            self._live += ids.numel()
 
-    def snapshot(self) -> TableSnapshot:
-        """Copies of the live rows (consistent: taken under the table's lock)."""
-        with self._lock:
-            live = torch.nonzero(self._access[: self._size] != eviction.FREE).squeeze(1)
-            return TableSnapshot(
-                config=self.config,
-                step=self._step,
-                ids=self._ids[live].clone(),
-                weights=self._weights[live].clone(),
-                state=self._state[live].clone(),
-                access=self._access[live].clone(),
-            )
+    def restore_step(self, step: int) -> None:
+        """The lookup step counter of a checkpoint (LRU access values are relative to it)."""
+        with self.lock:
+            self._step = max(self._step, step)
 
-    @classmethod
-    def from_snapshot(cls, snapshot: TableSnapshot, seed: int) -> "Table":
-        """A table holding exactly the rows of ``snapshot``."""
-        table = cls(snapshot.config, seed)
-        n = snapshot.ids.numel()
-        table._allocate_arrays(max(_MIN_ROWS, n))
-        table._size = n
-        table._ids[:n] = snapshot.ids
-        table._weights[:n] = snapshot.weights
-        table._state[:n] = snapshot.state
-        table._access[:n] = snapshot.access
-        table._step = snapshot.step
-        table._index.rebuild(torch.arange(n), table._ids)
-        return table
+    # ---- checkpoints -------------------------------------------------------------------------------
 
-    def stats(self) -> dict[str, int | float]:
-        with self._lock:
-            rows = self._size - self._free.numel()
-            row_bytes = self._ids.element_size() + self._access.element_size() + 4 * (self.config.dim + self.rule.state_width)
+    def begin_snapshot(self) -> TableSnapshot:
+        """Takes the table's consistent point for a checkpoint; call it holding :attr:`lock`.
+
+        The rows are then read chunk by chunk with :meth:`TableSnapshot.chunks`, while the table keeps serving.
+        """
+        if self._snapshot is not None:
+            raise StoreError(f"table {self.config.name!r} is already being saved")
+        self._snapshot = _Snapshot(point=self._version, size=self._size, live=self._live, step=self._step)
+        self._version += 1
+        return TableSnapshot(self, self._snapshot)
+
+    def _snapshot_chunks(self, state: _Snapshot) -> Iterator[dict[str, torch.Tensor]]:
+        for chunk in range((state.size + self._rows.chunk_rows - 1) >> self._rows.shift):
+            with self.lock:
+                copied = self._copy_chunk(state, chunk)
+            yield copied  # written to disk by the caller while the table serves
+
+    def _end_snapshot(self, state: _Snapshot) -> None:
+        with self.lock:
+            if self._snapshot is state:
+                self._snapshot = None
+
+    def _copy_chunk(self, state: _Snapshot, chunk: int) -> dict[str, torch.Tensor]:
+        count = min(self._rows.chunk_rows, state.size - (chunk << self._rows.shift))
+        unchanged = self._rows["version"].chunk(chunk, count) <= state.point
+        offsets = torch.nonzero(unchanged & (self._rows["access"].chunk(chunk, count) != eviction.FREE)).squeeze(1)
+        parts = [{name: self._rows[name].chunk(chunk, count)[offsets] for name in SAVED_FIELDS if name in self._rows.fields}]
+        for piece in state.preimages.pop(chunk, []):
+            keep = piece["access"] != eviction.FREE  # the row was free at the point (and reused since)
+            parts.append({name: values[keep] for name, values in piece.items() if name != "rows"})
+            state.preimage_rows -= piece["rows"].numel()
+        state.next_chunk = chunk + 1
+        copied = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
+        if "state" not in copied:
+            copied["state"] = torch.empty(copied["ids"].numel(), 0)
+        return copied
+
+    def _preserve(self, rows: torch.Tensor) -> None:
+        """Keeps the pre-image of ``rows`` about to change, for the checkpoint in progress (if any)."""
+        state = self._snapshot
+        if state is None or not rows.numel():
+            return
+        rows = rows[(rows < state.size) & ((rows >> self._rows.shift) >= state.next_chunk)]
+        if rows.numel():
+            rows = rows[self._rows["version"].gather(rows) <= state.point]
+        if not rows.numel():
+            return
+        rows, _ = torch.sort(rows)
+        chunks, counts = torch.unique_consecutive(rows >> self._rows.shift, return_counts=True)
+        piece = {name: self._rows[name].gather(rows) for name in SAVED_FIELDS if name in self._rows.fields}
+        start = 0
+        for chunk, count in zip(chunks.tolist(), counts.tolist()):
+            part = {name: values[start : start + count] for name, values in piece.items()}
+            part["rows"] = rows[start : start + count]
+            state.preimages.setdefault(chunk, []).append(part)
+            start += count
+        state.preimage_rows += rows.numel()
+        self._rows["version"].fill(rows, self._version)  # kept once: the chunk's copy now skips the row
+
+    # ---- statistics --------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int | float | str]:
+        with self.lock:
+            snapshot = self._snapshot
             return dict(
                 self._counters,
-                rows=rows,
+                rows=self._live,
                 capacity=self.config.capacity,
                 dim=self.config.dim,
                 step=self._step,
-                bytes=rows * row_bytes + self._index.nbytes,
+                version=self._version,
+                storage_dtype=self.config.storage_dtype,
+                row_bytes=self._rows.row_bytes,
+                chunks=self._rows.num_chunks,
+                rows_allocated=self._size,
+                index_bytes=self._index.nbytes,
+                bytes=self._size * self._rows.row_bytes + self._index.nbytes,
+                saving_preimage_rows=snapshot.preimage_rows if snapshot is not None else 0,
             )
 
     # ---- internals ---------------------------------------------------------------------------------
 
     def _fill_missing(self, ids: torch.Tensor, train: bool) -> torch.Tensor:
         unique, inverse = torch.unique(ids, return_inverse=True)
-        initial = initial_rows(self.config.init, self.seed, self.config.name, unique, self.config.dim)
+        initial = initial_rows(self.config.init, self.seed, self.config.name, unique, self.config.dim).to(self.storage_dtype)
         if train:
             self._admit(unique, initial)
         return initial[inverse]
@@ -148,42 +265,41 @@ class Table:
         if ids.numel() > self.config.capacity:
             self._counters["not_admitted"] += ids.numel() - self.config.capacity
             ids, initial = ids[: self.config.capacity], initial[: self.config.capacity]
+        if not ids.numel():
+            return
         rows = self._take_rows(ids.numel())
-        self._ids[rows] = ids
-        self._weights[rows] = initial
-        self._state[rows] = self.rule.initial_state(ids.numel())
-        self._access[rows] = eviction.first_access(self.config.eviction, self._step)
-        self._index.insert(ids, rows, self._ids)
+        self._preserve(rows)
+        self._rows["ids"].scatter(rows, ids)
+        self._rows["weights"].scatter(rows, initial)
+        if "state" in self._rows.fields:
+            self._rows["state"].scatter(rows, self.rule.initial_state(ids.numel()))
+        self._rows["access"].fill(rows, eviction.first_access(self.config.eviction, self._step))
+        self._rows["version"].fill(rows, self._version)
+        self._index.insert(ids, rows)
+        self._live += ids.numel()
         self._counters["inserted"] += ids.numel()
 
     def _take_rows(self, n: int) -> torch.Tensor:
-        room = self.config.capacity - self._size + self._free.numel()
+        room = self.config.capacity - self._live
         if n > room:
             self._evict(eviction.bulk_size(n - room, self.config.capacity))
-        reused = self._free[: n]
+        reused = self._free[:n]
         self._free = self._free[reused.numel() :]
         appended = n - reused.numel()
-        if self._size + appended > self._ids.numel():
-            self._allocate_arrays(min(self.config.capacity, max(2 * self._ids.numel(), self._size + appended)))
+        self._rows.reserve(self._size + appended)
         fresh = torch.arange(self._size, self._size + appended)
         self._size += appended
         return torch.cat([reused, fresh])
 
     def _evict(self, count: int) -> None:
-        victims = eviction.select_victims(self._access[: self._size], count)
-        self._index.remove(self._ids[victims], self._ids)
-        self._access[victims] = eviction.FREE
+        access = self._rows["access"]
+        in_use = [access.chunk(c, min(self._rows.chunk_rows, self._size - (c << self._rows.shift)))
+                  for c in range((self._size + self._rows.chunk_rows - 1) >> self._rows.shift)]
+        victims = eviction.select_victims(in_use, count, self._eviction_sample) if in_use else torch.empty(0, dtype=torch.int64)
+        self._preserve(victims)
+        self._index.remove(self._rows["ids"].gather(victims))
+        access.fill(victims, eviction.FREE)
+        self._rows["version"].fill(victims, self._version)
         self._free = torch.cat([self._free, victims])
+        self._live -= victims.numel()
         self._counters["evicted"] += victims.numel()
-        if self._index.tombstone_ratio() > 0.25:
-            self._index.rebuild(torch.nonzero(self._access[: self._size] != eviction.FREE).squeeze(1), self._ids)
-
-    def _allocate_arrays(self, rows: int) -> None:
-        dim, width, used = self.config.dim, self.rule.state_width, self._size
-        ids = torch.empty(rows, dtype=torch.int64)
-        weights = torch.empty(rows, dim, dtype=torch.float32)
-        state = torch.empty(rows, width, dtype=torch.float32)
-        access = torch.empty(rows, dtype=torch.int32)
-        if used:
-            ids[:used], weights[:used], state[:used], access[:used] = self._ids[:used], self._weights[:used], self._state[:used], self._access[:used]
-        self._ids, self._weights, self._state, self._access = ids, weights, state, access

@@ -4,8 +4,9 @@ import random
 import pytest
 import torch
 
+from lightning_persia.ops import native
 from lightning_persia.remote_ps.store import index as index_module
-from lightning_persia.remote_ps.store.index import IdIndex
+from lightning_persia.remote_ps.store.chunked_rows import ChunkedField, FieldSpec
 
 
 @pytest.fixture(params=["native", "tensor"])
@@ -13,14 +14,24 @@ def implementation(request, monkeypatch):
     if request.param == "native":
         request.getfixturevalue("native_kernels")
     else:
-        monkeypatch.setattr(index_module.native, "available", lambda: False)
+        monkeypatch.setattr(native, "available", lambda: False)
     return request.param
+
+
+def _keys(rows: int, shift: int = 10) -> ChunkedField:
+    """An ids field of small chunks, so that the keys of one index span many of them."""
+    keys = ChunkedField(FieldSpec(torch.int64), shift)
+    while keys.capacity < rows:
+        keys.add_chunk()
+    return keys
 
 
 def test_index_agrees_with_a_dict_through_inserts_removals_and_growth(implementation):
     rng = random.Random(3)
-    keys = torch.empty(20000, dtype=torch.int64)
-    index, truth, free_rows, next_row = IdIndex(), {}, [], 0
+    keys = _keys(20000)
+    index = index_module.make_index(keys)
+    assert isinstance(index, index_module.NativeIdIndex if implementation == "native" else index_module.TensorIdIndex)
+    truth, free_rows, next_row = {}, [], 0
     for _ in range(40):
         fresh = list({rng.randrange(-(1 << 62), 1 << 62) for _ in range(rng.randrange(1, 400))} - set(truth))
         rows = []
@@ -28,25 +39,45 @@ def test_index_agrees_with_a_dict_through_inserts_removals_and_growth(implementa
             row = free_rows.pop() if free_rows else next_row
             next_row += row == next_row
             rows.append(row)
-            keys[row] = key
             truth[key] = row
-        index.insert(torch.tensor(fresh), torch.tensor(rows), keys)
+        keys.scatter(torch.tensor(rows), torch.tensor(fresh))
+        index.insert(torch.tensor(fresh), torch.tensor(rows))
         gone = rng.sample(sorted(truth), k=len(truth) // 5)
-        index.remove(torch.tensor(gone, dtype=torch.int64), keys)
+        index.remove(torch.tensor(gone, dtype=torch.int64))
         for key in gone:
             free_rows.append(truth.pop(key))
-        if index.tombstone_ratio() > 0.25:
-            index.rebuild(torch.tensor(sorted(truth.values()), dtype=torch.int64), keys)
         probe = sorted(truth)[:500] + gone[:100] + [rng.randrange(1 << 40) for _ in range(50)]
-        found = index.find(torch.tensor(probe, dtype=torch.int64), keys)
+        found = index.find(torch.tensor(probe, dtype=torch.int64))
         assert found.tolist() == [truth.get(key, -1) for key in probe]
 
 
-def test_both_implementations_read_each_others_slots(native_kernels, monkeypatch):
-    keys = torch.randperm(1 << 20)[:3000].to(torch.int64) * 7919
-    built = IdIndex()
-    built.insert(keys, torch.arange(3000), keys)
-    native_rows = built.find(keys.flip(0), keys)
-    monkeypatch.setattr(index_module.native, "available", lambda: False)
-    assert torch.equal(built.find(keys.flip(0), keys), native_rows)
-    assert torch.equal(native_rows, torch.arange(3000).flip(0))
+def test_native_index_grows_a_partition_at_a_time(native_kernels):
+    keys = _keys(300_000, shift=16)
+    index = index_module.NativeIdIndex(keys)
+    ids = torch.arange(300_000, dtype=torch.int64) * 2654435761 + 17
+    keys.scatter(torch.arange(300_000), ids)
+    grown = []
+    for start in range(0, 300_000, 30_000):
+        index.insert(ids[start : start + 30_000], torch.arange(start, start + 30_000))
+        grown.append(index.rebuilds)
+    # each batch of 30k ids rebuilt some of the 1024 partitions, never all of them at once
+    steps = [b - a for a, b in zip([0] + grown, grown)]
+    assert all(0 < s < 1024 * 2 for s in steps[1:]), steps
+    assert torch.equal(index.find(ids.flip(0)), torch.arange(300_000).flip(0))
+    assert torch.equal(index.find(ids + 1), torch.full((300_000,), -1))
+    assert index.nbytes < 300_000 * 12  # at most 12 bytes a row at any load the partitions reach
+
+
+def test_wrong_buffers_are_refused_before_any_c_code_runs(native_kernels):
+    keys = _keys(2048)
+    index = native.Index()
+    with pytest.raises(ValueError, match="ids must be a 1-D torch.int64 CPU tensor, got torch.int32"):
+        index.find(torch.arange(3, dtype=torch.int32), keys.addresses, keys.shift)
+    with pytest.raises(ValueError, match="3 ids but 2 rows"):
+        index.insert(torch.arange(3), torch.arange(2), keys.addresses, keys.shift)
+    with pytest.raises(ValueError, match="row 5000 is past the 2048 rows"):
+        index.insert(torch.arange(2), torch.tensor([0, 5000]), keys.addresses, keys.shift)
+    with pytest.raises(ValueError, match="row 2048 is past"):
+        native.gather(keys.addresses, keys.shift, torch.tensor([2048]), torch.empty(1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="contiguous CPU tensor of 2 rows"):
+        native.scatter(keys.addresses, keys.shift, torch.tensor([0, 1]), torch.zeros(3, dtype=torch.int64))

@@ -67,7 +67,7 @@ class PSConfig:
     fault_delay_s: float = 0.0
     """Testing only: every Lookup and Update sleeps this long before it runs (a slow shard)."""
     fault_save_delay_s: float = 0.0
-    """Testing only: a Save pauses this long after each file it writes (to kill a shard in the middle of a save)."""
+    """Testing only: a Save pauses this long after each chunk of rows it writes (to kill a shard in the middle of a save)."""
     tables: Dict[str, Any] = field(default_factory=dict)
     """Table defaults: ``{name: TableConfig fields without the name}``."""
 

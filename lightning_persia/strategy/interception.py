@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Literal, Optional, Sequence
 
 from torch import nn
 from torchrec.modules.embedding_configs import PoolingType
@@ -56,6 +56,7 @@ class TableOverride:
     eviction: Optional[str] = None
     admit_probability: Optional[float] = None
     weight_bound: Optional[float] = None
+    storage_dtype: Optional[Literal["fp16", "fp32"]] = None
 
 
 @dataclass
@@ -68,6 +69,7 @@ class TableDefaults:
     eviction: str = "lru"
     admit_probability: float = 1.0
     weight_bound: Optional[float] = None
+    storage_dtype: str = "fp32"
     overrides: dict[str, TableOverride] = field(default_factory=dict)
     data_parallel_max_rows: int = 0
 
@@ -79,6 +81,7 @@ class TableDefaults:
             eviction=self.eviction,
             admit_probability=self.admit_probability,
             weight_bound=self.weight_bound,
+            storage_dtype=self.storage_dtype,
         )
         for key in (short_name, name):
             override = self.overrides.get(key)

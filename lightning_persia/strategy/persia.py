@@ -67,6 +67,8 @@ class PersiaStrategy(DDPStrategy):
         eviction: ``"lru"`` or ``"lfu"``.
         admit_probability: chance that an unseen id met in training gets a row.
         weight_bound: clip embedding weights to ``[-weight_bound, weight_bound]`` after each update.
+        storage_dtype: how the shards store the rows, ``"fp32"`` (default) or ``"fp16"`` (half the memory; the
+            optimizer state stays float32 and updates are computed in float32). Per table: ``table_overrides``.
         wire_dtype: ``"fp16"`` (default) or ``"fp32"`` for rows and gradients on the wire.
         intercept: module kinds to serve remotely (default: all four).
         exclude: module paths to keep local (trained by DDP like any dense parameter).
@@ -105,6 +107,7 @@ class PersiaStrategy(DDPStrategy):
         eviction: Literal["lru", "lfu"] = "lru",
         admit_probability: float = 1.0,
         weight_bound: Optional[float] = None,
+        storage_dtype: Literal["fp16", "fp32"] = "fp32",
         wire_dtype: Literal["fp16", "fp32"] = "fp16",
         intercept: Optional[list[str]] = None,
         exclude: Optional[list[str]] = None,
@@ -168,6 +171,7 @@ class PersiaStrategy(DDPStrategy):
             eviction=eviction,
             admit_probability=admit_probability,
             weight_bound=weight_bound,
+            storage_dtype=storage_dtype,
             overrides=dict(table_overrides or {}),
             data_parallel_max_rows=data_parallel_max_rows,
         )

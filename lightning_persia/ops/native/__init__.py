@@ -95,12 +95,31 @@ class Index:
         self._library.lp_index_info(self._handle, out)
         return out[0], out[1], out[2]
 
-    def find(self, ids: torch.Tensor, keys: torch.Tensor, shift: int) -> torch.Tensor:
-        """Row of each id, ``-1`` when absent."""
+    def find(
+        self, ids: torch.Tensor, keys: torch.Tensor, shift: int, field: Optional[torch.Tensor] = None,
+        out: Optional[torch.Tensor] = None, touched: Optional[torch.Tensor] = None, value: int = 0, add: bool = False,
+    ) -> torch.Tensor:
+        """Row of each id, ``-1`` when absent.
+
+        In the same pass, with ``field`` (chunk addresses of a field, in chunks of the keys' size) and ``out``:
+        ``out[i]`` = the field's row of each id found; with ``touched`` (an int32 field): each found row's value
+        becomes ``value`` (or grows by it with ``add``).
+        """
         ids = _check(ids, torch.int64, "ids").contiguous()
         _check(keys, torch.int64, "keys")
         rows = torch.empty_like(ids)
-        self._library.lp_index_find(self._handle, keys.data_ptr(), shift, ids.data_ptr(), ids.numel(), rows.data_ptr())
+        copy = field is not None and out is not None
+        if copy:
+            _check(field, torch.int64, "chunks")
+            if field.numel() != keys.numel() or not out.is_contiguous() or out.shape[0] != ids.numel() or out.device.type != "cpu":
+                raise ValueError(f"find: out must be a contiguous CPU tensor of {ids.numel()} rows over as many chunks as the keys")
+        if touched is not None and _check(touched, torch.int64, "chunks").numel() != keys.numel():
+            raise ValueError("find: the touched field must have as many chunks as the keys")
+        self._library.lp_index_find(
+            self._handle, keys.data_ptr(), shift, ids.data_ptr(), ids.numel(), rows.data_ptr(),
+            field.data_ptr() if copy else None, _row_bytes(out) if copy else 0, out.data_ptr() if copy else None,
+            touched.data_ptr() if touched is not None else None, value, int(add),
+        )
         return rows
 
     def insert(self, ids: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, shift: int) -> None:
@@ -120,6 +139,14 @@ class Index:
         ids = _check(ids, torch.int64, "ids").contiguous()
         _check(keys, torch.int64, "keys")
         return self._library.lp_index_remove(self._handle, keys.data_ptr(), shift, ids.data_ptr(), ids.numel())
+
+
+def row_bits(ids: torch.Tensor, key: int, columns: int) -> torch.Tensor:
+    """``[n, columns]`` int64 words ``mix64(mix64(id ^ key) + column * 0x9E3779B97F4A7C15)`` (see initializers.py)."""
+    ids = _check(ids, torch.int64, "ids").contiguous()
+    out = torch.empty(ids.numel(), columns, dtype=torch.int64)
+    _require().lp_row_bits(ids.data_ptr(), ids.numel(), key, columns, out.data_ptr())
+    return out
 
 
 def first_foreign(ids: torch.Tensor, num_shards: int, shard: int) -> int:
@@ -181,9 +208,10 @@ def _library() -> Optional[ctypes.CDLL]:
         ("lp_index_new", [], _P),
         ("lp_index_free", [_P], None),
         ("lp_index_info", [_P, _P], None),
-        ("lp_index_find", [_P, _P, _I64, _P, _I64, _P], None),
+        ("lp_index_find", [_P, _P, _I64, _P, _I64, _P, _P, _I64, _P, _P, ctypes.c_int32, ctypes.c_int32], None),
         ("lp_index_insert", [_P, _P, _I64, _P, _P, _I64], _I64),
         ("lp_index_remove", [_P, _P, _I64, _P, _I64], _I64),
+        ("lp_row_bits", [_P, _I64, _I64, _I64, _P], None),
         ("lp_first_foreign", [_P, _I64, _I64, _I64], _I64),
     ):
         function = getattr(library, name)

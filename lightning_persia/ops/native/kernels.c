@@ -225,40 +225,70 @@ void lp_index_info(const void *handle, int64_t *out) {
     out[2] = index->grown;
 }
 
-/* rows[i]: the row of ids[i], or -1 when absent. */
-void lp_index_find(const void *handle, const int64_t *keys, int64_t shift, const int64_t *ids, int64_t n, int64_t *rows) {
+/* rows[i]: the row of ids[i], or -1 when absent. With `out`, also copies each found row of a field
+ * (`field`: its chunk addresses, `row_bytes` a row) to out[i]; with `touched`, writes `value` into (or, with
+ * `add`, adds it to) each found row of an int32 field. One pass, software-pipelined: while id i is confirmed,
+ * the key of id i + LAG and the home bucket of id i + 2 LAG are on their way, and row i - LAG is copied. */
+#define LAG 16
+#define RING (4 * LAG)
+void lp_index_find(const void *handle, const int64_t *keys, int64_t shift, const int64_t *ids, int64_t n, int64_t *rows,
+                   const int64_t *field, int64_t row_bytes, char *out, const int64_t *touched, int32_t value, int32_t add) {
     const index_t *index = handle;
-    uint64_t hashes[BLOCK];
-    const bucket_t *homes[BLOCK];
-    int32_t first[BLOCK];
-    for (int64_t start = 0; start < n; start += BLOCK) {
-        const int m = (int)(start + BLOCK < n ? BLOCK : n - start);
-        for (int i = 0; i < m; ++i) {  /* 1: every home bucket of the block on its way into the cache */
-            const uint64_t h = hashes[i] = hash_of(ids[start + i]);
+    uint64_t hashes[RING];
+    const bucket_t *homes[RING];
+    int32_t first[RING];
+    for (int64_t i = -3 * LAG; i < n; ++i) {
+        const int64_t a = i + 2 * LAG; /* its home bucket requested */
+        if (a >= 0 && a < n) {
+            const uint64_t h = hashes[a % RING] = hash_of(ids[a]);
             const part_t *p = &index->parts[part_of(h)];
-            homes[i] = &p->buckets[home_of(h, p->count)];
-            PREFETCH(homes[i]);
+            homes[a % RING] = &p->buckets[home_of(h, p->count)];
+            PREFETCH(homes[a % RING]);
         }
-        for (int i = 0; i < m; ++i) {  /* 2: the first tag match of each, and its key on its way */
-            const uint8_t tag = tag_of(hashes[i]);
-            first[i] = -1;
+        const int64_t b = i + LAG; /* its first tag match found, its key requested */
+        if (b >= 0 && b < n) {
+            const bucket_t *home = homes[b % RING];
+            const uint8_t tag = tag_of(hashes[b % RING]);
+            int32_t candidate = -1;
             for (int s = 0; s < SLOTS; ++s) {
-                if (homes[i]->tags[s] == tag) {
-                    first[i] = homes[i]->rows[s];
-                    PREFETCH(row_address(keys, shift, 8, first[i]));
+                if (home->tags[s] == tag) {
+                    candidate = home->rows[s];
+                    PREFETCH(row_address(keys, shift, 8, candidate));
                     break;
                 }
             }
+            first[b % RING] = candidate;
         }
-        for (int i = 0; i < m; ++i) {  /* 3: confirm; a collision or a longer chain takes the full probe */
-            const int64_t id = ids[start + i];
-            if (first[i] >= 0 && key_of(keys, shift, first[i]) == id) {
-                rows[start + i] = first[i];
-                continue;
+        if (i >= 0) { /* confirmed (a collision or a longer chain takes the full probe); its row requested */
+            const int64_t id = ids[i];
+            const int32_t candidate = first[i % RING];
+            int64_t row = -1;
+            if (candidate >= 0 && key_of(keys, shift, candidate) == id) {
+                row = candidate;
+            } else {
+                const part_t *p = &index->parts[part_of(hashes[i % RING])];
+                const int64_t slot = probe(p, hashes[i % RING], id, keys, shift);
+                row = slot < 0 ? -1 : p->buckets[slot / SLOTS].rows[slot % SLOTS];
             }
-            const part_t *p = &index->parts[part_of(hashes[i])];
-            const int64_t slot = probe(p, hashes[i], id, keys, shift);
-            rows[start + i] = slot < 0 ? -1 : p->buckets[slot / SLOTS].rows[slot % SLOTS];
+            rows[i] = row;
+            if (row >= 0 && out) PREFETCH(row_address(field, shift, row_bytes, row));
+            if (row >= 0 && touched) PREFETCH_WRITE(row_address(touched, shift, 4, row));
+        }
+        const int64_t d = i - LAG; /* its row copied and touched */
+        if (d >= 0 && rows[d] >= 0) {
+            if (out) memcpy(out + d * row_bytes, row_address(field, shift, row_bytes, rows[d]), (size_t)row_bytes);
+            if (touched) {
+                int32_t *cell = (int32_t *)row_address(touched, shift, 4, rows[d]);
+                *cell = add ? *cell + value : value;
+            }
+        }
+    }
+    for (int64_t d = n - LAG > 0 ? n - LAG : 0; d < n; ++d) {
+        if (rows[d] < 0) continue;
+        if (out) memcpy(out + d * row_bytes, row_address(field, shift, row_bytes, rows[d]), (size_t)row_bytes);
+        if (touched) {
+            int32_t *cell = (int32_t *)row_address(touched, shift, 4, rows[d]);
+            *cell = add ? *cell + value : value;
         }
     }
 }
@@ -303,6 +333,17 @@ int64_t lp_index_remove(void *handle, const int64_t *keys, int64_t shift, const 
         removed += 1;
     }
     return removed;
+}
+
+/* ---- initial rows ---------------------------------------------------------------------------------------- */
+
+/* out[i * cols + c] = mix64(mix64(ids[i] ^ key) + c * GOLDEN): the counter-based random bits behind a row's
+ * initial value (remote_ps/store/initializers.py computes the same words in tensor ops). */
+void lp_row_bits(const int64_t *ids, int64_t n, int64_t key, int64_t cols, int64_t *out) {
+    for (int64_t i = 0; i < n; ++i) {
+        const uint64_t row_key = mix64((uint64_t)ids[i] ^ (uint64_t)key);
+        for (int64_t c = 0; c < cols; ++c) out[i * cols + c] = (int64_t)mix64(row_key + (uint64_t)c * SLOT_SALT);
+    }
 }
 
 /* ---- shard ownership ------------------------------------------------------------------------------------ */

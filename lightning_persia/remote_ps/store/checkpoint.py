@@ -64,7 +64,7 @@ def write_shard(
 ) -> Path:
     """Writes one shard's tables under ``directory`` atomically, a chunk of rows at a time; returns the folder.
 
-    ``pause_s`` (testing only) sleeps after each file, so that a test can kill the writer half-way.
+    ``pause_s`` (testing only) sleeps after each chunk, so that a test can kill the writer or change the table half-way.
     Raises :class:`CheckpointError` (naming the path) when the files cannot be written; nothing is left behind.
     """
     final = shard_folder(directory, shard_index, num_shards)
@@ -91,16 +91,14 @@ def _write_shard(final: Path, temporary: Path, shard_index: int, num_shards: int
                 for name, writer in writers.items():
                     writer.append(chunk[name])
                 written += chunk["ids"].numel()
+                if pause_s:
+                    time.sleep(pause_s)
         finally:
             for writer in writers.values():
                 writer.close()
         if written != snapshot.rows:
             raise StoreError(f"table {snapshot.config.name!r}: {written} rows written for the {snapshot.rows} of its snapshot")
-        files = {}
-        for name, writer in writers.items():
-            files[name] = writer.entry()
-            if pause_s:
-                time.sleep(pause_s)
+        files = {name: writer.entry() for name, writer in writers.items()}
         tables[snapshot.config.name] = {"config": snapshot.config.to_dict(), "step": snapshot.step, "rows": snapshot.rows, "files": files}
     manifest = {"format_version": FORMAT_VERSION, "shard_index": shard_index, "num_shards": num_shards,
                 "save_id": save_id, "tables": tables}

@@ -19,7 +19,7 @@ import torch
 
 from lightning_persia.ops import native
 
-CHUNK_BYTES = 1 << 25
+CHUNK_BYTES = 1 << 27
 """Target size of one chunk of all fields of a table together: the unit of growth and of a checkpoint's copy."""
 _MIN_SHIFT, _MAX_SHIFT = 10, 20
 _HUGE_PAGE = 2 << 20
@@ -152,11 +152,18 @@ class ChunkedRows:
 
 
 def _anonymous_memory(nbytes: int, huge: bool) -> torch.Tensor:
-    """Zero-filled bytes of an anonymous private map (pages are committed when first written)."""
-    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    """Zero-filled bytes of an anonymous private map (pages are committed when first written).
+
+    With ``huge``, the bytes start on a huge-page boundary (the map is one huge page longer; its untouched ends
+    cost no memory), so the kernel can back all of them with huge pages.
+    """
+    extra = _HUGE_PAGE if huge else 0
+    buffer = mmap.mmap(-1, nbytes + extra, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if huge and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             buffer.madvise(mmap.MADV_HUGEPAGE)
         except OSError:  # a kernel without transparent huge pages: ordinary pages then
             pass
-    return torch.frombuffer(buffer, dtype=torch.uint8)
+    memory = torch.frombuffer(buffer, dtype=torch.uint8)
+    start = -memory.data_ptr() % extra if huge else 0
+    return memory[start : start + nbytes]

@@ -7,7 +7,7 @@ vectorised open-addressing table in tensor ops (same answers, slower, and it reb
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Optional, Protocol
 
 import torch
 
@@ -27,8 +27,13 @@ _MAX_TOMBSTONES = 0.25
 class IdIndex(Protocol):
     """What a table needs of its index; ``keys`` is the table's ids field, already holding every indexed id."""
 
-    def find(self, ids: torch.Tensor) -> torch.Tensor:
-        """Row of each id, or -1 when absent."""
+    def find(self, ids: torch.Tensor, copy: Optional[tuple[ChunkedField, torch.Tensor]] = None,
+             touch: Optional[tuple[ChunkedField, int, bool]] = None) -> torch.Tensor:
+        """Row of each id, or -1 when absent.
+
+        ``copy=(field, out)`` also copies the field's row of every id found into ``out``; ``touch=(field, value,
+        add)`` sets (or, with ``add``, increments) an int32 field of every row found: a lookup in one call.
+        """
 
     def insert(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Adds ``ids`` (unique, absent, already written to ``keys`` at ``rows``) pointing at ``rows``."""
@@ -62,8 +67,13 @@ class NativeIdIndex:
         """Partition rebuilds so far (each rehashes about 1/1024 of the ids)."""
         return self._index.info()[2]
 
-    def find(self, ids: torch.Tensor) -> torch.Tensor:
-        return self._index.find(ids, self._keys.addresses, self._keys.shift)
+    def find(self, ids: torch.Tensor, copy: Optional[tuple[ChunkedField, torch.Tensor]] = None,
+             touch: Optional[tuple[ChunkedField, int, bool]] = None) -> torch.Tensor:
+        field, out = copy if copy is not None else (None, None)
+        touched, value, add = touch if touch is not None else (None, 0, False)
+        return self._index.find(ids, self._keys.addresses, self._keys.shift,
+                                field.addresses if field is not None else None, out,
+                                touched.addresses if touched is not None else None, value, add)
 
     def insert(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         self._index.insert(ids, rows, self._keys.addresses, self._keys.shift)
@@ -90,8 +100,13 @@ class TensorIdIndex:
     def nbytes(self) -> int:
         return self._slots.numel() * self._slots.element_size()
 
-    def find(self, ids: torch.Tensor) -> torch.Tensor:
+    def find(self, ids: torch.Tensor, copy: Optional[tuple[ChunkedField, torch.Tensor]] = None,
+             touch: Optional[tuple[ChunkedField, int, bool]] = None) -> torch.Tensor:
         rows, _ = self._probe(ids)
+        if copy is not None:
+            copy[0].gather(rows, copy[1])
+        if touch is not None:
+            touch[0].fill(rows, touch[1], touch[2])
         return rows
 
     def insert(self, ids: torch.Tensor, rows: torch.Tensor) -> None:

@@ -107,16 +107,16 @@ class Table:
 
     def lookup(self, ids: torch.Tensor, train: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows of ``ids`` as ``[n, dim]`` of ``dtype``; training lookups admit unseen ids."""
+        out = torch.empty(ids.numel(), self.config.dim, dtype=self.storage_dtype)
         with self.lock:
-            rows = self._index.find(ids)
-            out = self._rows["weights"].gather(rows, torch.empty(ids.numel(), self.config.dim, dtype=self.storage_dtype))
+            touch = None
+            if train:
+                self._step += 1
+                touch = (self._rows["access"], *eviction.touch_value(self.config.eviction, self._step))
+            rows = self._index.find(ids, copy=(self._rows["weights"], out), touch=touch)
             missing = rows < 0
             self._counters["lookups"] += 1
             self._counters["lookup_rows"] += ids.numel()
-            if train:
-                self._step += 1
-                value, add = eviction.touch_value(self.config.eviction, self._step)
-                self._rows["access"].fill(rows, value, add)
             if bool(missing.any()):
                 out[missing] = self._fill_missing(ids[missing], train)
         return out.to(dtype)

@@ -1,12 +1,18 @@
-"""Shard checkpoints: round trip, re-sharding, refusal of damaged files."""
+"""Shard checkpoints: round trip, re-sharding, refusal of damaged files, streamed saves, fp16 rows, old format."""
+import hashlib
+import json
 import shutil
+import threading
+import time
 
+import numpy as np
 import pytest
 import torch
 
 from lightning_persia.ops.hashing import shard_of
 from lightning_persia.remote_ps.store import CheckpointError, ShardStore
-from lightning_persia.remote_ps.table_config import Adam, TableConfig
+from lightning_persia.remote_ps.store.table import Table
+from lightning_persia.remote_ps.table_config import SGD, Adagrad, Adam, Constant, TableConfig, Uniform
 
 IDS = torch.arange(-300, 300) * 7919
 
@@ -89,3 +95,138 @@ def test_save_replaces_previous_atomically(tmp_path):
     stores[0].save(str(tmp_path))
     stores[0].save(str(tmp_path))
     assert [p.name for p in tmp_path.iterdir()] == ["shard-00000-of-00001"]
+
+
+# ---- streamed saves: one consistent point while the table keeps changing ---------------------------------
+
+
+def _rows_by_id(chunks) -> dict[int, tuple]:
+    out = {}
+    for chunk in chunks:
+        for i, id_ in enumerate(chunk["ids"].tolist()):
+            assert id_ not in out, f"id {id_} saved twice"
+            out[id_] = (chunk["weights"][i].float(), chunk["state"][i])
+    return out
+
+
+def test_a_streamed_snapshot_holds_the_rows_of_its_point_while_the_table_changes(small_chunks, store_kernels):
+    config = TableConfig("t", 4, optimizer=Adagrad(lr=0.5, rowwise=True), capacity=5000, init=Uniform(-1, 1))
+    table = Table(config, seed=1)
+    ids = torch.arange(5000) * 3 + 1  # five chunks of 1,024 rows
+    table.lookup(ids, train=True)
+    table.update(ids[::2], torch.ones(2500, 4))
+    at_point = table.lookup(ids, train=False)
+    with table.lock:
+        snapshot = table.begin_snapshot()
+    chunks = snapshot.chunks()
+    saved = [next(chunks)]  # chunk 0 is written; the others are not yet
+    grads = torch.randn(5000, 4, generator=torch.Generator().manual_seed(3))
+    table.update(ids, grads)  # every row changes, in written and unwritten chunks
+    table.lookup(torch.arange(10**6, 10**6 + 800), train=True)  # at capacity: evicts 800+ rows, reuses them
+    table.update(ids[:100], grads[:100])
+    saved += list(chunks)
+    snapshot.close()
+    rows = _rows_by_id(saved)
+    assert sorted(rows) == ids.tolist() and snapshot.rows == 5000
+    torch.testing.assert_close(torch.stack([rows[i][0] for i in ids.tolist()]), at_point, rtol=0, atol=0)
+    # the table itself kept every change made during the save
+    assert table.stats()["evicted"] >= 800 and table.stats()["saving_preimage_rows"] == 0
+    assert not torch.equal(table.lookup(ids[-5:], train=False), at_point[-5:])
+
+
+def test_a_save_concurrent_with_updates_is_one_consistent_point(tmp_path, small_chunks):
+    store = ShardStore(0, 1, seed=4, fault_save_delay_s=0.02)  # a pause after each chunk written: updates land in between
+    store.configure(TableConfig("t", 2, optimizer=SGD(lr=1.0), init=Constant(0.0)))
+    ids = torch.arange(20_000) * 11  # 20 chunks
+    store.lookup("t", ids, train=True)
+    stop = threading.Event()
+    updates = []
+
+    def train() -> None:
+        while not stop.is_set():
+            store.update("t", ids, torch.ones(ids.numel(), 2))  # every row loses 1 at once
+            updates.append(1)
+
+    worker = threading.Thread(target=train)
+    worker.start()
+    try:
+        while len(updates) < 3:
+            time.sleep(0.01)
+        before = len(updates)
+        store.save(str(tmp_path))
+        during = len(updates) - before
+    finally:
+        stop.set()
+        worker.join()
+    assert during >= 2, "the save stopped the updates"
+    loaded = ShardStore(0, 1, seed=4)
+    loaded.load(str(tmp_path))
+    rows = loaded.lookup("t", ids, train=False)
+    assert torch.unique(rows).numel() == 1, "rows saved at different points"
+    assert before <= -float(rows[0, 0]) <= before + 1
+
+
+def test_a_damaged_streamed_checkpoint_is_refused_naming_the_file(tmp_path, small_chunks):
+    store = ShardStore(0, 1)
+    store.configure(TableConfig("t", 4, storage_dtype="fp16"))
+    store.lookup("t", torch.arange(5000), train=True)
+    store.save(str(tmp_path))
+    state = next(tmp_path.glob("shard-*/t0000.state.npy"))
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    state.write_bytes(bytes(data))
+    target = ShardStore(0, 1)
+    target.configure(TableConfig("t", 4))
+    target.lookup("t", torch.arange(3), train=True)
+    with pytest.raises(CheckpointError, match=f"{state.name} is truncated or corrupted"):
+        target.load(str(tmp_path))
+    assert target.stats()["t"]["rows"] == 3  # nothing replaced
+
+
+# ---- fp16 storage ------------------------------------------------------------------------------------------
+
+
+def test_fp16_storage_round_trips_and_trains_like_fp32_within_its_precision(tmp_path, small_chunks):
+    stores = {}
+    for dtype in ("fp32", "fp16"):
+        store = stores[dtype] = ShardStore(0, 1, seed=9)
+        store.configure(TableConfig("t", 8, optimizer=Adagrad(lr=0.05, rowwise=True), storage_dtype=dtype))
+        ids = torch.arange(3000) * 5
+        store.lookup("t", ids, train=True)
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(20):
+            store.update("t", ids, torch.randn(3000, 8, generator=generator))
+    half, full = stores["fp16"].lookup("t", ids, train=False), stores["fp32"].lookup("t", ids, train=False)
+    torch.testing.assert_close(half, full, rtol=2e-3, atol=2e-3)
+    assert stores["fp16"].stats()["t"]["row_bytes"] == stores["fp32"].stats()["t"]["row_bytes"] - 8 * 2
+    stores["fp16"].save(str(tmp_path))
+    weights = np.load(next(tmp_path.glob("shard-*/t0000.weights.npy")))
+    assert weights.dtype == np.float16 and weights.shape == (3000, 8)
+    again = ShardStore(0, 1, seed=9)
+    again.load(str(tmp_path))
+    assert again.describe("t").storage_dtype == "fp16"
+    assert torch.equal(again.lookup("t", ids, train=False), half)
+    as_fp16 = stores["fp16"].lookup("t", ids, train=False, dtype=torch.float16)
+    assert as_fp16.dtype == torch.float16 and torch.equal(as_fp16.float(), half)
+
+
+def test_a_checkpoint_of_format_1_still_loads(tmp_path):
+    """Format 1 (before chunked tables): fp32 weights, configs without storage_dtype, written by np.save."""
+    folder = tmp_path / "shard-00000-of-00001"
+    folder.mkdir()
+    arrays = {"ids": np.array([3, 9, -4], dtype=np.int64), "weights": np.arange(6, dtype=np.float32).reshape(3, 2),
+              "state": np.full((3, 1), 0.5, dtype=np.float32), "access": np.array([1, 2, 3], dtype=np.int32)}
+    files = {}
+    for name, array in arrays.items():
+        np.save(folder / f"t0000.{name}.npy", array, allow_pickle=False)
+        data = (folder / f"t0000.{name}.npy").read_bytes()
+        files[name] = {"file": f"t0000.{name}.npy", "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    config = TableConfig("old", 2, optimizer=Adagrad(rowwise=True)).to_dict()
+    del config["storage_dtype"]
+    manifest = {"format_version": 1, "shard_index": 0, "num_shards": 1, "save_id": "x",
+                "tables": {"old": {"config": config, "step": 7, "rows": 3, "files": files}}}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    store = ShardStore(0, 1)
+    store.load(str(tmp_path))
+    assert torch.equal(store.lookup("old", torch.tensor([9, 3, -4]), train=False), torch.tensor([[2.0, 3], [0, 1], [4, 5]]))
+    assert store.stats()["old"]["step"] == 7 and store.describe("old").storage_dtype == "fp32"

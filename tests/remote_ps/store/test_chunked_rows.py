@@ -1,0 +1,51 @@
+"""Tables whose rows span several chunks: lookups, updates, eviction and reuse across chunk boundaries."""
+import torch
+
+from lightning_persia.remote_ps.store import ShardStore
+from lightning_persia.remote_ps.store.chunked_rows import ChunkedRows, FieldSpec
+from lightning_persia.remote_ps.store.initializers import initial_rows
+from lightning_persia.remote_ps.table_config import SGD, TableConfig, Uniform
+
+
+def test_growth_appends_chunks_and_never_moves_a_stored_row(small_chunks, store_kernels):
+    rows = ChunkedRows({"ids": FieldSpec(torch.int64), "weights": FieldSpec(torch.float16, 3)})
+    rows.reserve(10)
+    first = rows["weights"].chunks[0]
+    rows["weights"].scatter(torch.tensor([0, 1023]), torch.tensor([[1.0, 2, 3], [4, 5, 6]]))
+    rows.reserve(5 * small_chunks + 1)
+    assert rows.num_chunks == 6 and rows["weights"].chunks[0].data_ptr() == first.data_ptr()
+    spanning = torch.tensor([1023, 1024, 4095, 5120, 0, -1])
+    rows["weights"].scatter(spanning[1:4], torch.arange(9, dtype=torch.float16).view(3, 3))
+    out = rows["weights"].gather(spanning, torch.full((6, 3), -7.0, dtype=torch.float16))
+    expected = torch.tensor([[4, 5, 6], [0, 1, 2], [3, 4, 5], [6, 7, 8], [1, 2, 3], [-7, -7, -7]], dtype=torch.float16)
+    assert torch.equal(out, expected)
+
+
+def test_ids_spanning_chunks_train_like_one_chunk(small_chunks, store_kernels):
+    config = TableConfig("t", 4, optimizer=SGD(lr=1.0), init=Uniform(-1, 1))
+    store = ShardStore(0, 1, seed=2)
+    store.configure(config)
+    ids = torch.arange(5000) * 7919 - 12345
+    store.lookup("t", ids, train=True)
+    assert store.stats()["t"]["chunks"] == 5
+    grads = torch.randn(5000, 4, generator=torch.Generator().manual_seed(0))
+    store.update("t", ids, grads)
+    expected = initial_rows(config.init, 2, "t", ids, 4) - grads
+    torch.testing.assert_close(store.lookup("t", ids.flip(0), train=False), expected.flip(0))
+
+
+def test_evicted_rows_are_reused_across_chunks(small_chunks, store_kernels):
+    store = ShardStore(0, 1)
+    store.configure(TableConfig("t", 2, capacity=3000, optimizer=SGD(lr=1.0), init=Uniform(0, 1)))
+    hot = torch.arange(100)
+    for start in range(100, 30_000, 1000):  # waves of new ids; the hot ones are looked up every time
+        store.lookup("t", hot, train=True)
+        store.update("t", hot, torch.ones(100, 2))
+        store.lookup("t", torch.arange(start, start + 1000), train=True)
+    stats = store.stats()["t"]
+    assert stats["rows"] <= 3000 and stats["rows_allocated"] <= 3000 and stats["evicted"] >= 20_000
+    assert stats["chunks"] == 3  # freed rows of every chunk are reused: the table never grew past its capacity
+    expected = initial_rows(Uniform(0, 1), 0, "t", hot, 2) - 30  # one update in each of the 30 waves, never evicted
+    torch.testing.assert_close(store.lookup("t", hot, train=False), expected)
+    recent = torch.arange(29_100, 30_100)  # the last wave
+    torch.testing.assert_close(store.lookup("t", recent, train=False), initial_rows(Uniform(0, 1), 0, "t", recent, 2))

@@ -1,0 +1,348 @@
+"""Parameter-server scale benchmark: one table grown to hundreds of millions of rows in real shard processes.
+
+Grows a table of dim 16 (row-wise Adagrad) through gRPC, as a trainer would (training lookups of new ids,
+``--request-ids`` = 65,536 ids a request), and at each size of ``--sizes`` (up to ``--max-rows``) prints:
+
+- lookup rows/s of stored ids (uniform over them, and Zipf 1.1) and update rows/s, 65,536-id requests, one at a time;
+- the worst latency of an inserting request so far (the table growing: chunk allocation, index growth);
+- the shard's resident memory (VmRSS), bytes per row and per parameter;
+- save and load seconds (``Save``/``Load`` RPCs of the whole shard; the load replaces the grown table), the extra
+  peak memory of each over the shard's resident memory before it (VmHWM, reset before each), and the worst
+  latency of a lookup + update pair that another client ran during the save (the shard keeps serving).
+
+Then, with ``--multi-shard``, the same table spread over 1, 2 and 4 shard processes on this machine: memory and
+aggregate rows/s. Every size of one run is measured in the same shard process; the machine is shared with the
+client (2 cores here), so compare figures of one run. ``--json`` prints one JSON object on the last line.
+
+    .venv/bin/python benchmarks/scale_bench.py --json                         # fp32 and fp16 up to --max-rows
+    .venv/bin/python benchmarks/scale_bench.py --dtypes fp16 --max-rows 3.2e8
+    .venv/bin/python benchmarks/scale_bench.py --quick                        # 2M rows, a minute
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from lightning_persia.remote_ps.client import PSClient, PSError
+from lightning_persia.remote_ps.server import LocalShards
+from lightning_persia.remote_ps.table_config import Adagrad, TableConfig
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ps_bench import rss_bytes  # noqa: E402
+
+TABLE = "scale"
+DIM = 16
+_MULTIPLIER = 0x9E3779B1  # odd: the i-th stored id, i * M + 7, is distinct for every i
+_GB = 1e9
+
+
+def stored_id(index: torch.Tensor) -> torch.Tensor:
+    """The id of the ``index``-th row the benchmark stored."""
+    return index * _MULTIPLIER + 7
+
+
+def zipf_indices(n: int, count: int, generator: torch.Generator, exponent: float = 1.1) -> torch.Tensor:
+    """``count`` indices in ``[0, n)`` drawn from a (continuous, truncated) power law of ``exponent``: index 0 hottest."""
+    u = torch.rand(count, generator=generator, dtype=torch.float64)
+    a = 1.0 - exponent
+    x = ((n ** a - 1.0) * u + 1.0) ** (1.0 / a)
+    return (x.long() - 1).clamp(0, n - 1)
+
+
+def unique_batch(indices: torch.Tensor) -> torch.Tensor:
+    return stored_id(torch.unique(indices))
+
+
+@dataclass
+class Shards:
+    """The shard processes of one configuration and a client."""
+
+    shards: LocalShards
+    client: PSClient
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.shards.processes]
+
+    def rss(self) -> int:
+        return sum(rss_bytes(pid) for pid in self.pids)
+
+    def reset_peaks(self) -> None:
+        for pid in self.pids:
+            with open(f"/proc/{pid}/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current VmRSS
+
+    def peaks(self) -> int:
+        return sum(rss_bytes(pid, "VmHWM") for pid in self.pids)
+
+    def close(self) -> None:
+        self.client.close()
+        self.shards.stop()
+
+
+def start(num_shards: int, dtype: str) -> Shards:
+    shards = LocalShards(num_shards, overrides=["max_ids_per_request=4194304", "torch_threads=1"])
+    client = PSClient(shards.addresses, timeout_s=600.0, checkpoint_timeout_s=7200.0)
+    client.wait_healthy(120)
+    client.configure([TableConfig(TABLE, DIM, optimizer=Adagrad(lr=0.01, rowwise=True), capacity=(1 << 31) - 1, storage_dtype=dtype)])
+    return Shards(shards, client)
+
+
+def rate(call, batches: list[torch.Tensor]) -> float:
+    """Rows per second of ``call`` over ``batches`` (one request at a time), after one warm-up request."""
+    call(batches[0])
+    started = time.perf_counter()
+    for batch in batches:
+        call(batch)
+    return sum(b.numel() for b in batches) / (time.perf_counter() - started)
+
+
+def measure_rates(shards: Shards, rows: int, request_ids: int, repeats: int, seed: int) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    uniform = [unique_batch(torch.randint(0, rows, (request_ids,), generator=generator)) for _ in range(repeats)]
+    zipf = [unique_batch(zipf_indices(rows, request_ids, generator)) for _ in range(repeats)]
+    grads = torch.randn(request_ids, DIM, generator=generator) * 1e-3
+    client = shards.client
+    return {
+        "lookup_rows_per_s": rate(lambda b: client.lookup({TABLE: b}, train=True), uniform),
+        "lookup_zipf_rows_per_s": rate(lambda b: client.lookup({TABLE: b}, train=True), zipf),
+        "zipf_unique_ratio": sum(b.numel() for b in zipf) / (repeats * request_ids),
+        "update_rows_per_s": rate(lambda b: client.update({TABLE: (b, grads[: b.numel()])}), uniform),
+    }
+
+
+class _Trainer(threading.Thread):
+    """Another client that looks up and updates stored rows while a save runs; records its worst round trip."""
+
+    def __init__(self, addresses: list[str], rows: int, request_ids: int) -> None:
+        super().__init__(daemon=True)
+        self.client = PSClient(addresses, timeout_s=600.0)
+        self.rows, self.request_ids = rows, request_ids
+        self.stop = threading.Event()
+        self.worst = 0.0
+        self.rounds = 0
+        self.error: Optional[BaseException] = None
+
+    def run(self) -> None:
+        generator = torch.Generator().manual_seed(99)
+        grads = torch.randn(self.request_ids, DIM, generator=generator) * 1e-3
+        try:
+            while not self.stop.is_set():
+                ids = unique_batch(torch.randint(0, self.rows, (self.request_ids,), generator=generator))
+                started = time.perf_counter()
+                self.client.lookup({TABLE: ids}, train=True)
+                self.client.update({TABLE: (ids, grads[: ids.numel()])})
+                self.worst = max(self.worst, time.perf_counter() - started)
+                self.rounds += 1
+        except BaseException as error:  # noqa: BLE001 - reported by the caller
+            self.error = error
+        finally:
+            self.client.close()
+
+
+def save_and_load(shards: Shards, directory: str, rows: int, request_ids: int) -> dict:
+    """Saves the shard(s) with a training client running, then loads the checkpoint back in place."""
+    shutil.rmtree(directory, ignore_errors=True)
+    before = shards.rss()
+    shards.reset_peaks()
+    trainer = _Trainer(shards.shards.addresses, rows, request_ids)
+    trainer.start()
+    time.sleep(0.5)
+    started = time.perf_counter()
+    shards.client.save(directory)
+    save_s = time.perf_counter() - started
+    trainer.stop.set()
+    trainer.join()
+    if trainer.error is not None:
+        raise RuntimeError(f"the training client failed during the save: {trainer.error}")
+    save_peak = shards.peaks() - before
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(directory) for f in files)
+    before_load = shards.rss()
+    shards.reset_peaks()
+    started = time.perf_counter()
+    shards.client.load(directory)
+    load_s = time.perf_counter() - started
+    load_peak = shards.peaks()
+    shutil.rmtree(directory, ignore_errors=True)
+    return {"save_s": save_s, "save_peak_extra_bytes": save_peak, "checkpoint_bytes": size,
+            "save_gb_per_s": size / save_s / _GB, "load_s": load_s, "load_gb_per_s": size / load_s / _GB,
+            "load_peak_bytes": load_peak, "rss_before_load": before_load, "worst_train_round_during_save_s": trainer.worst,
+            "train_rounds_during_save": trainer.rounds}
+
+
+def memory_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def grow(args, dtype: str) -> dict:
+    """Grows one shard's table through ``args.sizes``; returns what was measured at each size."""
+    shards = start(1, dtype)
+    out = {"dtype": dtype, "sizes": [], "max_rows": 0, "stopped": ""}
+    rows = 0
+    worst_insert = 0.0
+    checkpoint_dir = tempfile.mkdtemp(prefix="scale-bench-", dir=args.checkpoint_dir)
+    try:
+        for size in args.sizes:
+            while rows < size:
+                count = min(args.request_ids, size - rows)
+                per_row = shards.rss() / max(rows, 1) if rows > 1_000_000 else 0
+                # stop before the kernel has to kill something: room for this step, a save's chunk and the client
+                if per_row and memory_available() < args.reserve_gb * _GB + count * per_row:
+                    out["stopped"] = f"stopped growing at {rows:,} rows: {memory_available() / _GB:.1f} GB left on the machine"
+                    return out
+                ids = stored_id(torch.arange(rows, rows + count))
+                started = time.perf_counter()
+                shards.client.lookup({TABLE: ids}, train=True)
+                worst_insert = max(worst_insert, time.perf_counter() - started)
+                rows += count
+            stats = shards.client.stats()[0]["tables"][TABLE]
+            rss = shards.rss()
+            entry = {"rows": rows, "worst_insert_s": worst_insert, "rss_bytes": rss, "bytes_per_row": rss / rows,
+                     "bytes_per_param": rss / rows / DIM, "store_bytes_per_row": stats["bytes"] / rows,
+                     "index_bytes_per_row": stats["index_bytes"] / rows}
+            entry.update(measure_rates(shards, rows, args.request_ids, args.repeats, seed=rows))
+            print(f"[{dtype}] {rows:>13,} rows  lookup {entry['lookup_rows_per_s'] / 1e6:5.2f} M/s  "
+                  f"update {entry['update_rows_per_s'] / 1e6:5.2f} M/s  worst insert {worst_insert:5.3f} s  "
+                  f"RSS {rss / _GB:5.2f} GB  {entry['bytes_per_param']:.2f} B/param", flush=True)
+            if rows >= args.save_from:
+                try:
+                    entry.update(save_and_load(shards, checkpoint_dir, rows, args.request_ids))
+                except (PSError, RuntimeError, OSError) as error:
+                    out["stopped"] = f"save/load at {rows:,} rows failed: {error}"
+                    out["sizes"].append(entry)
+                    return out
+                print(f"[{dtype}] {rows:>13,} rows  save {entry['save_s']:.1f} s ({entry['save_gb_per_s']:.2f} GB/s, "
+                      f"+{entry['save_peak_extra_bytes'] / _GB:.2f} GB peak, worst train round {entry['worst_train_round_during_save_s']:.3f} s)"
+                      f"  load {entry['load_s']:.1f} s ({entry['load_gb_per_s']:.2f} GB/s)", flush=True)
+                out["max_rows"] = rows
+            out["sizes"].append(entry)
+        return out
+    finally:
+        shutil.rmtree(checkpoint_dir, ignore_errors=True)
+        shards.close()
+
+
+def multi_shard(args) -> list[dict]:
+    """The same table over 1, 2 and 4 shard processes: memory and aggregate rows/s."""
+    out = []
+    for count in args.multi_shard:
+        shards = start(count, "fp16")
+        try:
+            rows = 0
+            while rows < args.multi_rows:
+                n = min(args.request_ids, args.multi_rows - rows)
+                shards.client.lookup({TABLE: stored_id(torch.arange(rows, rows + n))}, train=True)
+                rows += n
+            entry = {"shards": count, "rows": rows, "rss_bytes": shards.rss(), "bytes_per_row": shards.rss() / rows}
+            entry.update(measure_rates(shards, rows, args.request_ids, args.repeats, seed=count))
+            out.append(entry)
+            print(f"[{count} shard(s)] {rows:,} rows  lookup {entry['lookup_rows_per_s'] / 1e6:5.2f} M/s  "
+                  f"update {entry['update_rows_per_s'] / 1e6:5.2f} M/s  RSS {entry['rss_bytes'] / _GB:.2f} GB", flush=True)
+        finally:
+            shards.close()
+    return out
+
+
+def _fmt_rate(value: Optional[float]) -> str:
+    return f"{value / 1e6:.2f}M" if value else "-"
+
+
+def print_tables(results: dict) -> None:
+    for run in results["grow"]:
+        print(f"\n### storage {run['dtype']}: one shard process, dim {DIM}, row-wise Adagrad"
+              + (f" ({run['stopped']})" if run["stopped"] else ""))
+        print("| rows | lookup rows/s | zipf lookup rows/s | update rows/s | worst insert | RSS | B/row | B/param "
+              "| save s (GB/s) | save extra peak | worst train round in save | load s (GB/s) | load peak |")
+        print("|" + "---|" * 13)
+        for e in run["sizes"]:
+            saved = "save_s" in e
+            print(f"| {e['rows']:,} | {_fmt_rate(e['lookup_rows_per_s'])} | {_fmt_rate(e['lookup_zipf_rows_per_s'])} "
+                  f"| {_fmt_rate(e['update_rows_per_s'])} | {e['worst_insert_s']:.3f} s | {e['rss_bytes'] / _GB:.2f} GB "
+                  f"| {e['bytes_per_row']:.1f} | {e['bytes_per_param']:.2f} "
+                  + (f"| {e['save_s']:.1f} ({e['save_gb_per_s']:.2f}) | {e['save_peak_extra_bytes'] / _GB:.2f} GB "
+                     f"| {e['worst_train_round_during_save_s']:.3f} s | {e['load_s']:.1f} ({e['load_gb_per_s']:.2f}) "
+                     f"| {e['load_peak_bytes'] / _GB:.2f} GB |" if saved else "| - | - | - | - | - |"))
+    if results["multi_shard"]:
+        print("\n### one table over several shard processes on this machine (fp16 storage)")
+        print("| shards | rows | RSS (all) | B/row | lookup rows/s | update rows/s |")
+        print("|---|---|---|---|---|---|")
+        for e in results["multi_shard"]:
+            print(f"| {e['shards']} | {e['rows']:,} | {e['rss_bytes'] / _GB:.2f} GB | {e['bytes_per_row']:.1f} "
+                  f"| {_fmt_rate(e['lookup_rows_per_s'])} | {_fmt_rate(e['update_rows_per_s'])} |")
+
+
+def summary(results: dict) -> dict:
+    out: dict = {}
+    for run in results["grow"]:
+        out[f"max_rows_{run['dtype']}"] = run["max_rows"]
+        for e in run["sizes"]:
+            key = f"{run['dtype']}_{e['rows']}"
+            out[f"lookup_rows_per_s_{key}"] = e["lookup_rows_per_s"]
+            out[f"update_rows_per_s_{key}"] = e["update_rows_per_s"]
+    sizes = [e for run in results["grow"] for e in run["sizes"]]
+    out["worst_insert_s"] = max((e["worst_insert_s"] for e in sizes), default=None)
+    out["save_peak_extra_bytes"] = max((e["save_peak_extra_bytes"] for e in sizes if "save_s" in e), default=None)
+    for run in results["grow"]:
+        by_rows = {e["rows"]: e for e in run["sizes"]}
+        if 1_000_000 in by_rows and 100_000_000 in by_rows:
+            out[f"lookup_ratio_100m_vs_1m_{run['dtype']}"] = by_rows[100_000_000]["lookup_rows_per_s"] / by_rows[1_000_000]["lookup_rows_per_s"]
+        if run["dtype"] == "fp16" and run["sizes"]:
+            out["bytes_per_param_fp16"] = run["sizes"][-1]["bytes_per_param"]
+    ratios = [v for k, v in out.items() if k.startswith("lookup_ratio_100m_vs_1m_")]
+    out["lookup_ratio_100m_vs_1m"] = min(ratios) if ratios else None
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", default="fp32,fp16", help="storage dtypes to grow a table with, in turn")
+    parser.add_argument("--sizes", default="1e6,1e7,5e7,1e8,2e8,2.3e8,3e8,3.5e8", help="rows at which to measure")
+    parser.add_argument("--max-rows", type=float, default=3.5e8, help="stop growing here")
+    parser.add_argument("--save-from", type=float, default=1e6, help="save and load at every size from this one")
+    parser.add_argument("--request-ids", type=int, default=65536)
+    parser.add_argument("--repeats", type=int, default=20, help="requests per rate figure")
+    parser.add_argument("--reserve-gb", type=float, default=1.5, help="stop growing when less memory than this would be left")
+    parser.add_argument("--checkpoint-dir", default=None, help="where the checkpoints go (deleted after each load)")
+    parser.add_argument("--multi-shard", default="1,2,4", help="shard counts for the multi-process figures ('' skips)")
+    parser.add_argument("--multi-rows", type=float, default=2e7, help="rows of the multi-process figures")
+    parser.add_argument("--quick", action="store_true", help="2M rows, 1 and 2 shards of 1M rows: a smoke run")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.sizes, args.max_rows, args.multi_rows, args.multi_shard, args.repeats = "1e6,2e6", 2e6, 1e6, "1,2", 5
+    args.sizes = [int(float(s)) for s in args.sizes.split(",") if float(s) <= args.max_rows]
+    args.save_from = int(args.save_from)
+    args.multi_rows = int(args.multi_rows)
+    args.multi_shard = [int(s) for s in args.multi_shard.split(",") if s]
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    if not args.sizes or any(d not in ("fp16", "fp32") for d in dtypes):
+        parser.error("--sizes needs a size <= --max-rows and --dtypes only fp16, fp32")
+    print(f"scale_bench: {os.cpu_count()} cores, {memory_available() / _GB:.1f} GB available, load average "
+          f"{os.getloadavg()[0]:.1f}; sizes {args.sizes}", flush=True)
+    results = {"grow": [grow(args, dtype) for dtype in dtypes], "multi_shard": multi_shard(args)}
+    for run in results["grow"]:
+        if run["stopped"]:
+            print(f"[{run['dtype']}] {run['stopped']}")
+    print_tables(results)
+    print(f"\nload average after: {os.getloadavg()[0]:.1f}")
+    if args.json:
+        print(json.dumps({**summary(results), "runs": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

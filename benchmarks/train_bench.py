@@ -63,7 +63,7 @@ def make_configs(args: argparse.Namespace, meta: Dict[str, Any]) -> List[Dict[st
         test_batches=args.test_batches, data_path=meta["path"], cardinalities=meta["cardinalities"],
         dim=args.dim, seed=args.seed, ps_seed=args.seed, emb_lr=args.emb_lr, emb_eps=1e-8, dense_lr=args.dense_lr,
         wire_dtype=args.wire_dtype, shards=args.shards, profile=args.profile, data_parallel_max_rows=args.data_parallel_max_rows,
-        merge_rank_gradients=not args.per_rank_updates,
+        merge_rank_gradients=not args.per_rank_updates, storage_dtype=args.storage_dtype,
     )
     if args.threads:
         common["torch_threads"] = args.threads
@@ -302,6 +302,13 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--cache-dir", type=Path, default=None, help="where the generated data is cached")
     parser.add_argument("--repeat", type=int, default=None, help="rounds of every run; medians are reported (default 2; --quick 1)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one configuration may take")
+    parser.add_argument("--storage-dtype", default="fp32", choices=["fp32", "fp16"], help="how the shards store the rows")
+    parser.add_argument("--grow", action="store_true",
+                        help="instead of the table: train while the tables grow (Criteo-Terabyte cardinalities) to --grow-rows")
+    parser.add_argument("--grow-rows", type=float, default=1e8, help="--grow: stop once the shards hold this many rows")
+    parser.add_argument("--grow-batch-size", type=int, default=16384, help="--grow: batch size")
+    parser.add_argument("--grow-zipf", type=float, default=0.8, help="--grow: power-law exponent of the ids")
+    parser.add_argument("--grow-max-steps", type=int, default=20000, help="--grow: give up after this many steps")
     args = parser.parse_args(argv)
     quick = args.quick
     defaults = dict(steps=(40, 300), warmup=(10, 20), window=(5, 20), test_batches=(8, 16), ranks=([1], [1, 2]), staleness=([4], [4, 8]), repeat=(1, 2))
@@ -321,6 +328,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
+    if args.grow:
+        from trainbench.grow import run_grow
+
+        return run_grow(args)
     from trainbench import data
 
     def on_signal(signum, frame):

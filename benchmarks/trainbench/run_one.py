@@ -90,6 +90,7 @@ def run(config: Dict[str, Any]) -> None:
             wire_dtype=config["wire_dtype"],
             data_parallel_max_rows=config.get("data_parallel_max_rows", 0),
             merge_rank_gradients=config.get("merge_rank_gradients", True),
+            storage_dtype=config.get("storage_dtype", "fp32"),
             ps_seed=config["ps_seed"],
             ps_token=config.get("ps_token"),
             ps_timeout_s=120.0,

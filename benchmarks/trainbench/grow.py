@@ -1,0 +1,141 @@
+"""``train_bench.py --grow``: DLRM training while the embedding tables grow to 100M+ rows (PERSIA's "stable as the
+model grows").
+
+The data are Criteo-Terabyte-shaped: 26 tables with the cardinalities of the Criteo 1TB click logs as DLRM's
+reference run caps them (40M ids), so the largest tables hold tens of millions of ids; every id is drawn from a
+(truncated, continuous) power law of exponent ``--grow-zipf`` over its table, so most ids of a batch are hot ones
+already stored and a long tail keeps adding new rows, as in click logs. Batches are generated on the fly (a few
+ms each), in one trainer rank with the embedded shards. Every ``--window`` steps a line gives the window's
+samples/s, the rows the shards hold and their resident memory; training stops once the shards hold
+``--grow-rows`` rows in all. The figure of merit is the last window's samples/s over the first's.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Dict, Iterator, List
+
+import torch
+from torch.utils.data import IterableDataset
+
+CRITEO_TB_CARDINALITIES = [
+    39884406, 39043, 17289, 7420, 20263, 3, 7120, 1543, 63, 38532951, 2953546, 403346, 10,
+    2208, 11938, 155, 4, 976, 14, 39979771, 25641295, 39664984, 585935, 12972, 108, 36,
+]
+
+
+class GrowingCriteo(IterableDataset):
+    """Endless Criteo-shaped batches with power-law ids over ``cardinalities`` (batch ``i`` depends on ``seed``, ``i``)."""
+
+    def __init__(self, cardinalities: List[int], batch_size: int, exponent: float, seed: int = 0) -> None:
+        from lightning_persia.data import CRITEO_NUM_DENSE, CRITEO_SPARSE_FEATURES
+
+        self.sizes = torch.tensor(cardinalities, dtype=torch.float64)
+        self.features = list(CRITEO_SPARSE_FEATURES)
+        self.dense = CRITEO_NUM_DENSE
+        self.batch_size, self.exponent, self.seed = batch_size, exponent, seed
+        self._weights = torch.randn(self.dense, generator=torch.Generator().manual_seed(seed))
+
+    def __iter__(self) -> Iterator[Any]:
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        from lightning_persia.data import CriteoBatch
+
+        step = 0
+        while True:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+            u = torch.rand(len(self.features), self.batch_size, generator=generator, dtype=torch.float64)
+            a = 1.0 - self.exponent
+            ranks = (((self.sizes.unsqueeze(1) ** a - 1.0) * u + 1.0) ** (1.0 / a)).long() - 1
+            ids = torch.minimum(ranks.clamp(min=0), self.sizes.long().unsqueeze(1) - 1)
+            dense = torch.randn(self.batch_size, self.dense, generator=generator)
+            labels = (torch.rand(self.batch_size, generator=generator) < torch.sigmoid(dense @ self._weights)).float()
+            sparse = KeyedJaggedTensor(keys=self.features, values=ids.reshape(-1),
+                                       lengths=torch.ones(len(self.features) * self.batch_size, dtype=torch.int32))
+            yield CriteoBatch(sparse_features=sparse, dense_features=dense, labels=labels)
+            step += 1
+
+
+def _shards_rss() -> int:
+    """Resident memory of this process's shard children (the embedded PS)."""
+    total = 0
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as f:
+            children = f.read().split()
+        for pid in children:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"serve" not in f.read():
+                        continue
+                with open(f"/proc/{pid}/status") as f:
+                    total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+            except (OSError, StopIteration):
+                continue
+    return total
+
+
+def run_grow(args: Any) -> int:
+    """Trains until the shards hold ``args.grow_rows`` rows; prints a line per window and a summary."""
+    import lightning as L
+
+    from lightning_persia import Adagrad, PersiaStrategy
+    from trainbench.models import build_model
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    batch, window, target = args.grow_batch_size, args.window or 20, int(args.grow_rows)
+    model = build_model(CRITEO_TB_CARDINALITIES, dim=args.dim, seed=args.seed, dense_lr=args.dense_lr)
+    strategy = PersiaStrategy(
+        num_local_shards=args.shards, staleness=(args.staleness or [4])[0], storage_dtype=args.storage_dtype,
+        embedding_optimizer=Adagrad(lr=args.emb_lr, eps=1e-8, rowwise=True), wire_dtype=args.wire_dtype,
+        ps_seed=args.seed, ps_timeout_s=300.0, log_embedding_metrics=False,
+    )
+    windows: List[Dict[str, float]] = []
+
+    class Watch(L.Callback):
+        def __init__(self) -> None:
+            self.started = 0.0
+
+        def on_train_batch_end(self, trainer, module, outputs, batch_, batch_idx) -> None:
+            step = batch_idx + 1
+            if step == 1:
+                self.started = time.perf_counter()
+                return
+            if (step - 1) % window:
+                return
+            now = time.perf_counter()
+            stats = strategy.client.stats()
+            rows = sum(t["rows"] for s in stats for t in s["tables"].values())
+            entry = {"step": step, "samples_per_s": window * batch / (now - self.started), "ps_rows": rows,
+                     "ps_rss_bytes": _shards_rss()}
+            windows.append(entry)
+            print(f"  step {step:>6}  {entry['samples_per_s']:>9,.0f} samples/s  {rows:>13,} rows on the shards  "
+                  f"shards' RSS {entry['ps_rss_bytes'] / 1e9:5.2f} GB", flush=True)
+            self.started = now
+            if rows >= target:
+                trainer.should_stop = True
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=args.grow_max_steps, max_epochs=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        limit_val_batches=0, use_distributed_sampler=False, callbacks=[Watch()],
+    )
+    data = GrowingCriteo(CRITEO_TB_CARDINALITIES, batch, args.grow_zipf, seed=args.seed)
+    print(f"grow: DLRM dim {args.dim}, batch {batch}, Criteo-Terabyte cardinalities ({sum(CRITEO_TB_CARDINALITIES):,} ids, "
+          f"Zipf {args.grow_zipf}), {args.shards} embedded shards, storage {args.storage_dtype}, "
+          f"until {target:,} rows; load average {os.getloadavg()[0]:.1f}", flush=True)
+    trainer.fit(model, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+    strategy.close()
+    if not windows:
+        print("grow: no full window ran")
+        return 1
+    first, last = windows[0], windows[-1]
+    summary = {"grow_first_samples_per_s": first["samples_per_s"], "grow_last_samples_per_s": last["samples_per_s"],
+               "grow_last_vs_first": last["samples_per_s"] / first["samples_per_s"], "grow_ps_rows": last["ps_rows"],
+               "grow_steps": last["step"], "windows": windows, "load_average_after": os.getloadavg()[0]}
+    print(f"grow: last window {last['samples_per_s']:,.0f} samples/s at {last['ps_rows']:,} rows, first "
+          f"{first['samples_per_s']:,.0f} at {first['ps_rows']:,} rows: {summary['grow_last_vs_first']:.2f}x; "
+          f"load average {summary['load_average_after']:.1f}")
+    if args.json:
+        print(json.dumps(summary))
+    return 0

@@ -134,6 +134,12 @@ class Index:
             self.remove(ids, keys, shift)
             raise MemoryError(f"out of memory while indexing {ids.numel()} new ids")
 
+    def reserve(self, rows: int, keys: torch.Tensor, shift: int) -> None:
+        """Sizes the index for ``rows`` ids in all, so that inserting them rehashes nothing."""
+        _check(keys, torch.int64, "keys")
+        if self._library.lp_index_reserve(self._handle, keys.data_ptr(), shift, rows):
+            raise MemoryError(f"out of memory while sizing an id index for {rows} ids")
+
     def remove(self, ids: torch.Tensor, keys: torch.Tensor, shift: int) -> int:
         """Drops the ``ids`` present; returns how many were."""
         ids = _check(ids, torch.int64, "ids").contiguous()
@@ -211,6 +217,7 @@ def _library() -> Optional[ctypes.CDLL]:
         ("lp_index_find", [_P, _P, _I64, _P, _I64, _P, _P, _I64, _P, _P, ctypes.c_int32, ctypes.c_int32], None),
         ("lp_index_insert", [_P, _P, _I64, _P, _P, _I64], _I64),
         ("lp_index_remove", [_P, _P, _I64, _P, _I64], _I64),
+        ("lp_index_reserve", [_P, _P, _I64, _I64], _I64),
         ("lp_row_bits", [_P, _I64, _I64, _I64, _P], None),
         ("lp_first_foreign", [_P, _I64, _I64, _I64], _I64),
     ):

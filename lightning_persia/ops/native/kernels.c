@@ -318,6 +318,19 @@ int64_t lp_index_insert(void *handle, const int64_t *keys, int64_t shift, const 
     return 0;
 }
 
+/* Sizes every partition for `rows` ids in all (a load that knows its row count rehashes nothing on the way). */
+int64_t lp_index_reserve(void *handle, const int64_t *keys, int64_t shift, int64_t rows) {
+    index_t *index = handle;
+    const int64_t per_part = rows / PARTS + 1;
+    for (uint32_t part = 0; part < PARTS; ++part) {
+        part_t *p = &index->parts[part];
+        if (per_part > p->live && (double)per_part > max_load(part) * p->count * SLOTS * 0.9 &&
+            rebuild(index, part, (uint32_t)(per_part - p->live), keys, shift))
+            return -1;
+    }
+    return 0;
+}
+
 /* Drops the ids present (tombstones); returns how many were. */
 int64_t lp_index_remove(void *handle, const int64_t *keys, int64_t shift, const int64_t *ids, int64_t n) {
     index_t *index = handle;

@@ -30,6 +30,7 @@ import os
 import re
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -87,12 +88,19 @@ def _write_shard(final: Path, temporary: Path, shard_index: int, num_shards: int
                    for name, spec in snapshot.field_specs.items()}
         written = 0
         try:
-            for chunk in snapshot.chunks():
-                for name, writer in writers.items():
-                    writer.append(chunk[name])
-                written += chunk["ids"].numel()
-                if pause_s:
-                    time.sleep(pause_s)
+            # One thread per file writes and hashes chunk i while the table copies chunk i + 1 (file writes,
+            # sha256 and the copy's tensor ops all release the GIL): at most two chunks in memory.
+            with ThreadPoolExecutor(len(writers), thread_name_prefix="persia-ps-save") as pool:
+                pending: list[Future] = []
+                for chunk in snapshot.chunks():
+                    for future in pending:
+                        future.result()
+                    pending = [pool.submit(writer.append, chunk[name]) for name, writer in writers.items()]
+                    written += chunk["ids"].numel()
+                    if pause_s:
+                        time.sleep(pause_s)
+                for future in pending:
+                    future.result()
         finally:
             for writer in writers.values():
                 writer.close()
@@ -221,6 +229,11 @@ class TableSource:
     config: TableConfig
     step: int
     parts: list[_Part]
+
+    def rows_for(self, num_shards: int) -> int:
+        """About how many rows one of ``num_shards`` shards gets (the ids spread evenly over the shards)."""
+        total = sum(part.entry["rows"] for part in self.parts)
+        return total if len(self.parts) == 1 and num_shards == _saved_shards(self.parts[0]) else total // num_shards + 1
 
     def blocks(self, shard_index: int, num_shards: int, block_rows: int = BLOCK_ROWS) -> Iterator[dict[str, torch.Tensor]]:
         """``{field: rows}`` of the rows that belong to shard ``shard_index`` of ``num_shards``, block by block.

@@ -41,6 +41,9 @@ class IdIndex(Protocol):
     def remove(self, ids: torch.Tensor) -> None:
         """Drops the ``ids`` present."""
 
+    def reserve(self, rows: int) -> None:
+        """Makes room for ``rows`` ids in all (a bulk insert of known size then grows nothing on the way)."""
+
     @property
     def nbytes(self) -> int:
         """Memory the index holds."""
@@ -81,6 +84,9 @@ class NativeIdIndex:
     def remove(self, ids: torch.Tensor) -> None:
         self._index.remove(ids, self._keys.addresses, self._keys.shift)
 
+    def reserve(self, rows: int) -> None:
+        self._index.reserve(rows, self._keys.addresses, self._keys.shift)
+
 
 class TensorIdIndex:
     """:class:`IdIndex` as whole-batch tensor operations, for machines without the native kernels.
@@ -114,6 +120,10 @@ class TensorIdIndex:
         if live > _MAX_LOAD * self._slots.numel():
             self._rebuild(live - self._tombstones)
         self._place(ids, rows.to(torch.int32))
+
+    def reserve(self, rows: int) -> None:
+        if rows > _MAX_LOAD * self._slots.numel():
+            self._rebuild(rows)
 
     def remove(self, ids: torch.Tensor) -> None:
         rows, positions = self._probe(ids)

@@ -139,7 +139,7 @@ class ShardStore:
                 table = Table(source.config, self.seed)
                 table.restore_step(source.step)
                 for block in source.blocks(self.shard_index, self.num_shards):
-                    table.append(block)
+                    table.append(block, expected_rows=source.rows_for(self.num_shards))
                 tables[source.name] = table
             with self._lock:
                 self._tables = tables

@@ -147,10 +147,15 @@ class Table:
             self._counters["update_rows"] += rows.numel()
             return rows.numel()
 
-    def append(self, rows: dict[str, torch.Tensor]) -> None:
-        """Adds rows read from a checkpoint (``{field: values}`` of :data:`SAVED_FIELDS`; ids absent from the table)."""
+    def append(self, rows: dict[str, torch.Tensor], expected_rows: int = 0) -> None:
+        """Adds rows read from a checkpoint (``{field: values}`` of :data:`SAVED_FIELDS`; ids absent from the table).
+
+        ``expected_rows``: how many rows the table will hold once the whole checkpoint is in (sizes the index once).
+        """
         ids = rows["ids"]
         with self.lock:
+            if expected_rows:
+                self._index.reserve(expected_rows)
             positions = torch.arange(self._size, self._size + ids.numel())
             self._rows.reserve(self._size + ids.numel())
             for name in SAVED_FIELDS:

@@ -33,7 +33,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -84,7 +84,7 @@ def _write_shard(final: Path, temporary: Path, shard_index: int, num_shards: int
     temporary.mkdir(parents=True)
     tables = {}
     for position, snapshot in enumerate(snapshots):
-        writers = {name: _ArrayWriter(temporary / f"t{position:04d}.{name}.npy", spec.dtype, spec.shape(snapshot.rows))
+        writers = {name: _ArrayWriter(temporary / f"t{position:04d}.{name}.npy", spec.dtype, spec.shape(0)[1:], snapshot.rows)
                    for name, spec in snapshot.field_specs.items()}
         written = 0
         try:
@@ -104,10 +104,17 @@ def _write_shard(final: Path, temporary: Path, shard_index: int, num_shards: int
         finally:
             for writer in writers.values():
                 writer.close()
-        if written != snapshot.rows:
+        if snapshot.rows is not None and written != snapshot.rows:
             raise StoreError(f"table {snapshot.config.name!r}: {written} rows written for the {snapshot.rows} of its snapshot")
         files = {name: writer.entry() for name, writer in writers.items()}
-        tables[snapshot.config.name] = {"config": snapshot.config.to_dict(), "step": snapshot.step, "rows": snapshot.rows, "files": files}
+        entry = {"config": snapshot.config.to_dict(), "step": snapshot.step, "rows": written, "point": snapshot.point,
+                 "since": snapshot.since, "files": files}
+        if snapshot.since:
+            removed = _ArrayWriter(temporary / f"t{position:04d}.removed.npy", torch.int64, (), snapshot.removed.numel())
+            removed.append(snapshot.removed)
+            removed.close()
+            entry["removed"] = {"rows": snapshot.removed.numel(), **removed.entry()}
+        tables[snapshot.config.name] = entry
     manifest = {"format_version": FORMAT_VERSION, "shard_index": shard_index, "num_shards": num_shards,
                 "save_id": save_id, "tables": tables}
     with open(temporary / "manifest.json", "w") as f:
@@ -124,32 +131,57 @@ def _write_shard(final: Path, temporary: Path, shard_index: int, num_shards: int
 
 
 class _ArrayWriter:
-    """One ``.npy`` file (header for ``rows`` rows first) appended a block of rows at a time, hashed on the way."""
+    """One ``.npy`` file appended a block of rows at a time and hashed on the way.
 
-    def __init__(self, path: Path, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    With ``rows`` known the header comes first; otherwise (a delta, whose row count is known once written) the
+    rows go to a spool file and the ``.npy`` is assembled from it when closed.
+    """
+
+    def __init__(self, path: Path, dtype: torch.dtype, row_shape: tuple[int, ...], rows: Optional[int]) -> None:
         self.path = path
+        self.rows = 0
         self._dtype = torch.empty(0, dtype=dtype).numpy().dtype.newbyteorder("<")
+        self._row_shape = row_shape
+        self._digest = hashlib.sha256()
+        self._spool = path.with_name(path.name + ".rows") if rows is None else None
+        self._file = open(self._spool or path, "wb")
+        if rows is not None:
+            self._write(self._header(rows))
+
+    def _header(self, rows: int) -> memoryview:
         header = io.BytesIO()
         np.lib.format.write_array_header_1_0(header, {"descr": np.lib.format.dtype_to_descr(self._dtype),
-                                                      "fortran_order": False, "shape": shape})
-        self._digest = hashlib.sha256()
-        self._file = open(path, "wb")
-        self._write(memoryview(header.getvalue()))
+                                                      "fortran_order": False, "shape": (rows, *self._row_shape)})
+        return header.getbuffer()
 
     def _write(self, data: memoryview) -> None:
         self._file.write(data)
-        self._digest.update(data)
+        if self._spool is None:
+            self._digest.update(data)
 
     def append(self, values: torch.Tensor) -> None:
         array = np.ascontiguousarray(values.numpy(), dtype=self._dtype)
+        self.rows += array.shape[0]
         if array.size:
             self._write(memoryview(array.reshape(-1)).cast("B"))
 
     def close(self) -> None:
-        if not self._file.closed:
-            self._file.flush()
-            os.fsync(self._file.fileno())
+        if self._file.closed:
+            return
+        if self._spool is not None:
             self._file.close()
+            self._file = open(self.path, "wb")
+            self._digest.update(header := self._header(self.rows))
+            self._file.write(header)
+            with open(self._spool, "rb") as spooled:
+                for block in iter(lambda: spooled.read(_HASH_BLOCK), b""):
+                    self._file.write(block)
+                    self._digest.update(block)
+            self._spool.unlink()
+            self._spool = None
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
 
     def entry(self) -> dict:
         return {"file": self.path.name, "sha256": self._digest.hexdigest(), "bytes": self.path.stat().st_size}
@@ -223,12 +255,32 @@ class _Part:
 
 @dataclass
 class TableSource:
-    """One table of a checkpoint as a shard reloads it: its config, step, and the folders holding its rows."""
+    """One table of a checkpoint as a shard reloads it: its config, step, and the folders holding its rows.
+
+    ``since`` is 0 for a whole table; a delta (``ShardStore.save_delta``) holds the rows written after the point
+    ``since`` and the ids evicted after it (:meth:`removed`).
+    """
 
     name: str
     config: TableConfig
     step: int
     parts: list[_Part]
+    since: int = 0
+
+    def removed(self, shard_index: int, num_shards: int) -> torch.Tensor:
+        """The ids of this shard that the delta removes (none for a whole table)."""
+        found = []
+        for part in self.parts:
+            spec = part.entry.get("removed")
+            if spec is None:
+                continue
+            reader = _ArrayReader(part.folder, {"rows": spec["rows"], "files": {"ids": spec}}, "ids")
+            try:
+                ids = reader.read(spec["rows"])
+            finally:
+                reader.close()
+            found.append(ids[shard_of(ids, num_shards) == shard_index])
+        return torch.cat(found) if found else torch.empty(0, dtype=torch.int64)
 
     def rows_for(self, num_shards: int) -> int:
         """About how many rows one of ``num_shards`` shards gets (the ids spread evenly over the shards)."""
@@ -275,7 +327,9 @@ def open_for_shard(directory: str | os.PathLike, shard_index: int, num_shards: i
                 for array in SAVED_FIELDS:
                     _verify(folder, entry["files"][array])
                     _ArrayReader(folder, entry, array).close()  # its header: dtype and rows as the manifest says
-                source = sources.setdefault(name, TableSource(name, config, int(entry["step"]), []))
+                if "removed" in entry:
+                    _verify(folder, entry["removed"])
+                source = sources.setdefault(name, TableSource(name, config, int(entry["step"]), [], int(entry.get("since", 0))))
                 source.step = max(source.step, int(entry["step"]))
                 source.parts.append(part)
         except OSError as err:

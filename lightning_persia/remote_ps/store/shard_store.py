@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from lightning_persia.ops.hashing import first_foreign, shard_of
 from lightning_persia.remote_ps.store import checkpoint
-from lightning_persia.remote_ps.store.errors import CheckpointError, InvalidRequestError, UnknownTableError
-from lightning_persia.remote_ps.store.table import Table
+from lightning_persia.remote_ps.store.errors import CheckpointError, InvalidRequestError, StoreError, UnknownTableError
+from lightning_persia.remote_ps.store.table import Table, TableSnapshot
 from lightning_persia.remote_ps.table_config import TableConfig
 
 
@@ -108,19 +108,69 @@ class ShardStore:
         One consistent point for all tables (taken with every table's lock held at once), then each table is
         streamed to disk a chunk at a time while the shard keeps serving. One save at a time.
         """
+        self._save(directory, save_id, since=None)
+
+    def save_delta(self, directory: str, save_id: str, since: dict[str, int]) -> dict[str, int]:
+        """Writes what changed since the points ``since`` (``{table: point}`` a previous call returned) as a
+        delta under ``directory``: rows written since, ids evicted since. A table not in ``since``, or whose
+        evictions since then are not known, is written whole (its manifest entry says ``since: 0``). Returns
+        every table's new point, for the next delta.
+        """
+        return self._save(directory, save_id, since=since)
+
+    def _save(self, directory: str, save_id: str, since: Optional[dict[str, int]]) -> dict[str, int]:
         with self._save_lock:
             with self._lock:
                 tables = [self._tables[name] for name in sorted(self._tables)]
+            if since is not None:
+                for table in tables:
+                    table.remember_removals()
             with contextlib.ExitStack() as held:
                 for table in tables:
                     held.enter_context(table.lock)
-                snapshots = [table.begin_snapshot() for table in tables]
+                snapshots = [self._begin(table, (since or {}).get(table.config.name, 0)) for table in tables]
             try:
                 checkpoint.write_shard(directory, self.shard_index, self.num_shards, snapshots, save_id=save_id,
                                        pause_s=self.fault_save_delay_s)
             finally:
                 for snapshot in snapshots:
                     snapshot.close()
+            return {s.config.name: s.point for s in snapshots}
+
+    @staticmethod
+    def _begin(table: Table, since: int) -> TableSnapshot:
+        try:
+            return table.begin_snapshot(since)
+        except StoreError:  # its evictions since then are not known: the delta carries the whole table
+            return table.begin_snapshot(0)
+
+    def stage_delta(self, directory: str) -> "StagedDelta":
+        """Reads and checks a delta (or a full checkpoint) that :meth:`save_delta` wrote, without applying it.
+
+        Raises :class:`CheckpointError` naming the file when it is incomplete, corrupted or out of place.
+        """
+        sources = checkpoint.open_for_shard(directory, self.shard_index, self.num_shards)
+        staged = []
+        for source in sources:
+            blocks = list(source.blocks(self.shard_index, self.num_shards))
+            rows = {name: torch.cat([b[name] for b in blocks]) for name in blocks[0]} if blocks else None
+            staged.append((source, rows, source.removed(self.shard_index, self.num_shards)))
+        return StagedDelta(self, staged)
+
+    def _apply(self, staged: list) -> None:
+        with self._lock:
+            for source, _, _ in staged:
+                if source.since == 0 or source.name not in self._tables:  # whole: replaces the table
+                    self._tables[source.name] = Table(source.config, self.seed)
+            tables = {source.name: self._tables[source.name] for source, _, _ in staged}
+        with contextlib.ExitStack() as held:
+            for name in sorted(tables):
+                held.enter_context(tables[name].lock)
+            for source, rows, removed in staged:
+                table = tables[source.name]
+                table.remove_ids_locked(removed)
+                if rows is not None:
+                    table.upsert_locked(rows)
 
     def load(self, directory: str) -> None:
         """Replaces every table by the rows of the checkpoint at ``directory`` that belong to this shard.
@@ -179,3 +229,23 @@ class ShardStore:
                 f"table {name!r}: id {int(example)} belongs to shard {int(shard_of(example, self.num_shards))}, not to this shard "
                 f"{self.shard_index} of {self.num_shards}; the client and the shards disagree on the shard count"
             )
+
+
+class StagedDelta:
+    """A delta read and checked by :meth:`ShardStore.stage_delta`; :meth:`commit` applies it.
+
+    The commit holds the lock of every table it changes for its whole duration, so a lookup of this shard sees
+    the tables either before or after the delta, never half of it.
+    """
+
+    def __init__(self, store: ShardStore, staged: list) -> None:
+        self._store = store
+        self._staged = staged
+
+    @property
+    def rows(self) -> int:
+        """Rows the delta writes (inserted or replaced)."""
+        return sum(rows["ids"].numel() for _, rows, _ in self._staged if rows is not None)
+
+    def commit(self) -> None:
+        self._store._apply(self._staged)

@@ -9,7 +9,8 @@ checkpoint or a serving delta advances the version, so "changed since point P" i
 streamed checkpoint its consistent point: :meth:`begin_snapshot` takes the point, then :meth:`snapshot_chunks`
 copies one chunk at a time under the lock while training goes on; a write to a row of a chunk not copied yet
 first keeps the row's pre-image (its value at the point), so the checkpoint holds every row as it was at the
-point. Only the access statistics (LRU step / LFU count) may be newer than the point.
+point. Only the access statistics (LRU step / LFU count) may be newer than the point. A snapshot *since* an
+earlier point holds only the rows changed after it, and the ids evicted after it: a delta for serving.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from lightning_persia.remote_ps.table_config import STORAGE_DTYPES, TableConfig
 
 SAVED_FIELDS = ("ids", "weights", "state", "access")
 """The fields a checkpoint keeps per row (versions restart with the process)."""
+_REMOVED_LOG_IDS = 1 << 24  # evicted ids remembered for deltas; a delta since an older point is refused
 
 
 @dataclass
@@ -37,9 +39,11 @@ class _Snapshot:
     """A checkpoint of the table in progress: its point, and the pre-images of rows changed since."""
 
     point: int  # rows with version <= point have not changed since
+    since: int  # rows with version <= since are left out (0: every row, a full checkpoint)
     size: int  # rows allocated at the point; later ones did not exist
     live: int
     step: int
+    removed: torch.Tensor  # ids evicted after `since`, up to the point
     next_chunk: int = 0  # chunks below it are copied: their rows need no pre-image
     preimages: dict[int, list[dict[str, torch.Tensor]]] = field(default_factory=dict)
     preimage_rows: int = 0
@@ -51,7 +55,10 @@ class TableSnapshot:
     def __init__(self, table: "Table", state: _Snapshot) -> None:
         self.config = table.config
         self.step = state.step
-        self.rows = state.live
+        self.point = state.point
+        self.since = state.since
+        self.rows: Optional[int] = state.live if not state.since else None  # a delta's count is known once written
+        self.removed = state.removed
         self._table = table
         self._state = state
 
@@ -97,6 +104,9 @@ class Table:
         self._step = 0
         self._version = 1  # written into every changed row; never-written rows read 0
         self._snapshot: Optional[_Snapshot] = None
+        self._removed: list[tuple[int, torch.Tensor]] = []  # (version, ids) of evictions, for deltas
+        self._removed_ids = 0
+        self._removed_floor: Optional[int] = None  # evictions up to this version are unknown; None: not logged
         self._counters = dict(lookups=0, lookup_rows=0, inserted=0, evicted=0, not_admitted=0, updates=0, update_rows=0, dropped_update_rows=0)
 
     @property
@@ -165,6 +175,38 @@ class Table:
             self._size += ids.numel()
             self._live += ids.numel()
 
+    def upsert_locked(self, rows: dict[str, torch.Tensor]) -> None:
+        """Writes rows of a delta (``{field: values}`` of :data:`SAVED_FIELDS`): replaces the ids present, adds the
+        others. Call it holding :attr:`lock`."""
+        ids = rows["ids"]
+        found = self._index.find(ids)
+        present = found >= 0
+        fresh = torch.nonzero(~present).squeeze(1)
+        positions = found.clone()
+        if fresh.numel():
+            new_rows = self._take_rows(fresh.numel())
+            positions[fresh] = new_rows
+            self._rows["ids"].scatter(new_rows, ids[fresh])
+        for name in SAVED_FIELDS[1:]:
+            if name in self._rows.fields:
+                self._rows[name].scatter(positions, rows[name])
+        self._rows["version"].fill(positions, self._version)
+        if fresh.numel():
+            self._index.insert(ids[fresh], positions[fresh])
+            self._live += fresh.numel()
+
+    def remove_ids_locked(self, ids: torch.Tensor) -> None:
+        """Drops the rows of ``ids`` (those present). Call it holding :attr:`lock`."""
+        rows = self._index.find(ids)
+        rows = rows[rows >= 0]
+        if not rows.numel():
+            return
+        self._index.remove(self._rows["ids"].gather(rows))
+        self._rows["access"].fill(rows, eviction.FREE)
+        self._rows["version"].fill(rows, self._version)
+        self._free = torch.cat([self._free, rows])
+        self._live -= rows.numel()
+
     def restore_step(self, step: int) -> None:
         """The lookup step counter of a checkpoint (LRU access values are relative to it)."""
         with self.lock:
@@ -172,14 +214,22 @@ class Table:
 
     # ---- checkpoints -------------------------------------------------------------------------------
 
-    def begin_snapshot(self) -> TableSnapshot:
+    def begin_snapshot(self, since: int = 0) -> TableSnapshot:
         """Takes the table's consistent point for a checkpoint; call it holding :attr:`lock`.
 
         The rows are then read chunk by chunk with :meth:`TableSnapshot.chunks`, while the table keeps serving.
+        ``since`` (the :attr:`TableSnapshot.point` of an earlier snapshot) keeps only what changed after it: the
+        rows written since, and the ids evicted since (:attr:`TableSnapshot.removed`). Raises :class:`StoreError`
+        when the evictions since then are no longer remembered (then only a full snapshot is possible).
         """
         if self._snapshot is not None:
             raise StoreError(f"table {self.config.name!r} is already being saved")
-        self._snapshot = _Snapshot(point=self._version, size=self._size, live=self._live, step=self._step)
+        if since and (self._removed_floor is None or since < self._removed_floor):
+            raise StoreError(f"table {self.config.name!r}: the ids evicted since version {since} are not known "
+                             "(call remember_removals before the snapshot a delta starts from)")
+        removed = [ids for version, ids in self._removed if since < version] if since else []
+        self._snapshot = _Snapshot(point=self._version, since=since, size=self._size, live=self._live, step=self._step,
+                                   removed=torch.cat(removed) if removed else torch.empty(0, dtype=torch.int64))
         self._version += 1
         return TableSnapshot(self, self._snapshot)
 
@@ -196,12 +246,15 @@ class Table:
 
     def _copy_chunk(self, state: _Snapshot, chunk: int) -> dict[str, torch.Tensor]:
         count = min(self._rows.chunk_rows, state.size - (chunk << self._rows.shift))
-        unchanged = self._rows["version"].chunk(chunk, count) <= state.point
-        offsets = torch.nonzero(unchanged & (self._rows["access"].chunk(chunk, count) != eviction.FREE)).squeeze(1)
+        version = self._rows["version"].chunk(chunk, count)
+        keep = (version <= state.point) & (self._rows["access"].chunk(chunk, count) != eviction.FREE)
+        if state.since:
+            keep &= version > state.since
+        offsets = torch.nonzero(keep).squeeze(1)
         parts = [{name: self._rows[name].chunk(chunk, count)[offsets] for name in SAVED_FIELDS if name in self._rows.fields}]
         for piece in state.preimages.pop(chunk, []):
             keep = piece["access"] != eviction.FREE  # the row was free at the point (and reused since)
-            parts.append({name: values[keep] for name, values in piece.items() if name != "rows"})
+            parts.append({name: values[keep] for name, values in piece.items() if name in SAVED_FIELDS})
             state.preimage_rows -= piece["rows"].numel()
         state.next_chunk = chunk + 1
         copied = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
@@ -216,7 +269,8 @@ class Table:
             return
         rows = rows[(rows < state.size) & ((rows >> self._rows.shift) >= state.next_chunk)]
         if rows.numel():
-            rows = rows[self._rows["version"].gather(rows) <= state.point]
+            version = self._rows["version"].gather(rows)
+            rows = rows[(version <= state.point) & (version > state.since)]
         if not rows.numel():
             return
         rows, _ = torch.sort(rows)
@@ -284,6 +338,22 @@ class Table:
         self._live += ids.numel()
         self._counters["inserted"] += ids.numel()
 
+    def remember_removals(self) -> None:
+        """Starts logging evicted ids (from now on), so that snapshots since a later point can name them."""
+        with self.lock:
+            if self._removed_floor is None:
+                self._removed_floor = self._version - 1
+
+    def _remember_removed(self, ids: torch.Tensor) -> None:
+        if self._removed_floor is None:
+            return
+        self._removed.append((self._version, ids))
+        self._removed_ids += ids.numel()
+        while self._removed_ids > _REMOVED_LOG_IDS and len(self._removed) > 1:
+            version, forgotten = self._removed.pop(0)
+            self._removed_ids -= forgotten.numel()
+            self._removed_floor = version
+
     def _take_rows(self, n: int) -> torch.Tensor:
         room = self.config.capacity - self._live
         if n > room:
@@ -302,7 +372,9 @@ class Table:
                   for c in range((self._size + self._rows.chunk_rows - 1) >> self._rows.shift)]
         victims = eviction.select_victims(in_use, count, self._eviction_sample) if in_use else torch.empty(0, dtype=torch.int64)
         self._preserve(victims)
-        self._index.remove(self._rows["ids"].gather(victims))
+        gone = self._rows["ids"].gather(victims)
+        self._index.remove(gone)
+        self._remember_removed(gone)
         access.fill(victims, eviction.FREE)
         self._rows["version"].fill(victims, self._version)
         self._free = torch.cat([self._free, victims])

@@ -230,3 +230,33 @@ def test_a_checkpoint_of_format_1_still_loads(tmp_path):
     store.load(str(tmp_path))
     assert torch.equal(store.lookup("old", torch.tensor([9, 3, -4]), train=False), torch.tensor([[2.0, 3], [0, 1], [4, 5]]))
     assert store.stats()["old"]["step"] == 7 and store.describe("old").storage_dtype == "fp32"
+
+
+# ---- deltas (serving) ----------------------------------------------------------------------------------------
+
+
+def test_deltas_carry_only_what_changed_and_replay_the_training_tables_into_any_shard_count(tmp_path):
+    train = _cluster(2)
+    for s in train:
+        s.configure(TableConfig("small", 2, optimizer=SGD(lr=1.0), capacity=100))
+    _train(train)
+    seen = torch.arange(-2000, 2000) * 31
+    _call(train, "lookup", "small", seen[:150], True)
+    points = [s.save_delta(str(tmp_path / "v1"), "v1", since={}) for s in train]  # the first delta is whole
+    serving = [ShardStore(i, 3, seed=5) for i in range(3)]
+    for s in serving:
+        s.stage_delta(str(tmp_path / "v1")).commit()
+    _call(train, "update", "a", IDS[:40], torch.ones(40, 4))  # 40 rows change
+    _call(train, "lookup", "small", seen[150:400], True)  # 250 new ids: the tables of 100 rows a shard evict
+    points = [s.save_delta(str(tmp_path / "v2"), "v2", since=p) for s, p in zip(train, points)]
+    manifests = [json.loads(m.read_text()) for m in sorted((tmp_path / "v2").glob("shard-*/manifest.json"))]
+    assert sum(m["tables"]["a"]["rows"] for m in manifests) == 40 and all(m["tables"]["a"]["since"] > 0 for m in manifests)
+    assert sum(m["tables"]["b"]["rows"] for m in manifests) == 0
+    assert sum(m["tables"]["small"].get("removed", {}).get("rows", 0) for m in manifests) >= 150
+    staged = [s.stage_delta(str(tmp_path / "v2")) for s in serving]
+    assert sum(d.rows for d in staged) == 40 + sum(m["tables"]["small"]["rows"] for m in manifests)
+    for d in staged:
+        d.commit()
+    for table, ids in (("a", IDS), ("b", IDS[:50]), ("small", seen[:400])):
+        assert torch.equal(_call(serving, "lookup", table, ids, False), _call(train, "lookup", table, ids, False)), table
+    assert sum(s.stats()["small"]["rows"] for s in serving) == sum(s.stats()["small"]["rows"] for s in train)

@@ -28,6 +28,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -44,38 +45,49 @@ def available() -> bool:
     return _library() is not None
 
 
-def gather(chunks: torch.Tensor, shift: int, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out[i] = row rows[i]`` of a field kept in chunks of ``2**shift`` rows (``chunks``: their addresses).
+@dataclass(frozen=True)
+class Chunks:
+    """Rows kept as records of ``stride`` bytes in chunks of ``2**shift`` records (``addresses``: the chunks')."""
 
-    A row of the field is ``out[i]``'s bytes; ``rows[i] < 0`` leaves ``out[i]`` as it is. Returns ``out``.
-    """
-    rows = _rows(chunks, shift, rows, out)
-    _require().lp_gather(chunks.data_ptr(), shift, _row_bytes(out), rows.data_ptr(), rows.numel(), out.data_ptr())
+    addresses: torch.Tensor
+    shift: int
+    stride: int
+
+    @property
+    def capacity(self) -> int:
+        return self.addresses.numel() << self.shift
+
+
+def gather(chunks: Chunks, offset: int, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out[i]`` = the field at byte ``offset`` of the record of row ``rows[i]`` (``out[i]``'s size; ``rows[i] < 0``
+    leaves it as it is). Returns ``out``."""
+    rows = _rows(chunks, rows, out, offset)
+    _require().lp_gather(*_layout(chunks), offset, _row_bytes(out), rows.data_ptr(), rows.numel(), out.data_ptr())
     return out
 
 
-def scatter(chunks: torch.Tensor, shift: int, rows: torch.Tensor, values: torch.Tensor) -> None:
-    """Row ``rows[i]`` of a chunked field becomes ``values[i]``; ``rows[i] < 0`` is skipped."""
+def scatter(chunks: Chunks, offset: int, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """The field at byte ``offset`` of the record of row ``rows[i]`` becomes ``values[i]``; ``rows[i] < 0`` is skipped."""
     values = values.contiguous()
-    rows = _rows(chunks, shift, rows, values)
-    _require().lp_scatter(chunks.data_ptr(), shift, _row_bytes(values), rows.data_ptr(), rows.numel(), values.data_ptr())
+    rows = _rows(chunks, rows, values, offset)
+    _require().lp_scatter(*_layout(chunks), offset, _row_bytes(values), rows.data_ptr(), rows.numel(), values.data_ptr())
 
 
-def set_int32(chunks: torch.Tensor, shift: int, rows: torch.Tensor, value: int, add: bool = False) -> None:
-    """An int32 chunked field of ``rows`` (``< 0``: skipped) becomes ``value``, or grows by it with ``add``."""
-    rows = _rows(chunks, shift, rows, None)
-    _require().lp_set_i32(chunks.data_ptr(), shift, rows.data_ptr(), rows.numel(), value, int(add))
+def set_int32(chunks: Chunks, offset: int, rows: torch.Tensor, value: int, add: bool = False) -> None:
+    """The int32 field at byte ``offset`` of ``rows`` (``< 0``: skipped) becomes ``value``, or grows by it with ``add``."""
+    rows = _rows(chunks, rows, None, offset, 4)
+    _require().lp_set_i32(*_layout(chunks), offset, rows.data_ptr(), rows.numel(), value, int(add))
 
 
 class Index:
-    """The native id index of one table (``kernels.c``): id -> row. Keys are read from the table's chunked ids
-    field (``keys``: its chunk addresses, ``shift``: log2 of its rows per chunk).
+    """The native id index of one table (``kernels.c``): id -> row. A row's id is read from the first 8 bytes of its
+    record in ``chunks``.
 
     Example::
 
         index = native.Index()
-        index.insert(ids, rows, keys, shift)      # the ids field already holds ids at rows
-        assert torch.equal(index.find(ids, keys, shift), rows)
+        index.insert(ids, rows, chunks)      # the records of rows already hold ids
+        assert torch.equal(index.find(ids, chunks), rows)
     """
 
     def __init__(self) -> None:
@@ -96,55 +108,54 @@ class Index:
         return out[0], out[1], out[2]
 
     def find(
-        self, ids: torch.Tensor, keys: torch.Tensor, shift: int, field: Optional[torch.Tensor] = None,
-        out: Optional[torch.Tensor] = None, touched: Optional[torch.Tensor] = None, value: int = 0, add: bool = False,
+        self, ids: torch.Tensor, chunks: Chunks, copy: Optional[tuple[int, torch.Tensor]] = None,
+        touch: Optional[tuple[int, int, bool]] = None,
     ) -> torch.Tensor:
         """Row of each id, ``-1`` when absent.
 
-        In the same pass, with ``field`` (chunk addresses of a field, in chunks of the keys' size) and ``out``:
-        ``out[i]`` = the field's row of each id found; with ``touched`` (an int32 field): each found row's value
-        becomes ``value`` (or grows by it with ``add``).
+        In the same pass, ``copy=(offset, out)``: ``out[i]`` = the field at ``offset`` of each row found;
+        ``touch=(offset, value, add)``: the int32 field at ``offset`` of each row found becomes ``value`` (or grows by it).
         """
         ids = _check(ids, torch.int64, "ids").contiguous()
-        _check(keys, torch.int64, "keys")
+        _check(chunks.addresses, torch.int64, "chunks")
         rows = torch.empty_like(ids)
-        copy = field is not None and out is not None
-        if copy:
-            _check(field, torch.int64, "chunks")
-            if field.numel() != keys.numel() or not out.is_contiguous() or out.shape[0] != ids.numel() or out.device.type != "cpu":
-                raise ValueError(f"find: out must be a contiguous CPU tensor of {ids.numel()} rows over as many chunks as the keys")
-        if touched is not None and _check(touched, torch.int64, "chunks").numel() != keys.numel():
-            raise ValueError("find: the touched field must have as many chunks as the keys")
+        offset, width, out = 0, 0, None
+        if copy is not None:
+            offset, out = copy
+            if not out.is_contiguous() or out.shape[0] != ids.numel() or out.device.type != "cpu":
+                raise ValueError(f"find: out must be a contiguous CPU tensor of {ids.numel()} rows, got {tuple(out.shape)}")
+            width = _row_bytes(out)
+            _within(chunks, offset, width)
+        touch_offset, value, add = touch if touch is not None else (-1, 0, False)
+        if touch is not None:
+            _within(chunks, touch_offset, 4)
         self._library.lp_index_find(
-            self._handle, keys.data_ptr(), shift, ids.data_ptr(), ids.numel(), rows.data_ptr(),
-            field.data_ptr() if copy else None, _row_bytes(out) if copy else 0, out.data_ptr() if copy else None,
-            touched.data_ptr() if touched is not None else None, value, int(add),
+            self._handle, *_layout(chunks), ids.data_ptr(), ids.numel(), rows.data_ptr(),
+            offset, width, out.data_ptr() if out is not None else None, touch_offset, value, int(add),
         )
         return rows
 
-    def insert(self, ids: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, shift: int) -> None:
-        """Adds ``ids`` (unique, absent, already written to their ``rows`` of the keys) pointing at ``rows``."""
+    def insert(self, ids: torch.Tensor, rows: torch.Tensor, chunks: Chunks) -> None:
+        """Adds ``ids`` (unique, absent, already written to their rows' records) pointing at ``rows``."""
         ids = _check(ids, torch.int64, "ids").contiguous()
-        rows = _rows(keys, shift, rows, None)
+        rows = _rows(chunks, rows, None, 0, 8)
         if ids.numel() != rows.numel():
             raise ValueError(f"Index.insert: {ids.numel()} ids but {rows.numel()} rows")
         if rows.numel() and int(rows.min()) < 0:
             raise ValueError("Index.insert: rows must be >= 0")
-        if self._library.lp_index_insert(self._handle, keys.data_ptr(), shift, ids.data_ptr(), rows.data_ptr(), ids.numel()):
-            self.remove(ids, keys, shift)
+        if self._library.lp_index_insert(self._handle, *_layout(chunks), ids.data_ptr(), rows.data_ptr(), ids.numel()):
+            self.remove(ids, chunks)
             raise MemoryError(f"out of memory while indexing {ids.numel()} new ids")
 
-    def reserve(self, rows: int, keys: torch.Tensor, shift: int) -> None:
+    def reserve(self, rows: int, chunks: Chunks) -> None:
         """Sizes the index for ``rows`` ids in all, so that inserting them rehashes nothing."""
-        _check(keys, torch.int64, "keys")
-        if self._library.lp_index_reserve(self._handle, keys.data_ptr(), shift, rows):
+        if self._library.lp_index_reserve(self._handle, *_layout(chunks), rows):
             raise MemoryError(f"out of memory while sizing an id index for {rows} ids")
 
-    def remove(self, ids: torch.Tensor, keys: torch.Tensor, shift: int) -> int:
+    def remove(self, ids: torch.Tensor, chunks: Chunks) -> int:
         """Drops the ``ids`` present; returns how many were."""
         ids = _check(ids, torch.int64, "ids").contiguous()
-        _check(keys, torch.int64, "keys")
-        return self._library.lp_index_remove(self._handle, keys.data_ptr(), shift, ids.data_ptr(), ids.numel())
+        return self._library.lp_index_remove(self._handle, *_layout(chunks), ids.data_ptr(), ids.numel())
 
 
 def row_bits(ids: torch.Tensor, key: int, columns: int) -> torch.Tensor:
@@ -167,7 +178,7 @@ def _check(tensor: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
     """The C loops read raw CPU buffers of one dtype: anything else would be read (or written) out of bounds."""
     if tensor.dtype != dtype or tensor.device.type != "cpu" or tensor.dim() != 1:
         raise ValueError(f"{what} must be a 1-D {dtype} CPU tensor, got {tensor.dtype} {tuple(tensor.shape)} on {tensor.device}")
-    if what in ("chunks", "keys") and not tensor.is_contiguous():
+    if what == "chunks" and not tensor.is_contiguous():
         raise ValueError(f"{what} must be contiguous: the C code reads it in place")
     return tensor
 
@@ -176,14 +187,26 @@ def _row_bytes(data: torch.Tensor) -> int:
     return math.prod(data.shape[1:]) * data.element_size()
 
 
-def _rows(chunks: torch.Tensor, shift: int, rows: torch.Tensor, data: Optional[torch.Tensor]) -> torch.Tensor:
+def _layout(chunks: Chunks) -> tuple[int, int, int]:
+    _check(chunks.addresses, torch.int64, "chunks")
+    return chunks.addresses.data_ptr(), chunks.shift, chunks.stride
+
+
+def _within(chunks: Chunks, offset: int, width: int) -> None:
+    if offset < 0 or offset + width > chunks.stride:
+        raise ValueError(f"a field of {width} bytes at offset {offset} does not fit in records of {chunks.stride} bytes")
+
+
+def _rows(chunks: Chunks, rows: torch.Tensor, data: Optional[torch.Tensor], offset: int, width: int = 0) -> torch.Tensor:
     """Checked row numbers: the C loops write wherever a row number points, so none may point past the chunks."""
-    _check(chunks, torch.int64, "chunks")
     rows = _check(rows, torch.int64, "rows").contiguous()
-    if data is not None and (data.device.type != "cpu" or not data.is_contiguous() or data.shape[0] != rows.numel()):
-        raise ValueError(f"a contiguous CPU tensor of {rows.numel()} rows is needed, got {tuple(data.shape)} on {data.device}")
-    if rows.numel() and int(rows.max()) >= chunks.numel() << shift:
-        raise ValueError(f"row {int(rows.max())} is past the {chunks.numel() << shift} rows of the chunks")
+    if data is not None:
+        if data.device.type != "cpu" or not data.is_contiguous() or data.shape[0] != rows.numel():
+            raise ValueError(f"a contiguous CPU tensor of {rows.numel()} rows is needed, got {tuple(data.shape)} on {data.device}")
+        width = _row_bytes(data)
+    _within(chunks, offset, width)
+    if rows.numel() and int(rows.max()) >= chunks.capacity:
+        raise ValueError(f"row {int(rows.max())} is past the {chunks.capacity} rows of the chunks")
     return rows
 
 
@@ -208,16 +231,16 @@ def _library() -> Optional[ctypes.CDLL]:
         warnings.warn(f"lightning_persia: native kernels unavailable ({err}); using the slower tensor implementation")
         return None
     for name, arguments, result in (
-        ("lp_gather", [_P, _I64, _I64, _P, _I64, _P], None),
-        ("lp_scatter", [_P, _I64, _I64, _P, _I64, _P], None),
-        ("lp_set_i32", [_P, _I64, _P, _I64, ctypes.c_int32, ctypes.c_int32], None),
+        ("lp_gather", [_P, _I64, _I64, _I64, _I64, _P, _I64, _P], None),
+        ("lp_scatter", [_P, _I64, _I64, _I64, _I64, _P, _I64, _P], None),
+        ("lp_set_i32", [_P, _I64, _I64, _I64, _P, _I64, ctypes.c_int32, ctypes.c_int32], None),
         ("lp_index_new", [], _P),
         ("lp_index_free", [_P], None),
         ("lp_index_info", [_P, _P], None),
-        ("lp_index_find", [_P, _P, _I64, _P, _I64, _P, _P, _I64, _P, _P, ctypes.c_int32, ctypes.c_int32], None),
-        ("lp_index_insert", [_P, _P, _I64, _P, _P, _I64], _I64),
-        ("lp_index_remove", [_P, _P, _I64, _P, _I64], _I64),
-        ("lp_index_reserve", [_P, _P, _I64, _I64], _I64),
+        ("lp_index_find", [_P, _P, _I64, _I64, _P, _I64, _P, _I64, _I64, _P, _I64, ctypes.c_int32, ctypes.c_int32], None),
+        ("lp_index_insert", [_P, _P, _I64, _I64, _P, _P, _I64], _I64),
+        ("lp_index_remove", [_P, _P, _I64, _I64, _P, _I64], _I64),
+        ("lp_index_reserve", [_P, _P, _I64, _I64, _I64], _I64),
         ("lp_row_bits", [_P, _I64, _I64, _I64, _P], None),
         ("lp_first_foreign", [_P, _I64, _I64, _I64], _I64),
     ):

@@ -26,46 +26,63 @@ static inline uint64_t mix64(uint64_t x) {
 #define PREFETCH_WRITE(address) __builtin_prefetch((const void *)(address), 1, 0)
 
 /* ---- rows in chunks ---------------------------------------------------------------------------------------
- * One field (ids, weights, optimizer state, ...) of a table is a list of chunks of 2^shift rows of row_bytes
- * each; chunks[c] is the address of chunk c. Growing a table appends a chunk: no stored row ever moves. */
+ * A table's rows are records of `stride` bytes (its id, versions, optimizer state and weights side by side) in
+ * chunks of 2^shift records; chunks[c] is the address of chunk c. A field is `width` bytes at `offset` in every
+ * record. Growing a table appends a chunk: no stored row ever moves. */
 
-static inline char *row_address(const int64_t *chunks, int64_t shift, int64_t row_bytes, int64_t row) {
-    return (char *)(intptr_t)chunks[row >> shift] + (row & ((1LL << shift) - 1)) * row_bytes;
+typedef struct {
+    const int64_t *chunks;
+    int64_t shift;
+    int64_t stride;
+} rows_t;
+
+static inline char *record(const rows_t *t, int64_t row) {
+    return (char *)(intptr_t)t->chunks[row >> t->shift] + (row & ((1LL << t->shift) - 1)) * t->stride;
 }
 
-/* out[i] = row rows[i] of the field; rows[i] < 0 leaves out[i] as it is. */
-void lp_gather(const int64_t *chunks, int64_t shift, int64_t row_bytes, const int64_t *rows, int64_t n, char *out) {
+/* out[i] = the field of row rows[i]; rows[i] < 0 leaves out[i] as it is. */
+void lp_gather(const int64_t *chunks, int64_t shift, int64_t stride, int64_t offset, int64_t width, const int64_t *rows,
+               int64_t n, char *out) {
+    const rows_t t = {chunks, shift, stride};
     for (int64_t start = 0; start < n; start += BLOCK) {
         const int64_t end = start + BLOCK < n ? start + BLOCK : n;
         for (int64_t i = start; i < end; ++i)
-            if (rows[i] >= 0) PREFETCH(row_address(chunks, shift, row_bytes, rows[i]));
+            if (rows[i] >= 0) PREFETCH(record(&t, rows[i]) + offset);
         for (int64_t i = start; i < end; ++i)
-            if (rows[i] >= 0) memcpy(out + i * row_bytes, row_address(chunks, shift, row_bytes, rows[i]), (size_t)row_bytes);
+            if (rows[i] >= 0) memcpy(out + i * width, record(&t, rows[i]) + offset, (size_t)width);
     }
 }
 
-/* Row rows[i] of the field = src[i]; rows[i] < 0 is skipped. */
-void lp_scatter(const int64_t *chunks, int64_t shift, int64_t row_bytes, const int64_t *rows, int64_t n, const char *src) {
+/* The field of row rows[i] = src[i]; rows[i] < 0 is skipped. */
+void lp_scatter(const int64_t *chunks, int64_t shift, int64_t stride, int64_t offset, int64_t width, const int64_t *rows,
+                int64_t n, const char *src) {
+    const rows_t t = {chunks, shift, stride};
     for (int64_t start = 0; start < n; start += BLOCK) {
         const int64_t end = start + BLOCK < n ? start + BLOCK : n;
         for (int64_t i = start; i < end; ++i)
-            if (rows[i] >= 0) PREFETCH_WRITE(row_address(chunks, shift, row_bytes, rows[i]));
+            if (rows[i] >= 0) PREFETCH_WRITE(record(&t, rows[i]) + offset);
         for (int64_t i = start; i < end; ++i)
-            if (rows[i] >= 0) memcpy(row_address(chunks, shift, row_bytes, rows[i]), src + i * row_bytes, (size_t)row_bytes);
+            if (rows[i] >= 0) memcpy(record(&t, rows[i]) + offset, src + i * width, (size_t)width);
     }
 }
 
-/* An int32 field of rows[i] (>= 0) becomes `value`, or grows by `value` when `add` is set. */
-void lp_set_i32(const int64_t *chunks, int64_t shift, const int64_t *rows, int64_t n, int32_t value, int32_t add) {
+static inline void set_i32(char *cell, int32_t value, int32_t add) {
+    int32_t current;
+    memcpy(&current, cell, 4);
+    current = add ? current + value : value;
+    memcpy(cell, &current, 4);
+}
+
+/* The int32 field of rows[i] (>= 0) becomes `value`, or grows by `value` when `add` is set. */
+void lp_set_i32(const int64_t *chunks, int64_t shift, int64_t stride, int64_t offset, const int64_t *rows, int64_t n,
+                int32_t value, int32_t add) {
+    const rows_t t = {chunks, shift, stride};
     for (int64_t start = 0; start < n; start += BLOCK) {
         const int64_t end = start + BLOCK < n ? start + BLOCK : n;
         for (int64_t i = start; i < end; ++i)
-            if (rows[i] >= 0) PREFETCH_WRITE(row_address(chunks, shift, 4, rows[i]));
-        for (int64_t i = start; i < end; ++i) {
-            if (rows[i] < 0) continue;
-            int32_t *cell = (int32_t *)row_address(chunks, shift, 4, rows[i]);
-            *cell = add ? *cell + value : value;
-        }
+            if (rows[i] >= 0) PREFETCH_WRITE(record(&t, rows[i]) + offset);
+        for (int64_t i = start; i < end; ++i)
+            if (rows[i] >= 0) set_i32(record(&t, rows[i]) + offset, value, add);
     }
 }
 
@@ -113,8 +130,11 @@ static inline uint8_t tag_of(uint64_t h) { return (uint8_t)(2 + ((h >> 40) & 0xF
 static inline uint32_t home_of(uint64_t h, uint32_t count) { return (uint32_t)(((h & 0xFFFFFFFFULL) * count) >> 32); }
 static inline uint64_t hash_of(int64_t id) { return mix64((uint64_t)id ^ SLOT_SALT); }
 
-static inline int64_t key_of(const int64_t *keys, int64_t shift, int32_t row) {
-    return *(const int64_t *)row_address(keys, shift, 8, row);
+/* A row's id: the first 8 bytes of its record. */
+static inline int64_t key_of(const rows_t *t, int32_t row) {
+    int64_t key;
+    memcpy(&key, record(t, row), 8);
+    return key;
 }
 
 static double max_load(uint32_t part) { /* 0.75 .. 0.9, spread over the partitions so they grow at different times */
@@ -152,16 +172,16 @@ static int place(part_t *p, uint64_t h, int32_t row) {
 }
 
 /* Slot of `id` as (bucket, slot) packed in an int64, or -1. */
-static int64_t probe(const part_t *p, uint64_t h, int64_t id, const int64_t *keys, int64_t shift) {
+static int64_t probe(const part_t *p, uint64_t h, int64_t id, const rows_t *t) {
     const uint8_t tag = tag_of(h);
     uint32_t b = home_of(h, p->count);
     for (uint32_t visited = 0; visited < p->count; ++visited) {
         const bucket_t *bucket = &p->buckets[b];
         int empty = 0;
         for (int s = 0; s < SLOTS; ++s) {
-            const uint8_t t = bucket->tags[s];
-            if (t == tag && key_of(keys, shift, bucket->rows[s]) == id) return (int64_t)b * SLOTS + s;
-            empty |= t == EMPTY_TAG;
+            const uint8_t tg = bucket->tags[s];
+            if (tg == tag && key_of(t, bucket->rows[s]) == id) return (int64_t)b * SLOTS + s;
+            empty |= tg == EMPTY_TAG;
         }
         if (empty || !bucket->overflowed) return -1;
         b = b + 1 == p->count ? 0 : b + 1;
@@ -171,7 +191,7 @@ static int64_t probe(const part_t *p, uint64_t h, int64_t id, const int64_t *key
 
 /* Rebuilds partition `part` at load TARGET_LOAD for its live ids and `extra` more: x1.4-1.6 when live ids filled
  * it, smaller when tombstones did. Reads the keys of its live rows, prefetched a block at a time. */
-static int rebuild(index_t *index, uint32_t part, uint32_t extra, const int64_t *keys, int64_t shift) {
+static int rebuild(index_t *index, uint32_t part, uint32_t extra, const rows_t *t) {
     part_t *p = &index->parts[part];
     part_t fresh;
     if (part_init(&fresh, part, (uint32_t)((p->live + extra) / TARGET_LOAD / SLOTS) + 1)) return -1;
@@ -181,13 +201,13 @@ static int rebuild(index_t *index, uint32_t part, uint32_t extra, const int64_t 
         for (int s = 0; s < SLOTS; ++s) {
             if (p->buckets[b].tags[s] <= TOMB_TAG) continue;
             rows[pending] = p->buckets[b].rows[s];
-            PREFETCH(row_address(keys, shift, 8, rows[pending]));
+            PREFETCH(record(t, rows[pending]));
             if (++pending < BLOCK) continue;
-            for (int i = 0; i < pending; ++i) place(&fresh, hash_of(key_of(keys, shift, rows[i])), rows[i]);
+            for (int i = 0; i < pending; ++i) place(&fresh, hash_of(key_of(t, rows[i])), rows[i]);
             pending = 0;
         }
     }
-    for (int i = 0; i < pending; ++i) place(&fresh, hash_of(key_of(keys, shift, rows[i])), rows[i]);
+    for (int i = 0; i < pending; ++i) place(&fresh, hash_of(key_of(t, rows[i])), rows[i]);
     fresh.live = fresh.used = p->live;
     index->bucket_count += (int64_t)fresh.count - p->count;
     index->grown += 1;
@@ -225,19 +245,29 @@ void lp_index_info(const void *handle, int64_t *out) {
     out[2] = index->grown;
 }
 
-/* rows[i]: the row of ids[i], or -1 when absent. With `out`, also copies each found row of a field
- * (`field`: its chunk addresses, `row_bytes` a row) to out[i]; with `touched`, writes `value` into (or, with
- * `add`, adds it to) each found row of an int32 field. One pass, software-pipelined: while id i is confirmed,
- * the key of id i + LAG and the home bucket of id i + 2 LAG are on their way, and row i - LAG is copied. */
+/* rows[i]: the row of ids[i], or -1 when absent. With `out`, also copies the field of `width` bytes at
+ * `offset` of each row found to out[i]; with `touch_offset` >= 0, writes `value` into (or, with `add`, adds it to)
+ * the int32 field at `touch_offset` of each row found. One pass, software-pipelined: while id i is confirmed,
+ * the record of id i + LAG and the home bucket of id i + 2 LAG are on their way, and row i - LAG is copied (its
+ * fields share the record's cache lines with the id that confirmed it). */
 #define LAG 16
 #define RING (4 * LAG)
-void lp_index_find(const void *handle, const int64_t *keys, int64_t shift, const int64_t *ids, int64_t n, int64_t *rows,
-                   const int64_t *field, int64_t row_bytes, char *out, const int64_t *touched, int32_t value, int32_t add) {
+
+static inline void finish(const rows_t *t, int64_t row, int64_t offset, int64_t width, char *out, int64_t touch_offset,
+                          int32_t value, int32_t add) {
+    char *r = record(t, row);
+    if (out) memcpy(out, r + offset, (size_t)width);
+    if (touch_offset >= 0) set_i32(r + touch_offset, value, add);
+}
+
+void lp_index_find(const void *handle, const int64_t *chunks, int64_t shift, int64_t stride, const int64_t *ids, int64_t n,
+                   int64_t *rows, int64_t offset, int64_t width, char *out, int64_t touch_offset, int32_t value, int32_t add) {
     const index_t *index = handle;
+    const rows_t t = {chunks, shift, stride};
     uint64_t hashes[RING];
     const bucket_t *homes[RING];
     int32_t first[RING];
-    for (int64_t i = -3 * LAG; i < n; ++i) {
+    for (int64_t i = -2 * LAG; i < n; ++i) {
         const int64_t a = i + 2 * LAG; /* its home bucket requested */
         if (a >= 0 && a < n) {
             const uint64_t h = hashes[a % RING] = hash_of(ids[a]);
@@ -245,7 +275,7 @@ void lp_index_find(const void *handle, const int64_t *keys, int64_t shift, const
             homes[a % RING] = &p->buckets[home_of(h, p->count)];
             PREFETCH(homes[a % RING]);
         }
-        const int64_t b = i + LAG; /* its first tag match found, its key requested */
+        const int64_t b = i + LAG; /* its first tag match found, its record requested */
         if (b >= 0 && b < n) {
             const bucket_t *home = homes[b % RING];
             const uint8_t tag = tag_of(hashes[b % RING]);
@@ -253,50 +283,33 @@ void lp_index_find(const void *handle, const int64_t *keys, int64_t shift, const
             for (int s = 0; s < SLOTS; ++s) {
                 if (home->tags[s] == tag) {
                     candidate = home->rows[s];
-                    PREFETCH(row_address(keys, shift, 8, candidate));
+                    PREFETCH_WRITE(record(&t, candidate));
                     break;
                 }
             }
             first[b % RING] = candidate;
         }
-        if (i >= 0) { /* confirmed (a collision or a longer chain takes the full probe); its row requested */
-            const int64_t id = ids[i];
+        if (i >= 0 && i < n) { /* confirmed (a collision or a longer chain takes the full probe) */
             const int32_t candidate = first[i % RING];
-            int64_t row = -1;
-            if (candidate >= 0 && key_of(keys, shift, candidate) == id) {
-                row = candidate;
+            if (candidate >= 0 && key_of(&t, candidate) == ids[i]) {
+                rows[i] = candidate;
             } else {
                 const part_t *p = &index->parts[part_of(hashes[i % RING])];
-                const int64_t slot = probe(p, hashes[i % RING], id, keys, shift);
-                row = slot < 0 ? -1 : p->buckets[slot / SLOTS].rows[slot % SLOTS];
+                const int64_t slot = probe(p, hashes[i % RING], ids[i], &t);
+                rows[i] = slot < 0 ? -1 : p->buckets[slot / SLOTS].rows[slot % SLOTS];
             }
-            rows[i] = row;
-            if (row >= 0 && out) PREFETCH(row_address(field, shift, row_bytes, row));
-            if (row >= 0 && touched) PREFETCH_WRITE(row_address(touched, shift, 4, row));
-        }
-        const int64_t d = i - LAG; /* its row copied and touched */
-        if (d >= 0 && rows[d] >= 0) {
-            if (out) memcpy(out + d * row_bytes, row_address(field, shift, row_bytes, rows[d]), (size_t)row_bytes);
-            if (touched) {
-                int32_t *cell = (int32_t *)row_address(touched, shift, 4, rows[d]);
-                *cell = add ? *cell + value : value;
-            }
-        }
-    }
-    for (int64_t d = n - LAG > 0 ? n - LAG : 0; d < n; ++d) {
-        if (rows[d] < 0) continue;
-        if (out) memcpy(out + d * row_bytes, row_address(field, shift, row_bytes, rows[d]), (size_t)row_bytes);
-        if (touched) {
-            int32_t *cell = (int32_t *)row_address(touched, shift, 4, rows[d]);
-            *cell = add ? *cell + value : value;
+            if (rows[i] >= 0 && (out || touch_offset >= 0))
+                finish(&t, rows[i], offset, width, out ? out + i * width : NULL, touch_offset, value, add);
         }
     }
 }
 
-/* Adds ids (unique, absent, their keys already written to their rows) pointing at rows. 0, or -1 out of memory
- * (the ids placed before the failure stay; the caller drops the table's new rows). */
-int64_t lp_index_insert(void *handle, const int64_t *keys, int64_t shift, const int64_t *ids, const int64_t *rows, int64_t n) {
+/* Adds ids (unique, absent, their records already holding them) pointing at rows. 0, or -1 out of memory
+ * (the ids placed before the failure stay; the caller removes them). */
+int64_t lp_index_insert(void *handle, const int64_t *chunks, int64_t shift, int64_t stride, const int64_t *ids,
+                        const int64_t *rows, int64_t n) {
     index_t *index = handle;
+    const rows_t t = {chunks, shift, stride};
     for (int64_t start = 0; start < n; start += BLOCK) {
         const int m = (int)(start + BLOCK < n ? BLOCK : n - start);
         uint64_t hashes[BLOCK];
@@ -308,7 +321,7 @@ int64_t lp_index_insert(void *handle, const int64_t *keys, int64_t shift, const 
         for (int i = 0; i < m; ++i) {
             const uint32_t part = part_of(hashes[i]);
             part_t *p = &index->parts[part];
-            if (p->used + 1 > p->limit && rebuild(index, part, 1, keys, shift)) return -1;
+            if (p->used + 1 > p->limit && rebuild(index, part, 1, &t)) return -1;
             const int reused = place(p, hashes[i], (int32_t)rows[start + i]);
             p->live += 1;
             p->used += !reused;
@@ -319,26 +332,28 @@ int64_t lp_index_insert(void *handle, const int64_t *keys, int64_t shift, const 
 }
 
 /* Sizes every partition for `rows` ids in all (a load that knows its row count rehashes nothing on the way). */
-int64_t lp_index_reserve(void *handle, const int64_t *keys, int64_t shift, int64_t rows) {
+int64_t lp_index_reserve(void *handle, const int64_t *chunks, int64_t shift, int64_t stride, int64_t rows) {
     index_t *index = handle;
+    const rows_t t = {chunks, shift, stride};
     const int64_t per_part = rows / PARTS + 1;
     for (uint32_t part = 0; part < PARTS; ++part) {
         part_t *p = &index->parts[part];
         if (per_part > p->live && (double)per_part > max_load(part) * p->count * SLOTS * 0.9 &&
-            rebuild(index, part, (uint32_t)(per_part - p->live), keys, shift))
+            rebuild(index, part, (uint32_t)(per_part - p->live), &t))
             return -1;
     }
     return 0;
 }
 
 /* Drops the ids present (tombstones); returns how many were. */
-int64_t lp_index_remove(void *handle, const int64_t *keys, int64_t shift, const int64_t *ids, int64_t n) {
+int64_t lp_index_remove(void *handle, const int64_t *chunks, int64_t shift, int64_t stride, const int64_t *ids, int64_t n) {
     index_t *index = handle;
+    const rows_t t = {chunks, shift, stride};
     int64_t removed = 0;
     for (int64_t i = 0; i < n; ++i) {
         const uint64_t h = hash_of(ids[i]);
         part_t *p = &index->parts[part_of(h)];
-        const int64_t slot = probe(p, h, ids[i], keys, shift);
+        const int64_t slot = probe(p, h, ids[i], &t);
         if (slot < 0) continue;
         p->buckets[slot / SLOTS].tags[slot % SLOTS] = TOMB_TAG;
         p->live -= 1;

@@ -1,4 +1,4 @@
-"""Id -> row index of one table. The keys live in the table's chunked ``ids`` field; the index holds row numbers.
+"""Id -> row index of one table. The keys live in the table's rows (their ``ids`` field); the index holds row numbers.
 
 :func:`make_index` picks the native index when the kernels are loaded (``ops/native/kernels.c``: buckets of
 12 tagged slots in one cache line, 1,024 partitions grown one at a time, so a growing table never waits for a
@@ -13,7 +13,7 @@ import torch
 
 from lightning_persia.ops import native
 from lightning_persia.ops.hashing import slot_hash
-from lightning_persia.remote_ps.store.chunked_rows import ChunkedField
+from lightning_persia.remote_ps.store.chunked_rows import ChunkedField, ChunkedRows
 
 EMPTY = -1
 TOMBSTONE = -2
@@ -25,7 +25,7 @@ _MAX_TOMBSTONES = 0.25
 
 
 class IdIndex(Protocol):
-    """What a table needs of its index; ``keys`` is the table's ids field, already holding every indexed id."""
+    """What a table needs of its index, over the table's rows whose ``ids`` field holds every indexed id."""
 
     def find(self, ids: torch.Tensor, copy: Optional[tuple[ChunkedField, torch.Tensor]] = None,
              touch: Optional[tuple[ChunkedField, int, bool]] = None) -> torch.Tensor:
@@ -49,16 +49,18 @@ class IdIndex(Protocol):
         """Memory the index holds."""
 
 
-def make_index(keys: ChunkedField) -> IdIndex:
-    """The fastest index available here, over the ids field ``keys``."""
-    return NativeIdIndex(keys) if native.available() else TensorIdIndex(keys)
+def make_index(rows: ChunkedRows) -> IdIndex:
+    """The fastest index available here, over ``rows`` (its ``ids`` field is the first of each record)."""
+    return NativeIdIndex(rows) if native.available() else TensorIdIndex(rows["ids"])
 
 
 class NativeIdIndex:
     """:class:`IdIndex` in C (see the module docstring)."""
 
-    def __init__(self, keys: ChunkedField) -> None:
-        self._keys = keys
+    def __init__(self, rows: ChunkedRows) -> None:
+        if rows["ids"].offset != 0:
+            raise ValueError("the native index reads a row's id from the start of its record")
+        self._rows = rows
         self._index = native.Index()
 
     @property
@@ -72,20 +74,18 @@ class NativeIdIndex:
 
     def find(self, ids: torch.Tensor, copy: Optional[tuple[ChunkedField, torch.Tensor]] = None,
              touch: Optional[tuple[ChunkedField, int, bool]] = None) -> torch.Tensor:
-        field, out = copy if copy is not None else (None, None)
-        touched, value, add = touch if touch is not None else (None, 0, False)
-        return self._index.find(ids, self._keys.addresses, self._keys.shift,
-                                field.addresses if field is not None else None, out,
-                                touched.addresses if touched is not None else None, value, add)
+        return self._index.find(ids, self._rows.layout,
+                                copy=(copy[0].offset, copy[1]) if copy is not None else None,
+                                touch=(touch[0].offset, touch[1], touch[2]) if touch is not None else None)
 
     def insert(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        self._index.insert(ids, rows, self._keys.addresses, self._keys.shift)
+        self._index.insert(ids, rows, self._rows.layout)
 
     def remove(self, ids: torch.Tensor) -> None:
-        self._index.remove(ids, self._keys.addresses, self._keys.shift)
+        self._index.remove(ids, self._rows.layout)
 
     def reserve(self, rows: int) -> None:
-        self._index.reserve(rows, self._keys.addresses, self._keys.shift)
+        self._index.reserve(rows, self._rows.layout)
 
 
 class TensorIdIndex:

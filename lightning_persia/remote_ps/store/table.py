@@ -95,7 +95,7 @@ class Table:
             "version": FieldSpec(torch.int32),
         }
         self._rows = ChunkedRows({name: spec for name, spec in self.field_specs.items() if spec.row_bytes > 0})
-        self._index = make_index(self._rows["ids"])
+        self._index = make_index(self._rows)
         self._admission = torch.Generator().manual_seed((seed ^ name_hash(config.name)) & ((1 << 63) - 1))
         self._eviction_sample = torch.Generator().manual_seed(seed)
         self._size = 0  # rows allocated so far (live or free)

@@ -10,10 +10,11 @@ from lightning_persia.remote_ps.table_config import SGD, TableConfig, Uniform
 def test_growth_appends_chunks_and_never_moves_a_stored_row(small_chunks, store_kernels):
     rows = ChunkedRows({"ids": FieldSpec(torch.int64), "weights": FieldSpec(torch.float16, 3)})
     rows.reserve(10)
-    first = rows["weights"].chunks[0]
+    first = rows.chunks[0]
     rows["weights"].scatter(torch.tensor([0, 1023]), torch.tensor([[1.0, 2, 3], [4, 5, 6]]))
     rows.reserve(5 * small_chunks + 1)
-    assert rows.num_chunks == 6 and rows["weights"].chunks[0].data_ptr() == first.data_ptr()
+    assert rows.num_chunks == 6 and rows.chunks[0].data_ptr() == first.data_ptr()
+    assert rows.record_bytes == 16 and rows["ids"].offset == 0  # id first, then the 3 fp16 weights, padded to 8
     spanning = torch.tensor([1023, 1024, 4095, 5120, 0, -1])
     rows["weights"].scatter(spanning[1:4], torch.arange(9, dtype=torch.float16).view(3, 3))
     out = rows["weights"].gather(spanning, torch.full((6, 3), -7.0, dtype=torch.float16))

@@ -6,7 +6,8 @@ import torch
 
 from lightning_persia.ops import native
 from lightning_persia.remote_ps.store import index as index_module
-from lightning_persia.remote_ps.store.chunked_rows import ChunkedField, FieldSpec
+from lightning_persia.remote_ps.store import chunked_rows
+from lightning_persia.remote_ps.store.chunked_rows import ChunkedRows, FieldSpec
 
 
 @pytest.fixture(params=["native", "tensor"])
@@ -18,17 +19,17 @@ def implementation(request, monkeypatch):
     return request.param
 
 
-def _keys(rows: int, shift: int = 10) -> ChunkedField:
-    """An ids field of small chunks, so that the keys of one index span many of them."""
-    keys = ChunkedField(FieldSpec(torch.int64), shift)
-    while keys.capacity < rows:
-        keys.add_chunk()
+def _keys(rows: int, monkeypatch, chunk_bytes: int = 1) -> ChunkedRows:
+    """Rows of ids alone, in small chunks (1,024 rows by default), so that the keys of one index span many of them."""
+    monkeypatch.setattr(chunked_rows, "CHUNK_BYTES", chunk_bytes)
+    keys = ChunkedRows({"ids": FieldSpec(torch.int64)})
+    keys.reserve(rows)
     return keys
 
 
-def test_index_agrees_with_a_dict_through_inserts_removals_and_growth(implementation):
+def test_index_agrees_with_a_dict_through_inserts_removals_and_growth(implementation, monkeypatch):
     rng = random.Random(3)
-    keys = _keys(20000)
+    keys = _keys(20000, monkeypatch)
     index = index_module.make_index(keys)
     assert isinstance(index, index_module.NativeIdIndex if implementation == "native" else index_module.TensorIdIndex)
     truth, free_rows, next_row = {}, [], 0
@@ -40,7 +41,7 @@ def test_index_agrees_with_a_dict_through_inserts_removals_and_growth(implementa
             next_row += row == next_row
             rows.append(row)
             truth[key] = row
-        keys.scatter(torch.tensor(rows), torch.tensor(fresh))
+        keys["ids"].scatter(torch.tensor(rows), torch.tensor(fresh))
         index.insert(torch.tensor(fresh), torch.tensor(rows))
         gone = rng.sample(sorted(truth), k=len(truth) // 5)
         index.remove(torch.tensor(gone, dtype=torch.int64))
@@ -51,11 +52,11 @@ def test_index_agrees_with_a_dict_through_inserts_removals_and_growth(implementa
         assert found.tolist() == [truth.get(key, -1) for key in probe]
 
 
-def test_native_index_grows_a_partition_at_a_time(native_kernels):
-    keys = _keys(300_000, shift=16)
+def test_native_index_grows_a_partition_at_a_time(native_kernels, monkeypatch):
+    keys = _keys(300_000, monkeypatch, chunk_bytes=1 << 19)
     index = index_module.NativeIdIndex(keys)
     ids = torch.arange(300_000, dtype=torch.int64) * 2654435761 + 17
-    keys.scatter(torch.arange(300_000), ids)
+    keys["ids"].scatter(torch.arange(300_000), ids)
     grown = []
     for start in range(0, 300_000, 30_000):
         index.insert(ids[start : start + 30_000], torch.arange(start, start + 30_000))
@@ -68,16 +69,21 @@ def test_native_index_grows_a_partition_at_a_time(native_kernels):
     assert index.nbytes < 300_000 * 12  # at most 12 bytes a row at any load the partitions reach
 
 
-def test_wrong_buffers_are_refused_before_any_c_code_runs(native_kernels):
-    keys = _keys(2048)
+def test_wrong_buffers_are_refused_before_any_c_code_runs(native_kernels, monkeypatch):
+    keys = _keys(2048, monkeypatch)
+    chunks = keys.layout
     index = native.Index()
     with pytest.raises(ValueError, match="ids must be a 1-D torch.int64 CPU tensor, got torch.int32"):
-        index.find(torch.arange(3, dtype=torch.int32), keys.addresses, keys.shift)
+        index.find(torch.arange(3, dtype=torch.int32), chunks)
     with pytest.raises(ValueError, match="3 ids but 2 rows"):
-        index.insert(torch.arange(3), torch.arange(2), keys.addresses, keys.shift)
+        index.insert(torch.arange(3), torch.arange(2), chunks)
     with pytest.raises(ValueError, match="row 5000 is past the 2048 rows"):
-        index.insert(torch.arange(2), torch.tensor([0, 5000]), keys.addresses, keys.shift)
+        index.insert(torch.arange(2), torch.tensor([0, 5000]), chunks)
     with pytest.raises(ValueError, match="row 2048 is past"):
-        native.gather(keys.addresses, keys.shift, torch.tensor([2048]), torch.empty(1, dtype=torch.int64))
+        native.gather(chunks, 0, torch.tensor([2048]), torch.empty(1, dtype=torch.int64))
     with pytest.raises(ValueError, match="contiguous CPU tensor of 2 rows"):
-        native.scatter(keys.addresses, keys.shift, torch.tensor([0, 1]), torch.zeros(3, dtype=torch.int64))
+        native.scatter(chunks, 0, torch.tensor([0, 1]), torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="16 bytes at offset 0 does not fit in records of 8 bytes"):
+        native.gather(chunks, 0, torch.tensor([1]), torch.empty(1, 2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="does not fit"):
+        index.find(torch.arange(2), chunks, touch=(6, 1, False))

@@ -112,6 +112,7 @@ class PSClient:
         max_ids_per_message: larger requests to one shard are split into several messages.
         max_message_mb: gRPC message limit; requests are also split to stay under half of it.
         checkpoint_timeout_s: deadline of a save or load.
+        interceptors: ``grpc.aio`` client interceptors of every channel (e.g. ``remote_ps.metrics.ClientRpcMetrics``).
     """
 
     def __init__(
@@ -131,6 +132,7 @@ class PSClient:
         max_ids_per_message: int = 1 << 18,
         max_message_mb: int = 512,
         checkpoint_timeout_s: float = 3600.0,
+        interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
     ) -> None:
         if not addresses:
             raise ValueError("PSClient needs the address of at least one shard")
@@ -178,8 +180,9 @@ class PSClient:
         self._closed = False
 
         async def connect() -> None:
-            make = (lambda a: grpc.aio.secure_channel(a, credentials, options)) if credentials else (
-                lambda a: grpc.aio.insecure_channel(a, options))
+            chained = list(interceptors) or None
+            make = (lambda a: grpc.aio.secure_channel(a, credentials, options, interceptors=chained)) if credentials else (
+                lambda a: grpc.aio.insecure_channel(a, options, interceptors=chained))
             self._channels = [make(address) for address in self.addresses]
             self._stubs = [persia_pb2_grpc.ParameterServerStub(c) for c in self._channels]
             self._health = [health_pb2_grpc.HealthStub(c) for c in self._channels]

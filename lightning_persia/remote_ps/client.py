@@ -348,12 +348,7 @@ class PSClient:
     def refresh_incarnations(self) -> List[str]:
         """Reads every shard's current incarnation and accepts it (after a restart has been dealt with)."""
         stats = self.stats()
-        for shard, entry in enumerate(stats):
-            if (entry["shard_index"], entry["num_shards"]) != (shard, self.num_shards):
-                raise PSError(
-                    f"{self.addresses[shard]} is shard {entry['shard_index']} of {entry['num_shards']}, but this client "
-                    f"lists it as shard {shard} of {self.num_shards}; pass the addresses in shard order"
-                )
+        _check_shard_order(self.addresses, [(entry["shard_index"], entry["num_shards"]) for entry in stats])
         self.incarnations = [entry["incarnation"] or None for entry in stats]
         return list(self.incarnations)
 
@@ -487,6 +482,30 @@ class PSClient:
                     ) from None
             delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+
+
+def _check_shard_order(addresses: Sequence[str], identities: Sequence[Tuple[int, int]]) -> None:
+    """Raises :class:`PSError` unless ``addresses[i]`` is shard ``i`` of ``len(addresses)`` for every ``i``.
+
+    The message names every address that is out of place, what it is, and the list the shards ask for.
+    """
+    wrong = [(shard, address, index, count) for shard, (address, (index, count)) in enumerate(zip(addresses, identities))
+             if (index, count) != (shard, len(addresses))]
+    if not wrong:
+        return
+    listed = len(addresses)
+    details = "; ".join(f"{address} is shard {index} of {count}, listed as shard {shard} of {listed}"
+                        for shard, address, index, count in wrong)
+    counts = sorted({count for _, count in identities})
+    if counts != [listed]:
+        advice = (f"the shards answering are part of a cluster of {' or '.join(map(str, counts))} shards, but "
+                  f"{listed} address{'es are' if listed != 1 else ' is'} listed: list every shard of the cluster, once each")
+    else:
+        by_index = {index: address for address, (index, _) in zip(addresses, identities)}
+        advice = ("pass the addresses in shard order: " + ", ".join(by_index[i] for i in range(listed))
+                  if len(by_index) == listed else "an address is listed twice: list every shard of the cluster, once each")
+    raise PSError(f"the parameter-server addresses do not match the shards: {details}. {advice} "
+                  f"(listed: {', '.join(addresses)})")
 
 
 def _wire_enum(name: str) -> int:

@@ -107,3 +107,33 @@ def test_a_taken_metrics_port_stops_the_shard_before_it_serves():
 def test_a_metrics_port_out_of_range_is_refused(port):
     result = _serve("--metrics-port", port)
     assert result.returncode == 2 and f"metrics_port must be in [0, 65535], got {port}" in result.stderr
+
+
+def test_the_client_interceptor_counts_calls_and_leaves_errors_as_they_are(start_ps_cluster):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from lightning_persia.remote_ps.client import ShardUnavailableError
+    from lightning_persia.remote_ps.metrics import ClientRpcMetrics
+
+    registry = CollectorRegistry()
+    interceptor = ClientRpcMetrics(registry)
+    shards = start_ps_cluster(1)
+    with PSClient(shards.addresses, interceptors=[interceptor], timeout_s=10, max_retries=0) as client:
+        client.wait_healthy(30)
+        client.configure([TableConfig("c.t", dim=2)])
+        assert client.lookup({"c.t": torch.arange(3)}, train=True)["c.t"].shape == (3, 2)
+        with pytest.raises(PSRequestError, match="NOT_FOUND"):
+            client.lookup({"c.missing": torch.arange(3)}, train=True)
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        gone = f"127.0.0.1:{closed.getsockname()[1]}"
+    with PSClient([gone], interceptors=[interceptor], timeout_s=2, max_retries=1, backoff_s=0.01) as client:
+        with pytest.raises(ShardUnavailableError, match=f"shard 0 at {gone} did not answer after 2 tries"):
+            client.lookup({"c.t": torch.arange(3)}, train=False)
+    samples = {(s.name, frozenset(s.labels.items())): s.value
+               for family in text_string_to_metric_families(generate_latest(registry).decode()) for s in family.samples}
+    rpc = dict(grpc_type="unary", grpc_service="persia.ParameterServer", grpc_method="Lookup")
+    assert samples[("grpc_client_handled_total", frozenset(dict(rpc, grpc_code="OK").items()))] == 1
+    assert samples[("grpc_client_handled_total", frozenset(dict(rpc, grpc_code="NOT_FOUND").items()))] == 1
+    assert samples[("grpc_client_handled_total", frozenset(dict(rpc, grpc_code="UNAVAILABLE").items()))] == 2
+    assert samples[("grpc_client_handling_seconds_count", frozenset(rpc.items()))] == 4

@@ -69,3 +69,22 @@ def test_each_rank_serves_its_embedding_and_ps_call_figures_on_its_own_port(tmp_
 def test_a_metrics_port_out_of_range_is_refused():
     with pytest.raises(ValueError, match="metrics_port must be in"):
         PersiaStrategy(metrics_port=70000)
+
+
+def test_a_taken_metrics_port_fails_the_trainer_at_start_naming_it():
+    import lightning as L
+
+    from lightning_persia.remote_ps.metrics import MetricsPortError
+    from toy import ToyRecommender, loader, make_batches
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        strategy = PersiaStrategy(metrics_port=port)
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, strategy=strategy, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, enable_checkpointing=False)
+        with pytest.raises(MetricsPortError, match=rf"cannot serve trainer metrics \(metrics_port, rank 0\) on 127\.0\.0\.1:{port}: "
+                           "Address already in use"):
+            trainer.fit(ToyRecommender(), loader(make_batches(1)))
+    assert strategy.client is None  # failed before it connected (nor started shards)

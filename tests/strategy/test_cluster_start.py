@@ -41,7 +41,7 @@ def test_a_wrong_shard_list_fails_at_start_naming_both_before_anything_lands(clu
         _fit(listed)
     message = str(info.value)
     assert f"listed: {', '.join(listed)}" in message
-    assert f"{listed[0] if order != 'one twice' else a0} is shard" in message
+    assert f"{listed[0]} is shard" in message and "listed as shard" in message
     _untouched([a0, a1])
 
 
@@ -53,4 +53,4 @@ def test_an_unreachable_shard_fails_at_start_naming_it_without_hanging(cluster):
     with pytest.raises(ShardUnavailableError, match=rf"shard 1 at {gone} did not answer after \d+ tries over"):
         _fit([cluster.addresses[0], gone], timeout_s=2.0)
     assert time.monotonic() - started < 30
-    _untouched([cluster.addresses[0]] + [cluster.addresses[1]])
+    _untouched(cluster.addresses)

@@ -45,9 +45,11 @@ from typing import Deque, Dict, List, Optional, Sequence
 
 _HERE = Path(__file__).resolve().parent
 _ROOT = _HERE.parent
-if str(_HERE) not in sys.path:
-    sys.path.insert(0, str(_HERE))
+for _path in (str(_ROOT), str(_HERE)):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
+from lightning_persia.remote_ps.server import LISTENING_PREFIX  # noqa: E402
 from trainbench.netem import HostNetwork, NetemError  # noqa: E402
 
 PS_HOSTS = ("ps-0", "ps-1")
@@ -56,7 +58,6 @@ SHARDS_PER_HOST = 2
 SHARD_PORT = 5000
 MASTER_PORT = 29500
 KILLED_SHARD = 3  # the second shard of ps-1
-LISTENING = "PERSIA_PS_LISTENING"  # = lightning_persia.remote_ps.server.LISTENING_PREFIX (no torch import here)
 
 # Starts the shard command ("$@") again whenever it exits; SIGTERM stops the shard and the loop.
 SUPERVISOR = r"""
@@ -99,7 +100,7 @@ class _Process:
     """A process started in its own session, its output kept in a file and its last lines in memory."""
 
     def __init__(self, name: str, command: Sequence[str], log: Path, env: Dict[str, str]) -> None:
-        self.name, self.log = name, log
+        self.name = name
         self.lines: Deque[str] = collections.deque(maxlen=400)
         self.listening: List[str] = []
         self._file = open(log, "w")
@@ -113,7 +114,7 @@ class _Process:
             self._file.write(line)
             self._file.flush()
             self.lines.append(line.rstrip("\n"))
-            if line.startswith(LISTENING + " "):
+            if line.startswith(LISTENING_PREFIX + " "):
                 self.listening.append(line.split()[1])
 
     def tail(self, count: int = 30) -> str:
@@ -175,7 +176,8 @@ def read_auc(out: Path) -> float:
     files = sorted(out.glob("log/version_*/metrics.csv"))
     if not files:
         raise MultihostError(f"no metrics.csv under {out}/log: the run logged no validation")
-    values = [float(row["val_auc"]) for row in csv.DictReader(open(files[-1])) if row.get("val_auc")]
+    with open(files[-1], newline="") as f:
+        values = [float(row["val_auc"]) for row in csv.DictReader(f) if row.get("val_auc")]
     if not values:
         raise MultihostError(f"{files[-1]} holds no val_auc")
     return values[-1]

@@ -9,9 +9,11 @@ import urllib.request
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from lightning_persia.remote_ps.client import PSClient, PSRequestError
+from lightning_persia.remote_ps.client import PSClient, PSRequestError, ShardUnavailableError
+from lightning_persia.remote_ps.metrics import ClientRpcMetrics
 from lightning_persia.remote_ps.server import LISTENING_PREFIX, METRICS_PREFIX
 from lightning_persia.remote_ps.table_config import SGD, TableConfig
 
@@ -110,11 +112,6 @@ def test_a_metrics_port_out_of_range_is_refused(port):
 
 
 def test_the_client_interceptor_counts_calls_and_leaves_errors_as_they_are(start_ps_cluster):
-    from prometheus_client import CollectorRegistry, generate_latest
-
-    from lightning_persia.remote_ps.client import ShardUnavailableError
-    from lightning_persia.remote_ps.metrics import ClientRpcMetrics
-
     registry = CollectorRegistry()
     interceptor = ClientRpcMetrics(registry)
     shards = start_ps_cluster(1)

@@ -8,11 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from lightning_persia import PersiaStrategy
+from lightning_persia.remote_ps.metrics import MetricsPortError
+from toy import ToyRecommender, loader, make_batches
 
 SCRIPT = Path(__file__).with_name("run_toy.py")
 STEPS = 8
@@ -72,11 +75,6 @@ def test_a_metrics_port_out_of_range_is_refused():
 
 
 def test_a_taken_metrics_port_fails_the_trainer_at_start_naming_it():
-    import lightning as L
-
-    from lightning_persia.remote_ps.metrics import MetricsPortError
-    from toy import ToyRecommender, loader, make_batches
-
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -2,7 +2,7 @@
 
     lightning-persia fit --config examples/dlrm/config.yaml [--trainer.strategy.init_args.staleness=8 ...]
     lightning-persia validate|test|predict --config ... [--ckpt_path ...]
-    lightning-persia ps serve --port 5000 --shard-index 0 --num-shards 2 [--config ps.yaml] [key=value ...]
+    lightning-persia ps serve --port 5000 --shard-index 0 --num-shards 2 [--metrics-port 9100] [--config ps.yaml] [key=value ...]
 
 The training commands are LightningCLI's, with ``strategy: persia`` available. ``ps`` runs parameter-server
 processes and never imports Lightning. Every command is one entry of :data:`COMMANDS`.
@@ -10,6 +10,7 @@ processes and never imports Lightning. Every command is one entry of :data:`COMM
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -46,6 +47,9 @@ def _ps_parser() -> argparse.ArgumentParser:
     serve.add_argument("--restore-from", metavar="DIR",
                        help="load a checkpoint before serving: a checkpoint folder, or a folder holding several (the "
                        "newest complete one is used). The shard refuses to start if none loads (config: restore_from)")
+    serve.add_argument("--metrics-port", type=int, metavar="PORT",
+                       help="also serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port; config: "
+                       "metrics_port); the shard refuses to start if the port is taken")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     serve.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                        help="config overrides in OmegaConf dotlist form, e.g. seed=7 tables.user.dim=32")
@@ -78,6 +82,8 @@ def _ps_main(argv: Sequence[str]) -> int:
         config = load_ps_config(args.config, args.overrides)
         if args.restore_from:
             config.restore_from = os.path.abspath(args.restore_from)
+        if args.metrics_port is not None:
+            config = dataclasses.replace(config, metrics_port=args.metrics_port)  # validated like the YAML value
         return server.run_shard(
             shard_index=args.shard_index, num_shards=args.num_shards, config=config, host=args.host,
             port=args.port, token=args.token, tls=tls, insecure=args.insecure, parent_pid=args.parent_pid,

@@ -35,13 +35,15 @@ def clean_distributed():
 def native_kernels() -> None:
     """For tests of the C kernels themselves (``lightning_persia.ops.native``).
 
-    They are compiled with the machine's C compiler; on a machine without one there is nothing to test, and
-    the library runs its tensor implementation instead, which is tested on its own (the "tensor" cases of
-    tests/remote_ps/store/test_index.py, tests/ops/test_hashing.py). CI machines have a compiler.
+    They are compiled when the package is built (``make native`` in a checkout) with the machine's C compiler;
+    without one there is nothing to test, and the library runs its tensor implementation instead, which is
+    tested on its own (the "tensor" cases of tests/remote_ps/store/test_index.py, tests/ops/test_hashing.py).
+    CI machines have a compiler, and ``make test`` builds the library first.
     """
     if not native.available():
         why = ("LIGHTNING_PERSIA_NATIVE=0 switches them off for this run" if os.environ.get("LIGHTNING_PERSIA_NATIVE") == "0"
-               else "they could not be built here (no working C compiler; the warning above says why)")
+               else "the library is not built from this kernels.c (`make native`; a build without a working C "
+               "compiler skips it; the warning above says more)")
         pytest.skip(f"the native kernels are not in use: {why}. The library then runs its tensor implementation, "
                     "which has its own tests (test_index.py 'tensor' cases, test_hashing.py)")
 

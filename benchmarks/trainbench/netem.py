@@ -19,18 +19,26 @@ Example::
 
     with EmulatedNetwork(delay_ms=1.0, rate="10gbit") as net, net.shards(2, token="t") as shards:
         subprocess.run(net.in_trainer_ns(["python", "train.py"]), ...)   # connects to shards.addresses
+
+:class:`HostNetwork` is the other shape: N namespaces, each a host with its own address, on one Linux bridge
+(in a switch namespace of its own), for runs launched the way a cluster launches them (``benchmarks/multihost.py``)::
+
+    with HostNetwork(["ps-0", "ps-1", "trainer-0", "trainer-1"]) as hosts:
+        subprocess.Popen(hosts.run_in("ps-0", ["lightning-persia", "ps", "serve", "--host", hosts.address("ps-0"), ...]))
 """
 from __future__ import annotations
 
 import collections
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
 import time
-from typing import Deque, List, Optional, Sequence
+from typing import Deque, Dict, List, Optional, Sequence
 
 from lightning_persia.remote_ps.server import read_listening_address, stop_processes
 
@@ -72,15 +80,111 @@ def _run(*command: str) -> str:
     return done.stdout
 
 
+def _check_tools(what: str) -> None:
+    if os.geteuid() != 0:
+        raise NetemError(f"{what} needs root (it creates network namespaces)")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise NetemError(f"{what} needs `{tool}` (apt-get install iproute2)")
+
+
+def _namespaces() -> List[str]:
+    return [line.split()[0] for line in _run("ip", "netns", "list").splitlines() if line.strip()]
+
+
+class HostNetwork:
+    """Hosts as Linux network namespaces, each with one address on a shared bridge; removed by :meth:`close`.
+
+    Host ``i`` is namespace ``<prefix><pid>-h<i>`` with interface ``eth0`` at ``10.215.<x>.<i + 1>/24`` (and its
+    own loopback); every ``eth0`` is one end of a veth pair whose other end is a port of bridge ``br0`` in the
+    namespace ``<prefix><pid>-sw``. Nothing in the root namespace changes. Namespaces of an earlier run of this
+    class whose process is gone (killed before it could clean up) are removed first.
+
+    :meth:`close` stops what still runs inside a host (SIGTERM, SIGKILL after ``grace_s``) before it deletes the
+    namespaces: a namespace outlives its name while a process holds it.
+    """
+
+    PREFIX = "lpmh"
+    INTERFACE = "eth0"
+
+    def __init__(self, hosts: Sequence[str]) -> None:
+        _check_tools("a multi-host run")
+        if not hosts or len(set(hosts)) != len(hosts) or len(hosts) > 250:
+            raise NetemError(f"HostNetwork needs 1..250 distinct host names, got {list(hosts)}")
+        self._remove_orphans()
+        tag = f"{self.PREFIX}{os.getpid()}"
+        self.switch = f"{tag}-sw"
+        self.hosts = list(hosts)
+        self.namespaces: Dict[str, str] = {host: f"{tag}-h{i}" for i, host in enumerate(self.hosts)}
+        subnet = f"10.215.{os.getpid() % 250 + 1}"
+        self.addresses: Dict[str, str] = {host: f"{subnet}.{i + 1}" for i, host in enumerate(self.hosts)}
+        self._closed = False
+        try:
+            _run("ip", "netns", "add", self.switch)
+            _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+            _run("ip", "-n", self.switch, "link", "set", "br0", "up")
+            for i, host in enumerate(self.hosts):
+                ns, port = self.namespaces[host], f"p{i}"
+                _run("ip", "netns", "add", ns)
+                _run("ip", "-n", ns, "link", "set", "lo", "up")
+                _run("ip", "link", "add", f"{tag[-9:]}h{i}", "netns", ns, "type", "veth", "peer", "name", port, "netns", self.switch)
+                _run("ip", "-n", ns, "link", "set", f"{tag[-9:]}h{i}", "name", self.INTERFACE)
+                _run("ip", "-n", ns, "addr", "add", f"{self.addresses[host]}/24", "dev", self.INTERFACE)
+                _run("ip", "-n", ns, "link", "set", self.INTERFACE, "up")
+                _run("ip", "-n", self.switch, "link", "set", port, "master", "br0")
+                _run("ip", "-n", self.switch, "link", "set", port, "up")
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def _remove_orphans(cls) -> None:
+        for ns in _namespaces():
+            match = re.fullmatch(rf"{cls.PREFIX}(\d+)-(sw|h\d+)", ns)
+            if match and not os.path.exists(f"/proc/{match.group(1)}"):
+                subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+    def address(self, host: str) -> str:
+        return self.addresses[host]
+
+    def run_in(self, host: str, command: Sequence[str]) -> List[str]:
+        """``command`` as it runs inside ``host`` (``ip netns exec`` replaces itself by the command)."""
+        return ["ip", "netns", "exec", self.namespaces[host], *command]
+
+    def pids(self, host: str) -> List[int]:
+        """Processes running inside ``host`` now."""
+        out = subprocess.run(["ip", "netns", "pids", self.namespaces[host]], capture_output=True, text=True).stdout
+        return [int(pid) for pid in out.split()]
+
+    def close(self, grace_s: float = 5.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            left = [pid for host in self.hosts for pid in self.pids(host)]
+            for pid in left:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + grace_s
+            while left and time.monotonic() < deadline and any(self.pids(host) for host in self.hosts):
+                time.sleep(0.1)
+        for ns in [*self.namespaces.values(), self.switch]:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+    def __enter__(self) -> "HostNetwork":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 class EmulatedNetwork:
     """The two namespaces and the shaped veth pair between them; removed by :meth:`close` (idempotent)."""
 
     def __init__(self, delay_ms: float, rate: str = "", name: Optional[str] = None, limit_packets: int = 100_000) -> None:
-        if os.geteuid() != 0:
-            raise NetemError("--netem needs root (it creates network namespaces)")
-        for tool in ("ip", "tc"):
-            if shutil.which(tool) is None:
-                raise NetemError(f"--netem needs `{tool}` (apt-get install iproute2)")
+        _check_tools("--netem")
         self.delay_ms, self.rate = delay_ms, rate
         tag = name or f"pb{os.getpid() % 100000}"
         self.trainer_ns, self.ps_ns = f"{tag}-tr", f"{tag}-ps"

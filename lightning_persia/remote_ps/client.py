@@ -112,6 +112,7 @@ class PSClient:
         max_ids_per_message: larger requests to one shard are split into several messages.
         max_message_mb: gRPC message limit; requests are also split to stay under half of it.
         checkpoint_timeout_s: deadline of a save or load.
+        interceptors: ``grpc.aio`` client interceptors of every channel (e.g. ``remote_ps.metrics.ClientRpcMetrics``).
     """
 
     def __init__(
@@ -131,6 +132,7 @@ class PSClient:
         max_ids_per_message: int = 1 << 18,
         max_message_mb: int = 512,
         checkpoint_timeout_s: float = 3600.0,
+        interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
     ) -> None:
         if not addresses:
             raise ValueError("PSClient needs the address of at least one shard")
@@ -178,8 +180,9 @@ class PSClient:
         self._closed = False
 
         async def connect() -> None:
-            make = (lambda a: grpc.aio.secure_channel(a, credentials, options)) if credentials else (
-                lambda a: grpc.aio.insecure_channel(a, options))
+            chained = list(interceptors) or None
+            make = (lambda a: grpc.aio.secure_channel(a, credentials, options, interceptors=chained)) if credentials else (
+                lambda a: grpc.aio.insecure_channel(a, options, interceptors=chained))
             self._channels = [make(address) for address in self.addresses]
             self._stubs = [persia_pb2_grpc.ParameterServerStub(c) for c in self._channels]
             self._health = [health_pb2_grpc.HealthStub(c) for c in self._channels]
@@ -345,12 +348,7 @@ class PSClient:
     def refresh_incarnations(self) -> List[str]:
         """Reads every shard's current incarnation and accepts it (after a restart has been dealt with)."""
         stats = self.stats()
-        for shard, entry in enumerate(stats):
-            if (entry["shard_index"], entry["num_shards"]) != (shard, self.num_shards):
-                raise PSError(
-                    f"{self.addresses[shard]} is shard {entry['shard_index']} of {entry['num_shards']}, but this client "
-                    f"lists it as shard {shard} of {self.num_shards}; pass the addresses in shard order"
-                )
+        _check_shard_order(self.addresses, [(entry["shard_index"], entry["num_shards"]) for entry in stats])
         self.incarnations = [entry["incarnation"] or None for entry in stats]
         return list(self.incarnations)
 
@@ -484,6 +482,30 @@ class PSClient:
                     ) from None
             delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+
+
+def _check_shard_order(addresses: Sequence[str], identities: Sequence[Tuple[int, int]]) -> None:
+    """Raises :class:`PSError` unless ``addresses[i]`` is shard ``i`` of ``len(addresses)`` for every ``i``.
+
+    The message names every address that is out of place, what it is, and the list the shards ask for.
+    """
+    wrong = [(shard, address, index, count) for shard, (address, (index, count)) in enumerate(zip(addresses, identities))
+             if (index, count) != (shard, len(addresses))]
+    if not wrong:
+        return
+    listed = len(addresses)
+    details = "; ".join(f"{address} is shard {index} of {count}, listed as shard {shard} of {listed}"
+                        for shard, address, index, count in wrong)
+    counts = sorted({count for _, count in identities})
+    if counts != [listed]:
+        advice = (f"the shards answering are part of a cluster of {' or '.join(map(str, counts))} shards, but "
+                  f"{listed} address{'es are' if listed != 1 else ' is'} listed: list every shard of the cluster, once each")
+    else:
+        by_index = {index: address for address, (index, _) in zip(addresses, identities)}
+        advice = ("pass the addresses in shard order: " + ", ".join(by_index[i] for i in range(listed))
+                  if len(by_index) == listed else "an address is listed twice: list every shard of the cluster, once each")
+    raise PSError(f"the parameter-server addresses do not match the shards: {details}. {advice} "
+                  f"(listed: {', '.join(addresses)})")
 
 
 def _wire_enum(name: str) -> int:

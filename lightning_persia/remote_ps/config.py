@@ -64,6 +64,9 @@ class PSConfig:
     """Load a checkpoint before serving: a checkpoint folder, or a folder holding several (the newest complete
     one is loaded, e.g. a PersiaStrategy ``<ckpt>.ps`` folder or a whole checkpoint directory). A shard
     that cannot load one refuses to start (exit status 2) rather than serve empty tables."""
+    metrics_port: Optional[int] = None
+    """Serve Prometheus metrics at ``http://<host>:<port>/metrics`` (the shard's ``--host``); 0 picks a free port,
+    ``None`` serves none. A port that is taken stops the shard before it serves any call."""
     fault_delay_s: float = 0.0
     """Testing only: every Lookup and Update sleeps this long before it runs (a slow shard)."""
     fault_save_delay_s: float = 0.0
@@ -84,6 +87,8 @@ class PSConfig:
         for name in ("fault_delay_s", "fault_save_delay_s"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"PS config: {name} must be >= 0, got {getattr(self, name)}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ConfigError(f"PS config: metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.grace_s < 0:
             raise ConfigError(f"PS config: grace_s must be >= 0, got {self.grace_s}")
         self.table_configs()  # fail at load time, naming the table

@@ -4,7 +4,9 @@
   status whose message names the problem; the shard keeps serving and its data is unchanged.
 - :class:`ShardServer` binds the servicer and the standard health service, with a token and/or TLS when
   asked; :func:`check_bind_security` refuses a non-loopback address that has neither (nor ``insecure``).
-- :func:`run_shard` is the ``lightning-persia ps serve`` process: prints ``PERSIA_PS_LISTENING host:port``,
+  With ``metrics_port`` set it also serves Prometheus metrics (``remote_ps/metrics.py``).
+- :func:`run_shard` is the ``lightning-persia ps serve`` process: prints ``PERSIA_PS_LISTENING host:port``
+  (after ``PERSIA_PS_METRICS <url>`` when it serves metrics),
   stops gracefully on SIGTERM/SIGINT, and exits when its parent dies (``parent_pid``).
 - :class:`LocalShards` starts N shard processes on loopback and stops them (tests, benchmarks, embedded use).
 
@@ -38,6 +40,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from lightning_persia.ops import native, wire
 from lightning_persia.remote_ps.config import PSConfig
+from lightning_persia.remote_ps import metrics
 from lightning_persia.remote_ps.exactly_once import ConflictingDuplicateError, StaleSequenceError, UpdateDeduplicator
 from lightning_persia.remote_ps.protocol import SERVICE_NAME, persia_pb2, persia_pb2_grpc
 from lightning_persia.remote_ps.store import CheckpointError, InvalidRequestError, ShardStore, StoreError, UnknownTableError
@@ -46,6 +49,7 @@ from lightning_persia.remote_ps.table_config import ConfigError, TableConfig
 log = logging.getLogger("lightning_persia.ps")
 
 LISTENING_PREFIX = "PERSIA_PS_LISTENING"
+METRICS_PREFIX = "PERSIA_PS_METRICS"  # the line before LISTENING_PREFIX's, with the URL of /metrics
 AUTH_METADATA_KEY = "authorization"
 INCARNATION_METADATA_KEY = "persia-incarnation"
 # Calls that must never land on a restarted shard without the caller knowing (they read or write rows that a
@@ -456,10 +460,18 @@ class ShardServer:
         check_bind_security(host, token=token, tls=tls is not None, insecure=insecure)
         self.servicer = PSServicer(store, config)
         self.health = health.HealthServicer()
+        self._host = host
+        self._metrics_port = config.metrics_port
+        self.metrics_registry = None if config.metrics_port is None else metrics.shard_registry(self.servicer)
+        self.metrics_url: Optional[str] = None
+        self._metrics_server = None
+        # The metrics interceptor comes first, so it also counts the calls the token interceptor refuses.
+        interceptors = ([metrics.ServerRpcMetrics(self.metrics_registry)] if self.metrics_registry is not None else []) + (
+            [TokenInterceptor(token)] if token else [])
         max_bytes = config.max_message_mb << 20
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.server_threads, thread_name_prefix="persia-ps"),
-            interceptors=[TokenInterceptor(token)] if token else None,
+            interceptors=interceptors or None,
             options=[
                 ("grpc.max_send_message_length", max_bytes),
                 ("grpc.max_receive_message_length", max_bytes),
@@ -481,6 +493,15 @@ class ShardServer:
         self.address = format_address(host, bound)
 
     def start(self) -> str:
+        """Starts serving (metrics first: a shard whose metrics port is taken never answers a call)."""
+        if self.metrics_registry is not None:
+            try:
+                self._metrics_server = metrics.serve_metrics(self.metrics_registry, self._host, self._metrics_port,
+                                                             what=f"shard {self.servicer.store.shard_index} metrics (--metrics-port)")
+            except metrics.MetricsPortError:
+                self._server.stop(None)  # releases the bound gRPC port
+                raise
+            self.metrics_url = metrics.metrics_url(self._metrics_server, self._host)
         self._server.start()
         for service in ("", SERVICE_NAME):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -490,6 +511,7 @@ class ShardServer:
         """Reports NOT_SERVING, lets in-flight calls finish for up to ``grace_s`` seconds, then stops."""
         self.health.enter_graceful_shutdown()
         self._server.stop(grace_s).wait()
+        metrics.stop_metrics(self._metrics_server)
 
 
 # ---- the shard process ---------------------------------------------------------------------------------
@@ -567,7 +589,7 @@ def run_shard(
         torch.set_num_threads(config.torch_threads)
     if config.nice:
         os.nice(config.nice)
-    native.available()  # builds or loads the kernels now, not inside the first request
+    native.available()  # loads the kernels (or warns that it cannot) now, not inside the first request
     store = ShardStore(shard_index=shard_index, num_shards=num_shards, seed=config.seed, table_defaults=config.table_configs(),
                        fault_save_delay_s=config.fault_save_delay_s)
     restored = None
@@ -599,6 +621,9 @@ def run_shard(
     address = server.start()
     protection = " + ".join(name for name, on in (("TLS", tls), ("token", token)) if on) or "no TLS, no token"
     log.info("shard %d/%d serving on %s (%s)", shard_index, num_shards, address, protection)
+    if server.metrics_url:
+        log.info("shard %d/%d metrics on %s", shard_index, num_shards, server.metrics_url)
+        print(f"{METRICS_PREFIX} {server.metrics_url}", flush=True)
     print(f"{LISTENING_PREFIX} {address}", flush=True)
     while not signalled and not stop.wait(0.2):  # a timed wait keeps the main thread responsive to signals
         pass

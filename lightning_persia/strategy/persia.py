@@ -28,6 +28,7 @@ from lightning_persia.remote_ps.client import PSClient
 from lightning_persia.remote_ps.table_config import DEFAULT_CAPACITY, InitLike, OptimizerLike
 from lightning_persia.strategy.interception import MODULE_KINDS, TableDefaults, TableOverride, intercept
 from lightning_persia.strategy.local_cluster import LocalCluster
+from lightning_persia.strategy.metrics import TrainerMetrics
 from lightning_persia.strategy.recovery import Recovery, RecoveryConfig, new_save_id
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,10 @@ class PersiaStrategy(DDPStrategy):
         log_embedding_metrics: log lookup wait, rows fetched, unique ratio, wire bytes and staleness each step.
         recovery: what happens when a shard dies or restarts (default: roll back to the last checkpoint and go
             on; the embedded launcher restarts dead shards). See ``lightning_persia.strategy.recovery``.
+        metrics_port: serve this rank's Prometheus metrics (lookup wait, lag, rows, wire bytes, rollbacks, PS
+            calls and errors) at ``http://<metrics_host>:<metrics_port + local rank>/metrics``; ``None``: none.
+            See ``lightning_persia.strategy.metrics``.
+        metrics_host: address the metrics endpoint binds (``0.0.0.0`` to be scraped from other machines).
     """
 
     strategy_name = "persia"
@@ -121,6 +126,8 @@ class PersiaStrategy(DDPStrategy):
         ps_config: Optional[str] = None,
         log_embedding_metrics: bool = True,
         recovery: Optional[RecoveryConfig] = None,
+        metrics_port: Optional[int] = None,
+        metrics_host: str = "127.0.0.1",
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -150,6 +157,8 @@ class PersiaStrategy(DDPStrategy):
             raise ValueError(f"data_parallel_max_rows must be >= 0, got {data_parallel_max_rows}")
         if wire_dtype not in ("fp16", "fp32"):
             raise ValueError(f"wire_dtype must be 'fp16' or 'fp32', got {wire_dtype!r}")
+        if metrics_port is not None and not 0 <= metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {metrics_port}")
         env_addresses = [a for a in os.environ.get(ADDRESSES_ENV, "").split(",") if a.strip()]
         self.ps_addresses = list(ps_addresses) if ps_addresses else (env_addresses or None)
         self.num_local_shards = num_local_shards
@@ -186,6 +195,9 @@ class PersiaStrategy(DDPStrategy):
         self._loaders: list[PrefetchingLoader] = []
         self.recovery = recovery if recovery is not None else RecoveryConfig()
         self._recovery = Recovery(self, self.recovery)
+        self.metrics_port = metrics_port
+        self.metrics_host = metrics_host
+        self.metrics: Optional[TrainerMetrics] = None
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -200,8 +212,18 @@ class PersiaStrategy(DDPStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
+        if self.metrics_port is not None and self.metrics is None:  # before connecting: its PS calls count too
+            port = self.metrics_port + self.local_rank if self.metrics_port else 0
+            ranks = {"global_rank": str(self.global_rank), "local_rank": str(self.local_rank), "node_rank": str(self.node_rank)}
+            self.metrics = TrainerMetrics(self.metrics_host, port, self._metric_figures, ranks)
         if self.client is None:
             self._connect()
+
+    def _metric_figures(self) -> dict[str, float]:
+        worker = self.worker
+        return {"rollbacks": len(self._recovery.events),
+                "dropped_nonfinite_rows": worker.dropped_nonfinite_rows if worker is not None else 0,
+                "prefetch_misses": worker.prefetch_misses if worker is not None else 0}
 
     def _connect(self) -> None:
         addresses: Union[list[str], str, None] = self.ps_addresses
@@ -218,7 +240,8 @@ class PersiaStrategy(DDPStrategy):
             addresses = self.broadcast(addresses)
             if isinstance(addresses, str):
                 raise RuntimeError(addresses)
-        self.client = PSClient(addresses, token=self.ps_token, tls_root_cert=self.ps_tls_root_cert, timeout_s=self.ps_timeout_s)
+        self.client = PSClient(addresses, token=self.ps_token, tls_root_cert=self.ps_tls_root_cert, timeout_s=self.ps_timeout_s,
+                               interceptors=[self.metrics.client_interceptor] if self.metrics is not None else ())
         self._recovery.attach(self.client, None)
         self.client.wait_healthy(self.ps_timeout_s)
 
@@ -277,10 +300,12 @@ class PersiaStrategy(DDPStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
-        if self.worker is not None and self.log_embedding_metrics:
+        if self.worker is not None and (self.log_embedding_metrics or self.metrics is not None):
             metrics = self.worker.step_metrics()
-            if metrics:
+            if metrics and self.log_embedding_metrics:
                 self.lightning_module.log_dict({f"persia/{k}": v for k, v in metrics.items()}, on_step=True, on_epoch=False, batch_size=1)
+            if self.metrics is not None:
+                self.metrics.observe_step(metrics)
         return output
 
     def post_backward(self, closure_loss: Tensor) -> None:
@@ -394,6 +419,9 @@ class PersiaStrategy(DDPStrategy):
         if self._cluster is not None:
             self._cluster.stop()
             self._cluster = None
+        if self.metrics is not None:
+            self.metrics.stop()
+            self.metrics = None
         self.worker = None
 
 

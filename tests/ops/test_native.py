@@ -1,35 +1,64 @@
 """Building and loading the native kernels, and their agreement with the tensor hashing."""
+import importlib.machinery
 import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_persia.ops import hashing, native
+from lightning_persia.ops.native._source import library_name
+
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def fresh_build(monkeypatch, tmp_path):
-    """The loader with an empty cache, no library loaded and not switched off; restored afterwards."""
-    monkeypatch.setenv("LIGHTNING_PERSIA_CACHE", str(tmp_path))
+def fresh_loader(monkeypatch):
+    """The loader with no library loaded and not switched off; ``use(directory)`` makes it look there."""
     monkeypatch.delenv("LIGHTNING_PERSIA_NATIVE", raising=False)
     native._library.cache_clear()
-    yield tmp_path
+
+    def use(directory: Path) -> None:
+        monkeypatch.setattr(native, "_DIRECTORY", directory)
+        native._library.cache_clear()
+
+    yield use
     native._library.cache_clear()
 
 
-def test_builds_into_the_cache_where_a_compiler_exists(fresh_build):
+def _build(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """``setup.py build_ext`` (what pip and ``python -m build`` run) into ``tmp_path``; the package folder it fills."""
+    result = subprocess.run(
+        [sys.executable, "setup.py", "build_ext", "--build-lib", str(tmp_path / "lib"), "--build-temp", str(tmp_path / "tmp")],
+        cwd=ROOT, capture_output=True, text=True, env={**os.environ, **env}, timeout=120,
+    )
+    return result, tmp_path / "lib" / "lightning_persia" / "ops" / "native"
+
+
+def test_the_package_build_compiles_the_library_the_loader_loads(fresh_loader, tmp_path):
     if not os.environ.get("CC") and shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("this test checks the build itself, and this machine has no C compiler (no $CC, cc or gcc) to "
-                    "build with; what the library does without one is test_a_failing_compiler_falls_back_with_a_warning_naming_it")
+                    "build with; what the package does without one is test_a_build_without_a_compiler_installs_without_the_library")
+    result, folder = _build(tmp_path)
+    assert result.returncode == 0, result.stderr
+    built = [p.name for p in folder.glob("_kernels_*")]
+    assert len(built) == 1 and built[0].startswith(library_name() + "."), built
+    fresh_loader(folder)
     assert native.available()
-    built = list((fresh_build / "native").glob("kernels-*.so"))
-    assert len(built) == 1 and not list((fresh_build / "native").glob("*.partial"))
+    assert native.first_foreign(torch.tensor([5, 6, 7]), 1, 0) == -1
 
 
-def test_a_failing_compiler_falls_back_with_a_warning_naming_it(fresh_build, monkeypatch):
-    monkeypatch.setenv("CC", "/bin/false")
-    with pytest.warns(UserWarning, match="native kernels unavailable.*/bin/false could not build kernels.c"):
+def test_a_build_without_a_compiler_installs_without_the_library_and_the_tensor_path_runs(fresh_loader, tmp_path):
+    result, folder = _build(tmp_path, CC="/bin/false")
+    assert result.returncode == 0, result.stderr  # optional extension: the install goes on
+    assert "/bin/false" in result.stderr and "failed" in result.stderr
+    assert not list(folder.glob("_kernels_*"))
+    fresh_loader(folder)
+    with pytest.warns(UserWarning, match=f"native kernels unavailable .*no {library_name()}.* built from this kernels.c"):
         assert not native.available()
     with pytest.raises(RuntimeError, match="not available"):
         native.first_foreign(torch.arange(3), 2, 0)
@@ -38,7 +67,15 @@ def test_a_failing_compiler_falls_back_with_a_warning_naming_it(fresh_build, mon
     assert hashing.first_foreign(ids, 3, 1) == expected  # the tensor path answers instead
 
 
-def test_switched_off_by_the_environment(fresh_build, monkeypatch):
+def test_a_library_built_from_another_version_of_the_source_is_not_loaded(fresh_loader, tmp_path):
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    (tmp_path / f"_kernels_0123456789abcdef{suffix}").write_bytes(b"built from another kernels.c")
+    fresh_loader(tmp_path)
+    with pytest.warns(UserWarning, match="built from this kernels.c"):
+        assert not native.available()
+
+
+def test_switched_off_by_the_environment(fresh_loader, monkeypatch):
     monkeypatch.setenv("LIGHTNING_PERSIA_NATIVE", "0")
     assert not native.available()
 

@@ -274,10 +274,21 @@ def test_unreachable_shard_raises_after_retries(make_client):
         client.wait_healthy(0.5)
 
 
-def test_wait_healthy_checks_the_shard_order(ps_cluster, make_client):
-    make_client(ps_cluster.addresses).wait_healthy(10)
-    with pytest.raises(PSError, match="pass the addresses in shard order"):
-        make_client(ps_cluster.addresses[::-1]).wait_healthy(10)
+def test_wait_healthy_checks_the_shard_order_and_count(ps_cluster, make_client):
+    a0, a1 = ps_cluster.addresses
+    make_client([a0, a1]).wait_healthy(10)
+    with pytest.raises(PSError) as info:
+        make_client([a1, a0]).wait_healthy(10)
+    assert str(info.value) == (
+        f"the parameter-server addresses do not match the shards: {a1} is shard 1 of 2, listed as shard 0 of 2; {a0} is "
+        f"shard 0 of 2, listed as shard 1 of 2. pass the addresses in shard order: {a0}, {a1} (listed: {a1}, {a0})")
+    with pytest.raises(PSError, match=rf"{a0} is shard 0 of 2, listed as shard 0 of 1\. the shards answering are part "
+                       r"of a cluster of 2 shards, but 1 address is listed: list every shard of the cluster, once each"):
+        make_client([a0]).wait_healthy(10)
+    with pytest.raises(PSError, match=rf"{a0} is shard 0 of 2, listed as shard 1 of 2\. an address is listed twice"):
+        make_client([a0, a0]).wait_healthy(10)
+    with pytest.raises(PSError, match=r"cluster of 2 shards, but 3 addresses are listed"):
+        make_client([a0, a1, a0]).wait_healthy(10)
 
 
 def test_configure_conflict_and_client_side_errors(ps_cluster, make_client):

@@ -2,10 +2,12 @@
 
     python run_toy.py --out DIR [--devices 2] [--steps 50] [--staleness 0] [--shards 2]
                       [--epoch-batches N] [--checkpoint-every N] [--resume CKPT]
-                      [--slow-after N] [--adagrad] [--no-merge]
+                      [--slow-after N] [--adagrad] [--no-merge] [--metrics-port P]
 
 Every rank writes ``DIR/rank<R>.pt`` (dense state, losses); rank 0 also writes the tables fetched back from
 the shards. ``--slow-after N`` writes ``DIR/started`` after N steps and then slows down (for Ctrl-C tests).
+With ``--metrics-port P`` every rank serves its metrics, asks the shards for an unknown table once (a PS error),
+then scrapes its own endpoint over HTTP and keeps the URL and the text in its file.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import argparse
 import os
 import sys
 import time
+import urllib.request
 
 import lightning as L
 import torch
@@ -51,6 +54,7 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
     parser.add_argument("--adagrad", action="store_true", help="row-wise Adagrad on the tables (default SGD)")
     parser.add_argument("--no-merge", action="store_true", help="merge_rank_gradients=False")
+    parser.add_argument("--metrics-port", type=int)
     args = parser.parse_args()
 
     batches = make_batches(args.epoch_batches or args.steps)  # the same batches in the same order every epoch
@@ -59,7 +63,7 @@ def main() -> None:
     strategy = PersiaStrategy(
         num_local_shards=args.shards, staleness=args.staleness, embedding_optimizer=Adagrad(lr=0.1, rowwise=True) if args.adagrad else SGD(lr=0.1),
         embedding_init=INIT, wire_dtype="fp32", ps_timeout_s=30.0, data_parallel_max_rows=args.data_parallel_max_rows,
-        merge_rank_gradients=not args.no_merge,
+        merge_rank_gradients=not args.no_merge, metrics_port=args.metrics_port,
     )
     record = _Record(args.out, args.slow_after)
     callbacks: list[L.Callback] = [record]
@@ -75,6 +79,14 @@ def main() -> None:
     if trainer.is_global_zero:
         remote = [t.name for t in model.ebc.remote_tables]
         state["tables"] = strategy.client.lookup({name: torch.arange(NUM_IDS) for name in remote}, train=False, wire_dtype="fp32")
+    if strategy.metrics is not None:
+        try:
+            strategy.client.lookup({"no.such.table": torch.arange(2)}, train=False)
+        except Exception:  # noqa: BLE001 - the refusal is what the metrics must count
+            pass
+        state["metrics_url"] = strategy.metrics.url
+        with urllib.request.urlopen(strategy.metrics.url, timeout=10) as response:
+            state["metrics_text"] = response.read().decode()
     torch.save(state, os.path.join(args.out, f"rank{trainer.global_rank}.pt"))
     strategy.close()
 

@@ -1,11 +1,13 @@
-"""Native kernels (``kernels.c``), compiled with the system C compiler on first use and called through ctypes.
+"""Native kernels (``kernels.c``), compiled into a shared library when the package is built, called through ctypes.
 
 A table operation of a training step touches a few hundred ids; in tensor ops its index probe costs a
 dozen dispatches per pass and dominated the shard's CPU. The C loop does the same work in microseconds, and on
 tables far larger than the caches it keeps many cache misses in flight at once (see kernels.c).
-The library is built once per source version into ``$LIGHTNING_PERSIA_CACHE`` (default
-``~/.cache/lightning_persia``)/native. Without a C compiler, or with ``LIGHTNING_PERSIA_NATIVE=0``, every
-caller keeps its tensor implementation (same results, slower); :func:`available` tells which is in use.
+``pip install``, ``python -m build`` and ``pip install -e .`` compile the library into this folder (``setup.py``);
+in a source checkout ``make native`` does. Its name carries a digest of ``kernels.c``, so a library built from
+another version of the source is never loaded. Without the library (no C compiler at build time, or a source
+changed since the build), or with ``LIGHTNING_PERSIA_NATIVE=0``, every caller keeps its tensor implementation
+(same results, slower); :func:`available` tells which is in use.
 
 Example::
 
@@ -18,15 +20,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
+import importlib.machinery
 import math
 import os
-import platform
-import shlex
-import shutil
-import subprocess
-import tempfile
-import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +30,9 @@ from typing import Optional
 
 import torch
 
-_SOURCE = Path(__file__).with_name("kernels.c")
-_FLAGS = ["-O3", "-shared", "-fPIC", "-std=c99"]
+from lightning_persia.ops.native._source import library_name
+
+_DIRECTORY = Path(__file__).parent
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 
@@ -217,17 +214,13 @@ def _require() -> ctypes.CDLL:
     return library
 
 
-_BUILD_LOCK = threading.Lock()  # the gRPC handler threads of a shard all ask at once on the first requests
-
-
 @functools.lru_cache(maxsize=None)
 def _library() -> Optional[ctypes.CDLL]:
     if os.environ.get("LIGHTNING_PERSIA_NATIVE", "1") == "0":
         return None
     try:
-        with _BUILD_LOCK:
-            library = ctypes.CDLL(str(_build()))
-    except (OSError, RuntimeError) as err:
+        library = ctypes.CDLL(str(_built_library()))
+    except OSError as err:
         warnings.warn(f"lightning_persia: native kernels unavailable ({err}); using the slower tensor implementation")
         return None
     for name, arguments, result in (
@@ -249,27 +242,14 @@ def _library() -> Optional[ctypes.CDLL]:
     return library
 
 
-def _build() -> Path:
-    source = _SOURCE.read_bytes()
-    compiler = shlex.split(os.environ["CC"]) if os.environ.get("CC") else [c for c in (shutil.which("cc") or shutil.which("gcc"),) if c]
-    if not compiler:
-        raise RuntimeError("no C compiler found (set CC)")
-    digest = hashlib.sha1(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("LIGHTNING_PERSIA_CACHE", Path.home() / ".cache" / "lightning_persia")) / "native"
-    target = cache / f"kernels-{digest}-{platform.machine()}.so"
-    if target.exists():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    # Several shard processes may build at once: each compiles to its own file, the rename is atomic.
-    fd, partial = tempfile.mkstemp(dir=cache, suffix=".so.partial")
-    os.close(fd)
-    try:
-        result = subprocess.run([*compiler, *_FLAGS, str(_SOURCE), "-o", partial], capture_output=True, text=True)
-        if result.returncode:
-            raise RuntimeError(f"{' '.join(compiler)} could not build {_SOURCE.name}: {result.stderr.strip()[-800:]}")
-        os.chmod(partial, 0o755)  # mkstemp's 0600 would hide the library from other users of a shared cache
-        os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
-    return target
+def _built_library() -> Path:
+    """The library built from this ``kernels.c``; OSError naming what to do when there is none."""
+    name = library_name()
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = _DIRECTORY / f"{name}{suffix}"
+        if path.is_file():
+            return path
+    raise OSError(
+        f"no {name}*.so in {_DIRECTORY} built from this kernels.c: installing the package builds it (a build "
+        "without a working C compiler skips it, and says so), `make native` does in a source checkout"
+    )

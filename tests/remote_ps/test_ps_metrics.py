@@ -1,0 +1,136 @@
+"""Prometheus metrics of a shard process (``ps serve --metrics-port``), scraped over HTTP and parsed with
+prometheus-client's own parser; a taken metrics port stops the shard before it serves anything."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from lightning_persia.remote_ps.client import PSClient, PSRequestError, ShardUnavailableError
+from lightning_persia.remote_ps.metrics import ClientRpcMetrics
+from lightning_persia.remote_ps.server import LISTENING_PREFIX, METRICS_PREFIX
+from lightning_persia.remote_ps.table_config import SGD, TableConfig
+
+TOKEN = "metrics-token"
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset], float]:
+    """``{(sample name, labels): value}`` of one scrape."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        assert response.status == 200
+        text = response.read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    key = (name, frozenset(labels.items()))
+    assert key in samples, f"no sample {name}{labels}; samples named so: {[k for k in samples if k[0] == name]}"
+    return samples[key]
+
+
+def metrics_url(shards, index: int = 0) -> str:
+    lines = [line for line in shards.output(index).splitlines() if line.startswith(METRICS_PREFIX + " ")]
+    assert len(lines) == 1, shards.output(index)
+    return lines[0].split(" ", 1)[1]
+
+
+def test_a_shard_serves_its_rpc_table_and_process_figures(start_ps_cluster):
+    shards = start_ps_cluster(1, extra_args=["--metrics-port", "0", "--token", TOKEN])
+    url = metrics_url(shards)
+    with PSClient(shards.addresses, token=TOKEN, timeout_s=10, max_retries=0) as client:
+        client.wait_healthy(30)
+        client.configure([TableConfig("m.small", dim=4, capacity=8, optimizer=SGD(lr=0.1)),
+                          TableConfig("m.picky", dim=2, admit_probability=0.0)])
+        client.lookup({"m.small": torch.arange(8)}, train=True)
+        client.update({"m.small": (torch.arange(8), torch.ones(8, 4))})
+        client.lookup({"m.small": torch.arange(100, 104)}, train=True)  # full: 4 rows evicted for them
+        client.lookup({"m.picky": torch.arange(5)}, train=True)  # admitted with probability 0
+        with pytest.raises(PSRequestError, match="NOT_FOUND"):
+            client.lookup({"m.unknown": torch.arange(3)}, train=True)
+        incarnation = client.stats()[0]["incarnation"]
+    with PSClient(shards.addresses, token="wrong", timeout_s=10, max_retries=0) as intruder:
+        with pytest.raises(PSRequestError, match="UNAUTHENTICATED"):
+            intruder.lookup({"m.small": torch.arange(2)}, train=False)
+
+    samples = scrape(url)
+    rpc = dict(grpc_type="unary", grpc_service="persia.ParameterServer")
+    assert value(samples, "grpc_server_started_total", **rpc, grpc_method="Lookup") == 5
+    assert value(samples, "grpc_server_handled_total", **rpc, grpc_method="Lookup", grpc_code="OK") == 3
+    assert value(samples, "grpc_server_handled_total", **rpc, grpc_method="Lookup", grpc_code="NOT_FOUND") == 1
+    assert value(samples, "grpc_server_handled_total", **rpc, grpc_method="Lookup", grpc_code="UNAUTHENTICATED") == 1
+    assert value(samples, "grpc_server_handled_total", **rpc, grpc_method="Update", grpc_code="OK") == 1
+    assert value(samples, "grpc_server_handling_seconds_count", **rpc, grpc_method="Lookup") == 5
+    assert value(samples, "grpc_server_handling_seconds_bucket", **rpc, grpc_method="Update", le="+Inf") == 1
+    health = dict(grpc_type="unary", grpc_service="grpc.health.v1.Health", grpc_method="Check", grpc_code="OK")
+    assert value(samples, "grpc_server_handled_total", **health) >= 1  # probes pass without the token
+
+    assert value(samples, "persia_ps_table_rows", table="m.small") == 8
+    assert value(samples, "persia_ps_table_capacity_rows", table="m.small") == 8
+    assert value(samples, "persia_ps_table_inserted_rows_total", table="m.small") == 12
+    assert value(samples, "persia_ps_table_evicted_rows_total", table="m.small") == 4
+    assert value(samples, "persia_ps_table_update_rows_total", table="m.small") == 8
+    assert value(samples, "persia_ps_table_bytes", table="m.small") > 8 * 4 * 4
+    assert value(samples, "persia_ps_table_not_admitted_ids_total", table="m.picky") == 5
+    assert value(samples, "persia_ps_table_rows", table="m.picky") == 0
+    assert value(samples, "persia_ps_tables") == 2
+    assert value(samples, "persia_ps_shard_info", shard_index="0", num_shards="1", incarnation=incarnation, restored_from="") == 1
+    assert value(samples, "process_resident_memory_bytes") > 10 << 20
+
+    again = scrape(url)  # read at scrape time: the next scrape sees the next call
+    assert value(again, "grpc_server_handled_total", grpc_type="unary", grpc_service="persia.ParameterServer",
+                 grpc_method="Lookup", grpc_code="OK") == 3
+    assert value(again, "persia_ps_table_rows", table="m.small") == 8
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lightning_persia.cli", "ps", "serve", "--port", "0", "--shard-index", "0",
+                           "--num-shards", "1", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_a_taken_metrics_port_stops_the_shard_before_it_serves():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = _serve("--metrics-port", str(port))
+    assert result.returncode == 2
+    assert f"cannot serve shard 0 metrics (--metrics-port) on 127.0.0.1:{port}: Address already in use" in result.stderr
+    assert "the port is taken" in result.stderr
+    assert LISTENING_PREFIX not in result.stdout and METRICS_PREFIX not in result.stdout  # never half-started
+
+
+@pytest.mark.parametrize("port", ["-1", "65536"])
+def test_a_metrics_port_out_of_range_is_refused(port):
+    result = _serve("--metrics-port", port)
+    assert result.returncode == 2 and f"metrics_port must be in [0, 65535], got {port}" in result.stderr
+
+
+def test_the_client_interceptor_counts_calls_and_leaves_errors_as_they_are(start_ps_cluster):
+    registry = CollectorRegistry()
+    interceptor = ClientRpcMetrics(registry)
+    shards = start_ps_cluster(1)
+    with PSClient(shards.addresses, interceptors=[interceptor], timeout_s=10, max_retries=0) as client:
+        client.wait_healthy(30)
+        client.configure([TableConfig("c.t", dim=2)])
+        assert client.lookup({"c.t": torch.arange(3)}, train=True)["c.t"].shape == (3, 2)
+        with pytest.raises(PSRequestError, match="NOT_FOUND"):
+            client.lookup({"c.missing": torch.arange(3)}, train=True)
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        gone = f"127.0.0.1:{closed.getsockname()[1]}"
+    with PSClient([gone], interceptors=[interceptor], timeout_s=2, max_retries=1, backoff_s=0.01) as client:
+        with pytest.raises(ShardUnavailableError, match=f"shard 0 at {gone} did not answer after 2 tries"):
+            client.lookup({"c.t": torch.arange(3)}, train=False)
+    samples = {(s.name, frozenset(s.labels.items())): s.value
+               for family in text_string_to_metric_families(generate_latest(registry).decode()) for s in family.samples}
+    rpc = dict(grpc_type="unary", grpc_service="persia.ParameterServer", grpc_method="Lookup")
+    assert samples[("grpc_client_handled_total", frozenset(dict(rpc, grpc_code="OK").items()))] == 1
+    assert samples[("grpc_client_handled_total", frozenset(dict(rpc, grpc_code="NOT_FOUND").items()))] == 1
+    assert samples[("grpc_client_handled_total", frozenset(dict(rpc, grpc_code="UNAVAILABLE").items()))] == 2
+    assert samples[("grpc_client_handling_seconds_count", frozenset(rpc.items()))] == 4

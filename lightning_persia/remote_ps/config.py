@@ -64,6 +64,10 @@ class PSConfig:
     """Load a checkpoint before serving: a checkpoint folder, or a folder holding several (the newest complete
     one is loaded, e.g. a PersiaStrategy ``<ckpt>.ps`` folder or a whole checkpoint directory). A shard
     that cannot load one refuses to start (exit status 2) rather than serve empty tables."""
+    read_only: bool = False
+    """Serve lookups only (an inference shard): a training lookup is answered like an evaluation lookup (unseen
+    ids read their initial row, nothing is inserted, evicted or touched); Update, Load, Save and a Configure
+    that would create or change a table are refused with FAILED_PRECONDITION."""
     fault_delay_s: float = 0.0
     """Testing only: every Lookup and Update sleeps this long before it runs (a slow shard)."""
     fault_save_delay_s: float = 0.0

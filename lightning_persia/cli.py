@@ -152,18 +152,20 @@ def _serve_main(argv: Sequence[str]) -> int:
     parser.add_argument("--wire-dtype", choices=["fp16", "fp32"], help="rows on the wire (default: the training strategy's)")
     parser.add_argument("--max-batch-size", type=int, default=32, help="requests run through the model together (default 32)")
     parser.add_argument("--batch-timeout", type=float, default=0.002, help="seconds a batch waits to fill (default 0.002)")
+    parser.add_argument("--torch-threads", type=int, default=1, help="intra-op threads of the inference worker (default 1; 0: torch's default)")
     parser.add_argument("--decoder", metavar="MODULE.CALLABLE",
                         help="f(predictor) -> RequestDecoder for this model's requests (default: CriteoRequestDecoder)")
     parser.add_argument("--token", default=os.environ.get("PERSIA_PS_TOKEN"), help="token of the shards (default: $PERSIA_PS_TOKEN)")
     args = parser.parse_args(argv)
     if args.num_shards is not None and args.num_shards < 1:
         parser.error(f"--num-shards must be >= 1, got {args.num_shards}")
-    if args.max_batch_size < 1 or args.batch_timeout < 0:
-        parser.error("--max-batch-size must be >= 1 and --batch-timeout >= 0")
+    if args.max_batch_size < 1 or args.batch_timeout < 0 or args.torch_threads < 0:
+        parser.error("--max-batch-size must be >= 1, --batch-timeout and --torch-threads >= 0")
     _import_from_working_directory()
     from lightning_persia.serving import BundleError, serve
 
     options: dict = {"max_batch_size": args.max_batch_size, "batch_timeout": args.batch_timeout, "ps_addresses": args.ps_addresses,
+                     "torch_threads": args.torch_threads,
                      "predictor_options": {k: v for k, v in (("num_shards", args.num_shards), ("wire_dtype", args.wire_dtype), ("token", args.token)) if v is not None}}
     if args.decoder:
         module_name, _, name = args.decoder.rpartition(".")

@@ -12,6 +12,7 @@ import signal
 from typing import Any, Callable, Optional, Sequence
 
 import litserve as ls
+import torch
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -34,6 +35,9 @@ class PredictAPI(ls.LitAPI):
         max_batch_size, batch_timeout: LitServe's dynamic batching (at most this many requests per batch,
             gathered for at most this many seconds).
         predictor_options: more arguments of :meth:`Predictor.from_bundle` (``wire_dtype``, ``num_shards``, ...).
+        torch_threads: intra-op threads of the inference worker; 0 keeps torch's default. Batches of a few rows
+            gain nothing from more, and on cores shared with the shards more threads wait on each other (one
+            row took 9 ms with 1 thread, 27 ms with 2, on 2 busy cores).
     """
 
     def __init__(
@@ -45,8 +49,12 @@ class PredictAPI(ls.LitAPI):
         max_batch_size: int = 32,
         batch_timeout: float = 0.002,
         predictor_options: Optional[dict[str, Any]] = None,
+        torch_threads: int = 1,
     ) -> None:
         super().__init__(max_batch_size=max_batch_size, batch_timeout=batch_timeout)
+        if torch_threads < 0:
+            raise ValueError(f"torch_threads must be >= 0, got {torch_threads}")
+        self.torch_threads = torch_threads
         self.bundle_path = str(bundle)
         self.ps_addresses = list(ps_addresses) if ps_addresses else None
         self.decoder_factory = decoder
@@ -55,6 +63,8 @@ class PredictAPI(ls.LitAPI):
         self._decoder: Optional[RequestDecoder] = None
 
     def setup(self, device: str) -> None:
+        if self.torch_threads:
+            torch.set_num_threads(self.torch_threads)
         self._predictor = Predictor.from_bundle(self.bundle_path, self.ps_addresses, **self.predictor_options)
         self._decoder = self.decoder_factory(self._predictor)
 

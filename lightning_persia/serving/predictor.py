@@ -13,12 +13,11 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import instantiate_module
 from safetensors.torch import load_file
 
-from lightning_persia.embedding.modules import RemoteModule
 from lightning_persia.remote_ps.client import PSClient
 from lightning_persia.remote_ps.server import LocalShards
 from lightning_persia.remote_ps.table_config import TableConfig
 from lightning_persia.serving.bundle import DENSE_FILE, Bundle, BundleError
-from lightning_persia.serving.row_source import ReadOnlyRowSource
+from lightning_persia.serving.row_source import ReadOnlyRowSource, kjt_features, remote_table_dims
 from lightning_persia.strategy.interception import TableDefaults, TableOverride, intercept
 
 log = logging.getLogger(__name__)
@@ -119,9 +118,7 @@ class Predictor:
             if shards is not None:
                 shards.stop()
             raise
-        source = ReadOnlyRowSource(client, wire_dtype or bundle.wire_dtype, device, timeout_s=timeout_s)
-        for twin in twins:
-            twin.bind(source)
+        ReadOnlyRowSource(client, wire_dtype or bundle.wire_dtype, device, timeout_s=timeout_s).bind(twins)
         module.to(device).eval()
         log.info("serving %s version %d from %s on shards %s", bundle.module_class_path, bundle.version, bundle.path, client.addresses)
         return cls(_Served(module, bundle.version), bundle, client, shards)
@@ -147,12 +144,7 @@ class Predictor:
     @property
     def sparse_features(self) -> list[str]:
         """The KeyedJaggedTensor keys the module's TorchRec twins read, in module order."""
-        features: list[str] = []
-        for module in self.module.modules():
-            for feature in getattr(module, "output_features", ()) if isinstance(module, RemoteModule) else ():
-                if feature not in features:
-                    features.append(feature)
-        return features
+        return kjt_features(self.module)
 
     # ---- predictions ---------------------------------------------------------------------------------
 
@@ -201,7 +193,7 @@ def _build_module(bundle: Bundle) -> LightningModule:
         raise BundleError(f"cannot rebuild {class_path} from {bundle.path}: {type(err).__name__}: {err}") from None
 
 
-def _swap_embedding_modules(module: LightningModule, bundle: Bundle) -> list[RemoteModule]:
+def _swap_embedding_modules(module: LightningModule, bundle: Bundle) -> list:
     """The strategy's swap of the embedding modules, replayed with the table configs it recorded."""
     record = bundle.interception
     configs = [TableConfig.from_dict(spec) for spec in record["tables"].values()]
@@ -215,7 +207,7 @@ def _swap_embedding_modules(module: LightningModule, bundle: Bundle) -> list[Rem
         twins = intercept(module, record["intercept"], record["exclude"], defaults, seed=record["seed"])
     except ValueError as err:
         raise BundleError(f"the rebuilt {bundle.module_class_path} does not have the tables of {bundle.path}: {err}") from None
-    remote = sorted(t.name for twin in twins for t in twin.remote_tables)
+    remote = sorted(remote_table_dims(twins))
     if remote != sorted(bundle.remote_tables):
         raise BundleError(
             f"the rebuilt {bundle.module_class_path} reads remote tables {remote}, the bundle {bundle.path} holds "
@@ -224,13 +216,13 @@ def _swap_embedding_modules(module: LightningModule, bundle: Bundle) -> list[Rem
     return twins
 
 
-def _check_shard_tables(client: PSClient, twins: list[RemoteModule], bundle: Bundle) -> None:
+def _check_shard_tables(client: PSClient, twins: list, bundle: Bundle) -> None:
     served = client.describe()
-    for table in (t for twin in twins for t in twin.remote_tables):
-        config = served.get(table.name)
-        if config is None or config.dim != table.dim:
+    for name, dim in remote_table_dims(twins).items():
+        config = served.get(name)
+        if config is None or config.dim != dim:
             found = f"dim {config.dim}" if config is not None else "no such table"
             raise BundleError(
-                f"the shards at {client.addresses} do not serve table {table.name!r} (dim {table.dim}) of {bundle.path} "
+                f"the shards at {client.addresses} do not serve table {name!r} (dim {dim}) of {bundle.path} "
                 f"({found}); start them with: lightning-persia ps serve --read-only --restore-from {bundle.path} ..."
             )

@@ -3,6 +3,8 @@
     lightning-persia fit --config examples/dlrm/config.yaml [--trainer.strategy.init_args.staleness=8 ...]
     lightning-persia validate|test|predict --config ... [--ckpt_path ...]
     lightning-persia ps serve --port 5000 --shard-index 0 --num-shards 2 [--metrics-port 9100] [--config ps.yaml] [key=value ...]
+    lightning-persia export --ckpt CKPT [--config CONFIG] --out BUNDLE
+    lightning-persia serve BUNDLE [--port 8000] [--ps-addresses host:port ...]
 
 The training commands are LightningCLI's, with ``strategy: persia`` available. ``ps`` runs parameter-server
 processes and never imports Lightning. Every command is one entry of :data:`COMMANDS`.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import logging
 import os
 import sys
@@ -45,11 +48,15 @@ def _ps_parser() -> argparse.ArgumentParser:
                        "direct parent, the shard also asks Linux for SIGTERM at the parent's death, which fires when "
                        "the parent *thread* that started the shard exits: start shards from a thread that outlives them")
     serve.add_argument("--restore-from", metavar="DIR",
-                       help="load a checkpoint before serving: a checkpoint folder, or a folder holding several (the "
-                       "newest complete one is used). The shard refuses to start if none loads (config: restore_from)")
+                       help="load a checkpoint before serving: a checkpoint folder, a folder holding several (the "
+                       "newest complete one is used), or a serving bundle (its tables, with its seed). The shard "
+                       "refuses to start if none loads (config: restore_from)")
     serve.add_argument("--metrics-port", type=int, metavar="PORT",
                        help="also serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port; config: "
                        "metrics_port); the shard refuses to start if the port is taken")
+    serve.add_argument("--read-only", action="store_true",
+                       help="an inference shard: lookups only (nothing is inserted); updates, loads, saves and table "
+                       "changes are refused (config: read_only)")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     serve.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                        help="config overrides in OmegaConf dotlist form, e.g. seed=7 tables.user.dim=32")
@@ -76,6 +83,7 @@ def _ps_main(argv: Sequence[str]) -> int:
     from lightning_persia.remote_ps.config import load_ps_config
     from lightning_persia.remote_ps.store import CheckpointError
     from lightning_persia.remote_ps.table_config import ConfigError
+    from lightning_persia.serving.bundle import Bundle, BundleError, is_bundle
 
     tls = server.TLSFiles(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
     try:
@@ -84,16 +92,105 @@ def _ps_main(argv: Sequence[str]) -> int:
             config.restore_from = os.path.abspath(args.restore_from)
         if args.metrics_port is not None:
             config = dataclasses.replace(config, metrics_port=args.metrics_port)  # validated like the YAML value
+        if args.read_only:
+            config.read_only = True
+        if config.restore_from and is_bundle(config.restore_from):
+            bundle = Bundle.open(config.restore_from)
+            bundle.verify(bundle.table_manifests())  # the shard checks each table file against these manifests
+            config.restore_from, config.seed = str(bundle.tables_path), bundle.ps_seed
+            logging.info("restoring the tables of bundle %s (version %d, seed %d)", bundle.path, bundle.version, bundle.ps_seed)
         return server.run_shard(
             shard_index=args.shard_index, num_shards=args.num_shards, config=config, host=args.host,
             port=args.port, token=args.token, tls=tls, insecure=args.insecure, parent_pid=args.parent_pid,
         )
-    except CheckpointError as err:
+    except (CheckpointError, BundleError) as err:
         print(f"lightning-persia ps serve: error: cannot restore: {err}", file=sys.stderr, flush=True)
         return 2
     except (server.BindSecurityError, ConfigError, OSError) as err:
         print(f"lightning-persia ps serve: error: {err}", file=sys.stderr, flush=True)
         return 2
+
+
+def _export_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="lightning-persia export",
+        description="Write the serving bundle of a PersiaStrategy checkpoint: dense weights (safetensors), the module "
+        "to rebuild, the tables (hard links or copies of the checkpoint's parameter-server files) and a manifest with "
+        "a version and the sha256 of every file. The bundle can be copied to another machine.",
+    )
+    parser.add_argument("--ckpt", required=True, help="the .ckpt file (its tables are in CKPT.ps/ beside it)")
+    parser.add_argument("--out", required=True, help="the bundle's folder (must not exist)")
+    parser.add_argument("--config", help="the LightningCLI config of the training run (its model section rebuilds the "
+                        "module); default: the hyper-parameters saved in the checkpoint")
+    parser.add_argument("--model-class", help="class path of the LightningModule, for checkpoints not made with "
+                        "LightningCLI and exported without --config (e.g. examples.dlrm.model.DLRM)")
+    parser.add_argument("--version", type=int, default=1, help="model version the bundle's answers carry (default 1)")
+    parser.add_argument("--ps-seed", type=int, help="seed of the shards that trained the tables (default: the "
+                        "strategy's ps_seed recorded in the checkpoint)")
+    args = parser.parse_args(argv)
+    _import_from_working_directory()
+    from lightning_persia.serving import BundleError, export_bundle
+
+    try:
+        bundle = export_bundle(args.ckpt, args.out, config=args.config, model_class=args.model_class, version=args.version,
+                               ps_seed=args.ps_seed)
+    except BundleError as err:
+        print(f"lightning-persia export: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    print(f"exported {bundle.module_class_path} version {bundle.version} ({bundle.num_shards}-shard tables) to {bundle.path}")
+    return 0
+
+
+def _serve_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="lightning-persia serve",
+        description="Serve a bundle over HTTP (LitServe): POST /predict with {\"sparse\": {\"<feature>\": [ids, ...]}, "
+        "\"dense\": [floats, ...]} answers {\"score\": float, \"version\": int}; GET /health. Without --ps-addresses "
+        "the tables are served by read-only shards started here.",
+    )
+    parser.add_argument("bundle", help="the bundle's folder (lightning-persia export)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    parser.add_argument("--host", default="127.0.0.1", choices=["127.0.0.1", "0.0.0.0", "::"],
+                        help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--ps-addresses", nargs="+", metavar="HOST:PORT",
+                        help="inference shards serving this bundle (lightning-persia ps serve --read-only --restore-from BUNDLE), in shard order")
+    parser.add_argument("--num-shards", type=int, help="shards to start when no --ps-addresses are given (default: as many as trained the tables)")
+    parser.add_argument("--wire-dtype", choices=["fp16", "fp32"], help="rows on the wire (default: the training strategy's)")
+    parser.add_argument("--max-batch-size", type=int, default=32, help="requests run through the model together (default 32)")
+    parser.add_argument("--batch-timeout", type=float, default=0.002, help="seconds a batch waits to fill (default 0.002)")
+    parser.add_argument("--torch-threads", type=int, default=1, help="intra-op threads of the inference worker (default 1; 0: torch's default)")
+    parser.add_argument("--decoder", metavar="MODULE.CALLABLE",
+                        help="f(predictor) -> RequestDecoder for this model's requests (default: CriteoRequestDecoder)")
+    parser.add_argument("--token", default=os.environ.get("PERSIA_PS_TOKEN"), help="token of the shards (default: $PERSIA_PS_TOKEN)")
+    args = parser.parse_args(argv)
+    if args.num_shards is not None and args.num_shards < 1:
+        parser.error(f"--num-shards must be >= 1, got {args.num_shards}")
+    if args.max_batch_size < 1 or args.batch_timeout < 0 or args.torch_threads < 0:
+        parser.error("--max-batch-size must be >= 1, --batch-timeout and --torch-threads >= 0")
+    _import_from_working_directory()
+    from lightning_persia.serving import BundleError, serve
+
+    options: dict = {"max_batch_size": args.max_batch_size, "batch_timeout": args.batch_timeout, "ps_addresses": args.ps_addresses,
+                     "torch_threads": args.torch_threads,
+                     "predictor_options": {k: v for k, v in (("num_shards", args.num_shards), ("wire_dtype", args.wire_dtype), ("token", args.token)) if v is not None}}
+    if args.decoder:
+        module_name, _, name = args.decoder.rpartition(".")
+        try:
+            options["decoder"] = getattr(importlib.import_module(module_name), name)
+        except (ImportError, AttributeError, ValueError) as err:
+            parser.error(f"cannot import --decoder {args.decoder!r}: {err}")
+    try:
+        serve(args.bundle, port=args.port, host=args.host, **options)
+    except (BundleError, ValueError, RuntimeError) as err:
+        print(f"lightning-persia serve: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+def _import_from_working_directory() -> None:
+    """Lets configs and bundles name classes of the working directory (``examples.dlrm.model.DLRM``), as ``python -m`` sees them."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
 
 
 def lightning_cli(args: Sequence[str]):
@@ -122,6 +219,8 @@ def _lightning_command(command: str) -> Callable[[Sequence[str]], int]:
 COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
     **{name: (f"LightningCLI {name} (--config YAML, any --trainer/--model/--data flag)", _lightning_command(name)) for name in ("fit", "validate", "test", "predict")},
     "ps": ("parameter-server shards (ps serve ...)", _ps_main),
+    "export": ("write the serving bundle of a checkpoint (export --ckpt CKPT --out DIR)", _export_main),
+    "serve": ("serve a bundle over HTTP (serve BUNDLE --port P)", _serve_main),
 }
 
 

@@ -67,6 +67,10 @@ class PSConfig:
     metrics_port: Optional[int] = None
     """Serve Prometheus metrics at ``http://<host>:<port>/metrics`` (the shard's ``--host``); 0 picks a free port,
     ``None`` serves none. A port that is taken stops the shard before it serves any call."""
+    read_only: bool = False
+    """Serve lookups only (an inference shard): a training lookup is answered like an evaluation lookup (unseen
+    ids read their initial row, nothing is inserted, evicted or touched); Update, Load, Save and a Configure
+    that would create or change a table are refused with FAILED_PRECONDITION."""
     fault_delay_s: float = 0.0
     """Testing only: every Lookup and Update sleeps this long before it runs (a slow shard)."""
     fault_save_delay_s: float = 0.0

@@ -105,6 +105,14 @@ def _invalid(message: str) -> _Abort:
     return _Abort(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
+def _read_only(what: str) -> _Abort:
+    return _Abort(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"{what} refused: this shard serves in read-only mode (an inference shard, started with --read-only); "
+        "it answers lookups only",
+    )
+
+
 _STORE_CODES = (
     (UnknownTableError, grpc.StatusCode.NOT_FOUND),
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -274,7 +282,9 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
                 "message limit (max_message_mb); ask for fewer ids per request",
             )
         response = persia_pb2.LookupResponse(dtype=dtype_enum)
-        found = self.store.lookup_many([(item.name, item.ids) for item in items], train=request.train, dtype=wire.WIRE_DTYPES[dtype])
+        # A read-only shard answers a training lookup like an evaluation one: nothing is inserted or touched.
+        train = request.train and not self.config.read_only
+        found = self.store.lookup_many([(item.name, item.ids) for item in items], train=train, dtype=wire.WIRE_DTYPES[dtype])
         for item, rows in zip(items, found):
             response.tables.add(table=item.name, dim=item.dim, rows=wire.encode_rows(rows, dtype))
         self._count("lookup_rows", sum(item.ids.numel() for item in items))
@@ -282,6 +292,8 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
 
     @_rpc
     def Update(self, request: persia_pb2.UpdateRequest, context) -> persia_pb2.UpdateResponse:
+        if self.config.read_only:
+            raise _read_only("Update")
         if not request.client_id:
             raise _invalid("update without a client_id; exactly-once delivery needs (client_id, seq)")
         if request.seq < 1:
@@ -300,6 +312,14 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
     @_rpc
     def Configure(self, request: persia_pb2.ConfigureRequest, context) -> persia_pb2.ConfigureResponse:
         configs = [_table_config_from_json(text) for text in request.tables_json]
+        if self.config.read_only:
+            for config in configs:  # confirming a table as it is stays allowed
+                try:
+                    existing = self.store.describe(config.name)
+                except UnknownTableError:
+                    raise _read_only(f"Configure of the new table {config.name!r}") from None
+                if existing != config:
+                    raise _read_only(f"Configure of table {config.name!r} with another configuration")
         names = [c.name for c in configs]
         if len(set(names)) != len(names):
             raise _invalid(f"a table appears more than once in one configure request: {names}")
@@ -328,11 +348,15 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
 
     @_rpc
     def Save(self, request: persia_pb2.SaveRequest, context) -> persia_pb2.SaveResponse:
+        if self.config.read_only:
+            raise _read_only("Save")
         self.store.save(self._checkpoint_directory(request.directory), save_id=request.save_id)
         return persia_pb2.SaveResponse()
 
     @_rpc
     def Load(self, request: persia_pb2.LoadRequest, context) -> persia_pb2.LoadResponse:
+        if self.config.read_only:
+            raise _read_only("Load")
         self.store.load(self._checkpoint_directory(request.directory))
         return persia_pb2.LoadResponse()
 

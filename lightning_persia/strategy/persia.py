@@ -1,6 +1,7 @@
 """``PersiaStrategy``: embeddings on parameter-server shards (asynchronous, bounded staleness), dense network with DDP."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -369,7 +370,8 @@ class PersiaStrategy(DDPStrategy):
             if self.is_global_zero:
                 self.client.save(str(ps_dir))
             checkpoint[CHECKPOINT_KEY] = {"ps_dir": f"{ps_dir.parent.name}/{ps_dir.name}",
-                                          "tables": [t.name for m in self.remote_modules for t in m.remote_tables]}
+                                          "tables": [t.name for m in self.remote_modules for t in m.remote_tables],
+                                          "interception": self._interception_record()}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         if ps_dir is not None:
             if self.is_global_zero:
@@ -377,6 +379,20 @@ class PersiaStrategy(DDPStrategy):
                     if old.name != ps_dir.name:
                         shutil.rmtree(old, ignore_errors=True)
             self._recovery.saved(filepath, ps_dir)
+
+    def _interception_record(self) -> dict[str, Any]:
+        """What rebuilds the twins without this strategy (``lightning_persia.serving``): which modules were
+        swapped, and the configuration of every table, remote or kept (plain values: checkpoints load weights-only)."""
+        configs = [t.config for m in self.remote_modules for t in m.remote_tables]
+        configs += [c for tables in self.data_parallel_tables for c in tables.configs]
+        return {
+            "intercept": list(self.intercept_kinds),
+            "exclude": list(self.exclude),
+            "data_parallel_max_rows": self.table_defaults.data_parallel_max_rows,
+            "seed": self.ps_seed,
+            "wire_dtype": self.wire_dtype,
+            "tables": {c.name: json.loads(json.dumps(c.to_dict())) for c in configs},
+        }
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Loads the dense state, and the shards' state from ``<file>.ps/`` (also into another shard count)."""

@@ -1,0 +1,160 @@
+"""A serving bundle on disk: what a trained model needs to answer requests elsewhere, checksummed.
+
+Layout (written by :func:`lightning_persia.serving.export_bundle`)::
+
+    BUNDLE/manifest.json        format, version, the module to rebuild, the twins' settings, sha256 of every file
+    BUNDLE/dense.safetensors    the LightningModule's state dict (dense weights, tables kept on the trainers)
+    BUNDLE/tables/shard-*/...   the parameter-server checkpoint of the tables (any shard count can load it)
+
+A bundle refers to nothing outside its folder, so it can be copied to another machine. Its ``version`` is
+the number every answer served from it carries.
+
+This module imports neither Lightning nor torch: parameter-server shards read bundles too
+(``lightning-persia ps serve --restore-from BUNDLE``).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+MANIFEST = "manifest.json"
+DENSE_FILE = "dense.safetensors"
+TABLES_DIR = "tables"
+FORMAT = "lightning-persia-bundle"
+FORMAT_VERSION = 1
+
+
+class BundleError(RuntimeError):
+    """A bundle (or the checkpoint it is made from) that is missing, incomplete or damaged; the message names the file."""
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """An exported model, read from ``path`` (see the module docstring for the layout).
+
+    Example::
+
+        bundle = Bundle.open("runs/dlrm/bundle")
+        bundle.verify([DENSE_FILE])        # sizes of every file, sha256 of the dense weights
+        print(bundle.version, bundle.module_class_path)
+    """
+
+    path: Path
+    manifest: dict[str, Any]
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> "Bundle":
+        """Reads the manifest of the bundle at ``path``; :class:`BundleError` if there is none or it is not one."""
+        path = Path(path).absolute()
+        manifest_path = path / MANIFEST
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except FileNotFoundError:
+            raise BundleError(f"{path} is not a serving bundle: it has no {MANIFEST} (make one with lightning-persia export)") from None
+        except (OSError, ValueError) as err:
+            raise BundleError(f"cannot read {manifest_path}: {err}") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            raise BundleError(f"{manifest_path} is not the manifest of a serving bundle (no \"format\": \"{FORMAT}\")")
+        if manifest.get("format_version") != FORMAT_VERSION:
+            raise BundleError(
+                f"{manifest_path} has format_version {manifest.get('format_version')!r}; this lightning-persia reads "
+                f"version {FORMAT_VERSION}"
+            )
+        for key in ("version", "module", "interception", "files"):
+            if key not in manifest:
+                raise BundleError(f"{manifest_path} is malformed: it has no {key!r}")
+        return cls(path, manifest)
+
+    # ---- what the manifest says ------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """The model version every answer served from this bundle names."""
+        return int(self.manifest["version"])
+
+    @property
+    def module_class_path(self) -> str:
+        return self.manifest["module"]["class_path"]
+
+    @property
+    def module_init_args(self) -> dict[str, Any]:
+        return dict(self.manifest["module"]["init_args"])
+
+    @property
+    def interception(self) -> dict[str, Any]:
+        """The strategy's swap of the embedding modules: kinds, excluded paths, kept-table bound, table configs."""
+        return self.manifest["interception"]
+
+    @property
+    def ps_seed(self) -> int:
+        """Seed of the rows' deterministic initialisation: an id the tables never saw reads its initial row."""
+        return int(self.manifest["ps_seed"])
+
+    @property
+    def wire_dtype(self) -> str:
+        return self.manifest["interception"]["wire_dtype"]
+
+    @property
+    def dense_path(self) -> Path:
+        return self.path / DENSE_FILE
+
+    @property
+    def tables_path(self) -> Path:
+        return self.path / TABLES_DIR
+
+    @property
+    def num_shards(self) -> int:
+        """Shards that trained the tables (inference shards may be more or fewer: the tables re-shard on load)."""
+        return int(self.manifest["num_shards"])
+
+    @property
+    def remote_tables(self) -> list[str]:
+        return list(self.manifest["remote_tables"])
+
+    # ---- integrity -------------------------------------------------------------------------------------
+
+    def verify(self, names: Optional[Iterable[str]] = None) -> None:
+        """Checks that every file of the manifest is there with its size, and the sha256 of ``names`` (all if None).
+
+        Raises :class:`BundleError` naming the first file that is missing, truncated or corrupted.
+        """
+        files: dict[str, dict] = self.manifest["files"]
+        for name, entry in files.items():
+            path = self._file(name)
+            if not path.is_file():
+                raise BundleError(f"bundle file {path} is missing")
+            if path.stat().st_size != entry["bytes"]:
+                raise BundleError(f"bundle file {path} is truncated or damaged: {path.stat().st_size} bytes, the manifest says {entry['bytes']}")
+        for name in files if names is None else names:
+            entry = files.get(name)
+            if entry is None:
+                raise BundleError(f"{self.path / MANIFEST} lists no file {name!r}")
+            if sha256_of(self._file(name)) != entry["sha256"]:
+                raise BundleError(f"bundle file {self._file(name)} is corrupted: its sha256 differs from the manifest's")
+
+    def table_manifests(self) -> list[str]:
+        """The manifest files of the tables' shard folders (names relative to the bundle)."""
+        return sorted(name for name in self.manifest["files"] if name.startswith(f"{TABLES_DIR}/") and name.endswith(f"/{MANIFEST}"))
+
+    def _file(self, name: str) -> Path:
+        path = (self.path / name).resolve()
+        if os.path.commonpath([path, self.path.resolve()]) != str(self.path.resolve()):
+            raise BundleError(f"{self.path / MANIFEST} names a file outside the bundle: {name!r}")
+        return path
+
+
+def is_bundle(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a folder with a bundle manifest (damaged or not)."""
+    return (Path(path) / MANIFEST).is_file()
+
+
+def sha256_of(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -1,0 +1,64 @@
+"""Serving's one point of contact with the remote twins (``lightning_persia.embedding``).
+
+What serving relies on, all of it here:
+
+* a twin (:class:`~lightning_persia.embedding.modules.RemoteModule`) has ``remote_tables`` (each with a
+  ``name`` and a ``dim``) and ``bind(source)``; the TorchRec twins list their KJT keys in ``output_features``;
+* a bound twin's forward calls ``source.rows_for(module, source_tensors, plan)``, where ``plan()`` builds the
+  batch's :class:`~lightning_persia.embedding.batch_rows.BatchRows` (``request()``: unique ids per table;
+  ``attach(future)``: the lookup answering them; ``materialize(...)``: the rows on the device), and expects
+  the rows back materialised.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from lightning_persia.embedding.batch_rows import BatchRows
+from lightning_persia.embedding.modules import RemoteEmbeddingBagCollection, RemoteEmbeddingCollection, RemoteModule
+from lightning_persia.remote_ps.client import PSClient
+
+
+class ReadOnlyRowSource:
+    """Rows for the twins' forwards from evaluation lookups (``train=False``: the shards insert nothing).
+
+    Stateless: any number of threads may run forwards through it at once.
+
+    Example::
+
+        source = ReadOnlyRowSource(PSClient(addresses), wire_dtype="fp32", device=torch.device("cpu"))
+        source.bind(twins)
+    """
+
+    def __init__(self, client: PSClient, wire_dtype: str, device: torch.device, timeout_s: float = 30.0) -> None:
+        self._client = client
+        self._wire_dtype = wire_dtype
+        self._device = device
+        self._timeout_s = timeout_s
+
+    def bind(self, twins: Sequence[RemoteModule]) -> None:
+        """Makes every twin of ``twins`` read its rows from this source."""
+        for twin in twins:
+            twin.bind(self)
+
+    def rows_for(self, module: RemoteModule, source: tuple[torch.Tensor, ...], plan: Callable[[], BatchRows]) -> BatchRows:
+        rows = plan()
+        rows.attach(self._client.lookup_async(rows.request(), train=False, wire_dtype=self._wire_dtype))
+        rows.materialize(self._device, requires_grad=False, timeout_s=self._timeout_s)
+        return rows
+
+
+def remote_table_dims(twins: Sequence[RemoteModule]) -> dict[str, int]:
+    """``{name on the shards: dim}`` of every remote table of ``twins``."""
+    return {table.name: table.dim for twin in twins for table in twin.remote_tables}
+
+
+def kjt_features(model: nn.Module) -> list[str]:
+    """The KeyedJaggedTensor keys the TorchRec twins inside ``model`` read, in module order, each once."""
+    features: list[str] = []
+    for module in model.modules():
+        if isinstance(module, (RemoteEmbeddingBagCollection, RemoteEmbeddingCollection)):
+            features += [f for f in module.output_features if f not in features]
+    return features

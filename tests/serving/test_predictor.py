@@ -1,0 +1,42 @@
+"""Predictor.from_bundle: equals trainer.predict, with embedded or external inference shards of any count."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_persia.remote_ps.client import PSClient
+from lightning_persia.serving import BundleError, Predictor
+from tiny_dlrm import FEATURES
+
+
+def _check_equal(predictor: Predictor, expected: dict, atol: float) -> None:
+    for batch, reference in zip(expected["batches"], expected["scores"]):
+        prediction = predictor.predict(batch)
+        assert prediction.version == 1
+        torch.testing.assert_close(prediction.output, reference, atol=atol, rtol=0)
+
+
+def test_embedded_read_only_shards_answer_as_trainer_predict_and_insert_nothing(trained, bundle):
+    with Predictor.from_bundle(bundle.path) as predictor:
+        assert len(predictor.ps_addresses) == bundle.num_shards == 2
+        assert predictor.sparse_features == FEATURES and predictor.version == 1
+        _check_equal(predictor, trained.expected, atol=1e-6)  # the first batch holds an id training never saw
+        with PSClient(predictor.ps_addresses) as client:
+            tables = {name: stats for shard in client.stats() for name, stats in shard["tables"].items()}
+        assert sorted(tables) == sorted(bundle.remote_tables)
+        assert all(stats["inserted"] == 0 for stats in tables.values())
+
+
+@pytest.mark.parametrize("num_shards", [1, 3])
+def test_a_two_shard_bundle_served_by_other_shard_counts(trained, bundle, start_ps_cluster, num_shards):
+    shards = start_ps_cluster(num_shards, extra_args=["--read-only", "--restore-from", str(bundle.path)])
+    with Predictor.from_bundle(bundle.path, ps_addresses=shards.addresses) as predictor:
+        _check_equal(predictor, trained.expected, atol=1e-6)
+    if num_shards == 1:  # rows in fp16 on the wire (training used fp32)
+        with Predictor.from_bundle(bundle.path, ps_addresses=shards.addresses, wire_dtype="fp16") as predictor:
+            _check_equal(predictor, trained.expected, atol=1e-3)
+
+
+def test_shards_that_do_not_serve_the_bundle_are_refused(bundle, ps_cluster):
+    with pytest.raises(BundleError, match=r"do not serve table 'ebc\.cat_0' \(dim 4\).*--read-only --restore-from"):
+        Predictor.from_bundle(bundle.path, ps_addresses=ps_cluster.addresses)

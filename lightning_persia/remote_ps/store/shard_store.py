@@ -14,6 +14,9 @@ from lightning_persia.remote_ps.store.table import Table, TableSnapshot
 from lightning_persia.remote_ps.table_config import TableConfig
 
 
+_DELTA_BASES = 16  # recent deltas a new one may start from
+
+
 class ShardStore:
     """All tables of shard ``shard_index`` of ``num_shards``.
 
@@ -43,6 +46,7 @@ class ShardStore:
         self._tables: dict[str, Table] = {}
         self._lock = threading.Lock()
         self._save_lock = threading.Lock()  # one save or load at a time
+        self._delta_points: dict[str, dict[str, int]] = {}  # save id of a recent delta -> each table's point
 
     def configure(self, config: TableConfig) -> TableConfig:
         """Creates the table, or returns the existing one's config when the dims agree."""
@@ -110,13 +114,19 @@ class ShardStore:
         """
         self._save(directory, save_id, since=None)
 
-    def save_delta(self, directory: str, save_id: str, since: dict[str, int]) -> dict[str, int]:
-        """Writes what changed since the points ``since`` (``{table: point}`` a previous call returned) as a
-        delta under ``directory``: rows written since, ids evicted since. A table not in ``since``, or whose
-        evictions since then are not known, is written whole (its manifest entry says ``since: 0``). Returns
-        every table's new point, for the next delta.
+    def save_delta(self, directory: str, save_id: str, base_id: str = "") -> None:
+        """Writes what changed since the delta ``base_id`` (an earlier ``save_id`` of this method) under
+        ``directory``: the rows written since, and the ids evicted since.
+
+        A table this shard cannot give the changes of (``base_id`` empty or not one of this process's recent
+        deltas, as after a restart; a table created since; evictions not logged that far back) is written whole:
+        its manifest entry then says ``since: 0``, and whoever applies the delta replaces that table.
         """
-        return self._save(directory, save_id, since=since)
+        since = self._delta_points.get(base_id, {}) if base_id else {}
+        points = self._save(directory, save_id, since=since)
+        self._delta_points[save_id] = points
+        while len(self._delta_points) > _DELTA_BASES:
+            self._delta_points.pop(next(iter(self._delta_points)))
 
     def _save(self, directory: str, save_id: str, since: Optional[dict[str, int]]) -> dict[str, int]:
         with self._save_lock:

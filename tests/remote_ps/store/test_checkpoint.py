@@ -242,13 +242,15 @@ def test_deltas_carry_only_what_changed_and_replay_the_training_tables_into_any_
     _train(train)
     seen = torch.arange(-2000, 2000) * 31
     _call(train, "lookup", "small", seen[:150], True)
-    points = [s.save_delta(str(tmp_path / "v1"), "v1", since={}) for s in train]  # the first delta is whole
+    for s in train:
+        s.save_delta(str(tmp_path / "v1"), "v1")  # the first delta is whole
     serving = [ShardStore(i, 3, seed=5) for i in range(3)]
     for s in serving:
         s.stage_delta(str(tmp_path / "v1")).commit()
     _call(train, "update", "a", IDS[:40], torch.ones(40, 4))  # 40 rows change
     _call(train, "lookup", "small", seen[150:400], True)  # 250 new ids: the tables of 100 rows a shard evict
-    points = [s.save_delta(str(tmp_path / "v2"), "v2", since=p) for s, p in zip(train, points)]
+    for s in train:
+        s.save_delta(str(tmp_path / "v2"), "v2", base_id="v1")
     manifests = [json.loads(m.read_text()) for m in sorted((tmp_path / "v2").glob("shard-*/manifest.json"))]
     assert sum(m["tables"]["a"]["rows"] for m in manifests) == 40 and all(m["tables"]["a"]["since"] > 0 for m in manifests)
     assert sum(m["tables"]["b"]["rows"] for m in manifests) == 0
@@ -260,3 +262,8 @@ def test_deltas_carry_only_what_changed_and_replay_the_training_tables_into_any_
     for table, ids in (("a", IDS), ("b", IDS[:50]), ("small", seen[:400])):
         assert torch.equal(_call(serving, "lookup", table, ids, False), _call(train, "lookup", table, ids, False)), table
     assert sum(s.stats()["small"]["rows"] for s in serving) == sum(s.stats()["small"]["rows"] for s in train)
+    restarted = ShardStore(0, 2, seed=5)  # a new process knows no earlier delta: what it writes is whole
+    restarted.load(str(tmp_path / "v1"))
+    restarted.save_delta(str(tmp_path / "v3"), "v3", base_id="v2")
+    manifest = json.loads((tmp_path / "v3" / "shard-00000-of-00002" / "manifest.json").read_text())
+    assert {entry["since"] for entry in manifest["tables"].values()} == {0}

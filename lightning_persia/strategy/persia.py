@@ -1,6 +1,7 @@
 """``PersiaStrategy``: embeddings on parameter-server shards (asynchronous, bounded staleness), dense network with DDP."""
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import shutil
@@ -373,12 +374,29 @@ class PersiaStrategy(DDPStrategy):
         # The connection and an embedded cluster stay up: a later trainer.test() must see the trained tables.
         self._close_loaders()
         self._drain()
-        super().teardown()
+        module = self.lightning_module
+        if module is None or not _holds_meta_tensors(module):
+            super().teardown()
+            return
+        # The start failed before setup() swapped the embedding modules: their tables are still declared on the
+        # meta device and nothing was moved to a device yet. Lightning's teardown moves the module to the CPU,
+        # which a meta tensor refuses; that error would replace the one that stopped the start. The rest of the
+        # teardown runs without the module.
+        self._lightning_module = None
+        try:
+            super().teardown()
+        finally:
+            self._lightning_module = module
 
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        self._close_loaders()
-        self.close()
+        # Lightning re-raises ``exception`` after this hook and the teardown: an error while cleaning up would be
+        # chained to it and printed last, in its place. It is reported here, and the original goes on.
+        try:
+            self._close_loaders()
+            self.close()
+        except Exception as error:
+            log.warning("PersiaStrategy: cleaning up after %s failed: %s: %s", type(exception).__name__, type(error).__name__, error)
 
     def close(self) -> None:
         """Disconnects from the shards and stops the embedded cluster, if this rank started one."""
@@ -391,6 +409,10 @@ class PersiaStrategy(DDPStrategy):
             self._cluster.stop()
             self._cluster = None
         self.worker = None
+
+
+def _holds_meta_tensors(module: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
 
 
 def _ps_dir(filepath: _PATH) -> Path:

@@ -16,6 +16,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -25,7 +26,7 @@ from lightning_persia.embedding.modules import RemoteModule
 from lightning_persia.embedding.prefetch import PrefetchingLoader
 from lightning_persia.embedding.rank_merge import RankMerge
 from lightning_persia.embedding.worker import EmbeddingWorker
-from lightning_persia.remote_ps.client import PSClient
+from lightning_persia.remote_ps.client import PSClient, ShardWait
 from lightning_persia.remote_ps.table_config import DEFAULT_CAPACITY, InitLike, OptimizerLike
 from lightning_persia.strategy.interception import MODULE_KINDS, TableDefaults, TableOverride, intercept
 from lightning_persia.strategy.local_cluster import LocalCluster
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 ADDRESSES_ENV = "PERSIA_PS_ADDRESSES"
 TOKEN_ENV = "PERSIA_PS_TOKEN"
 CHECKPOINT_KEY = "persia"
+WAIT_REPORT_INTERVAL_S = 2.0  # a line every this many seconds while a shard has not answered yet
 
 
 class PersiaStrategy(DDPStrategy):
@@ -204,6 +206,7 @@ class PersiaStrategy(DDPStrategy):
         addresses: Union[list[str], str, None] = self.ps_addresses
         if addresses is None:
             if self.global_rank == 0:
+                rank_zero_info(f"PersiaStrategy: starting {self.num_local_shards} embedded parameter-server shards on this machine")
                 try:
                     self._cluster = LocalCluster(
                         self.num_local_shards, seed=self.ps_seed, config_path=self.ps_config,
@@ -217,7 +220,7 @@ class PersiaStrategy(DDPStrategy):
                 raise RuntimeError(addresses)
         self.client = PSClient(addresses, token=self.ps_token, tls_root_cert=self.ps_tls_root_cert, timeout_s=self.ps_timeout_s)
         self._recovery.attach(self.client, None)
-        self.client.wait_healthy(self.ps_timeout_s)
+        self.client.wait_healthy(self.ps_timeout_s, on_wait=_report_wait, report_every_s=WAIT_REPORT_INTERVAL_S)
 
     # ---- model ------------------------------------------------------------------------------------------
 
@@ -225,7 +228,22 @@ class PersiaStrategy(DDPStrategy):
         if not any(isinstance(m, RemoteModule) for m in self.model.modules()):
             self._swap_embedding_modules()
         self.data_parallel_tables = [m for m in self.model.modules() if isinstance(m, DataParallelTables)]
+        self._announce()
         super().setup(trainer)
+
+    def _announce(self) -> None:
+        """Says where the tables live, as Lightning announces its cluster environment."""
+        assert self.client is not None
+        mode = "embedded parameter server (shards started here)" if self.ps_addresses is None else "remote parameter server"
+        shards = ", ".join(f"shard {shard} at {address}" for shard, address in enumerate(self.client.addresses))
+        remote = [t.name for m in self.remote_modules for t in m.remote_tables]
+        kept = [c.name for tables in self.data_parallel_tables for c in tables.configs]
+        excluded = f"; modules left to DDP (exclude): {', '.join(self.exclude)}" if self.exclude else ""
+        rank_zero_info(
+            f"PersiaStrategy: {mode}: {shards}\n"
+            f"PersiaStrategy: {len(remote)} tables on the shards ({_names(remote)}); {len(kept)} kept on the trainers "
+            f"({_names(kept)}){excluded}; staleness {self.staleness}"
+        )
 
     def _swap_embedding_modules(self) -> None:
         assert self.model is not None and self.client is not None
@@ -409,6 +427,17 @@ class PersiaStrategy(DDPStrategy):
             self._cluster.stop()
             self._cluster = None
         self.worker = None
+
+
+def _report_wait(wait: ShardWait) -> None:
+    rank_zero_info(
+        f"PersiaStrategy: waiting for parameter-server shard {wait.shard} at {wait.address}: {wait.waited_s:.0f} s of "
+        f"ps_timeout_s={wait.timeout_s:g} so far ({wait.last_error})"
+    )
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names) if names else "none"
 
 
 def _holds_meta_tensors(module: torch.nn.Module) -> bool:

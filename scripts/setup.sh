@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Creates .venv with the whole stack, once. CPU machines get the CPU wheels of torch and fbgemm;
-# machines with an NVIDIA GPU get the CUDA builds. torchrec is installed with --no-deps because its
-# metadata asks for the CUDA fbgemm-gpu, which clashes with the CPU wheel.
+# machines with an NVIDIA GPU get the CUDA builds. torchrec is installed last and with --no-deps: its
+# metadata asks for the CUDA package fbgemm-gpu, which clashes with the CPU wheel fbgemm-gpu-cpu (the same
+# library). pip checks dependencies only on installs that resolve them, so the --no-deps install of torchrec
+# reports nothing; a later `pip install` or `pip check` in this venv says "torchrec 1.8.0 requires
+# fbgemm-gpu, which is not installed": expected, and harmless (README, "Install").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,19 +18,23 @@ if [ -f "$STAMP" ]; then
   exit 0
 fi
 
+echo "setup: creating $VENV (a few minutes, once: torch, FBGEMM, TorchRec, Lightning, gRPC)"
 python3 -m venv "$VENV"
 PIP="$VENV/bin/python -m pip"
-$PIP install -q --upgrade pip
+$PIP install --upgrade pip
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  echo "setup: NVIDIA GPU found, installing CUDA builds"
-  $PIP install -q "torch==$TORCH_VERSION" "fbgemm-gpu==$FBGEMM_VERSION"
+  echo "setup: [1/4] NVIDIA GPU found, installing the CUDA builds of torch and FBGEMM"
+  $PIP install "torch==$TORCH_VERSION" "fbgemm-gpu==$FBGEMM_VERSION"
 else
-  echo "setup: no GPU, installing CPU builds"
-  $PIP install -q "torch==$TORCH_VERSION" "fbgemm-gpu-cpu==$FBGEMM_VERSION"
+  echo "setup: [1/4] no GPU, installing the CPU builds of torch and FBGEMM"
+  $PIP install "torch==$TORCH_VERSION" "fbgemm-gpu-cpu==$FBGEMM_VERSION"
 fi
-$PIP install -q --no-deps "torchrec==$TORCHREC_VERSION"
-$PIP install -q -r scripts/requirements.txt
-$PIP install -q --no-deps -e .
+echo "setup: [2/4] Lightning, gRPC and the rest of scripts/requirements.txt"
+$PIP install -r scripts/requirements.txt
+echo "setup: [3/4] TorchRec (without its dependencies: see the top of this script)"
+$PIP install --no-deps "torchrec==$TORCHREC_VERSION"
+echo "setup: [4/4] lightning-persia itself (editable)"
+$PIP install --no-deps -e .
 touch "$STAMP"
 echo "setup: done ($VENV)"

@@ -418,15 +418,16 @@ class PersiaStrategy(DDPStrategy):
 
     def close(self) -> None:
         """Disconnects from the shards and stops the embedded cluster, if this rank started one."""
-        if self.worker is not None and self.worker.rank_merge is not None:
-            self.worker.rank_merge.close()
-        if self.client is not None:
-            self.client.close()
-            self.client = None
-        if self._cluster is not None:
-            self._cluster.stop()
-            self._cluster = None
-        self.worker = None
+        worker, client, cluster = self.worker, self.client, self._cluster
+        self.worker = self.client = self._cluster = None
+        try:
+            if worker is not None and worker.rank_merge is not None:
+                worker.rank_merge.close()
+            if client is not None:
+                client.close()
+        finally:  # the shards stop whatever failed before
+            if cluster is not None:
+                cluster.stop()
 
 
 def _report_wait(wait: ShardWait) -> None:

@@ -119,3 +119,30 @@ def _shards_of(pid: int, within_s: float) -> list[int]:
 def _no_addresses_from_the_environment(monkeypatch):
     monkeypatch.delenv("PERSIA_PS_ADDRESSES", raising=False)
     monkeypatch.delenv("PERSIA_PS_TOKEN", raising=False)
+
+
+def test_a_failing_cleanup_is_reported_and_the_start_s_error_still_raised(monkeypatch, caplog):
+    """In-process: a failure of the cleanup after a failed start is a warning; the start's error is what fit raises."""
+    import lightning as L
+
+    from lightning_persia import PersiaStrategy
+    from lightning_persia.remote_ps.client import PSClient, ShardUnavailableError
+    from toy import ToyRecommender, loader, make_batches
+
+    real_close, clients = PSClient.close, []
+
+    def broken_close(self) -> None:
+        clients.append(self)
+        raise RuntimeError("the channel would not close")
+
+    monkeypatch.setattr(PSClient, "close", broken_close)
+    port = _free_port()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False,
+                        strategy=PersiaStrategy(ps_addresses=[f"127.0.0.1:{port}"], ps_timeout_s=1))
+    with pytest.raises(ShardUnavailableError, match=rf"shard 0 at 127\.0\.0\.1:{port} did not answer"):
+        trainer.fit(ToyRecommender(device="meta"), loader(make_batches(2)))
+    assert "PersiaStrategy: cleaning up after ShardUnavailableError failed: RuntimeError: the channel would not close" in caplog.text
+    assert trainer.strategy.client is None
+    for client in clients:
+        real_close(client)

@@ -48,3 +48,12 @@ def test_config_runs_a_few_steps(name, tmp_path, caplog):
     assert re.search(r"PersiaStrategy: \d+ tables on the shards \(\w+\.\w+.*\); 0 kept on the trainers \(none\)", caplog.text)
     assert re.search(r"end of fit: val_auc 0\.\d{4}( vs ground-truth ceiling 0\.\d{4})? \(step 2\)$", caplog.records[-1].getMessage())
     cli.trainer.strategy.close()
+
+
+@pytest.mark.parametrize("name, metric", [("dlrm", "val_auc"), ("deepfm", "val_auc"), ("adult_income", "test AUC")])
+def test_config_quotes_the_figure_of_the_examples_readme(name, metric):
+    with open(os.path.join(_EXAMPLES, name, "config.yaml")) as f:
+        quoted = re.search(rf"^# Measured .*?{metric} (0\.\d+)", f.read(), re.M | re.S).group(1)
+    with open(os.path.join(_EXAMPLES, "README.md")) as f:
+        row = next(line for line in f if line.startswith(f"| `lightning-persia fit --config examples/{name}/config.yaml` |"))
+    assert f"{metric} **{quoted}**" in row

@@ -87,7 +87,8 @@ class PersiaStrategy(DDPStrategy):
         ps_seed: seed of the embedded shards' deterministic row initialisation.
         ps_token: shared secret for shards started with ``--token`` (default: ``PERSIA_PS_TOKEN``).
         ps_tls_root_cert: PEM file that signed the shards' TLS certificates.
-        ps_timeout_s: deadline of one parameter-server call, and of a wait on the staleness window.
+        ps_timeout_s: deadline of one parameter-server call, of a wait on the staleness window, and of the wait
+            for the shards to answer at start (a line every 2 s names a shard that has not answered yet).
         ps_config: PS YAML config for the embedded shards.
         log_embedding_metrics: log lookup wait, rows fetched, unique ratio, wire bytes and staleness each step.
         recovery: what happens when a shard dies or restarts (default: roll back to the last checkpoint and go

@@ -18,7 +18,7 @@ Reported per run: samples/s (median over windows of --window steps after --warmu
 after the run (--test-batches held-out batches), and the ratios hybrid/local and hybrid/sync.
 
     .venv/bin/python benchmarks/train_bench.py                    # the full table, 2 rounds (about 12 min on a 2-core machine)
-    .venv/bin/python benchmarks/train_bench.py --quick            # local, sync, τ=4; 1 rank, 40 steps (about 1.5 min)
+    .venv/bin/python benchmarks/train_bench.py --quick            # a first look: see --quick below
     .venv/bin/python benchmarks/train_bench.py --profile          # + where a step's time goes
     .venv/bin/python benchmarks/train_bench.py --netem 1,10gbit   # shards behind an emulated network (root)
     .venv/bin/python benchmarks/train_bench.py --json             # + one JSON object on the last line
@@ -272,7 +272,9 @@ def headline(results: List[Dict[str, Any]], args: argparse.Namespace) -> Dict[st
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="1 rank, τ=4 only, 40 steps of 4096 (about 1.5 minutes)")
+    parser.add_argument("--quick", action="store_true",
+                        help="local, sync and hybrid τ=4 on 1 rank, 40 steps, 1 round (about 1.5 min); --ranks, --staleness "
+                             "and the other options still apply")
     parser.add_argument("--batch-size", type=int, default=4096, help="global batch (split across ranks)")
     parser.add_argument("--steps", type=int, default=None, help="training steps of every run (default 300; --quick 40)")
     parser.add_argument("--warmup", type=int, default=None, help="steps not timed (default 20; --quick 10)")

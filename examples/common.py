@@ -246,7 +246,8 @@ def _embedding_optimizer(name: str, params: List[nn.Parameter], lr: float) -> to
 
 
 class PrintAUC(Callback):
-    """Prints the model's ``val_auc``/``test_auc``, next to the data's ground-truth ceiling when it has one.
+    """Prints the model's ``val_auc``/``test_auc``, next to the data's ground-truth ceiling when it has one,
+    after every validation and test, and the last ``val_auc`` again at the end of ``fit``.
 
     The ceiling comes from ``datamodule.ground_truth_auc(split)`` (``SyntheticCriteoDataModule``: the AUC of
     the true click probabilities on the very rows evaluated); it is also logged as ``val_auc_ceiling``.
@@ -269,13 +270,13 @@ class PrintAUC(Callback):
         if ceiling is not None:
             module.log(f"{split}_auc_ceiling", ceiling, sync_dist=True)  # the same value on every rank
 
-    def _print(self, trainer: Trainer, split: str) -> None:
+    def _print(self, trainer: Trainer, split: str, prefix: str = "") -> None:
         ceiling = self._ceilings.get(split)
         metric = trainer.callback_metrics.get(f"{split}_auc")
         if metric is None:
             return
         against = f" vs ground-truth ceiling {ceiling:.4f}" if ceiling is not None else ""
-        rank_zero_info(f"{split}_auc {float(metric):.4f}{against} (step {trainer.global_step})")
+        rank_zero_info(f"{prefix}{split}_auc {float(metric):.4f}{against} (step {trainer.global_step})")
 
     def on_validation_epoch_end(self, trainer: Trainer, module: LightningModule) -> None:
         if not trainer.sanity_checking:
@@ -284,6 +285,10 @@ class PrintAUC(Callback):
     def on_validation_end(self, trainer: Trainer, module: LightningModule) -> None:
         if not trainer.sanity_checking:
             self._print(trainer, "val")
+
+    def on_fit_end(self, trainer: Trainer, module: LightningModule) -> None:
+        # Lightning says why fit stopped after the last validation: the result goes last, where it is read.
+        self._print(trainer, "val", prefix="end of fit: ")
 
     def on_test_epoch_end(self, trainer: Trainer, module: LightningModule) -> None:
         self._log(trainer, module, "test")

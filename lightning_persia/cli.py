@@ -16,7 +16,9 @@ import dataclasses
 import importlib
 import logging
 import os
+import re
 import sys
+import textwrap
 from typing import Callable, Optional, Sequence
 
 
@@ -193,10 +195,15 @@ def _import_from_working_directory() -> None:
         sys.path.insert(0, os.getcwd())
 
 
+class ConfigurationError(ValueError):
+    """A class of the configuration refused its arguments (the message is its reason)."""
+
+
 def lightning_cli(args: Sequence[str]):
     """Runs LightningCLI on ``args`` (``["fit", "--config", ...]``) with ``strategy: persia`` available.
 
     Configs may name classes of the working directory (``examples.dlrm.model.DLRM``), as ``python -m`` sees them.
+    A class that refuses its arguments (``staleness=-1``) raises :class:`ConfigurationError` with its reason.
     """
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
@@ -204,12 +211,49 @@ def lightning_cli(args: Sequence[str]):
 
     import lightning_persia  # noqa: F401  (registers strategy="persia")
 
-    return LightningCLI(args=list(args), save_config_kwargs={"overwrite": True})
+    class _CLI(LightningCLI):
+        def instantiate_classes(self) -> None:
+            try:
+                super().instantiate_classes()
+            except ValueError as error:
+                raise ConfigurationError(_refusal(str(error))) from error
+
+    # LightningCLI warns when it is given arguments while the process has a command line of its own; from the
+    # console entry they are that command line.
+    own_command_line = list(args) == sys.argv[1:]
+    return _CLI(args=None if own_command_line else list(args), save_config_kwargs={"overwrite": True})
+
+
+def _refusal(message: str) -> str:
+    """The reason inside jsonargparse's report of a value no member of its Union type accepts.
+
+    ``trainer.strategy`` (``str | Strategy``), ``model`` and ``data`` (``Optional[...]``) are Unions: the report
+    lists every member's error ("Expected a <class 'str'>" for the members the value is not, the class's own
+    ``ValueError`` for the one it is) and then the whole value, which is long. The reason is the class's error.
+    """
+    if "\nErrors:\n" not in message:
+        return message
+    errors = message.split("\nErrors:\n", 1)[1].split("\nGiven value type:", 1)[0]
+    items = [_unindent(item) for item in ("\n" + errors).split("\n  - ")[1:]]
+    reasons = [_refusal(item) for item in items if not item.startswith("Expected a ")]  # a member may be a Union too
+    class_path = re.search(r"\nGiven value: Namespace\(class_path='([^']+)'", message)
+    where = f"{class_path.group(1)}: " if class_path else ""
+    return where + "; ".join(reasons) if reasons else message
+
+
+def _unindent(item: str) -> str:
+    """A list item whose continuation lines are indented (jsonargparse's layout) as a text of its own."""
+    first, _, rest = item.partition("\n")
+    return f"{first}\n{textwrap.dedent(rest)}".strip()
 
 
 def _lightning_command(command: str) -> Callable[[Sequence[str]], int]:
     def run(argv: Sequence[str]) -> int:
-        lightning_cli([command, *argv])
+        try:
+            lightning_cli([command, *argv])
+        except ConfigurationError as error:
+            print(f"lightning-persia {command}: error: {error}", file=sys.stderr, flush=True)
+            return 2
         return 0
 
     return run

@@ -217,7 +217,10 @@ class CriteoIterableDataset(IterableDataset):
             if not self.skip_malformed:
                 index, reason = bad[0]
                 file_index, line_no = where[index]
-                raise ValueError(f"{self.files[file_index]}, line {line_no}: malformed Criteo line: {reason}")
+                raise ValueError(
+                    f"{self.files[file_index]}, line {line_no}: malformed Criteo line: {reason} "
+                    "(skip_malformed=True skips and counts such lines)"
+                )
             self.malformed_lines += len(bad)
             if get_worker_info() is not None:
                 index, reason = bad[0]

@@ -29,9 +29,9 @@ from typing import Dict, Iterator, List, Optional
 import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lightning_persia.data._sharding import process_rank, worker_rank
+from lightning_persia.data._sharding import process_rank
 from lightning_persia.data.batch import CriteoBatch, hash_categorical, make_batch, transform_dense
 from lightning_persia.data.criteo import (
     CRITEO_KAGGLE_CARDINALITIES,
@@ -340,23 +340,15 @@ def _format_rows(rows: SyntheticRows) -> str:
     return "".join("\t".join(row) + "\n" for row in table)
 
 
-class SyntheticCriteoDataset(IterableDataset):
-    """``num_batches`` generated batches of one split, this rank's and DataLoader worker's share of them.
+class SyntheticCriteoDataset(Dataset):
+    """The ``num_batches`` generated batches of one split: item ``i`` is batch ``i`` (generated when asked for).
 
-    Rank ``r`` of ``w`` gets global batches ``r, r + w, r + 2w, ...``, ``ceil(num_batches / w)`` of them (so
-    that every rank runs as many steps; when ``w`` does not divide ``num_batches`` a few batches past the end
-    are generated); worker ``j`` of ``n`` gets every ``n``-th of those.
+    A DataLoader over it takes ``batch_size=None`` (each item is a batch already); a ``DistributedSampler``
+    deals the batches to the ranks, and the DataLoader to its workers (see
+    :meth:`SyntheticCriteoDataModule.dataloader`).
     """
 
-    def __init__(
-        self,
-        generator: SyntheticCriteo,
-        split: str,
-        num_batches: int,
-        batch_size: int,
-        rank: Optional[int] = None,
-        world_size: Optional[int] = None,
-    ) -> None:
+    def __init__(self, generator: SyntheticCriteo, split: str, num_batches: int, batch_size: int) -> None:
         super().__init__()
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}")
@@ -364,21 +356,14 @@ class SyntheticCriteoDataset(IterableDataset):
             raise ValueError("num_batches must be >= 0 and batch_size >= 1")
         self.generator, self.split = generator, split
         self.num_batches, self.batch_size = num_batches, batch_size
-        self.rank, self.world_size = rank, world_size
-
-    def batch_indices(self) -> range:
-        """Global indices of this rank's batches (all workers)."""
-        rank, world_size = process_rank(self.rank, self.world_size)
-        per_rank = -(-self.num_batches // world_size)
-        return range(rank, rank + per_rank * world_size, world_size)
 
     def __len__(self) -> int:
-        return len(self.batch_indices())
+        return self.num_batches
 
-    def __iter__(self) -> Iterator[CriteoBatch]:
-        worker, num_workers = worker_rank()
-        for index in self.batch_indices()[worker::num_workers]:
-            yield self.generator.batch(self.split, index, self.batch_size)
+    def __getitem__(self, index: int) -> CriteoBatch:
+        if not 0 <= index < self.num_batches:
+            raise IndexError(f"batch {index} of {self.num_batches}")
+        return self.generator.batch(self.split, index, self.batch_size)
 
 
 class SyntheticCriteoDataModule(LightningDataModule):
@@ -445,22 +430,31 @@ class SyntheticCriteoDataModule(LightningDataModule):
         return CRITEO_NUM_DENSE
 
     def dataset(self, split: str) -> SyntheticCriteoDataset:
-        rank = world_size = None
-        if self.trainer is not None:
-            rank, world_size = self.trainer.global_rank, self.trainer.world_size
-        return SyntheticCriteoDataset(self.generator, split, self.num_batches[split], self.batch_size, rank, world_size)
+        """Every batch of ``split``."""
+        return SyntheticCriteoDataset(self.generator, split, self.num_batches[split], self.batch_size)
 
-    def _loader(self, split: str) -> DataLoader:
-        return DataLoader(self.dataset(split), batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory)
+    def dataloader(self, split: str, rank: Optional[int] = None, world_size: Optional[int] = None) -> DataLoader:
+        """Rank ``r`` of ``w``'s batches of ``split``: ``r, r + w, r + 2w, ...``, ``ceil(num_batches / w)`` of them,
+        so that every rank runs as many steps (when ``w`` does not divide ``num_batches``, the last ranks
+        repeat the first batches). ``rank`` and ``world_size`` default to the trainer's, else to
+        ``torch.distributed``'s, else to one process.
+        """
+        if (rank is None or world_size is None) and self.trainer is not None:
+            rank, world_size = self.trainer.global_rank, self.trainer.world_size
+        rank, world_size = process_rank(rank, world_size)
+        dataset = self.dataset(split)
+        # A DistributedSampler of its own: Lightning keeps it, and the data is this module's to deal.
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
+        return DataLoader(dataset, batch_size=None, sampler=sampler, num_workers=self.num_workers, pin_memory=self.pin_memory)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train")
+        return self.dataloader("train")
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader("val")
+        return self.dataloader("val")
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader("test")
+        return self.dataloader("test")
 
     def ground_truth_auc(self, split: str = "val") -> float:
         """AUC of the true probabilities on the very rows of ``split`` that the data loaders yield (one rank)."""

@@ -326,6 +326,12 @@ class EmbeddingWorker:
             self._current.prefetched.clear()
 
     def _on_update_done(self, index: int, future: Future, seconds: float) -> None:
+        if future.cancelled():
+            # PSClient.close() (or the rank merge's) cancelled it: the run is stopping, whatever stopped it.
+            # future.exception() would raise CancelledError here, which the future prints as a traceback of
+            # its own callback, ahead of and unrelated to the error that stopped the run.
+            self.window.fail(RuntimeError(f"embedding update of step {index} was cancelled: the connection to the parameter server was closed"))
+            return
         error = future.exception()
         if error is None:
             self._observe("update_seconds", seconds)

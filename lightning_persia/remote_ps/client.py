@@ -25,7 +25,7 @@ import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Awaitable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Awaitable, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import grpc
 import grpc.aio
@@ -71,6 +71,20 @@ class ShardUnavailableError(PSError):
             f"shard {shard} at {address} did not answer after {tries} tries over {elapsed_s:.1f} s: {last_error}"
         )
         self.shard, self.address, self.tries, self.elapsed_s, self.last_error = shard, address, tries, elapsed_s, last_error
+
+
+@dataclass(frozen=True)
+class ShardWait:
+    """What :meth:`PSClient.wait_healthy` reports while a shard has not answered yet."""
+
+    shard: int
+    address: str
+    waited_s: float
+    timeout_s: float
+    last_error: str  # why the last health check failed
+
+
+WaitCallback = Callable[[ShardWait], None]
 
 
 @dataclass
@@ -336,13 +350,23 @@ class PSClient:
                         "address": self.addresses[shard], "incarnation": response.incarnation, **body})
         return out
 
-    def wait_healthy(self, timeout_s: float = 60.0) -> None:
+    def wait_healthy(
+        self, timeout_s: float = 60.0, *, on_wait: Optional[WaitCallback] = None, report_every_s: float = 5.0,
+    ) -> None:
         """Waits until every shard reports SERVING and is the shard its position says it is.
 
         Also records every shard's incarnation: from then on a shard that restarts refuses this client's
         lookups, updates and saves (:class:`ShardRestartedError`) until it is called again.
+
+        Args:
+            timeout_s: how long a shard may take to answer; then :class:`ShardUnavailableError`.
+            on_wait: called as ``on_wait(ShardWait(...))`` every ``report_every_s`` seconds for each shard that
+                has not answered yet (on the client's thread), so that a long wait is never silent.
+            report_every_s: seconds between two reports on one shard.
         """
-        self._wait(self._wait_healthy(timeout_s))
+        if report_every_s <= 0:
+            raise ValueError(f"report_every_s must be > 0, got {report_every_s}")
+        self._wait(self._wait_healthy(timeout_s, on_wait, report_every_s))
         self.refresh_incarnations()
 
     def refresh_incarnations(self) -> List[str]:
@@ -352,12 +376,13 @@ class PSClient:
         self.incarnations = [entry["incarnation"] or None for entry in stats]
         return list(self.incarnations)
 
-    async def _wait_healthy(self, timeout_s: float) -> None:
+    async def _wait_healthy(self, timeout_s: float, on_wait: Optional[WaitCallback], report_every_s: float) -> None:
         start = time.monotonic()
 
         async def one(shard: int) -> None:
             last = "no answer yet"
             tries = 0
+            next_report = report_every_s
             while True:
                 tries += 1
                 remaining = timeout_s - (time.monotonic() - start)
@@ -371,8 +396,12 @@ class PSClient:
                     last = f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)}"
                 except grpc.aio.AioRpcError as err:
                     last = f"{err.code().name}: {err.details()}"
-                if time.monotonic() - start + 0.1 > timeout_s:
-                    raise ShardUnavailableError(shard, self.addresses[shard], tries, time.monotonic() - start, last)
+                waited = time.monotonic() - start
+                if waited + 0.1 > timeout_s:
+                    raise ShardUnavailableError(shard, self.addresses[shard], tries, waited, last)
+                if on_wait is not None and waited >= next_report:
+                    next_report += report_every_s
+                    on_wait(ShardWait(shard, self.addresses[shard], waited, timeout_s, last))
                 await asyncio.sleep(0.1)
 
         await self._gather(one(shard) for shard in range(self.num_shards))

@@ -1,6 +1,7 @@
 """``PersiaStrategy``: embeddings on parameter-server shards (asynchronous, bounded staleness), dense network with DDP."""
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -25,7 +27,7 @@ from lightning_persia.embedding.modules import RemoteModule
 from lightning_persia.embedding.prefetch import PrefetchingLoader
 from lightning_persia.embedding.rank_merge import RankMerge
 from lightning_persia.embedding.worker import EmbeddingWorker
-from lightning_persia.remote_ps.client import PSClient
+from lightning_persia.remote_ps.client import PSClient, ShardWait
 from lightning_persia.remote_ps.table_config import DEFAULT_CAPACITY, InitLike, OptimizerLike
 from lightning_persia.strategy.interception import MODULE_KINDS, TableDefaults, TableOverride, intercept
 from lightning_persia.strategy.local_cluster import LocalCluster
@@ -37,6 +39,7 @@ log = logging.getLogger(__name__)
 ADDRESSES_ENV = "PERSIA_PS_ADDRESSES"
 TOKEN_ENV = "PERSIA_PS_TOKEN"
 CHECKPOINT_KEY = "persia"
+WAIT_REPORT_INTERVAL_S = 2.0  # a line every this many seconds while a shard has not answered yet
 
 
 class PersiaStrategy(DDPStrategy):
@@ -88,7 +91,8 @@ class PersiaStrategy(DDPStrategy):
         ps_seed: seed of the embedded shards' deterministic row initialisation.
         ps_token: shared secret for shards started with ``--token`` (default: ``PERSIA_PS_TOKEN``).
         ps_tls_root_cert: PEM file that signed the shards' TLS certificates.
-        ps_timeout_s: deadline of one parameter-server call, and of a wait on the staleness window.
+        ps_timeout_s: deadline of one parameter-server call, of a wait on the staleness window, and of the wait
+            for the shards to answer at start (a line every 2 s names a shard that has not answered yet).
         ps_config: PS YAML config for the embedded shards.
         log_embedding_metrics: log lookup wait, rows fetched, unique ratio, wire bytes and staleness each step.
         recovery: what happens when a shard dies or restarts (default: roll back to the last checkpoint and go
@@ -230,6 +234,7 @@ class PersiaStrategy(DDPStrategy):
         addresses: Union[list[str], str, None] = self.ps_addresses
         if addresses is None:
             if self.global_rank == 0:
+                rank_zero_info(f"PersiaStrategy: starting {self.num_local_shards} embedded parameter-server shards on this machine")
                 try:
                     self._cluster = LocalCluster(
                         self.num_local_shards, seed=self.ps_seed, config_path=self.ps_config,
@@ -244,7 +249,7 @@ class PersiaStrategy(DDPStrategy):
         self.client = PSClient(addresses, token=self.ps_token, tls_root_cert=self.ps_tls_root_cert, timeout_s=self.ps_timeout_s,
                                interceptors=[self.metrics.client_interceptor] if self.metrics is not None else ())
         self._recovery.attach(self.client, None)
-        self.client.wait_healthy(self.ps_timeout_s)
+        self.client.wait_healthy(self.ps_timeout_s, on_wait=_report_wait, report_every_s=WAIT_REPORT_INTERVAL_S)
 
     # ---- model ------------------------------------------------------------------------------------------
 
@@ -252,7 +257,22 @@ class PersiaStrategy(DDPStrategy):
         if not any(isinstance(m, RemoteModule) for m in self.model.modules()):
             self._swap_embedding_modules()
         self.data_parallel_tables = [m for m in self.model.modules() if isinstance(m, DataParallelTables)]
+        self._announce()
         super().setup(trainer)
+
+    def _announce(self) -> None:
+        """Says where the tables live, as Lightning announces its cluster environment."""
+        assert self.client is not None
+        mode = "embedded parameter server (shards started here)" if self.ps_addresses is None else "remote parameter server"
+        shards = ", ".join(f"shard {shard} at {address}" for shard, address in enumerate(self.client.addresses))
+        remote = [t.name for m in self.remote_modules for t in m.remote_tables]
+        kept = [c.name for tables in self.data_parallel_tables for c in tables.configs]
+        excluded = f"; modules left to DDP (exclude): {', '.join(self.exclude)}" if self.exclude else ""
+        rank_zero_info(
+            f"PersiaStrategy: {mode}: {shards}\n"
+            f"PersiaStrategy: {len(remote)} tables on the shards ({_names(remote)}); {len(kept)} kept on the trainers "
+            f"({_names(kept)}){excluded}; staleness {self.staleness}"
+        )
 
     def _swap_embedding_modules(self) -> None:
         assert self.model is not None and self.client is not None
@@ -418,27 +438,59 @@ class PersiaStrategy(DDPStrategy):
         # The connection and an embedded cluster stay up: a later trainer.test() must see the trained tables.
         self._close_loaders()
         self._drain()
-        super().teardown()
+        module = self.lightning_module
+        if module is None or not _holds_meta_tensors(module):
+            super().teardown()
+            return
+        # The start failed before setup() swapped the embedding modules: their tables are still declared on the
+        # meta device and nothing was moved to a device yet. Lightning's teardown moves the module to the CPU,
+        # which a meta tensor refuses; that error would replace the one that stopped the start. The rest of the
+        # teardown runs without the module.
+        self._lightning_module = None
+        try:
+            super().teardown()
+        finally:
+            self._lightning_module = module
 
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        self._close_loaders()
-        self.close()
+        # Lightning re-raises ``exception`` after this hook and the teardown: an error while cleaning up would be
+        # chained to it and printed last, in its place. It is reported here, and the original goes on.
+        try:
+            self._close_loaders()
+            self.close()
+        except Exception as error:
+            log.warning("PersiaStrategy: cleaning up after %s failed: %s: %s", type(exception).__name__, type(error).__name__, error)
 
     def close(self) -> None:
         """Disconnects from the shards and stops the embedded cluster, if this rank started one."""
-        if self.worker is not None and self.worker.rank_merge is not None:
-            self.worker.rank_merge.close()
-        if self.client is not None:
-            self.client.close()
-            self.client = None
-        if self._cluster is not None:
-            self._cluster.stop()
-            self._cluster = None
-        if self.metrics is not None:
-            self.metrics.stop()
-            self.metrics = None
-        self.worker = None
+        worker, client, cluster, metrics = self.worker, self.client, self._cluster, self.metrics
+        self.worker = self.client = self._cluster = self.metrics = None
+        try:
+            if worker is not None and worker.rank_merge is not None:
+                worker.rank_merge.close()
+            if client is not None:
+                client.close()
+        finally:  # the shards and the metrics server stop whatever failed before
+            if cluster is not None:
+                cluster.stop()
+            if metrics is not None:
+                metrics.stop()
+
+
+def _report_wait(wait: ShardWait) -> None:
+    rank_zero_info(
+        f"PersiaStrategy: waiting for parameter-server shard {wait.shard} at {wait.address}: {wait.waited_s:.0f} s of "
+        f"ps_timeout_s={wait.timeout_s:g} so far ({wait.last_error})"
+    )
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names) if names else "none"
+
+
+def _holds_meta_tensors(module: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
 
 
 def _ps_dir(filepath: _PATH) -> Path:

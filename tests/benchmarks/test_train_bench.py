@@ -57,6 +57,18 @@ def test_bad_arguments_are_named(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_quick_is_described_one_way_and_runs_as_described(capsys):
+    import train_bench
+
+    args = train_bench.parse_args(["--quick"])
+    assert (args.no_local, args.ranks, args.staleness, args.steps, args.repeat) == (False, [1], [4], 40, 1)
+    with pytest.raises(SystemExit):
+        train_bench.parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--quick local, sync and hybrid τ=4 on 1 rank, 40 steps, 1 round (about 1.5 min)" in help_text
+    assert help_text.count("40 steps") == 1  # the usage examples at the top point to it instead of describing it again
+
+
 def test_repeats_merge_into_medians():
     import train_bench
 

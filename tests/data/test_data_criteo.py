@@ -99,6 +99,7 @@ def test_malformed_line_names_file_and_line(tmp_path, bad_line, reason):
         _all(CriteoIterableDataset([first, second], batch_size=4))
     message = str(err.value)
     assert "second.tsv" in message and "line 3" in message and reason in message
+    assert message.endswith("(skip_malformed=True skips and counts such lines)")  # and the remedy
 
 
 def test_skip_malformed_counts_and_keeps_batches_full(tmp_path):

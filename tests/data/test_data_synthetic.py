@@ -1,6 +1,7 @@
 """The synthetic Criteo generator: determinism, skew, label rate, ceiling, TSV round trip, rank split."""
 from __future__ import annotations
 
+import lightning as L
 import numpy as np
 import pytest
 import torch
@@ -111,13 +112,42 @@ def test_written_tsv_reads_back_as_the_generated_batches(tmp_path, gz):
 
 
 def test_rank_split_of_batches():
-    generator = SyntheticCriteo(seed=0, cardinality_scale=0.01)
-    single = list(SyntheticCriteoDataset(generator, "train", 5, 32, rank=0, world_size=1))
-    parts = [list(SyntheticCriteoDataset(generator, "train", 5, 32, rank=r, world_size=2)) for r in range(2)]
+    dm = SyntheticCriteoDataModule(num_train_batches=5, batch_size=32, seed=0, cardinality_scale=0.01)
+    single = list(dm.train_dataloader())  # no trainer, no process group: one rank
+    assert len(single) == 5 and _same(single[3], SyntheticCriteoDataset(dm.generator, "train", 5, 32)[3])
+    parts = [list(dm.dataloader("train", rank=r, world_size=2)) for r in range(2)]
     assert [len(p) for p in parts] == [3, 3]  # every rank runs as many steps: 6 >= 5 batches in all
     assert _same(parts[0][0], single[0]) and _same(parts[1][0], single[1]) and _same(parts[0][2], single[4])
-    ranks_first = {tuple(p[0].labels.tolist()) for p in parts}
-    assert len(ranks_first) == 2
+    assert _same(parts[1][2], single[0])  # the step rank 1 lacks repeats the first batch
+    with pytest.raises(IndexError):
+        SyntheticCriteoDataset(dm.generator, "train", 5, 32)[5]
+
+
+class _Dense(L.LightningModule):
+    """Logistic regression on the dense features: enough to run Lightning's loops over the batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(13, 1)
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.binary_cross_entropy_with_logits(self.linear(batch.dense_features).squeeze(1), batch.labels)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.training_step(batch, batch_idx), batch_size=batch.batch_size)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_the_data_module_passes_lightning_s_dataloader_checks_without_a_warning(recwarn):
+    """Lightning warns about an IterableDataset with a length; the batches are a map-style dataset instead."""
+    dm = SyntheticCriteoDataModule(num_train_batches=3, num_val_batches=1, batch_size=16, seed=0, cardinality_scale=0.01)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(_Dense(), datamodule=dm)
+    assert trainer.num_training_batches == 3 and trainer.global_step == 3
+    assert [str(w.message) for w in recwarn if "IterableDataset" in str(w.message)] == []
 
 
 def test_scaled_cardinalities():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -12,7 +13,7 @@ _EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path
 
 
 @pytest.mark.parametrize("name", ["dlrm", "deepfm", "adult_income"])
-def test_config_runs_a_few_steps(name, tmp_path):
+def test_config_runs_a_few_steps(name, tmp_path, caplog):
     config = os.path.join(_EXAMPLES, name, "config.yaml")
     small = []
     if name != "adult_income":  # keep the tables and the stream small; ids stay below the tables' sizes
@@ -41,4 +42,18 @@ def test_config_runs_a_few_steps(name, tmp_path):
     assert "val_auc" in cli.trainer.callback_metrics
     assert type(cli.trainer.strategy).__name__ == "PersiaStrategy"
     assert not any(p.is_meta for p in cli.model.parameters())
+    # the start-up announcement, and the result as the last word of fit (examples.common.PrintAUC)
+    assert re.search(r"PersiaStrategy: embedded parameter server \(shards started here\): shard 0 at 127\.0\.0\.1:\d+, "
+                     r"shard 1 at 127\.0\.0\.1:\d+", caplog.text)
+    assert re.search(r"PersiaStrategy: \d+ tables on the shards \(\w+\.\w+.*\); 0 kept on the trainers \(none\)", caplog.text)
+    assert re.search(r"end of fit: val_auc 0\.\d{4}( vs ground-truth ceiling 0\.\d{4})? \(step 2\)$", caplog.records[-1].getMessage())
     cli.trainer.strategy.close()
+
+
+@pytest.mark.parametrize("name, metric", [("dlrm", "val_auc"), ("deepfm", "val_auc"), ("adult_income", "test AUC")])
+def test_config_quotes_the_figure_of_the_examples_readme(name, metric):
+    with open(os.path.join(_EXAMPLES, name, "config.yaml")) as f:
+        quoted = re.search(rf"^# Measured .*?{metric} (0\.\d+)", f.read(), re.M | re.S).group(1)
+    with open(os.path.join(_EXAMPLES, "README.md")) as f:
+        row = next(line for line in f if line.startswith(f"| `lightning-persia fit --config examples/{name}/config.yaml` |"))
+    assert f"{metric} **{quoted}**" in row

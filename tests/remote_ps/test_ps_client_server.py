@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_persia.ops.hashing import shard_of
-from lightning_persia.remote_ps.client import PSError, PSRequestError, ShardUnavailableError
+from lightning_persia.remote_ps.client import PSError, PSRequestError, ShardUnavailableError, ShardWait
 from lightning_persia.remote_ps.store import ShardStore
 from lightning_persia.remote_ps.table_config import SGD, Adagrad, Adam, Constant, Normal, TableConfig, Uniform
 
@@ -289,6 +289,27 @@ def test_wait_healthy_checks_the_shard_order_and_count(ps_cluster, make_client):
         make_client([a0, a0]).wait_healthy(10)
     with pytest.raises(PSError, match=r"cluster of 2 shards, but 3 addresses are listed"):
         make_client([a0, a1, a0]).wait_healthy(10)
+
+
+def test_wait_healthy_reports_every_shard_that_keeps_it_waiting(ps_cluster, make_client):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    silent = f"127.0.0.1:{port}"
+    reports: list[ShardWait] = []
+    client = make_client([ps_cluster.addresses[0], silent])
+    with pytest.raises(ShardUnavailableError, match=rf"shard 1 at 127\.0\.0\.1:{port} did not answer"):
+        client.wait_healthy(1.0, on_wait=reports.append, report_every_s=0.3)
+    assert {(r.shard, r.address, r.timeout_s) for r in reports} == {(1, silent, 1.0)}  # the healthy shard is not reported
+    assert 2 <= len(reports) <= 3
+    waits = [r.waited_s for r in reports]
+    assert waits == sorted(waits) and waits[0] >= 0.3 and waits[-1] < 1.0
+    assert all(r.last_error.startswith("UNAVAILABLE") for r in reports)
+    answered: list[ShardWait] = []
+    make_client(ps_cluster.addresses).wait_healthy(10, on_wait=answered.append, report_every_s=1.0)
+    assert answered == []
+    with pytest.raises(ValueError, match="report_every_s must be > 0"):
+        client.wait_healthy(1.0, report_every_s=0)
 
 
 def test_configure_conflict_and_client_side_errors(ps_cluster, make_client):

@@ -26,7 +26,7 @@ def test_the_readme_example_trains_as_written(tmp_path):
     assert done.returncode == 0, output[-3000:]
     assert "`Trainer.fit` stopped: `max_epochs=3` reached." in output
     assert "PersiaStrategy: 2 tables on the shards (ebc.t_user, ebc.t_item)" in output
-    # Lightning's default logger here (no TensorBoard in scripts/requirements.txt) writes CSV beside the script
+    # Lightning's default logger here (no TensorBoard among the dependencies in pyproject.toml) writes CSV beside the script
     with open(tmp_path / "lightning_logs" / "version_0" / "metrics.csv") as f:
         losses = [float(row["train_loss_epoch"]) for row in csv.DictReader(f) if row.get("train_loss_epoch")]
     assert len(losses) == 3 and losses[2] < losses[0] - 0.02, losses

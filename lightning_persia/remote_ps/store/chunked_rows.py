@@ -27,7 +27,7 @@ CHUNK_BYTES = 1 << 27
 """Target size of one chunk of records: the unit of growth and of a checkpoint's copy."""
 _MIN_SHIFT, _MAX_SHIFT = 10, 20
 _HUGE_PAGE = 2 << 20
-_ALIGN = 8
+_ALIGN = 4  # records of 4-byte multiples: every 4-byte field stays aligned; the 8-byte id is read unaligned
 
 
 @dataclass(frozen=True)
@@ -64,9 +64,24 @@ class ChunkedField:
         self._rows = rows
 
     def chunk(self, index: int, rows: int) -> torch.Tensor:
-        """The field of the first ``rows`` records of chunk ``index`` (a strided view)."""
-        raw = self._rows.chunks[index][:rows, self.offset : self.offset + self.spec.row_bytes]
-        view = raw.view(self.spec.dtype)
+        """The field of the first ``rows`` records of chunk ``index`` (a strided view).
+
+        Only for fields whose item size divides the record size (every field but the 8-byte id, whose records
+        may be 4-byte aligned): :meth:`take` reads any field.
+        """
+        raw = self._raw(index, rows)
+        if self._rows.record_bytes % self.spec.itemsize:
+            raise ValueError(f"records of {self._rows.record_bytes} bytes hold no strided view of {self.spec.dtype}; use take()")
+        return self._typed(raw.view(self.spec.dtype))
+
+    def take(self, index: int, rows: int, offsets: torch.Tensor) -> torch.Tensor:
+        """A copy of the field of records ``offsets`` among the first ``rows`` of chunk ``index``."""
+        return self._typed(self._raw(index, rows)[offsets].view(self.spec.dtype))
+
+    def _raw(self, index: int, rows: int) -> torch.Tensor:
+        return self._rows.chunks[index][:rows, self.offset : self.offset + self.spec.row_bytes]
+
+    def _typed(self, view: torch.Tensor) -> torch.Tensor:
         return view.squeeze(1) if self.spec.width is None else view
 
     def gather(self, rows: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -76,7 +91,7 @@ class ChunkedField:
         if native.available():
             return native.gather(self._rows.layout, self.offset, rows, out)
         for chunk, positions, offsets in self._rows.by_chunk(rows):
-            out[positions] = self.chunk(chunk, self._rows.chunk_rows)[offsets]
+            out[positions] = self.take(chunk, self._rows.chunk_rows, offsets)
         return out
 
     def scatter(self, rows: torch.Tensor, values: torch.Tensor) -> None:
@@ -85,8 +100,9 @@ class ChunkedField:
         if native.available():
             native.scatter(self._rows.layout, self.offset, rows, values)
             return
+        raw = values.contiguous().view(torch.uint8).view(values.shape[0], self.spec.row_bytes)
         for chunk, positions, offsets in self._rows.by_chunk(rows):
-            self.chunk(chunk, self._rows.chunk_rows)[offsets] = values[positions]
+            self._raw(chunk, self._rows.chunk_rows)[offsets] = raw[positions]
 
     def fill(self, rows: torch.Tensor, value: int, add: bool = False) -> None:
         """An int32 field of ``rows`` (``-1`` skipped) becomes ``value``, or grows by it with ``add``."""
@@ -111,7 +127,7 @@ class ChunkedRows:
     def __init__(self, fields: dict[str, FieldSpec]) -> None:
         self.fields: dict[str, ChunkedField] = {}
         offset = 0
-        for name, spec in sorted(fields.items(), key=lambda item: -item[1].itemsize):  # each field aligned
+        for name, spec in sorted(fields.items(), key=lambda item: -item[1].itemsize):  # larger items first
             self.fields[name] = ChunkedField(self, spec, offset)
             offset += spec.row_bytes
         self.record_bytes = max(_ALIGN, -(-offset // _ALIGN) * _ALIGN)

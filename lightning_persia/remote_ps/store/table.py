@@ -251,7 +251,7 @@ class Table:
         if state.since:
             keep &= version > state.since
         offsets = torch.nonzero(keep).squeeze(1)
-        parts = [{name: self._rows[name].chunk(chunk, count)[offsets] for name in SAVED_FIELDS if name in self._rows.fields}]
+        parts = [{name: self._rows[name].take(chunk, count, offsets) for name in SAVED_FIELDS if name in self._rows.fields}]
         for piece in state.preimages.pop(chunk, []):
             keep = piece["access"] != eviction.FREE  # the row was free at the point (and reused since)
             parts.append({name: values[keep] for name, values in piece.items() if name in SAVED_FIELDS})

@@ -14,7 +14,7 @@ def test_growth_appends_chunks_and_never_moves_a_stored_row(small_chunks, store_
     rows["weights"].scatter(torch.tensor([0, 1023]), torch.tensor([[1.0, 2, 3], [4, 5, 6]]))
     rows.reserve(5 * small_chunks + 1)
     assert rows.num_chunks == 6 and rows.chunks[0].data_ptr() == first.data_ptr()
-    assert rows.record_bytes == 16 and rows["ids"].offset == 0  # id first, then the 3 fp16 weights, padded to 8
+    assert rows.record_bytes == 16 and rows["ids"].offset == 0  # id first, then the 3 fp16 weights, padded to 4
     spanning = torch.tensor([1023, 1024, 4095, 5120, 0, -1])
     rows["weights"].scatter(spanning[1:4], torch.arange(9, dtype=torch.float16).view(3, 3))
     out = rows["weights"].gather(spanning, torch.full((6, 3), -7.0, dtype=torch.float16))

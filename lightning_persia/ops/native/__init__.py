@@ -163,6 +163,14 @@ def row_bits(ids: torch.Tensor, key: int, columns: int) -> torch.Tensor:
     return out
 
 
+def uniform_rows(ids: torch.Tensor, key: int, columns: int, low: float, high: float) -> torch.Tensor:
+    """``[n, columns]`` float32 Uniform(low, high) initial rows of ``ids`` (see initializers.py), bit for bit."""
+    ids = _check(ids, torch.int64, "ids").contiguous()
+    out = torch.empty(ids.numel(), columns, dtype=torch.float32)
+    _require().lp_uniform_rows(ids.data_ptr(), ids.numel(), key, columns, float(low), float(high), out.data_ptr())
+    return out
+
+
 def first_foreign(ids: torch.Tensor, num_shards: int, shard: int) -> int:
     """Position of the first id that :func:`~lightning_persia.ops.hashing.shard_of` puts on another shard, or -1."""
     if num_shards < 1:
@@ -235,6 +243,7 @@ def _library() -> Optional[ctypes.CDLL]:
         ("lp_index_remove", [_P, _P, _I64, _I64, _P, _I64], _I64),
         ("lp_index_reserve", [_P, _P, _I64, _I64, _I64], _I64),
         ("lp_row_bits", [_P, _I64, _I64, _I64, _P], None),
+        ("lp_uniform_rows", [_P, _I64, _I64, _I64, ctypes.c_double, ctypes.c_double, _P], None),
         ("lp_first_foreign", [_P, _I64, _I64, _I64], _I64),
     ):
         function = getattr(library, name)

@@ -93,7 +93,7 @@ void lp_set_i32(const int64_t *chunks, int64_t shift, int64_t stride, int64_t of
  * Slots come in buckets of 12, one cache line each; a probe reads the home bucket, then the next ones while they
  * are full and marked `overflowed` (an insert passed through them). The index is split into 2^PART_BITS
  * partitions by the top bits of the hash, each grown on its own (to a load of 0.55, once it reaches a load
- * between 0.75 and 0.9 that differs per partition), so growing the table rehashes a small slice at a time: no request ever waits for
+ * between 0.7 and 0.92 that differs per partition), so growing the table rehashes a small slice at a time: no request ever waits for
  * the whole index to be rebuilt, whatever the table size. Bucket counts need not be powers of two (the home
  * bucket is a multiply-shift of 32 hash bits), which keeps the load, and the memory per row, within 1.5x. */
 
@@ -103,6 +103,7 @@ void lp_set_i32(const int64_t *chunks, int64_t shift, int64_t stride, int64_t of
 #define PART_BITS 10
 #define PARTS (1 << PART_BITS)
 #define TARGET_LOAD 0.55
+#define REHASH_AHEAD 64
 
 typedef struct {
     uint8_t tags[SLOTS];
@@ -137,8 +138,8 @@ static inline int64_t key_of(const rows_t *t, int32_t row) {
     return key;
 }
 
-static double max_load(uint32_t part) { /* 0.75 .. 0.9, spread over the partitions so they grow at different times */
-    return 0.75 + 0.15 * (double)(mix64(part + 1) >> 11) / (double)(1ULL << 53);
+static double max_load(uint32_t part) { /* 0.7 .. 0.92, spread over the partitions so they grow at different times */
+    return 0.7 + 0.22 * (double)(mix64(part + 1) >> 11) / (double)(1ULL << 53);
 }
 
 static int part_init(part_t *p, uint32_t part, uint32_t count) {
@@ -195,19 +196,25 @@ static int rebuild(index_t *index, uint32_t part, uint32_t extra, const rows_t *
     part_t *p = &index->parts[part];
     part_t fresh;
     if (part_init(&fresh, part, (uint32_t)((p->live + extra) / TARGET_LOAD / SLOTS) + 1)) return -1;
-    int32_t rows[BLOCK];
-    int pending = 0;
+    /* a ring of rows whose records are on their way: each is placed REHASH_AHEAD rows after its prefetch */
+    int32_t ring[REHASH_AHEAD];
+    int64_t seen = 0;
     for (uint32_t b = 0; b < p->count; ++b) {
         for (int s = 0; s < SLOTS; ++s) {
             if (p->buckets[b].tags[s] <= TOMB_TAG) continue;
-            rows[pending] = p->buckets[b].rows[s];
-            PREFETCH(record(t, rows[pending]));
-            if (++pending < BLOCK) continue;
-            for (int i = 0; i < pending; ++i) place(&fresh, hash_of(key_of(t, rows[i])), rows[i]);
-            pending = 0;
+            if (seen >= REHASH_AHEAD) {
+                const int32_t row = ring[seen % REHASH_AHEAD];
+                place(&fresh, hash_of(key_of(t, row)), row);
+            }
+            ring[seen % REHASH_AHEAD] = p->buckets[b].rows[s];
+            PREFETCH(record(t, ring[seen % REHASH_AHEAD]));
+            seen += 1;
         }
     }
-    for (int i = 0; i < pending; ++i) place(&fresh, hash_of(key_of(t, rows[i])), rows[i]);
+    for (int64_t i = seen > REHASH_AHEAD ? seen - REHASH_AHEAD : 0; i < seen; ++i) {
+        const int32_t row = ring[i % REHASH_AHEAD];
+        place(&fresh, hash_of(key_of(t, row)), row);
+    }
     fresh.live = fresh.used = p->live;
     index->bucket_count += (int64_t)fresh.count - p->count;
     index->grown += 1;
@@ -365,12 +372,28 @@ int64_t lp_index_remove(void *handle, const int64_t *chunks, int64_t shift, int6
 
 /* ---- initial rows ---------------------------------------------------------------------------------------- */
 
-/* out[i * cols + c] = mix64(mix64(ids[i] ^ key) + c * GOLDEN): the counter-based random bits behind a row's
- * initial value (remote_ps/store/initializers.py computes the same words in tensor ops). */
+/* The counter-based random word behind column c of the initial row of id: mix64(mix64(id ^ key) + c * GOLDEN)
+ * (remote_ps/store/initializers.py computes the same words in tensor ops). */
+static inline uint64_t row_word(uint64_t row_key, int64_t c) { return mix64(row_key + (uint64_t)c * SLOT_SALT); }
+
+/* out[i * cols + c]: the word of column c of id ids[i]'s initial row. */
 void lp_row_bits(const int64_t *ids, int64_t n, int64_t key, int64_t cols, int64_t *out) {
     for (int64_t i = 0; i < n; ++i) {
         const uint64_t row_key = mix64((uint64_t)ids[i] ^ (uint64_t)key);
-        for (int64_t c = 0; c < cols; ++c) out[i * cols + c] = (int64_t)mix64(row_key + (uint64_t)c * SLOT_SALT);
+        for (int64_t c = 0; c < cols; ++c) out[i * cols + c] = (int64_t)row_word(row_key, c);
+    }
+}
+
+/* out[i * cols + c] = (float)(low + (high - low) * u), u = (53 bits of the word + 0.5) / 2^53: a Uniform initial
+ * row, in the operations and order of initializers.py (built without fused multiply-adds, so bit for bit). */
+void lp_uniform_rows(const int64_t *ids, int64_t n, int64_t key, int64_t cols, double low, double high, float *out) {
+    const double width = high - low, scale = 1.0 / 9007199254740992.0;
+    for (int64_t i = 0; i < n; ++i) {
+        const uint64_t row_key = mix64((uint64_t)ids[i] ^ (uint64_t)key);
+        for (int64_t c = 0; c < cols; ++c) {
+            const double u = ((double)(row_word(row_key, c) >> 11) + 0.5) * scale;
+            out[i * cols + c] = (float)(low + width * u);
+        }
     }
 }
 

@@ -90,3 +90,16 @@ def test_first_foreign_matches_shard_of(native_kernels, num_shards):
         foreign = torch.nonzero(owners != shard)
         assert native.first_foreign(ids, num_shards, shard) == int(foreign[0, 0])
     assert native.first_foreign(ids[:0], num_shards, 0) == -1
+
+
+@pytest.mark.parametrize("low,high", [(-1.0, 1.0), (-0.0123, 0.0123), (0.2, 7.7)])
+def test_initial_rows_in_c_equal_the_tensor_ones_bit_for_bit(native_kernels, monkeypatch, low, high):
+    from lightning_persia.remote_ps.store.initializers import initial_rows
+    from lightning_persia.remote_ps.table_config import Normal, Uniform
+
+    ids = torch.cat([torch.arange(-20_000, 20_000), torch.tensor([(1 << 63) - 1, -(1 << 63)])])
+    native_rows = [initial_rows(init, 7, "t", ids, 12) for init in (Uniform(low, high), Normal(low, high - low))]
+    monkeypatch.setattr(native, "available", lambda: False)
+    tensor_rows = [initial_rows(init, 7, "t", ids, 12) for init in (Uniform(low, high), Normal(low, high - low))]
+    for a, b in zip(native_rows, tensor_rows):
+        assert torch.equal(a, b)

@@ -270,7 +270,8 @@ class Table:
         rows = rows[(rows < state.size) & ((rows >> self._rows.shift) >= state.next_chunk)]
         if rows.numel():
             version = self._rows["version"].gather(rows)
-            rows = rows[(version <= state.point) & (version > state.since)]
+            unchanged = version <= state.point
+            rows = rows[unchanged & (version > state.since) if state.since else unchanged]
         if not rows.numel():
             return
         rows, _ = torch.sort(rows)

@@ -70,6 +70,19 @@ def scatter(chunks: Chunks, offset: int, rows: torch.Tensor, values: torch.Tenso
     _require().lp_scatter(*_layout(chunks), offset, _row_bytes(values), rows.data_ptr(), rows.numel(), values.data_ptr())
 
 
+def fields(chunks: Chunks, rows: torch.Tensor, arrays: dict[int, torch.Tensor], to_rows: bool) -> None:
+    """Several fields of ``rows`` in one pass over their records: ``arrays[offset]`` is the ``[n, ...]`` array of the
+    field at byte ``offset``; ``to_rows`` writes the arrays into the rows, else the rows into the arrays."""
+    arrays = {offset: array if array.is_contiguous() else array.contiguous() for offset, array in arrays.items()}
+    for offset, array in arrays.items():
+        rows = _rows(chunks, rows, array, offset)
+    offsets = torch.tensor(list(arrays), dtype=torch.int64)
+    widths = torch.tensor([_row_bytes(a) for a in arrays.values()], dtype=torch.int64)
+    pointers = torch.tensor([a.data_ptr() for a in arrays.values()], dtype=torch.int64)
+    _require().lp_fields(*_layout(chunks), rows.data_ptr(), rows.numel(), len(arrays), offsets.data_ptr(), widths.data_ptr(),
+                         pointers.data_ptr(), int(to_rows))
+
+
 def set_int32(chunks: Chunks, offset: int, rows: torch.Tensor, value: int, add: bool = False) -> None:
     """The int32 field at byte ``offset`` of ``rows`` (``< 0``: skipped) becomes ``value``, or grows by it with ``add``."""
     rows = _rows(chunks, rows, None, offset, 4)
@@ -235,6 +248,7 @@ def _library() -> Optional[ctypes.CDLL]:
         ("lp_gather", [_P, _I64, _I64, _I64, _I64, _P, _I64, _P], None),
         ("lp_scatter", [_P, _I64, _I64, _I64, _I64, _P, _I64, _P], None),
         ("lp_set_i32", [_P, _I64, _I64, _I64, _P, _I64, ctypes.c_int32, ctypes.c_int32], None),
+        ("lp_fields", [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _P, ctypes.c_int32], None),
         ("lp_index_new", [], _P),
         ("lp_index_free", [_P], None),
         ("lp_index_info", [_P, _P], None),

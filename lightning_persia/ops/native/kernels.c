@@ -40,16 +40,45 @@ static inline char *record(const rows_t *t, int64_t row) {
     return (char *)(intptr_t)t->chunks[row >> t->shift] + (row & ((1LL << t->shift) - 1)) * t->stride;
 }
 
+/* The row loops below, instantiated for the common field widths: a memcpy of a constant size is a move or two,
+ * where one of a variable size is a library call per row. */
+#define ROW_LOOP(NAME, WIDTH, PREFETCH_OP, COPY)                                                                      \
+    static void NAME(const rows_t *t, int64_t offset, int64_t width, const int64_t *rows, int64_t n, char *data) {    \
+        (void)width;                                                                                                    \
+        for (int64_t start = 0; start < n; start += BLOCK) {                                                            \
+            const int64_t end = start + BLOCK < n ? start + BLOCK : n;                                                  \
+            for (int64_t i = start; i < end; ++i)                                                                       \
+                if (rows[i] >= 0) PREFETCH_OP(record(t, rows[i]) + offset);                                             \
+            for (int64_t i = start; i < end; ++i) {                                                                     \
+                if (rows[i] < 0) continue;                                                                              \
+                char *field = record(t, rows[i]) + offset;                                                              \
+                COPY;                                                                                                   \
+            }                                                                                                           \
+        }                                                                                                               \
+    }
+#define GATHER(WIDTH) memcpy(data + i * (WIDTH), field, (size_t)(WIDTH))
+#define SCATTER(WIDTH) memcpy(field, data + i * (WIDTH), (size_t)(WIDTH))
+ROW_LOOP(gather_4, 4, PREFETCH, GATHER(4))
+ROW_LOOP(gather_8, 8, PREFETCH, GATHER(8))
+ROW_LOOP(gather_32, 32, PREFETCH, GATHER(32))
+ROW_LOOP(gather_64, 64, PREFETCH, GATHER(64))
+ROW_LOOP(gather_any, width, PREFETCH, GATHER(width))
+ROW_LOOP(scatter_4, 4, PREFETCH_WRITE, SCATTER(4))
+ROW_LOOP(scatter_8, 8, PREFETCH_WRITE, SCATTER(8))
+ROW_LOOP(scatter_32, 32, PREFETCH_WRITE, SCATTER(32))
+ROW_LOOP(scatter_64, 64, PREFETCH_WRITE, SCATTER(64))
+ROW_LOOP(scatter_any, width, PREFETCH_WRITE, SCATTER(width))
+
 /* out[i] = the field of row rows[i]; rows[i] < 0 leaves out[i] as it is. */
 void lp_gather(const int64_t *chunks, int64_t shift, int64_t stride, int64_t offset, int64_t width, const int64_t *rows,
                int64_t n, char *out) {
     const rows_t t = {chunks, shift, stride};
-    for (int64_t start = 0; start < n; start += BLOCK) {
-        const int64_t end = start + BLOCK < n ? start + BLOCK : n;
-        for (int64_t i = start; i < end; ++i)
-            if (rows[i] >= 0) PREFETCH(record(&t, rows[i]) + offset);
-        for (int64_t i = start; i < end; ++i)
-            if (rows[i] >= 0) memcpy(out + i * width, record(&t, rows[i]) + offset, (size_t)width);
+    switch (width) {
+        case 4: gather_4(&t, offset, width, rows, n, out); break;
+        case 8: gather_8(&t, offset, width, rows, n, out); break;
+        case 32: gather_32(&t, offset, width, rows, n, out); break;
+        case 64: gather_64(&t, offset, width, rows, n, out); break;
+        default: gather_any(&t, offset, width, rows, n, out);
     }
 }
 
@@ -57,12 +86,35 @@ void lp_gather(const int64_t *chunks, int64_t shift, int64_t stride, int64_t off
 void lp_scatter(const int64_t *chunks, int64_t shift, int64_t stride, int64_t offset, int64_t width, const int64_t *rows,
                 int64_t n, const char *src) {
     const rows_t t = {chunks, shift, stride};
+    char *data = (char *)(intptr_t)src; /* read only: the loops share one signature */
+    switch (width) {
+        case 4: scatter_4(&t, offset, width, rows, n, data); break;
+        case 8: scatter_8(&t, offset, width, rows, n, data); break;
+        case 32: scatter_32(&t, offset, width, rows, n, data); break;
+        case 64: scatter_64(&t, offset, width, rows, n, data); break;
+        default: scatter_any(&t, offset, width, rows, n, data);
+    }
+}
+
+/* Several fields of each row in one pass over the records (a chunk copied for a checkpoint, or rows loaded
+ * from one): fields k = 0 .. count-1 are width[k] bytes at offset[k] of a record, and data[k] the address of
+ * their [n, width[k]] array. `to_rows` writes the arrays into the rows; otherwise the rows into the arrays. */
+void lp_fields(const int64_t *chunks, int64_t shift, int64_t stride, const int64_t *rows, int64_t n, int64_t count,
+               const int64_t *offset, const int64_t *width, const int64_t *data, int32_t to_rows) {
+    const rows_t t = {chunks, shift, stride};
     for (int64_t start = 0; start < n; start += BLOCK) {
         const int64_t end = start + BLOCK < n ? start + BLOCK : n;
         for (int64_t i = start; i < end; ++i)
-            if (rows[i] >= 0) PREFETCH_WRITE(record(&t, rows[i]) + offset);
-        for (int64_t i = start; i < end; ++i)
-            if (rows[i] >= 0) memcpy(record(&t, rows[i]) + offset, src + i * width, (size_t)width);
+            if (rows[i] >= 0) PREFETCH_WRITE(record(&t, rows[i]));
+        for (int64_t i = start; i < end; ++i) {
+            if (rows[i] < 0) continue;
+            char *r = record(&t, rows[i]);
+            for (int64_t k = 0; k < count; ++k) {
+                char *array = (char *)(intptr_t)data[k] + i * width[k];
+                if (to_rows) memcpy(r + offset[k], array, (size_t)width[k]);
+                else memcpy(array, r + offset[k], (size_t)width[k]);
+            }
+        }
     }
 }
 

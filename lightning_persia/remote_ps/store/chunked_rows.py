@@ -67,14 +67,14 @@ class ChunkedField:
         """The field of the first ``rows`` records of chunk ``index`` (a strided view).
 
         Only for fields whose item size divides the record size (every field but the 8-byte id, whose records
-        may be 4-byte aligned): :meth:`take` reads any field.
+        may be 4-byte aligned): :meth:`gather` reads any field.
         """
         raw = self._raw(index, rows)
         if self._rows.record_bytes % self.spec.itemsize:
             raise ValueError(f"records of {self._rows.record_bytes} bytes hold no strided view of {self.spec.dtype}; use take()")
         return self._typed(raw.view(self.spec.dtype))
 
-    def take(self, index: int, rows: int, offsets: torch.Tensor) -> torch.Tensor:
+    def _take(self, index: int, rows: int, offsets: torch.Tensor) -> torch.Tensor:
         """A copy of the field of records ``offsets`` among the first ``rows`` of chunk ``index``."""
         return self._typed(self._raw(index, rows)[offsets].view(self.spec.dtype))
 
@@ -91,7 +91,7 @@ class ChunkedField:
         if native.available():
             return native.gather(self._rows.layout, self.offset, rows, out)
         for chunk, positions, offsets in self._rows.by_chunk(rows):
-            out[positions] = self.take(chunk, self._rows.chunk_rows, offsets)
+            out[positions] = self._take(chunk, self._rows.chunk_rows, offsets)
         return out
 
     def scatter(self, rows: torch.Tensor, values: torch.Tensor) -> None:
@@ -160,6 +160,24 @@ class ChunkedRows:
             self.chunks.append(memory.view(self.chunk_rows, self.record_bytes))
             self.layout = native.Chunks(torch.tensor([c.data_ptr() for c in self.chunks], dtype=torch.int64),
                                         self.shift, self.record_bytes)
+
+    def gather_fields(self, rows: torch.Tensor, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``out[name]`` = field ``name`` of ``rows``, every field in one pass over the records; returns ``out``."""
+        if native.available():
+            native.fields(self.layout, rows, {self.fields[name].offset: array for name, array in out.items()}, to_rows=False)
+            return out
+        for name, array in out.items():
+            self.fields[name].gather(rows, array)
+        return out
+
+    def scatter_fields(self, rows: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
+        """Field ``name`` of ``rows`` = ``values[name]``, every field in one pass over the records."""
+        values = {name: array.to(self.fields[name].spec.dtype) for name, array in values.items()}
+        if native.available():
+            native.fields(self.layout, rows, {self.fields[name].offset: array for name, array in values.items()}, to_rows=True)
+            return
+        for name, array in values.items():
+            self.fields[name].scatter(rows, array)
 
     def by_chunk(self, rows: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """``(chunk, positions in rows, offsets in the chunk)`` of the rows ``>= 0``, one chunk at a time."""

@@ -162,7 +162,8 @@ class ShardStore:
         sources = checkpoint.open_for_shard(directory, self.shard_index, self.num_shards)
         staged = []
         for source in sources:
-            blocks = list(source.blocks(self.shard_index, self.num_shards))
+            blocks = [{name: values.clone() for name, values in block.items()}  # a block's buffers are reused
+                      for block in source.blocks(self.shard_index, self.num_shards)]
             rows = {name: torch.cat([b[name] for b in blocks]) for name in blocks[0]} if blocks else None
             staged.append((source, rows, source.removed(self.shard_index, self.num_shards)))
         return StagedDelta(self, staged)

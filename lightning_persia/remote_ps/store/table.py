@@ -67,7 +67,10 @@ class TableSnapshot:
         return {name: spec for name, spec in self._table.field_specs.items() if name in SAVED_FIELDS}
 
     def chunks(self) -> Iterator[dict[str, torch.Tensor]]:
-        """``{field: rows}`` of the live rows at the point, chunk by chunk; the table serves between chunks."""
+        """``{field: rows}`` of the live rows at the point, chunk by chunk; the table serves between chunks.
+
+        A chunk's tensors stay valid until the chunk after the next one is asked for (they are reused then).
+        """
         return self._table._snapshot_chunks(self._state)
 
     def close(self) -> None:
@@ -168,9 +171,7 @@ class Table:
                 self._index.reserve(expected_rows)
             positions = torch.arange(self._size, self._size + ids.numel())
             self._rows.reserve(self._size + ids.numel())
-            for name in SAVED_FIELDS:
-                if name in self._rows.fields:
-                    self._rows[name].scatter(positions, rows[name])
+            self._rows.scatter_fields(positions, {name: rows[name] for name in SAVED_FIELDS if name in self._rows.fields})
             self._index.insert(ids, positions)
             self._size += ids.numel()
             self._live += ids.numel()
@@ -234,9 +235,14 @@ class Table:
         return TableSnapshot(self, self._snapshot)
 
     def _snapshot_chunks(self, state: _Snapshot) -> Iterator[dict[str, torch.Tensor]]:
+        # Two sets of chunk-sized buffers, used in turn: a chunk handed out stays valid while the next one is
+        # copied (the caller writes chunk i while chunk i + 1 is copied), and no chunk allocates fresh memory.
+        fields = [name for name in SAVED_FIELDS if name in self._rows.fields]
+        buffers = [{name: torch.empty(self.field_specs[name].shape(self._rows.chunk_rows), dtype=self.field_specs[name].dtype)
+                    for name in fields} for _ in range(2)]
         for chunk in range((state.size + self._rows.chunk_rows - 1) >> self._rows.shift):
             with self.lock:
-                copied = self._copy_chunk(state, chunk)
+                copied = self._copy_chunk(state, chunk, buffers[chunk % 2])
             yield copied  # written to disk by the caller while the table serves
 
     def _end_snapshot(self, state: _Snapshot) -> None:
@@ -244,20 +250,21 @@ class Table:
             if self._snapshot is state:
                 self._snapshot = None
 
-    def _copy_chunk(self, state: _Snapshot, chunk: int) -> dict[str, torch.Tensor]:
+    def _copy_chunk(self, state: _Snapshot, chunk: int, buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         count = min(self._rows.chunk_rows, state.size - (chunk << self._rows.shift))
         version = self._rows["version"].chunk(chunk, count)
         keep = (version <= state.point) & (self._rows["access"].chunk(chunk, count) != eviction.FREE)
         if state.since:
             keep &= version > state.since
-        offsets = torch.nonzero(keep).squeeze(1)
-        parts = [{name: self._rows[name].take(chunk, count, offsets) for name in SAVED_FIELDS if name in self._rows.fields}]
-        for piece in state.preimages.pop(chunk, []):
-            keep = piece["access"] != eviction.FREE  # the row was free at the point (and reused since)
-            parts.append({name: values[keep] for name, values in piece.items() if name in SAVED_FIELDS})
+        rows = torch.nonzero(keep).squeeze(1) + (chunk << self._rows.shift)
+        copied = self._rows.gather_fields(rows, {name: out[: rows.numel()] for name, out in buffers.items()})
+        pieces = state.preimages.pop(chunk, [])
+        for piece in pieces:
             state.preimage_rows -= piece["rows"].numel()
+        if pieces:
+            parts = [copied] + [{name: piece[name][piece["access"] != eviction.FREE] for name in copied} for piece in pieces]
+            copied = {name: torch.cat([p[name] for p in parts]) for name in copied}
         state.next_chunk = chunk + 1
-        copied = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
         if "state" not in copied:
             copied["state"] = torch.empty(copied["ids"].numel(), 0)
         return copied

@@ -123,7 +123,7 @@ def test_a_streamed_snapshot_holds_the_rows_of_its_point_while_the_table_changes
     at_point = table.lookup(ids, train=False)
     with table.lock:
         snapshot = table.begin_snapshot()
-    chunks = snapshot.chunks()
+    chunks = ({name: values.clone() for name, values in chunk.items()} for chunk in snapshot.chunks())  # reused buffers
     saved = [next(chunks)]  # chunk 0 is written; the others are not yet
     grads = torch.randn(5000, 4, generator=torch.Generator().manual_seed(3))
     table.update(ids, grads)  # every row changes, in written and unwritten chunks

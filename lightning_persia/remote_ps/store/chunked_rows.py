@@ -55,13 +55,44 @@ def chunk_shift(record_bytes: int) -> int:
     return max(_MIN_SHIFT, min(_MAX_SHIFT, rows.bit_length() - 1))
 
 
-class ChunkedField:
-    """One field of the records of a :class:`ChunkedRows`, read and written as a tensor of its own dtype."""
+class _Records:
+    """The chunks of records themselves, shared by a table's :class:`ChunkedRows` and its fields (which hold this,
+    not the ChunkedRows: no reference cycle, so a dropped table's memory is freed at once, not by a later GC pass)."""
 
-    def __init__(self, rows: "ChunkedRows", spec: FieldSpec, offset: int) -> None:
+    def __init__(self, record_bytes: int) -> None:
+        self.record_bytes = record_bytes
+        self.shift = chunk_shift(record_bytes)
+        self.chunk_rows = 1 << self.shift
+        self.chunks: list[torch.Tensor] = []  # uint8 [chunk_rows, record_bytes]
+        self.layout = native.Chunks(torch.empty(0, dtype=torch.int64), self.shift, record_bytes)
+
+    def add_chunk(self) -> None:
+        huge = bool(self.chunks) and self.chunk_rows * self.record_bytes >= _HUGE_PAGE  # small tables stay small
+        memory = _anonymous_memory(self.chunk_rows * self.record_bytes, huge)
+        self.chunks.append(memory.view(self.chunk_rows, self.record_bytes))
+        self.layout = native.Chunks(torch.tensor([c.data_ptr() for c in self.chunks], dtype=torch.int64),
+                                    self.shift, self.record_bytes)
+
+    def by_chunk(self, rows: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """``(chunk, positions in rows, offsets in the chunk)`` of the rows ``>= 0``, one chunk at a time."""
+        positions = torch.nonzero(rows >= 0).squeeze(1)
+        valid = rows[positions]
+        if len(self.chunks) == 1:
+            yield 0, positions, valid
+            return
+        chunk_of = valid >> self.shift
+        for chunk in torch.unique(chunk_of).tolist():
+            mine = torch.nonzero(chunk_of == chunk).squeeze(1)
+            yield chunk, positions[mine], valid[mine] & (self.chunk_rows - 1)
+
+
+class ChunkedField:
+    """One field of a table's records, read and written as a tensor of its own dtype."""
+
+    def __init__(self, records: _Records, spec: FieldSpec, offset: int) -> None:
         self.spec = spec
         self.offset = offset
-        self._rows = rows
+        self._rows = records
 
     def chunk(self, index: int, rows: int) -> torch.Tensor:
         """The field of the first ``rows`` records of chunk ``index`` (a strided view).
@@ -71,7 +102,7 @@ class ChunkedField:
         """
         raw = self._raw(index, rows)
         if self._rows.record_bytes % self.spec.itemsize:
-            raise ValueError(f"records of {self._rows.record_bytes} bytes hold no strided view of {self.spec.dtype}; use take()")
+            raise ValueError(f"records of {self._rows.record_bytes} bytes hold no strided view of {self.spec.dtype}; use gather()")
         return self._typed(raw.view(self.spec.dtype))
 
     def _take(self, index: int, rows: int, offsets: torch.Tensor) -> torch.Tensor:
@@ -125,41 +156,53 @@ class ChunkedRows:
     """
 
     def __init__(self, fields: dict[str, FieldSpec]) -> None:
-        self.fields: dict[str, ChunkedField] = {}
-        offset = 0
+        offsets, offset = {}, 0
         for name, spec in sorted(fields.items(), key=lambda item: -item[1].itemsize):  # larger items first
-            self.fields[name] = ChunkedField(self, spec, offset)
+            offsets[name] = offset
             offset += spec.row_bytes
-        self.record_bytes = max(_ALIGN, -(-offset // _ALIGN) * _ALIGN)
-        self.shift = chunk_shift(self.record_bytes)
-        self.chunk_rows = 1 << self.shift
-        self.chunks: list[torch.Tensor] = []  # uint8 [chunk_rows, record_bytes]
-        self.layout = native.Chunks(torch.empty(0, dtype=torch.int64), self.shift, self.record_bytes)
+        self._records = _Records(max(_ALIGN, -(-offset // _ALIGN) * _ALIGN))
+        self.fields = {name: ChunkedField(self._records, fields[name], offsets[name]) for name in offsets}
 
     def __getitem__(self, name: str) -> ChunkedField:
         return self.fields[name]
 
     @property
-    def capacity(self) -> int:
-        """Rows the chunks hold (allocated; resident only once written)."""
-        return len(self.chunks) << self.shift
-
-    @property
-    def num_chunks(self) -> int:
-        return len(self.chunks)
+    def record_bytes(self) -> int:
+        return self._records.record_bytes
 
     @property
     def row_bytes(self) -> int:
-        return self.record_bytes
+        return self._records.record_bytes
+
+    @property
+    def shift(self) -> int:
+        return self._records.shift
+
+    @property
+    def chunk_rows(self) -> int:
+        return self._records.chunk_rows
+
+    @property
+    def chunks(self) -> list[torch.Tensor]:
+        return self._records.chunks
+
+    @property
+    def layout(self) -> native.Chunks:
+        return self._records.layout
+
+    @property
+    def capacity(self) -> int:
+        """Rows the chunks hold (allocated; resident only once written)."""
+        return len(self._records.chunks) << self.shift
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self._records.chunks)
 
     def reserve(self, rows: int) -> None:
         """Makes room for rows ``0 .. rows - 1`` (appends chunks; nothing stored moves)."""
         while self.capacity < rows:
-            huge = bool(self.chunks) and self.chunk_rows * self.record_bytes >= _HUGE_PAGE  # small tables stay small
-            memory = _anonymous_memory(self.chunk_rows * self.record_bytes, huge)
-            self.chunks.append(memory.view(self.chunk_rows, self.record_bytes))
-            self.layout = native.Chunks(torch.tensor([c.data_ptr() for c in self.chunks], dtype=torch.int64),
-                                        self.shift, self.record_bytes)
+            self._records.add_chunk()
 
     def gather_fields(self, rows: torch.Tensor, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``out[name]`` = field ``name`` of ``rows``, every field in one pass over the records; returns ``out``."""
@@ -178,18 +221,6 @@ class ChunkedRows:
             return
         for name, array in values.items():
             self.fields[name].scatter(rows, array)
-
-    def by_chunk(self, rows: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-        """``(chunk, positions in rows, offsets in the chunk)`` of the rows ``>= 0``, one chunk at a time."""
-        positions = torch.nonzero(rows >= 0).squeeze(1)
-        valid = rows[positions]
-        if len(self.chunks) == 1:
-            yield 0, positions, valid
-            return
-        chunk_of = valid >> self.shift
-        for chunk in torch.unique(chunk_of).tolist():
-            mine = torch.nonzero(chunk_of == chunk).squeeze(1)
-            yield chunk, positions[mine], valid[mine] & (self.chunk_rows - 1)
 
 
 def _anonymous_memory(nbytes: int, huge: bool) -> torch.Tensor:

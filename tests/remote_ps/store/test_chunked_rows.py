@@ -1,4 +1,7 @@
 """Tables whose rows span several chunks: lookups, updates, eviction and reuse across chunk boundaries."""
+import gc
+import weakref
+
 import torch
 
 from lightning_persia.remote_ps.store import ShardStore
@@ -50,3 +53,17 @@ def test_evicted_rows_are_reused_across_chunks(small_chunks, store_kernels):
     torch.testing.assert_close(store.lookup("t", hot, train=False), expected)
     recent = torch.arange(29_100, 30_100)  # the last wave
     torch.testing.assert_close(store.lookup("t", recent, train=False), initial_rows(Uniform(0, 1), 0, "t", recent, 2))
+
+
+def test_dropped_rows_free_their_chunks_at_once_without_a_gc_pass():
+    """A table dropped by a load must hand its (many GB of) chunks back at once, not whenever the cyclic GC runs."""
+    gc.disable()
+    try:
+        rows = ChunkedRows({"ids": FieldSpec(torch.int64), "weights": FieldSpec(torch.float32, 4)})
+        rows.reserve(10)
+        rows["weights"].scatter(torch.arange(3), torch.ones(3, 4))
+        chunk = weakref.ref(rows.chunks[0])
+        del rows
+        assert chunk() is None
+    finally:
+        gc.enable()

@@ -150,9 +150,33 @@ class _Trainer(threading.Thread):
             self.client.close()
 
 
+def disk_speeds(directory: str, nbytes: int, block: int = 8 << 20) -> tuple[float, float]:
+    """GB/s of a plain sequential write (then fsync) and read of ``nbytes`` in ``directory``: what a save and a load
+    would reach if they cost nothing but the file system, measured right before them."""
+    path = os.path.join(directory, "disk-speed.bin")
+    data = os.urandom(block)
+    os.makedirs(directory, exist_ok=True)
+    started = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(max(1, nbytes // block)):
+            f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    write = nbytes / (time.perf_counter() - started) / _GB
+    started = time.perf_counter()
+    with open(path, "rb") as f:
+        buffer = bytearray(block)
+        while f.readinto(buffer):
+            pass
+    read = nbytes / (time.perf_counter() - started) / _GB
+    os.unlink(path)
+    return write, read
+
+
 def save_and_load(shards: Shards, directory: str, rows: int, request_ids: int) -> dict:
     """Saves the shard(s) with a training client running, then loads the checkpoint back in place."""
     shutil.rmtree(directory, ignore_errors=True)
+    disk_write, disk_read = disk_speeds(directory, min(2 << 30, rows * 100))
     before = shards.rss()
     shards.reset_peaks()
     trainer = _Trainer(shards.shards.addresses, rows, request_ids)
@@ -174,7 +198,8 @@ def save_and_load(shards: Shards, directory: str, rows: int, request_ids: int) -
     load_s = time.perf_counter() - started
     load_peak = shards.peaks()
     shutil.rmtree(directory, ignore_errors=True)
-    return {"save_s": save_s, "save_peak_extra_bytes": save_peak, "checkpoint_bytes": size,
+    return {"disk_write_gb_per_s": disk_write, "disk_read_gb_per_s": disk_read,
+            "save_s": save_s, "save_peak_extra_bytes": save_peak, "checkpoint_bytes": size,
             "save_gb_per_s": size / save_s / _GB, "load_s": load_s, "load_gb_per_s": size / load_s / _GB,
             "load_peak_bytes": load_peak, "rss_before_load": before_load, "worst_train_round_during_save_s": trainer.worst,
             "train_rounds_during_save": trainer.rounds}
@@ -225,9 +250,10 @@ def grow(args, dtype: str) -> dict:
                     out["stopped"] = f"save/load at {rows:,} rows failed: {error}"
                     out["sizes"].append(entry)
                     return out
-                print(f"[{dtype}] {rows:>13,} rows  save {entry['save_s']:.1f} s ({entry['save_gb_per_s']:.2f} GB/s, "
-                      f"+{entry['save_peak_extra_bytes'] / _GB:.2f} GB peak, worst train round {entry['worst_train_round_during_save_s']:.3f} s)"
-                      f"  load {entry['load_s']:.1f} s ({entry['load_gb_per_s']:.2f} GB/s)", flush=True)
+                print(f"[{dtype}] {rows:>13,} rows  save {entry['save_s']:.1f} s ({entry['save_gb_per_s']:.2f} GB/s; plain write "
+                      f"{entry['disk_write_gb_per_s']:.2f}; +{entry['save_peak_extra_bytes'] / _GB:.2f} GB peak, worst train round "
+                      f"{entry['worst_train_round_during_save_s']:.3f} s)  load {entry['load_s']:.1f} s ({entry['load_gb_per_s']:.2f} GB/s; "
+                      f"plain read {entry['disk_read_gb_per_s']:.2f})", flush=True)
                 out["max_rows"] = rows
             out["sizes"].append(entry)
         return out
@@ -266,15 +292,15 @@ def print_tables(results: dict) -> None:
         print(f"\n### storage {run['dtype']}: one shard process, dim {DIM}, row-wise Adagrad"
               + (f" ({run['stopped']})" if run["stopped"] else ""))
         print("| rows | lookup rows/s | zipf lookup rows/s | update rows/s | worst insert | RSS | B/row | B/param "
-              "| save s (GB/s) | save extra peak | worst train round in save | load s (GB/s) | load peak |")
+              "| save s (GB/s; plain write) | save extra peak | worst train round in save | load s (GB/s; plain read) | load peak |")
         print("|" + "---|" * 13)
         for e in run["sizes"]:
             saved = "save_s" in e
             print(f"| {e['rows']:,} | {_fmt_rate(e['lookup_rows_per_s'])} | {_fmt_rate(e['lookup_zipf_rows_per_s'])} "
                   f"| {_fmt_rate(e['update_rows_per_s'])} | {e['worst_insert_s']:.3f} s | {e['rss_bytes'] / _GB:.2f} GB "
                   f"| {e['bytes_per_row']:.1f} | {e['bytes_per_param']:.2f} "
-                  + (f"| {e['save_s']:.1f} ({e['save_gb_per_s']:.2f}) | {e['save_peak_extra_bytes'] / _GB:.2f} GB "
-                     f"| {e['worst_train_round_during_save_s']:.3f} s | {e['load_s']:.1f} ({e['load_gb_per_s']:.2f}) "
+                  + (f"| {e['save_s']:.1f} ({e['save_gb_per_s']:.2f}; {e['disk_write_gb_per_s']:.2f}) | {e['save_peak_extra_bytes'] / _GB:.2f} GB "
+                     f"| {e['worst_train_round_during_save_s']:.3f} s | {e['load_s']:.1f} ({e['load_gb_per_s']:.2f}; {e['disk_read_gb_per_s']:.2f}) "
                      f"| {e['load_peak_bytes'] / _GB:.2f} GB |" if saved else "| - | - | - | - | - |"))
     if results["multi_shard"]:
         print("\n### one table over several shard processes on this machine (fp16 storage)")

@@ -15,6 +15,7 @@ earlier point holds only the rows changed after it, and the ids evicted after it
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
@@ -110,6 +111,7 @@ class Table:
         self._removed: list[tuple[int, torch.Tensor]] = []  # (version, ids) of evictions, for deltas
         self._removed_ids = 0
         self._removed_floor: Optional[int] = None  # evictions up to this version are unknown; None: not logged
+        self._worst_insert_s = 0.0
         self._counters = dict(lookups=0, lookup_rows=0, inserted=0, evicted=0, not_admitted=0, updates=0, update_rows=0, dropped_update_rows=0)
 
     @property
@@ -122,6 +124,7 @@ class Table:
         """Rows of ``ids`` as ``[n, dim]`` of ``dtype``; training lookups admit unseen ids."""
         out = torch.empty(ids.numel(), self.config.dim, dtype=self.storage_dtype)
         with self.lock:
+            held = time.perf_counter()
             touch = None
             if train:
                 self._step += 1
@@ -132,6 +135,8 @@ class Table:
             self._counters["lookup_rows"] += ids.numel()
             if bool(missing.any()):
                 out[missing] = self._fill_missing(ids[missing], train)
+                if train:  # the longest the table was held by a lookup that inserted: what growing costs others
+                    self._worst_insert_s = max(self._worst_insert_s, time.perf_counter() - held)
         return out.to(dtype)
 
     def update(self, ids: torch.Tensor, grads: torch.Tensor) -> int:
@@ -312,6 +317,7 @@ class Table:
                 index_bytes=self._index.nbytes,
                 bytes=self._size * self._rows.row_bytes + self._index.nbytes,
                 saving_preimage_rows=snapshot.preimage_rows if snapshot is not None else 0,
+                worst_insert_s=self._worst_insert_s,
             )
 
     # ---- internals ---------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ Grows a table of dim 16 (row-wise Adagrad) through gRPC, as a trainer would (tra
 
 - lookup rows/s of stored ids (uniform over them, and Zipf 1.1) and update rows/s, 65,536-id requests, one at a time;
 - the worst latency of an inserting request so far (the table growing: chunk allocation, index growth), as the
-  client saw it and as the shard held the table's lock for it (what it cost the shard's other requests);
+  client saw it, as the shard held the table's lock for it (what it cost the shard's other requests), and the CPU
+  time that took (the same on a machine of its own: wall times here include waiting for the shared cores);
 - the shard's resident memory (VmRSS), bytes per row and per parameter;
 - save and load seconds (``Save``/``Load`` RPCs of the whole shard; the load replaces the grown table) beside a
   plain write and read of as many bytes in the same folder, the extra peak memory of each over the shard's resident
@@ -228,7 +229,7 @@ def grow(args, dtype: str) -> dict:
     shards = start(1, dtype)
     out = {"dtype": dtype, "sizes": [], "max_rows": 0, "stopped": ""}
     rows = 0
-    worst_insert = worst_held = 0.0
+    worst_insert = worst_held = worst_cpu = 0.0
     checkpoint_dir = tempfile.mkdtemp(prefix="scale-bench-", dir=args.checkpoint_dir)
     try:
         for size in args.sizes:
@@ -246,15 +247,16 @@ def grow(args, dtype: str) -> dict:
                 rows += count
             stats = shards.client.stats()[0]["tables"][TABLE]
             rss = shards.rss()
-            worst_held = max(worst_held, stats["worst_insert_s"])  # the table's own figure restarts with each load
-            entry = {"rows": rows, "worst_insert_s": worst_insert, "worst_insert_held_s": worst_held,
+            worst_held = max(worst_held, stats["worst_insert_s"])  # the table's own figures restart with each load
+            worst_cpu = max(worst_cpu, stats["worst_insert_cpu_s"])
+            entry = {"rows": rows, "worst_insert_s": worst_insert, "worst_insert_held_s": worst_held, "worst_insert_cpu_s": worst_cpu,
                      "rss_bytes": rss, "bytes_per_row": rss / rows,
                      "bytes_per_param": rss / rows / DIM, "store_bytes_per_row": stats["bytes"] / rows,
                      "index_bytes_per_row": stats["index_bytes"] / rows}
             entry.update(measure_rates(shards, rows, args.request_ids, args.repeats, seed=rows))
             print(f"[{dtype}] {rows:>13,} rows  lookup {entry['lookup_rows_per_s'] / 1e6:5.2f} M/s  "
                   f"update {entry['update_rows_per_s'] / 1e6:5.2f} M/s  worst insert {worst_insert:5.3f} s "
-                  f"(table held {entry['worst_insert_held_s']:5.3f} s)  "
+                  f"(table held {entry['worst_insert_held_s']:5.3f} s, {entry['worst_insert_cpu_s']:5.3f} s of CPU)  "
                   f"RSS {rss / _GB:5.2f} GB  {entry['bytes_per_param']:.2f} B/param", flush=True)
             if rows >= args.save_from:
                 try:
@@ -304,13 +306,13 @@ def print_tables(results: dict) -> None:
     for run in results["grow"]:
         print(f"\n### storage {run['dtype']}: one shard process, dim {DIM}, row-wise Adagrad"
               + (f" ({run['stopped']})" if run["stopped"] else ""))
-        print("| rows | lookup rows/s | zipf lookup rows/s | update rows/s | worst insert (table held) | RSS | B/row | B/param "
+        print("| rows | lookup rows/s | zipf lookup rows/s | update rows/s | worst insert: client (table held; its CPU) | RSS | B/row | B/param "
               "| save s (GB/s; plain write) | save extra peak | worst train round in save | load s (GB/s; plain read) | load peak |")
         print("|" + "---|" * 13)
         for e in run["sizes"]:
             saved = "save_s" in e
             print(f"| {e['rows']:,} | {_fmt_rate(e['lookup_rows_per_s'])} | {_fmt_rate(e['lookup_zipf_rows_per_s'])} "
-                  f"| {_fmt_rate(e['update_rows_per_s'])} | {e['worst_insert_s']:.3f} s ({e['worst_insert_held_s']:.3f} s) "
+                  f"| {_fmt_rate(e['update_rows_per_s'])} | {e['worst_insert_s']:.3f} s ({e['worst_insert_held_s']:.3f}; {e['worst_insert_cpu_s']:.3f}) "
                   f"| {e['rss_bytes'] / _GB:.2f} GB "
                   f"| {e['bytes_per_row']:.1f} | {e['bytes_per_param']:.2f} "
                   + (f"| {e['save_s']:.1f} ({e['save_gb_per_s']:.2f}; {e['disk_write_gb_per_s']:.2f}) | {e['save_peak_extra_bytes'] / _GB:.2f} GB "
@@ -336,6 +338,7 @@ def summary(results: dict) -> dict:
     sizes = [e for run in results["grow"] for e in run["sizes"]]
     out["worst_insert_s"] = max((e["worst_insert_s"] for e in sizes), default=None)
     out["worst_insert_held_s"] = max((e["worst_insert_held_s"] for e in sizes), default=None)
+    out["worst_insert_cpu_s"] = max((e["worst_insert_cpu_s"] for e in sizes), default=None)
     out["save_peak_extra_bytes"] = max((e["save_peak_extra_bytes"] for e in sizes if "save_s" in e), default=None)
     for run in results["grow"]:
         by_rows = {e["rows"]: e for e in run["sizes"]}

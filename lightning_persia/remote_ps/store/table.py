@@ -111,7 +111,7 @@ class Table:
         self._removed: list[tuple[int, torch.Tensor]] = []  # (version, ids) of evictions, for deltas
         self._removed_ids = 0
         self._removed_floor: Optional[int] = None  # evictions up to this version are unknown; None: not logged
-        self._worst_insert_s = 0.0
+        self._worst_insert_s = self._worst_insert_cpu_s = 0.0
         self._counters = dict(lookups=0, lookup_rows=0, inserted=0, evicted=0, not_admitted=0, updates=0, update_rows=0, dropped_update_rows=0)
 
     @property
@@ -124,7 +124,7 @@ class Table:
         """Rows of ``ids`` as ``[n, dim]`` of ``dtype``; training lookups admit unseen ids."""
         out = torch.empty(ids.numel(), self.config.dim, dtype=self.storage_dtype)
         with self.lock:
-            held = time.perf_counter()
+            held, worked = time.perf_counter(), time.thread_time()
             touch = None
             if train:
                 self._step += 1
@@ -135,8 +135,9 @@ class Table:
             self._counters["lookup_rows"] += ids.numel()
             if bool(missing.any()):
                 out[missing] = self._fill_missing(ids[missing], train)
-                if train:  # the longest the table was held by a lookup that inserted: what growing costs others
+                if train:  # the longest a lookup that inserted held the table (and its CPU time): what growing costs others
                     self._worst_insert_s = max(self._worst_insert_s, time.perf_counter() - held)
+                    self._worst_insert_cpu_s = max(self._worst_insert_cpu_s, time.thread_time() - worked)
         return out.to(dtype)
 
     def update(self, ids: torch.Tensor, grads: torch.Tensor) -> int:
@@ -318,6 +319,7 @@ class Table:
                 bytes=self._size * self._rows.row_bytes + self._index.nbytes,
                 saving_preimage_rows=snapshot.preimage_rows if snapshot is not None else 0,
                 worst_insert_s=self._worst_insert_s,
+                worst_insert_cpu_s=self._worst_insert_cpu_s,
             )
 
     # ---- internals ---------------------------------------------------------------------------------

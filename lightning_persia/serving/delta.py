@@ -198,6 +198,8 @@ class DeltaWatcher:
                                          f"{newest if newest is not None else 'none'})")
                     return version
                 self._apply(delta)
+                if self._current() != delta.version:
+                    raise DeltaError(f"{delta.path} was applied, but the version served is {self._current()}, not {delta.version}")
             except Exception as err:  # a refused delta never stops serving; it is tried again at the next poll
                 if strict:
                     raise err if isinstance(err, DeltaError) else DeltaError(f"{delta_path(self.root, version + 1)}: {err}") from None

@@ -75,6 +75,7 @@ class PredictAPI(ls.LitAPI):
             logger = logging.getLogger("lightning_persia")
             logger.addHandler(handler)
             logger.setLevel(self.log_level)
+            logger.propagate = False  # LitServe's worker may log the root logger too: each line once
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
         self._predictor = Predictor.from_bundle(self.bundle_path, self.ps_addresses, **self.predictor_options)

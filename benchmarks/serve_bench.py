@@ -35,11 +35,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = {"batched": ["--max-batch-size", "32", "--batch-timeout", "0.002"], "unbatched": ["--max-batch-size", "1"]}
 
 
-def _env() -> dict:
+def subprocess_env() -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 
-def _load() -> str:
+def load_average() -> str:
     return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
@@ -50,11 +50,11 @@ def make_bundle(folder: Path, steps: int) -> Path:
         [sys.executable, "-m", "lightning_persia.cli", "fit", "--config", "examples/dlrm/config.yaml", "--config",
          "examples/dlrm/serving.yaml", f"--trainer.max_steps={steps}", f"--trainer.val_check_interval={steps}",
          f"--trainer.default_root_dir={folder}", f"--trainer.callbacks.dirpath={checkpoints}"],
-        cwd=ROOT, env=_env(), check=True, capture_output=True,
+        cwd=ROOT, env=subprocess_env(), check=True, capture_output=True,
     )
     bundle = folder / "bundle"
     subprocess.run([sys.executable, "-m", "lightning_persia.cli", "export", "--ckpt", str(checkpoints / "dlrm.ckpt"), "--out", str(bundle)],
-                   cwd=ROOT, env=_env(), check=True, capture_output=True)
+                   cwd=ROOT, env=subprocess_env(), check=True, capture_output=True)
     return bundle
 
 
@@ -81,7 +81,7 @@ class Server:
             self.port = s.getsockname()[1]
         self.process = subprocess.Popen(
             [sys.executable, "-m", "lightning_persia.cli", "serve", str(bundle), "--port", str(self.port), *extra],
-            cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )
         deadline = time.monotonic() + 300
         while not self._healthy():
@@ -184,7 +184,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--json", action="store_true", help="also print one JSON object on the last line")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    print(f"# {_load()} before", flush=True)
+    print(f"# {load_average()} before", flush=True)
     bundle = args.bundle or make_bundle(ROOT / "runs" / "serve_bench", args.train_steps)
     rows, bodies = request_rows(args.rows)
     results: dict[str, dict] = {}
@@ -198,7 +198,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             server.stop()
     results["predictor/1"] = in_process(bundle, rows, args.seconds)
 
-    print(f"\nbundle {bundle}; {args.seconds:.0f} s per row after {args.warmup:.0f} s of warm-up; {_load()} after\n")
+    print(f"\nbundle {bundle}; {args.seconds:.0f} s per row after {args.warmup:.0f} s of warm-up; {load_average()} after\n")
     print("| server | clients | requests/s | vs unbatched | p50 ms | p99 ms | errors |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name in SETTINGS:

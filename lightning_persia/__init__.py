@@ -18,10 +18,11 @@ import sys
 
 from lightning_persia.remote_ps.table_config import SGD, Adagrad, Adam, Constant, Normal, TableConfig, Uniform
 
-__all__ = ["PersiaStrategy", "SGD", "Adagrad", "Adam", "Uniform", "Normal", "Constant", "TableOverride", "TableConfig", "RecoveryConfig"]
+__all__ = ["PersiaStrategy", "SGD", "Adagrad", "Adam", "Uniform", "Normal", "Constant", "TableOverride", "TableConfig", "RecoveryConfig",
+           "PublishDeltas"]
 
 _STRATEGY_NAMES = {"PersiaStrategy": "lightning_persia.strategy", "TableOverride": "lightning_persia.strategy.interception",
-                   "RecoveryConfig": "lightning_persia.strategy.recovery"}
+                   "RecoveryConfig": "lightning_persia.strategy.recovery", "PublishDeltas": "lightning_persia.serving.publish"}
 
 
 def __getattr__(name: str):

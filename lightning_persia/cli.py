@@ -4,7 +4,7 @@
     lightning-persia validate|test|predict --config ... [--ckpt_path ...]
     lightning-persia ps serve --port 5000 --shard-index 0 --num-shards 2 [--metrics-port 9100] [--config ps.yaml] [key=value ...]
     lightning-persia export --ckpt CKPT [--config CONFIG] --out BUNDLE
-    lightning-persia serve BUNDLE [--port 8000] [--ps-addresses host:port ...]
+    lightning-persia serve BUNDLE [--port 8000] [--ps-addresses host:port ...] [--deltas DIR [--version V]]
 
 The training commands are LightningCLI's, with ``strategy: persia`` available. ``ps`` runs parameter-server
 processes and never imports Lightning. Every command is one entry of :data:`COMMANDS`.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import logging
 import os
@@ -59,6 +60,15 @@ def _ps_parser() -> argparse.ArgumentParser:
     serve.add_argument("--read-only", action="store_true",
                        help="an inference shard: lookups only (nothing is inserted); updates, loads, saves and table "
                        "changes are refused (config: read_only)")
+    serve.add_argument("--watch-deltas", metavar="DIR",
+                       help="with --read-only --restore-from BUNDLE: apply the versioned deltas published under DIR "
+                       "(PublishDeltas) on its own, in order, as they appear, for clients that no serving endpoint "
+                       "drives. Each table switches at once, but the shards of a cluster each at their own moment")
+    serve.add_argument("--version", type=int, metavar="V",
+                       help="with --watch-deltas: apply the deltas up to version V only (a rollback); the shard refuses "
+                       "to start if it cannot reach V")
+    serve.add_argument("--watch-interval", type=float, default=1.0, metavar="S",
+                       help="with --watch-deltas: seconds between two looks for a new version (default 1)")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     serve.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                        help="config overrides in OmegaConf dotlist form, e.g. seed=7 tables.user.dim=32")
@@ -76,6 +86,12 @@ def _ps_main(argv: Sequence[str]) -> int:
         parser.error("--tls-cert and --tls-key go together")
     if args.tls_client_ca and not args.tls_cert:
         parser.error("--tls-client-ca needs --tls-cert and --tls-key")
+    if args.watch_deltas and not (args.read_only and args.restore_from):
+        parser.error("--watch-deltas needs --read-only and --restore-from BUNDLE (the version the deltas start from)")
+    if args.version is not None and not args.watch_deltas:
+        parser.error("--version needs --watch-deltas")
+    if args.watch_interval <= 0:
+        parser.error(f"--watch-interval must be > 0, got {args.watch_interval}")
     logging.basicConfig(
         level=args.log_level, stream=sys.stderr,
         format=f"%(asctime)s persia-ps[{args.shard_index}/{args.num_shards}] %(levelname)s %(message)s",
@@ -88,6 +104,7 @@ def _ps_main(argv: Sequence[str]) -> int:
     from lightning_persia.serving.bundle import Bundle, BundleError, is_bundle
 
     tls = server.TLSFiles(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+    model_version = 0
     try:
         config = load_ps_config(args.config, args.overrides)
         if args.restore_from:
@@ -100,10 +117,18 @@ def _ps_main(argv: Sequence[str]) -> int:
             bundle = Bundle.open(config.restore_from)
             bundle.verify(bundle.table_manifests())  # the shard checks each table file against these manifests
             config.restore_from, config.seed = str(bundle.tables_path), bundle.ps_seed
+            model_version = bundle.version
             logging.info("restoring the tables of bundle %s (version %d, seed %d)", bundle.path, bundle.version, bundle.ps_seed)
+        elif args.watch_deltas:
+            parser.error(f"--watch-deltas needs --restore-from a serving bundle; {args.restore_from} is not one")
+        watch = None
+        if args.watch_deltas:
+            watch = functools.partial(_watch_deltas, root=os.path.abspath(args.watch_deltas), up_to=args.version,
+                                      interval_s=args.watch_interval, name=f"shard {args.shard_index}/{args.num_shards}")
         return server.run_shard(
             shard_index=args.shard_index, num_shards=args.num_shards, config=config, host=args.host,
             port=args.port, token=args.token, tls=tls, insecure=args.insecure, parent_pid=args.parent_pid,
+            model_version=model_version, before_serving=watch,
         )
     except (CheckpointError, BundleError) as err:
         print(f"lightning-persia ps serve: error: cannot restore: {err}", file=sys.stderr, flush=True)
@@ -111,6 +136,20 @@ def _ps_main(argv: Sequence[str]) -> int:
     except (server.BindSecurityError, ConfigError, OSError) as err:
         print(f"lightning-persia ps serve: error: {err}", file=sys.stderr, flush=True)
         return 2
+
+
+def _watch_deltas(servicer, stop, *, root: str, up_to: Optional[int], interval_s: float, name: str) -> None:
+    """A shard's own delta watcher: the versions published so far before the shard serves, the next ones as they come."""
+    from lightning_persia.serving.delta import DeltaWatcher
+
+    served = servicer.served
+    servicer.watching_deltas = root
+    watcher = DeltaWatcher(root, lambda: served.version,
+                           lambda delta: served.apply(str(delta.tables_path), delta.version, delta.base_version),
+                           up_to=up_to, interval_s=interval_s, name=name)
+    watcher.catch_up(strict=up_to is not None)  # a rollback that cannot reach its version: the shard does not start
+    if up_to is None:
+        watcher.start(stop)
 
 
 def _export_main(argv: Sequence[str]) -> int:
@@ -164,17 +203,32 @@ def _serve_main(argv: Sequence[str]) -> int:
     parser.add_argument("--decoder", metavar="MODULE.CALLABLE",
                         help="f(predictor) -> RequestDecoder for this model's requests (default: CriteoRequestDecoder)")
     parser.add_argument("--token", default=os.environ.get("PERSIA_PS_TOKEN"), help="token of the shards (default: $PERSIA_PS_TOKEN)")
+    parser.add_argument("--deltas", metavar="DIR",
+                        help="apply the versioned deltas published under DIR (PublishDeltas), in order: those there now "
+                        "before serving, then each new one between two batches; a refused delta is logged and the last "
+                        "good version keeps serving")
+    parser.add_argument("--version", type=int, metavar="V",
+                        help="with --deltas: serve version V (the bundle plus the deltas up to V: a rollback) and no later one")
+    parser.add_argument("--watch-interval", type=float, default=1.0, metavar="S",
+                        help="with --deltas: seconds between two looks for a new version (default 1)")
     args = parser.parse_args(argv)
     if args.num_shards is not None and args.num_shards < 1:
         parser.error(f"--num-shards must be >= 1, got {args.num_shards}")
     if args.max_batch_size < 1 or args.batch_timeout < 0 or args.torch_threads < 0:
         parser.error("--max-batch-size must be >= 1, --batch-timeout and --torch-threads >= 0")
+    if args.version is not None and not args.deltas:
+        parser.error("--version needs --deltas (the bundle is one version; the deltas make the later ones)")
+    if args.watch_interval <= 0:
+        parser.error(f"--watch-interval must be > 0, got {args.watch_interval}")
     _import_from_working_directory()
     from lightning_persia.serving import BundleError, serve
 
+    predictor_options = {"num_shards": args.num_shards, "wire_dtype": args.wire_dtype, "token": args.token,
+                         "deltas": os.path.abspath(args.deltas) if args.deltas else None, "version": args.version,
+                         "watch_interval_s": args.watch_interval}
     options: dict = {"max_batch_size": args.max_batch_size, "batch_timeout": args.batch_timeout, "ps_addresses": args.ps_addresses,
-                     "torch_threads": args.torch_threads,
-                     "predictor_options": {k: v for k, v in (("num_shards", args.num_shards), ("wire_dtype", args.wire_dtype), ("token", args.token)) if v is not None}}
+                     "torch_threads": args.torch_threads, "log_level": "INFO",
+                     "predictor_options": {k: v for k, v in predictor_options.items() if v is not None}}
     if args.decoder:
         module_name, _, name = args.decoder.rpartition(".")
         try:

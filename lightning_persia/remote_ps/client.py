@@ -39,7 +39,7 @@ from lightning_persia.remote_ps.table_config import TableConfig
 
 _WIRE_ENUM = {"fp16": persia_pb2.FP16, "fp32": persia_pb2.FP32}
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-_FENCED = frozenset({"Lookup", "Update", "Save"})  # as remote_ps.server.FENCED_METHODS (no server import here)
+_FENCED = frozenset({"Lookup", "Update", "Save", "SaveDelta"})  # as remote_ps.server.FENCED_METHODS (no server import here)
 _INCARNATION_KEY = "persia-incarnation"
 
 PathOrPEM = Union[str, os.PathLike, bytes]
@@ -340,6 +340,26 @@ class PSClient:
         """Every shard replaces its tables by its part of the checkpoint under ``directory`` (any shard count)."""
         self._all("Load", persia_pb2.LoadRequest(directory=os.path.abspath(directory)), self.checkpoint_timeout_s)
         self._dims.clear()
+
+    def save_delta(self, directory: Union[str, os.PathLike], save_id: str, base_id: str = "") -> None:
+        """Every shard writes under ``directory`` what changed since the delta ``base_id`` (an earlier ``save_id``).
+
+        A shard that does not know ``base_id`` (empty, forgotten, or the shard restarted or loaded a checkpoint
+        since) writes its tables whole; its manifest says so per table (``since: 0``). Used by
+        ``lightning_persia.serving.PublishDeltas``.
+        """
+        request = persia_pb2.SaveDeltaRequest(directory=os.path.abspath(directory), save_id=save_id, base_id=base_id)
+        self._all("SaveDelta", request, self.checkpoint_timeout_s)
+
+    def stage_delta(self, directory: Union[str, os.PathLike], version: int, base_version: int) -> int:
+        """Read-only shards read and check the delta's tables at ``directory`` (from ``base_version`` to ``version``)
+        without applying them; returns the rows they will write. Nothing is staged on a shard that refuses it."""
+        request = persia_pb2.StageDeltaRequest(directory=os.path.abspath(directory), version=version, base_version=base_version)
+        return sum(response.rows for response in self._all("StageDelta", request, self.checkpoint_timeout_s))
+
+    def commit_delta(self, version: int) -> None:
+        """Read-only shards apply the delta they staged for ``version`` (a shard at ``version`` already does nothing)."""
+        self._all("CommitDelta", persia_pb2.CommitDeltaRequest(version=version), self.checkpoint_timeout_s)
 
     def stats(self) -> List[Dict[str, Any]]:
         """Per shard: ``{"shard_index", "num_shards", "address", "tables": {...}, "server": {...}}``."""

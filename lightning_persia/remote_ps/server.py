@@ -43,6 +43,7 @@ from lightning_persia.remote_ps.config import PSConfig
 from lightning_persia.remote_ps import metrics
 from lightning_persia.remote_ps.exactly_once import ConflictingDuplicateError, StaleSequenceError, UpdateDeduplicator
 from lightning_persia.remote_ps.protocol import SERVICE_NAME, persia_pb2, persia_pb2_grpc
+from lightning_persia.remote_ps.served_version import DeltaOrderError, ServedVersion
 from lightning_persia.remote_ps.store import CheckpointError, InvalidRequestError, ShardStore, StoreError, UnknownTableError
 from lightning_persia.remote_ps.table_config import ConfigError, TableConfig
 
@@ -54,7 +55,7 @@ AUTH_METADATA_KEY = "authorization"
 INCARNATION_METADATA_KEY = "persia-incarnation"
 # Calls that must never land on a restarted shard without the caller knowing (they read or write rows that a
 # restart may have lost or rolled back). The others are safe whatever the shard's history.
-FENCED_METHODS = frozenset({"Lookup", "Update", "Save"})
+FENCED_METHODS = frozenset({"Lookup", "Update", "Save", "SaveDelta"})
 _DELAYED_METHODS = frozenset({"Lookup", "Update"})
 
 # Wire dtype enum -> codec name. Lookup treats UNSPECIFIED as fp16 (the default); Update refuses it.
@@ -161,7 +162,7 @@ def _rpc(method: Callable) -> Callable:
             message = str(err)
         except (ConfigError, wire.WireFormatError) as err:
             code, message = grpc.StatusCode.INVALID_ARGUMENT, str(err)
-        except (StaleSequenceError, ConflictingDuplicateError) as err:
+        except (StaleSequenceError, ConflictingDuplicateError, DeltaOrderError) as err:
             code, message = grpc.StatusCode.FAILED_PRECONDITION, str(err)
         except Exception as err:  # a bug: keep serving, tell the caller, keep the traceback in the log
             log.exception("%s failed", name)
@@ -196,9 +197,11 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
         server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
-    def __init__(self, store: ShardStore, config: PSConfig) -> None:
+    def __init__(self, store: ShardStore, config: PSConfig, model_version: int = 0) -> None:
         self.store = store
         self.config = config
+        self.served = ServedVersion(store, model_version)
+        self.watching_deltas: Optional[str] = None  # the folder of deltas this shard applies on its own, if any
         self.max_message_bytes = config.max_message_mb << 20
         self.dedup = UpdateDeduplicator(config.dedup_window, config.dedup_max_clients)
         self._counters: collections.Counter[str] = collections.Counter()
@@ -360,6 +363,35 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         self.store.load(self._checkpoint_directory(request.directory))
         return persia_pb2.LoadResponse()
 
+    @_rpc
+    def SaveDelta(self, request: persia_pb2.SaveDeltaRequest, context) -> persia_pb2.SaveDeltaResponse:
+        if self.config.read_only:
+            raise _read_only("SaveDelta")
+        if not request.save_id:
+            raise _invalid("a delta needs a save_id (the next delta names it as its base_id)")
+        self.store.save_delta(self._checkpoint_directory(request.directory), request.save_id, request.base_id)
+        return persia_pb2.SaveDeltaResponse()
+
+    @_rpc
+    def StageDelta(self, request: persia_pb2.StageDeltaRequest, context) -> persia_pb2.StageDeltaResponse:
+        self._check_serving("StageDelta")
+        rows = self.served.stage(self._checkpoint_directory(request.directory), request.version, request.base_version)
+        return persia_pb2.StageDeltaResponse(rows=rows)
+
+    @_rpc
+    def CommitDelta(self, request: persia_pb2.CommitDeltaRequest, context) -> persia_pb2.CommitDeltaResponse:
+        self._check_serving("CommitDelta")
+        self.served.commit(request.version)
+        return persia_pb2.CommitDeltaResponse()
+
+    def _check_serving(self, what: str) -> None:
+        if not self.config.read_only:
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION,
+                         f"{what} refused: only read-only (inference) shards apply deltas; this is a training shard")
+        if self.watching_deltas is not None:
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION,
+                         f"{what} refused: this shard applies the deltas of {self.watching_deltas} on its own (--watch-deltas)")
+
     def _checkpoint_directory(self, directory: str) -> str:
         directory = _checkpoint_directory(directory)
         root = self.config.checkpoint_root
@@ -375,7 +407,9 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         with self._counter_lock:
             server = dict(self._counters)
         server["dedup_duplicates"] = self.dedup.duplicates
-        server.update(incarnation=self.incarnation, started_at=self.started_at, restored_from=self.restored_from)
+        server.update(incarnation=self.incarnation, started_at=self.started_at, restored_from=self.restored_from,
+                      model_version=self.served.version, staged_version=self.served.staged_version,
+                      watching_deltas=self.watching_deltas)
         body = {"tables": self.store.stats(), "server": server}
         return persia_pb2.StatsResponse(
             shard_index=self.store.shard_index, num_shards=self.store.num_shards, json=json.dumps(body),
@@ -480,9 +514,10 @@ class ShardServer:
         token: Optional[str] = None,
         tls: Optional[TLSFiles] = None,
         insecure: bool = False,
+        model_version: int = 0,
     ) -> None:
         check_bind_security(host, token=token, tls=tls is not None, insecure=insecure)
-        self.servicer = PSServicer(store, config)
+        self.servicer = PSServicer(store, config, model_version)
         self.health = health.HealthServicer()
         self._host = host
         self._metrics_port = config.metrics_port
@@ -604,10 +639,15 @@ def run_shard(
     tls: Optional[TLSFiles] = None,
     insecure: bool = False,
     parent_pid: Optional[int] = None,
+    model_version: int = 0,
+    before_serving: Optional[Callable[[PSServicer, threading.Event], None]] = None,
 ) -> int:
     """Serves one shard until SIGTERM/SIGINT (or the parent's death); returns the exit status.
 
     Prints ``PERSIA_PS_LISTENING <host>:<port>`` on stdout, on a line of its own, once it accepts calls.
+    ``model_version``: the version of the model whose tables it restored (a serving bundle's).
+    ``before_serving(servicer, stop)`` runs once the tables are restored, before the first call is accepted
+    (the serving delta watcher: ``stop`` is set when the shard stops); what it raises stops the shard.
     """
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
@@ -620,13 +660,15 @@ def run_shard(
     if config.restore_from:  # before binding: a shard that cannot restore never answers with empty tables
         restored = store.load_latest(config.restore_from)  # CheckpointError: refuse to start
         log.info("shard %d/%d restored from %s", shard_index, num_shards, restored)
-    server = ShardServer(store, config, host=host, port=port, token=token, tls=tls, insecure=insecure)
+    server = ShardServer(store, config, host=host, port=port, token=token, tls=tls, insecure=insecure, model_version=model_version)
     server.servicer.restored_from = restored
+    stop = threading.Event()
+    if before_serving is not None:
+        before_serving(server.servicer, stop)
     if insecure and not (is_loopback_host(host) or token or tls):
         log.warning("serving on %s with neither TLS nor a token (--insecure): anyone who reaches it can read and "
                     "overwrite the tables", host)
 
-    stop = threading.Event()
     signalled: list[int] = []
 
     def on_signal(signum, frame) -> None:
@@ -652,6 +694,7 @@ def run_shard(
     while not signalled and not stop.wait(0.2):  # a timed wait keeps the main thread responsive to signals
         pass
     log.info("shard %d/%d stopping (grace %.1f s)", shard_index, num_shards, config.grace_s)
+    stop.set()
     server.stop(config.grace_s)
     return 0
 

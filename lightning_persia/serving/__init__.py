@@ -7,14 +7,16 @@
 * :func:`export_bundle`: a checkpoint -> a self-contained, checksummed :class:`Bundle`.
 * :class:`Predictor`: the bundle's module answering batches without a Trainer, its tables on read-only shards.
 * :class:`PredictAPI` / :func:`serve`: the LitServe endpoint (``POST /predict``, ``GET /health``).
+* :class:`PublishDeltas`: a training callback publishing versioned deltas; :class:`Delta`, :class:`DeltaWatcher`:
+  reading and applying them in order (the predictor and ``--watch-deltas`` shards do).
 
 Names are imported on first use: a parameter-server shard reads bundles (``serving.bundle``) without
 importing Lightning.
 """
 import importlib
 
-__all__ = ["Bundle", "BundleError", "export_bundle", "Predictor", "Prediction", "PredictAPI", "serve",
-           "RequestDecoder", "CriteoRequestDecoder", "RequestError"]
+__all__ = ["Bundle", "BundleError", "export_bundle", "Predictor", "Prediction", "ServingError", "PredictAPI", "serve",
+           "RequestDecoder", "CriteoRequestDecoder", "RequestError", "PublishDeltas", "Delta", "DeltaError", "DeltaWatcher"]
 
 _WHERE = {
     "Bundle": "lightning_persia.serving.bundle",
@@ -22,6 +24,11 @@ _WHERE = {
     "export_bundle": "lightning_persia.serving.export",
     "Predictor": "lightning_persia.serving.predictor",
     "Prediction": "lightning_persia.serving.predictor",
+    "ServingError": "lightning_persia.serving.predictor",
+    "PublishDeltas": "lightning_persia.serving.publish",
+    "Delta": "lightning_persia.serving.delta",
+    "DeltaError": "lightning_persia.serving.delta",
+    "DeltaWatcher": "lightning_persia.serving.delta",
     "RequestDecoder": "lightning_persia.serving.decoding",
     "CriteoRequestDecoder": "lightning_persia.serving.decoding",
     "RequestError": "lightning_persia.serving.decoding",

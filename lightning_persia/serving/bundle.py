@@ -19,7 +19,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, ClassVar, Iterable, Iterator, Optional
 
 MANIFEST = "manifest.json"
 DENSE_FILE = "dense.safetensors"
@@ -33,7 +33,86 @@ class BundleError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Bundle:
+class ChecksummedFolder:
+    """A folder whose ``manifest.json`` lists every file with its size and sha256 (a bundle, a serving delta):
+    ``dense.safetensors``, ``tables/shard-*/`` (the parameter-server files) and a model ``version``."""
+
+    path: Path
+    manifest: dict[str, Any]
+    kind: ClassVar[str] = "bundle"  # how messages name the folder's files
+
+    @property
+    def version(self) -> int:
+        """The model version every answer served from this folder's weights names."""
+        return int(self.manifest["version"])
+
+    @property
+    def dense_path(self) -> Path:
+        return self.path / DENSE_FILE
+
+    @property
+    def tables_path(self) -> Path:
+        return self.path / TABLES_DIR
+
+    @property
+    def num_shards(self) -> int:
+        """Shards that wrote the tables (inference shards may be more or fewer: the tables re-shard on load)."""
+        return int(self.manifest["num_shards"])
+
+    def verify(self, names: Optional[Iterable[str]] = None) -> None:
+        """Checks that every file of the manifest is there with its size, and the sha256 of ``names`` (all if None).
+
+        Raises :class:`BundleError` naming the first file that is missing, truncated or corrupted.
+        """
+        files: dict[str, dict] = self.manifest["files"]
+        for name, entry in files.items():
+            path = self._file(name)
+            if not path.is_file():
+                raise BundleError(f"{self.kind} file {path} is missing")
+            if path.stat().st_size != entry["bytes"]:
+                raise BundleError(f"{self.kind} file {path} is truncated or damaged: {path.stat().st_size} bytes, the manifest says {entry['bytes']}")
+        for name in files if names is None else names:
+            entry = files.get(name)
+            if entry is None:
+                raise BundleError(f"{self.path / MANIFEST} lists no file {name!r}")
+            if sha256_of(self._file(name)) != entry["sha256"]:
+                raise BundleError(f"{self.kind} file {self._file(name)} is corrupted: its sha256 differs from the manifest's")
+
+    def table_manifests(self) -> list[str]:
+        """The manifest files of the tables' shard folders (names relative to the folder)."""
+        return sorted(name for name in self.manifest["files"] if name.startswith(f"{TABLES_DIR}/") and name.endswith(f"/{MANIFEST}"))
+
+    @classmethod
+    def _open(cls, path: str | os.PathLike, format: str, format_version: int, keys: Iterable[str], what: str, advice: str):
+        path = Path(path).absolute()
+        manifest_path = path / MANIFEST
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except FileNotFoundError:
+            raise BundleError(f"{path} is not {what}: it has no {MANIFEST} ({advice})") from None
+        except (OSError, ValueError) as err:
+            raise BundleError(f"cannot read {manifest_path}: {err}") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != format:
+            raise BundleError(f"{manifest_path} is not the manifest of {what} (no \"format\": \"{format}\")")
+        if manifest.get("format_version") != format_version:
+            raise BundleError(
+                f"{manifest_path} has format_version {manifest.get('format_version')!r}; this lightning-persia reads "
+                f"version {format_version}"
+            )
+        for key in keys:
+            if key not in manifest:
+                raise BundleError(f"{manifest_path} is malformed: it has no {key!r}")
+        return cls(path, manifest)
+
+    def _file(self, name: str) -> Path:
+        path = (self.path / name).resolve()
+        if os.path.commonpath([path, self.path.resolve()]) != str(self.path.resolve()):
+            raise BundleError(f"{self.path / MANIFEST} names a file outside the {self.kind}: {name!r}")
+        return path
+
+
+@dataclass(frozen=True)
+class Bundle(ChecksummedFolder):
     """An exported model, read from ``path`` (see the module docstring for the layout).
 
     Example::
@@ -43,38 +122,13 @@ class Bundle:
         print(bundle.version, bundle.module_class_path)
     """
 
-    path: Path
-    manifest: dict[str, Any]
-
     @classmethod
     def open(cls, path: str | os.PathLike) -> "Bundle":
         """Reads the manifest of the bundle at ``path``; :class:`BundleError` if there is none or it is not one."""
-        path = Path(path).absolute()
-        manifest_path = path / MANIFEST
-        try:
-            manifest = json.loads(manifest_path.read_text())
-        except FileNotFoundError:
-            raise BundleError(f"{path} is not a serving bundle: it has no {MANIFEST} (make one with lightning-persia export)") from None
-        except (OSError, ValueError) as err:
-            raise BundleError(f"cannot read {manifest_path}: {err}") from None
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            raise BundleError(f"{manifest_path} is not the manifest of a serving bundle (no \"format\": \"{FORMAT}\")")
-        if manifest.get("format_version") != FORMAT_VERSION:
-            raise BundleError(
-                f"{manifest_path} has format_version {manifest.get('format_version')!r}; this lightning-persia reads "
-                f"version {FORMAT_VERSION}"
-            )
-        for key in ("version", "module", "interception", "files"):
-            if key not in manifest:
-                raise BundleError(f"{manifest_path} is malformed: it has no {key!r}")
-        return cls(path, manifest)
+        return cls._open(path, FORMAT, FORMAT_VERSION, ("version", "module", "interception", "files"),
+                         "a serving bundle", "make one with lightning-persia export")
 
     # ---- what the manifest says ------------------------------------------------------------------
-
-    @property
-    def version(self) -> int:
-        """The model version every answer served from this bundle names."""
-        return int(self.manifest["version"])
 
     @property
     def module_class_path(self) -> str:
@@ -99,52 +153,8 @@ class Bundle:
         return self.manifest["interception"]["wire_dtype"]
 
     @property
-    def dense_path(self) -> Path:
-        return self.path / DENSE_FILE
-
-    @property
-    def tables_path(self) -> Path:
-        return self.path / TABLES_DIR
-
-    @property
-    def num_shards(self) -> int:
-        """Shards that trained the tables (inference shards may be more or fewer: the tables re-shard on load)."""
-        return int(self.manifest["num_shards"])
-
-    @property
     def remote_tables(self) -> list[str]:
         return list(self.manifest["remote_tables"])
-
-    # ---- integrity -------------------------------------------------------------------------------------
-
-    def verify(self, names: Optional[Iterable[str]] = None) -> None:
-        """Checks that every file of the manifest is there with its size, and the sha256 of ``names`` (all if None).
-
-        Raises :class:`BundleError` naming the first file that is missing, truncated or corrupted.
-        """
-        files: dict[str, dict] = self.manifest["files"]
-        for name, entry in files.items():
-            path = self._file(name)
-            if not path.is_file():
-                raise BundleError(f"bundle file {path} is missing")
-            if path.stat().st_size != entry["bytes"]:
-                raise BundleError(f"bundle file {path} is truncated or damaged: {path.stat().st_size} bytes, the manifest says {entry['bytes']}")
-        for name in files if names is None else names:
-            entry = files.get(name)
-            if entry is None:
-                raise BundleError(f"{self.path / MANIFEST} lists no file {name!r}")
-            if sha256_of(self._file(name)) != entry["sha256"]:
-                raise BundleError(f"bundle file {self._file(name)} is corrupted: its sha256 differs from the manifest's")
-
-    def table_manifests(self) -> list[str]:
-        """The manifest files of the tables' shard folders (names relative to the bundle)."""
-        return sorted(name for name in self.manifest["files"] if name.startswith(f"{TABLES_DIR}/") and name.endswith(f"/{MANIFEST}"))
-
-    def _file(self, name: str) -> Path:
-        path = (self.path / name).resolve()
-        if os.path.commonpath([path, self.path.resolve()]) != str(self.path.resolve()):
-            raise BundleError(f"{self.path / MANIFEST} names a file outside the bundle: {name!r}")
-        return path
 
 
 def is_bundle(path: str | os.PathLike) -> bool:
@@ -158,3 +168,15 @@ def sha256_of(path: str | os.PathLike) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def file_references(node: Any) -> Iterator[dict]:
+    """Every ``{"file": ..., "sha256": ...}`` entry anywhere in a shard manifest (the files it checksums)."""
+    if isinstance(node, dict):
+        if isinstance(node.get("file"), str) and isinstance(node.get("sha256"), str):
+            yield node
+        for value in node.values():
+            yield from file_references(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from file_references(value)

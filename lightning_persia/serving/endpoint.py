@@ -3,10 +3,12 @@
 Requests are batched dynamically (LitServe's ``max_batch_size`` / ``batch_timeout``): the rows of requests
 that arrive together run through the model as one batch, and each answer names the model version that
 computed it. A malformed request gets HTTP 400 with a message naming the field at fault; the other requests
-of its batch are answered as usual.
+of its batch are answered as usual. With a folder of deltas the inference worker's :class:`Predictor` applies
+each new version between two batches (see its docstring).
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 from typing import Any, Callable, Optional, Sequence
@@ -38,6 +40,8 @@ class PredictAPI(ls.LitAPI):
         torch_threads: intra-op threads of the inference worker; 0 keeps torch's default. Batches of a few rows
             gain nothing from more, and on cores shared with the shards more threads wait on each other (one
             row took 9 ms with 1 thread, 27 ms with 2, on 2 busy cores).
+        log_level: the level of the worker's ``lightning_persia`` log on stderr (the versions it applies, the
+            deltas it refuses); ``None`` leaves logging as it is.
     """
 
     def __init__(
@@ -50,6 +54,7 @@ class PredictAPI(ls.LitAPI):
         batch_timeout: float = 0.002,
         predictor_options: Optional[dict[str, Any]] = None,
         torch_threads: int = 1,
+        log_level: Optional[str] = None,
     ) -> None:
         super().__init__(max_batch_size=max_batch_size, batch_timeout=batch_timeout)
         if torch_threads < 0:
@@ -59,10 +64,18 @@ class PredictAPI(ls.LitAPI):
         self.ps_addresses = list(ps_addresses) if ps_addresses else None
         self.decoder_factory = decoder
         self.predictor_options = dict(predictor_options or {})
+        self.log_level = log_level
         self._predictor: Optional[Predictor] = None
         self._decoder: Optional[RequestDecoder] = None
 
     def setup(self, device: str) -> None:
+        if self.log_level is not None:  # the worker is a process of its own: its log goes to stderr like the server's
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(asctime)s lightning-persia serve %(levelname)s %(message)s"))
+            logger = logging.getLogger("lightning_persia")
+            logger.addHandler(handler)
+            logger.setLevel(self.log_level)
+            logger.propagate = False  # LitServe's worker may log the root logger too: each line once
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
         self._predictor = Predictor.from_bundle(self.bundle_path, self.ps_addresses, **self.predictor_options)
@@ -100,12 +113,13 @@ class PredictAPI(ls.LitAPI):
 
 
 def build_server(api: PredictAPI, *, timeout_s: float = 30.0) -> ls.LitServer:
-    """The LitServer of ``api``: ``/predict``, ``/health``, and ``/info`` with the bundle and its version."""
+    """The LitServer of ``api``: ``/predict``, ``/health``, and ``/info`` (the bundle, its version, the deltas' folder)."""
     bundle = Bundle.open(api.bundle_path)
     bundle.verify([DENSE_FILE])  # fail here, with the reason, rather than in the worker
     server = ls.LitServer(
         api, accelerator="cpu", devices=1, workers_per_device=1, timeout=timeout_s,
-        model_metadata={"bundle": str(bundle.path), "version": bundle.version, "module": bundle.module_class_path},
+        model_metadata={"bundle": str(bundle.path), "bundle_version": bundle.version, "module": bundle.module_class_path,
+                        "deltas": str(api.predictor_options["deltas"]) if api.predictor_options.get("deltas") else None},
     )
     server.app.add_exception_handler(RequestValidationError, _bad_body)
     return server

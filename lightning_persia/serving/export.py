@@ -13,7 +13,8 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from lightning_persia.serving.bundle import DENSE_FILE, FORMAT, FORMAT_VERSION, MANIFEST, TABLES_DIR, Bundle, BundleError, sha256_of
+from lightning_persia.serving.bundle import (DENSE_FILE, FORMAT, FORMAT_VERSION, MANIFEST, TABLES_DIR, Bundle, BundleError,
+                                             file_references, sha256_of)
 from lightning_persia.strategy.persia import CHECKPOINT_KEY
 
 _SHARD_FOLDER = re.compile(r"^shard-(\d+)-of-(\d+)$")
@@ -188,22 +189,10 @@ def _check_table_files(tables: Path, files: dict[str, dict], ps_dir: Path) -> No
             manifest = json.loads(manifest_path.read_text())
         except (OSError, ValueError) as err:
             raise BundleError(f"cannot read {ps_dir / manifest_path.relative_to(tables)}: {err}") from None
-        for reference in _file_references(manifest):
+        for reference in file_references(manifest):
             name = f"{TABLES_DIR}/{manifest_path.parent.name}/{reference['file']}"
             original = ps_dir / manifest_path.parent.name / reference["file"]
             if name not in files:
                 raise BundleError(f"checkpoint file {original} is missing")
             if files[name]["sha256"] != reference["sha256"]:
                 raise BundleError(f"checkpoint file {original} is truncated or corrupted (its sha256 differs from its shard's manifest)")
-
-
-def _file_references(node: Any):
-    """Every ``{"file": ..., "sha256": ...}`` entry anywhere in a shard manifest."""
-    if isinstance(node, dict):
-        if isinstance(node.get("file"), str) and isinstance(node.get("sha256"), str):
-            yield node
-        for value in node.values():
-            yield from _file_references(value)
-    elif isinstance(node, list):
-        for value in node:
-            yield from _file_references(value)

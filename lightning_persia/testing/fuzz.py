@@ -26,7 +26,7 @@ from lightning_persia.remote_ps.protocol import SERVICE_NAME
 
 SENTINEL = "fuzz_sentinel"
 FUZZ_TABLES = ["fuzz_t4", "fuzz_t16"]  # created before fuzzing, dims 4 and 16
-METHODS = ["Lookup", "Update", "Configure", "Describe", "Save", "Load", "Stats"]
+METHODS = ["Lookup", "Update", "Configure", "Describe", "Save", "Load", "Stats", "SaveDelta", "StageDelta", "CommitDelta"]
 # What a refusal may answer; anything else (INTERNAL, UNKNOWN, DEADLINE_EXCEEDED = a hang) is a finding.
 ACCEPTED = {
     grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
@@ -131,15 +131,32 @@ def _paths(scratch: str):
     )
 
 
-@st.composite
-def _save(draw, scratch: str) -> bytes:
+def _save_directories(scratch: str):
     # never an arbitrary absolute path: a Save there would really write (and a later Load would succeed)
-    directory = draw(st.one_of(
+    return st.one_of(
         st.sampled_from(["", "relative/dir", ".", "/dev/null", "/proc/self"]),
         st.text(max_size=40).filter(lambda p: not p.startswith("/")),
         st.text(alphabet="abc", min_size=1, max_size=4).map(lambda s: f"{scratch}/save_{s}"),
-    ))
-    return pb.SaveRequest(directory=directory, save_id=draw(st.text(max_size=20))).SerializeToString()
+    )
+
+
+@st.composite
+def _save(draw, scratch: str) -> bytes:
+    return pb.SaveRequest(directory=draw(_save_directories(scratch)), save_id=draw(st.text(max_size=20))).SerializeToString()
+
+
+_versions = st.one_of(st.integers(0, 3), st.integers(0, (1 << 64) - 1))
+
+
+@st.composite
+def _save_delta(draw, scratch: str) -> bytes:
+    return pb.SaveDeltaRequest(directory=draw(_save_directories(scratch)), save_id=draw(st.text(max_size=20)),
+                               base_id=draw(st.text(max_size=20))).SerializeToString()
+
+
+@st.composite
+def _stage_delta(draw, scratch: str) -> bytes:
+    return pb.StageDeltaRequest(directory=draw(_paths(scratch)), version=draw(_versions), base_version=draw(_versions)).SerializeToString()
 
 
 @st.composite
@@ -180,6 +197,9 @@ def fuzz_cases(scratch: str):
         _describe().map(lambda b: ("Describe", b, "describe")),
         _save(scratch).map(lambda b: ("Save", b, "save")),
         _load(scratch).map(lambda b: ("Load", b, "load")),
+        _save_delta(scratch).map(lambda b: ("SaveDelta", b, "save_delta")),
+        _stage_delta(scratch).map(lambda b: ("StageDelta", b, "stage_delta")),
+        _versions.map(lambda v: ("CommitDelta", pb.CommitDeltaRequest(version=v).SerializeToString(), "commit_delta")),
     )
 
 

@@ -57,3 +57,27 @@ def test_config_quotes_the_figure_of_the_examples_readme(name, metric):
     with open(os.path.join(_EXAMPLES, "README.md")) as f:
         row = next(line for line in f if line.startswith(f"| `lightning-persia fit --config examples/{name}/config.yaml` |"))
     assert f"{metric} **{quoted}**" in row
+
+
+def test_the_dlrm_online_config_publishes_versions(tmp_path):
+    """examples/dlrm/serving.yaml + online.yaml: a version every N steps (here 1, on small tables)."""
+    configs = [os.path.join(_EXAMPLES, "dlrm", name) for name in ("config.yaml", "serving.yaml", "online.yaml")]
+    cli = lightning_cli(
+        [
+            "fit",
+            *(arg for config in configs for arg in ("--config", config)),
+            "--model.init_args.num_embeddings=" + str(scaled_cardinalities(0.01)),
+            "--data.init_args.cardinality_scale=0.01",
+            "--data.init_args.num_train_batches=2",
+            "--data.init_args.num_val_batches=1",
+            "--data.init_args.batch_size=256",
+            "--trainer.max_steps=2",
+            "--trainer.devices=1",
+            "--trainer.val_check_interval=2",
+            f"--trainer.callbacks.dirpath={tmp_path / 'deltas'}",
+            "--trainer.callbacks.every_n_train_steps=1",
+            f"--trainer.default_root_dir={tmp_path}",
+        ]
+    )
+    assert sorted(p.name for p in (tmp_path / "deltas").iterdir()) == ["v00000002", "v00000003"]
+    cli.trainer.strategy.close()

@@ -145,7 +145,7 @@ def test_bind_policy():
 
 
 def test_every_rpc_without_or_with_a_wrong_token_is_refused_and_writes_nothing(secured, tmp_path):
-    """Raw calls (no client-side checks) of all seven RPCs: UNAUTHENTICATED, and Save/Load/Configure did nothing."""
+    """Raw calls (no client-side checks) of every RPC: UNAUTHENTICATED, and Save/Load/Configure did nothing."""
     from lightning_persia.remote_ps.protocol import persia_pb2 as pb
 
     requests = {
@@ -156,11 +156,15 @@ def test_every_rpc_without_or_with_a_wrong_token_is_refused_and_writes_nothing(s
         "Save": pb.SaveRequest(directory=str(tmp_path / "stolen")),
         "Load": pb.LoadRequest(directory=str(tmp_path / "planted")),
         "Stats": pb.StatsRequest(),
+        "SaveDelta": pb.SaveDeltaRequest(directory=str(tmp_path / "stolen_delta"), save_id="x"),
+        "StageDelta": pb.StageDeltaRequest(directory=str(tmp_path / "planted"), version=1),
+        "CommitDelta": pb.CommitDeltaRequest(version=1),
     }
+    assert sorted(requests) == sorted(m.name for m in pb.DESCRIPTOR.services_by_name["ParameterServer"].methods)
     with grpc.insecure_channel(secured["token_address"]) as channel:
         for metadata in (None, (("authorization", "Bearer wrong"),), (("authorization", TOKEN),)):  # last: no "Bearer "
             for method, request in requests.items():
                 with pytest.raises(grpc.RpcError) as info:
                     channel.unary_unary(f"/persia.ParameterServer/{method}")(request.SerializeToString(), timeout=10, metadata=metadata)
                 assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, (method, metadata)
-    assert not (tmp_path / "stolen").exists()
+    assert not (tmp_path / "stolen").exists() and not (tmp_path / "stolen_delta").exists()

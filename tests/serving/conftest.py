@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lightning_persia.serving import Bundle, export_bundle
+from online_run import Online, train_online
 from tiny_dlrm import MODEL_CLASS, ROOT
 
 SCRIPT = Path(__file__).with_name("train_tiny.py")
@@ -39,3 +40,9 @@ def bundle(trained, tmp_path_factory) -> Bundle:
     """The bundle of the trained checkpoint (exported with the class path: the model was built in Python)."""
     return export_bundle(trained.ckpt, tmp_path_factory.mktemp("bundles") / "bundle", model_class=MODEL_CLASS)
 
+
+@pytest.fixture(scope="session")
+def online(trained, tmp_path_factory) -> Online:
+    """One rank trains on from the bundle's checkpoint for 6 steps, publishing a version every 2 steps."""
+    out = tmp_path_factory.mktemp("online")
+    return train_online(trained.ckpt, trained.expected["scores"], out / "deltas", out)

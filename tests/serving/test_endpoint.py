@@ -2,45 +2,17 @@
 from __future__ import annotations
 
 import copy
-import http.client
 import json
 import math
-import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
-from tiny_dlrm import ROOT, serving_env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _request(port: int, method: str, path: str, body: Optional[bytes] = None, content_type: str = "application/json") -> tuple[int, Any]:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    try:
-        connection.request(method, path, body=body, headers={"Content-Type": content_type} if body is not None else {})
-        response = connection.getresponse()
-        data = response.read()
-    finally:
-        connection.close()
-    try:
-        return response.status, json.loads(data)
-    except ValueError:
-        return response.status, data.decode()
-
-
-def _predict(port: int, payload: Any) -> tuple[int, Any]:
-    return _request(port, "POST", "/predict", payload if isinstance(payload, bytes) else json.dumps(payload).encode())
+from endpoint_client import Server, free_port, predict, request
 
 
 def _group_alive(pgid: int) -> list[str]:
@@ -51,38 +23,21 @@ def _group_alive(pgid: int) -> list[str]:
 @pytest.fixture(scope="module")
 def server(bundle):
     """``lightning-persia serve BUNDLE`` (embedded read-only shards; batches of up to 8 requests gathered for 20 ms)."""
-    port = _free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "lightning_persia.cli", "serve", str(bundle.path), "--port", str(port),
-         "--max-batch-size", "8", "--batch-timeout", "0.02"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=serving_env(), cwd=ROOT, start_new_session=True,
-    )
-    deadline = time.monotonic() + 180
-    while True:
-        assert process.poll() is None, process.stdout.read()[-3000:]
-        try:
-            if _request(port, "GET", "/health") == (200, "ok"):
-                break
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, "the server did not become healthy in time"
-        time.sleep(0.5)
-    yield process, port
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+    served = Server(bundle.path, "--max-batch-size", "8", "--batch-timeout", "0.02")
+    yield served.process, served.port
+    served.kill()
 
 
 def test_predict_answers_as_trainer_predict_with_the_bundle_version(server, trained):
     _, port = server
     requests, expected = trained.expected["requests"], trained.expected["flat_scores"]
     with ThreadPoolExecutor(16) as pool:  # concurrent clients: LitServe batches their rows
-        answers = list(pool.map(lambda body: _predict(port, body), requests))
+        answers = list(pool.map(lambda body: predict(port, body), requests))
     for (status, answer), score in zip(answers, expected):
         assert status == 200, answer
         assert answer["version"] == 1
         assert math.isclose(answer["score"], score, abs_tol=1e-6), (answer, score)
-    assert _request(port, "GET", "/info")[1]["model"]["version"] == 1
+    assert request(port, "GET", "/info")[1]["model"]["bundle_version"] == 1
 
 
 def _without(body: dict, feature: str) -> dict:
@@ -118,11 +73,11 @@ def test_malformed_requests_get_400_naming_the_field_and_the_next_request_succee
     _, port = server
     good, score = trained.expected["requests"][5], trained.expected["flat_scores"][5]
     for body, message in _malformed(good):
-        status, answer = _predict(port, body)
+        status, answer = predict(port, body)
         assert status == 400 and message in answer["detail"], (body, answer)
-        status, answer = _predict(port, good)
+        status, answer = predict(port, good)
         assert status == 200 and math.isclose(answer["score"], score, abs_tol=1e-6)
-    status, answer = _request(port, "POST", "/predict", json.dumps(good).encode(), content_type="application/x-www-form-urlencoded")
+    status, answer = request(port, "POST", "/predict", json.dumps(good).encode(), content_type="application/x-www-form-urlencoded")
     assert status == 400 and "application/json" in answer["detail"]
 
 
@@ -132,7 +87,7 @@ def test_a_malformed_request_fails_alone_in_its_batch(server, trained):
     bad = [body for body, _ in _malformed(requests[0]) if not isinstance(body, bytes)]  # decoded in the worker, batched
     mixed = [item for pair in zip(requests, bad + bad) for item in pair]
     with ThreadPoolExecutor(16) as pool:
-        answers = list(pool.map(lambda body: _predict(port, body), mixed))
+        answers = list(pool.map(lambda body: predict(port, body), mixed))
     for (status, answer), score in zip(answers[0::2], expected):
         assert status == 200 and math.isclose(answer["score"], score, abs_tol=1e-6), answer
     assert all(status == 400 for status, _ in answers[1::2])
@@ -152,5 +107,5 @@ def test_sigterm_stops_the_server_its_workers_and_its_shards(server):
 def test_serving_a_folder_that_is_no_bundle_fails_with_status_2(tmp_path, capsys):
     from lightning_persia import cli
 
-    assert cli.main(["serve", str(tmp_path), "--port", str(_free_port())]) == 2
+    assert cli.main(["serve", str(tmp_path), "--port", str(free_port())]) == 2
     assert f"lightning-persia serve: error: {tmp_path} is not a serving bundle" in capsys.readouterr().err

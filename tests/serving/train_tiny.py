@@ -34,28 +34,46 @@ def batches(count: int, seed: int, batch_size: int = 16) -> list:
     ]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+def make_model() -> DLRM:
     torch.manual_seed(0)
-    model = DLRM(embedding_dim=4, num_embeddings=NUM_EMBEDDINGS, sparse_features=FEATURES, num_dense_features=NUM_DENSE,
-                 bottom_mlp=[8], top_mlp=[8], embedding_device="meta")
-    strategy = PersiaStrategy(num_local_shards=2, staleness=0, embedding_optimizer=SGD(lr=0.1), wire_dtype="fp32",
-                              data_parallel_max_rows=8, ps_seed=3)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=30, strategy=strategy, logger=False, enable_progress_bar=False,
-                        enable_checkpointing=False, enable_model_summary=False)
-    trainer.fit(model, torch.utils.data.DataLoader(batches(30, seed=0), batch_size=None))
-    trainer.save_checkpoint(os.path.join(args.out, "model.ckpt"))
+    return DLRM(embedding_dim=4, num_embeddings=NUM_EMBEDDINGS, sparse_features=FEATURES, num_dense_features=NUM_DENSE,
+                bottom_mlp=[8], top_mlp=[8], embedding_device="meta")
+
+
+def make_strategy() -> PersiaStrategy:
+    return PersiaStrategy(num_local_shards=2, staleness=0, embedding_optimizer=SGD(lr=0.1), wire_dtype="fp32",
+                          data_parallel_max_rows=8, ps_seed=3)
+
+
+def test_batches() -> list:
+    """The batches whose scores the tests compare; row 0 of cat_0 holds an id the tables never saw."""
     test = batches(3, seed=1)
-    test[0].sparse_features.values()[0] = UNSEEN_ID  # row 0 of cat_0: an id the tables never saw
-    scores = trainer.predict(model, torch.utils.data.DataLoader(test, batch_size=None))
+    test[0].sparse_features.values()[0] = UNSEEN_ID
+    return test
+
+
+def requests_of(test: list) -> list[dict]:
+    """The JSON bodies of the rows of ``test``, one request per row."""
     requests = []
     for batch in test:
         ids = batch.sparse_ids()
         requests += [{"sparse": {f: [int(ids[row, i])] for i, f in enumerate(FEATURES)}, "dense": batch.dense_features[row].tolist()}
                      for row in range(batch.batch_size)]
-    torch.save({"batches": test, "scores": scores, "requests": requests, "flat_scores": torch.cat(scores).tolist()},
+    return requests
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    model, strategy = make_model(), make_strategy()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=30, strategy=strategy, logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False)
+    trainer.fit(model, torch.utils.data.DataLoader(batches(30, seed=0), batch_size=None))
+    trainer.save_checkpoint(os.path.join(args.out, "model.ckpt"))
+    test = test_batches()
+    scores = trainer.predict(model, torch.utils.data.DataLoader(test, batch_size=None))
+    torch.save({"batches": test, "scores": scores, "requests": requests_of(test), "flat_scores": torch.cat(scores).tolist()},
                os.path.join(args.out, "expected.pt"))
     strategy.close()
 

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n0lightning_persia/remote_ps/protocol/persia.proto\x12\x06persia\"&\n\x08TableIds\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\"b\n\rLookupRequest\x12 \n\x06tables\x18\x01 \x03(\x0b\x32\x10.persia.TableIds\x12\r\n\x05train\x18\x02 \x01(\x08\x12 \n\x05\x64type\x18\x03 \x01(\x0e\x32\x11.persia.WireDType\"5\n\tTableRows\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03\x64im\x18\x02 \x01(\r\x12\x0c\n\x04rows\x18\x03 \x01(\x0c\"U\n\x0eLookupResponse\x12!\n\x06tables\x18\x01 \x03(\x0b\x32\x11.persia.TableRows\x12 \n\x05\x64type\x18\x02 \x01(\x0e\x32\x11.persia.WireDType\"Y\n\nTableGrads\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\x12\r\n\x05grads\x18\x03 \x01(\x0c\x12 \n\x05\x64type\x18\x04 \x01(\x0e\x32\x11.persia.WireDType\"S\n\rUpdateRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\"\n\x06tables\x18\x03 \x03(\x0b\x32\x12.persia.TableGrads\"9\n\x0eUpdateResponse\x12\x14\n\x0crows_applied\x18\x01 \x01(\x04\x12\x11\n\tduplicate\x18\x02 \x01(\x08\"\'\n\x10\x43onfigureRequest\x12\x13\n\x0btables_json\x18\x01 \x03(\t\"(\n\x11\x43onfigureResponse\x12\x13\n\x0btables_json\x18\x01 \x03(\t\" \n\x0f\x44\x65scribeRequest\x12\r\n\x05names\x18\x01 \x03(\t\"\'\n\x10\x44\x65scribeResponse\x12\x13\n\x0btables_json\x18\x01 \x03(\t\"1\n\x0bSaveRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\x0f\n\x07save_id\x18\x02 \x01(\t\"\x0e\n\x0cSaveResponse\" \n\x0bLoadRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\"\x0e\n\x0cLoadResponse\"\x0e\n\x0cStatsRequest\"[\n\rStatsResponse\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x12\n\nnum_shards\x18\x02 \x01(\r\x12\x0c\n\x04json\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\t*;\n\tWireDType\x12\x1a\n\x16WIRE_DTYPE_UNSPECIFIED\x10\x00\x12\x08\n\x04\x46P16\x10\x01\x12\x08\n\x04\x46P32\x10\x02\x32\xa0\x03\n\x0fParameterServer\x12\x37\n\x06Lookup\x12\x15.persia.LookupRequest\x1a\x16.persia.LookupResponse\x12\x37\n\x06Update\x12\x15.persia.UpdateRequest\x1a\x16.persia.UpdateResponse\x12@\n\tConfigure\x12\x18.persia.ConfigureRequest\x1a\x19.persia.ConfigureResponse\x12=\n\x08\x44\x65scribe\x12\x17.persia.DescribeRequest\x1a\x18.persia.DescribeResponse\x12\x31\n\x04Save\x12\x13.persia.SaveRequest\x1a\x14.persia.SaveResponse\x12\x31\n\x04Load\x12\x13.persia.LoadRequest\x1a\x14.persia.LoadResponse\x12\x34\n\x05Stats\x12\x14.persia.StatsRequest\x1a\x15.persia.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n0lightning_persia/remote_ps/protocol/persia.proto\x12\x06persia\"&\n\x08TableIds\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\"b\n\rLookupRequest\x12 \n\x06tables\x18\x01 \x03(\x0b\x32\x10.persia.TableIds\x12\r\n\x05train\x18\x02 \x01(\x08\x12 \n\x05\x64type\x18\x03 \x01(\x0e\x32\x11.persia.WireDType\"5\n\tTableRows\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03\x64im\x18\x02 \x01(\r\x12\x0c\n\x04rows\x18\x03 \x01(\x0c\"U\n\x0eLookupResponse\x12!\n\x06tables\x18\x01 \x03(\x0b\x32\x11.persia.TableRows\x12 \n\x05\x64type\x18\x02 \x01(\x0e\x32\x11.persia.WireDType\"Y\n\nTableGrads\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\x12\r\n\x05grads\x18\x03 \x01(\x0c\x12 \n\x05\x64type\x18\x04 \x01(\x0e\x32\x11.persia.WireDType\"S\n\rUpdateRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\"\n\x06tables\x18\x03 \x03(\x0b\x32\x12.persia.TableGrads\"9\n\x0eUpdateResponse\x12\x14\n\x0crows_applied\x18\x01 \x01(\x04\x12\x11\n\tduplicate\x18\x02 \x01(\x08\"\'\n\x10\x43onfigureRequest\x12\x13\n\x0btables_json\x18\x01 \x03(\t\"(\n\x11\x43onfigureResponse\x12\x13\n\x0btables_json\x18\x01 \x03(\t\" \n\x0f\x44\x65scribeRequest\x12\r\n\x05names\x18\x01 \x03(\t\"\'\n\x10\x44\x65scribeResponse\x12\x13\n\x0btables_json\x18\x01 \x03(\t\"1\n\x0bSaveRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\x0f\n\x07save_id\x18\x02 \x01(\t\"\x0e\n\x0cSaveResponse\" \n\x0bLoadRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\"\x0e\n\x0cLoadResponse\"G\n\x10SaveDeltaRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\x0f\n\x07save_id\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61se_id\x18\x03 \x01(\t\"\x13\n\x11SaveDeltaResponse\"M\n\x11StageDeltaRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x04\"\"\n\x12StageDeltaResponse\x12\x0c\n\x04rows\x18\x01 \x01(\x04\"%\n\x12\x43ommitDeltaRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\"\x15\n\x13\x43ommitDeltaResponse\"\x0e\n\x0cStatsRequest\"[\n\rStatsResponse\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x12\n\nnum_shards\x18\x02 \x01(\r\x12\x0c\n\x04json\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\t*;\n\tWireDType\x12\x1a\n\x16WIRE_DTYPE_UNSPECIFIED\x10\x00\x12\x08\n\x04\x46P16\x10\x01\x12\x08\n\x04\x46P32\x10\x02\x32\xef\x04\n\x0fParameterServer\x12\x37\n\x06Lookup\x12\x15.persia.LookupRequest\x1a\x16.persia.LookupResponse\x12\x37\n\x06Update\x12\x15.persia.UpdateRequest\x1a\x16.persia.UpdateResponse\x12@\n\tConfigure\x12\x18.persia.ConfigureRequest\x1a\x19.persia.ConfigureResponse\x12=\n\x08\x44\x65scribe\x12\x17.persia.DescribeRequest\x1a\x18.persia.DescribeResponse\x12\x31\n\x04Save\x12\x13.persia.SaveRequest\x1a\x14.persia.SaveResponse\x12\x31\n\x04Load\x12\x13.persia.LoadRequest\x1a\x14.persia.LoadResponse\x12\x34\n\x05Stats\x12\x14.persia.StatsRequest\x1a\x15.persia.StatsResponse\x12@\n\tSaveDelta\x12\x18.persia.SaveDeltaRequest\x1a\x19.persia.SaveDeltaResponse\x12\x43\n\nStageDelta\x12\x19.persia.StageDeltaRequest\x1a\x1a.persia.StageDeltaResponse\x12\x46\n\x0b\x43ommitDelta\x12\x1a.persia.CommitDeltaRequest\x1a\x1b.persia.CommitDeltaResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lightning_persia.remote_ps.protocol.persia_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WIREDTYPE']._serialized_start=961
-  _globals['_WIREDTYPE']._serialized_end=1020
+  _globals['_WIREDTYPE']._serialized_start=1232
+  _globals['_WIREDTYPE']._serialized_end=1291
   _globals['_TABLEIDS']._serialized_start=60
   _globals['_TABLEIDS']._serialized_end=98
   _globals['_LOOKUPREQUEST']._serialized_start=100
@@ -63,10 +63,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOADREQUEST']._serialized_end=834
   _globals['_LOADRESPONSE']._serialized_start=836
   _globals['_LOADRESPONSE']._serialized_end=850
-  _globals['_STATSREQUEST']._serialized_start=852
-  _globals['_STATSREQUEST']._serialized_end=866
-  _globals['_STATSRESPONSE']._serialized_start=868
-  _globals['_STATSRESPONSE']._serialized_end=959
-  _globals['_PARAMETERSERVER']._serialized_start=1023
-  _globals['_PARAMETERSERVER']._serialized_end=1439
+  _globals['_SAVEDELTAREQUEST']._serialized_start=852
+  _globals['_SAVEDELTAREQUEST']._serialized_end=923
+  _globals['_SAVEDELTARESPONSE']._serialized_start=925
+  _globals['_SAVEDELTARESPONSE']._serialized_end=944
+  _globals['_STAGEDELTAREQUEST']._serialized_start=946
+  _globals['_STAGEDELTAREQUEST']._serialized_end=1023
+  _globals['_STAGEDELTARESPONSE']._serialized_start=1025
+  _globals['_STAGEDELTARESPONSE']._serialized_end=1059
+  _globals['_COMMITDELTAREQUEST']._serialized_start=1061
+  _globals['_COMMITDELTAREQUEST']._serialized_end=1098
+  _globals['_COMMITDELTARESPONSE']._serialized_start=1100
+  _globals['_COMMITDELTARESPONSE']._serialized_end=1121
+  _globals['_STATSREQUEST']._serialized_start=1123
+  _globals['_STATSREQUEST']._serialized_end=1137
+  _globals['_STATSRESPONSE']._serialized_start=1139
+  _globals['_STATSRESPONSE']._serialized_end=1230
+  _globals['_PARAMETERSERVER']._serialized_start=1294
+  _globals['_PARAMETERSERVER']._serialized_end=1917
 # @@protoc_insertion_point(module_scope)

@@ -128,6 +128,46 @@ class LoadResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class SaveDeltaRequest(_message.Message):
+    __slots__ = ("directory", "save_id", "base_id")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    SAVE_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_ID_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    save_id: str
+    base_id: str
+    def __init__(self, directory: _Optional[str] = ..., save_id: _Optional[str] = ..., base_id: _Optional[str] = ...) -> None: ...
+
+class SaveDeltaResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StageDeltaRequest(_message.Message):
+    __slots__ = ("directory", "version", "base_version")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    version: int
+    base_version: int
+    def __init__(self, directory: _Optional[str] = ..., version: _Optional[int] = ..., base_version: _Optional[int] = ...) -> None: ...
+
+class StageDeltaResponse(_message.Message):
+    __slots__ = ("rows",)
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    def __init__(self, rows: _Optional[int] = ...) -> None: ...
+
+class CommitDeltaRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class CommitDeltaResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

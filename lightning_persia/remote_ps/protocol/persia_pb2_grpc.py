@@ -31,9 +31,9 @@ class ParameterServerStub:
     FAILED_PRECONDITION / DATA_LOSS (checkpoint refused), UNAUTHENTICATED (missing or wrong token),
     ABORTED (the shard restarted since the client learnt its incarnation).
 
-    Fencing: a client that sends "persia-incarnation: <id>" metadata on Lookup, Update or Save gets ABORTED
+    Fencing: a client that sends "persia-incarnation: <id>" metadata on Lookup, Update, Save or SaveDelta gets ABORTED
     when <id> is not the shard's current incarnation, so a call never silently lands on a shard that lost
-    state in a restart (a retry after the restart included). Stats, Describe, Configure and Load are not fenced.
+    state in a restart (a retry after the restart included). The other calls are not fenced.
     """
 
     def __init__(self, channel):
@@ -77,6 +77,21 @@ class ParameterServerStub:
                 request_serializer=lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.StatsRequest.SerializeToString,
                 response_deserializer=lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.SaveDelta = channel.unary_unary(
+                '/persia.ParameterServer/SaveDelta',
+                request_serializer=lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.SaveDeltaRequest.SerializeToString,
+                response_deserializer=lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.SaveDeltaResponse.FromString,
+                _registered_method=True)
+        self.StageDelta = channel.unary_unary(
+                '/persia.ParameterServer/StageDelta',
+                request_serializer=lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.StageDeltaRequest.SerializeToString,
+                response_deserializer=lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.StageDeltaResponse.FromString,
+                _registered_method=True)
+        self.CommitDelta = channel.unary_unary(
+                '/persia.ParameterServer/CommitDelta',
+                request_serializer=lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.CommitDeltaRequest.SerializeToString,
+                response_deserializer=lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.CommitDeltaResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -85,9 +100,9 @@ class ParameterServerServicer:
     FAILED_PRECONDITION / DATA_LOSS (checkpoint refused), UNAUTHENTICATED (missing or wrong token),
     ABORTED (the shard restarted since the client learnt its incarnation).
 
-    Fencing: a client that sends "persia-incarnation: <id>" metadata on Lookup, Update or Save gets ABORTED
+    Fencing: a client that sends "persia-incarnation: <id>" metadata on Lookup, Update, Save or SaveDelta gets ABORTED
     when <id> is not the shard's current incarnation, so a call never silently lands on a shard that lost
-    state in a restart (a retry after the restart included). Stats, Describe, Configure and Load are not fenced.
+    state in a restart (a retry after the restart included). The other calls are not fenced.
     """
 
     def Lookup(self, request, context):
@@ -139,6 +154,27 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SaveDelta(self, request, context):
+        """Writes this shard's part of a serving delta: the rows changed and the ids evicted since the delta base_id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StageDelta(self, request, context):
+        """Read-only shards: reads and checks a delta without applying it (one staged delta at a time).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitDelta(self, request, context):
+        """Read-only shards: applies the staged delta at once (a lookup of a table sees it before or after).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -177,6 +213,21 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     request_deserializer=lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.StatsRequest.FromString,
                     response_serializer=lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.StatsResponse.SerializeToString,
             ),
+            'SaveDelta': grpc.unary_unary_rpc_method_handler(
+                    servicer.SaveDelta,
+                    request_deserializer=lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.SaveDeltaRequest.FromString,
+                    response_serializer=lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.SaveDeltaResponse.SerializeToString,
+            ),
+            'StageDelta': grpc.unary_unary_rpc_method_handler(
+                    servicer.StageDelta,
+                    request_deserializer=lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.StageDeltaRequest.FromString,
+                    response_serializer=lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.StageDeltaResponse.SerializeToString,
+            ),
+            'CommitDelta': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitDelta,
+                    request_deserializer=lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.CommitDeltaRequest.FromString,
+                    response_serializer=lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.CommitDeltaResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'persia.ParameterServer', rpc_method_handlers)
@@ -191,9 +242,9 @@ class ParameterServer:
     FAILED_PRECONDITION / DATA_LOSS (checkpoint refused), UNAUTHENTICATED (missing or wrong token),
     ABORTED (the shard restarted since the client learnt its incarnation).
 
-    Fencing: a client that sends "persia-incarnation: <id>" metadata on Lookup, Update or Save gets ABORTED
+    Fencing: a client that sends "persia-incarnation: <id>" metadata on Lookup, Update, Save or SaveDelta gets ABORTED
     when <id> is not the shard's current incarnation, so a call never silently lands on a shard that lost
-    state in a restart (a retry after the restart included). Stats, Describe, Configure and Load are not fenced.
+    state in a restart (a retry after the restart included). The other calls are not fenced.
     """
 
     @staticmethod
@@ -375,6 +426,87 @@ class ParameterServer:
             '/persia.ParameterServer/Stats',
             lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.StatsRequest.SerializeToString,
             lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveDelta(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/persia.ParameterServer/SaveDelta',
+            lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.SaveDeltaRequest.SerializeToString,
+            lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.SaveDeltaResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StageDelta(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/persia.ParameterServer/StageDelta',
+            lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.StageDeltaRequest.SerializeToString,
+            lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.StageDeltaResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitDelta(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/persia.ParameterServer/CommitDelta',
+            lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.CommitDeltaRequest.SerializeToString,
+            lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.CommitDeltaResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -169,12 +169,13 @@ class ShardStore:
         return StagedDelta(self, staged)
 
     def _apply(self, staged: list) -> None:
-        with self._lock:
+        # The shard's lock is held throughout: a lookup that has not found its table yet waits, rather than find a
+        # replacing table before its rows are in (table locks are always taken after the shard's, never before).
+        with self._lock, contextlib.ExitStack() as held:
             for source, _, _ in staged:
                 if source.since == 0 or source.name not in self._tables:  # whole: replaces the table
                     self._tables[source.name] = Table(source.config, self.seed)
             tables = {source.name: self._tables[source.name] for source, _, _ in staged}
-        with contextlib.ExitStack() as held:
             for name in sorted(tables):
                 held.enter_context(tables[name].lock)
             for source, rows, removed in staged:
@@ -195,6 +196,7 @@ class ShardStore:
         with self._save_lock:
             with self._lock:
                 self._tables = {}
+            self._delta_points.clear()  # the new tables' versions restart: a delta since an older point would miss rows
             tables = {}
             for source in sources:
                 table = Table(source.config, self.seed)
@@ -245,8 +247,10 @@ class ShardStore:
 class StagedDelta:
     """A delta read and checked by :meth:`ShardStore.stage_delta`; :meth:`commit` applies it.
 
-    The commit holds the lock of every table it changes for its whole duration, so a lookup of this shard sees
-    the tables either before or after the delta, never half of it.
+    The commit holds the shard's lock and the lock of every table it changes for its whole duration, so a lookup
+    of a table sees it either before or after the delta, never half of it. (A lookup of several tables reads them
+    one after the other: a commit may fall between two of them; the serving ``Predictor`` keeps its requests off
+    the shards while it commits.)
     """
 
     def __init__(self, store: ShardStore, staged: list) -> None:

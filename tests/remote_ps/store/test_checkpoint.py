@@ -1,16 +1,18 @@
 """Shard checkpoints: round trip, re-sharding, refusal of damaged files, streamed saves, fp16 rows, old format."""
+import contextlib
 import hashlib
 import json
 import shutil
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from lightning_persia.ops.hashing import shard_of
-from lightning_persia.remote_ps.store import CheckpointError, ShardStore
+from lightning_persia.remote_ps.store import CheckpointError, ShardStore, shard_store
 from lightning_persia.remote_ps.store.table import Table
 from lightning_persia.remote_ps.table_config import SGD, Adagrad, Adam, Constant, TableConfig, Uniform
 
@@ -274,3 +276,54 @@ def test_deltas_carry_only_what_changed_and_replay_the_training_tables_into_any_
     restarted.save_delta(str(tmp_path / "v3"), "v3", base_id="v2")
     manifest = json.loads((tmp_path / "v3" / "shard-00000-of-00002" / "manifest.json").read_text())
     assert {entry["since"] for entry in manifest["tables"].values()} == {0}
+
+
+def test_a_delta_after_a_load_is_whole_the_points_of_earlier_deltas_are_forgotten(tmp_path):
+    train = _cluster(1)
+    _train(train)
+    train[0].save(str(tmp_path / "ckpt"))
+    train[0].save_delta(str(tmp_path / "v1"), "v1")
+    _call(train, "update", "a", IDS[:30], torch.ones(30, 4))
+    train[0].load(str(tmp_path / "ckpt"))  # a rollback: the tables restart, and with them their versions
+    _call(train, "update", "a", IDS[:10], torch.ones(10, 4))
+    train[0].save_delta(str(tmp_path / "v2"), "v2", base_id="v1")
+    manifest = json.loads((tmp_path / "v2" / "shard-00000-of-00001" / "manifest.json").read_text())
+    assert {entry["since"] for entry in manifest["tables"].values()} == {0}
+    serving = ShardStore(0, 1, seed=5)
+    for version in ("v1", "v2"):
+        serving.stage_delta(str(tmp_path / version)).commit()
+    for table, ids in (("a", IDS), ("b", IDS[:50])):
+        assert torch.equal(_call([serving], "lookup", table, ids, False), _call(train, "lookup", table, ids, False)), table
+
+
+class _PausingExitStack(contextlib.ExitStack):
+    """An ExitStack whose first enter_context waits for ``release`` (after setting ``paused``)."""
+
+    paused = threading.Event()
+    release = threading.Event()
+
+    def enter_context(self, cm):
+        if not self.paused.is_set():
+            self.paused.set()
+            self.release.wait(10)
+        return super().enter_context(cm)
+
+
+def test_a_lookup_during_the_commit_of_a_whole_table_never_sees_it_half_built(tmp_path, monkeypatch):
+    train = _cluster(1)
+    _train(train)
+    train[0].save_delta(str(tmp_path / "v1"), "v1")  # whole tables
+    serving = _cluster(1)[0]
+    staged = serving.stage_delta(str(tmp_path / "v1"))
+    monkeypatch.setattr(shard_store, "contextlib", SimpleNamespace(ExitStack=_PausingExitStack))
+    committing = threading.Thread(target=staged.commit)
+    committing.start()
+    assert _PausingExitStack.paused.wait(10)  # the commit is under way, stopped before it takes the tables' locks
+    found = {}
+    reader = threading.Thread(target=lambda: found.update(rows=serving.lookup("a", IDS, train=False)))
+    reader.start()
+    reader.join(0.5)  # a lookup answered now would be of the table being built
+    _PausingExitStack.release.set()
+    committing.join(10)
+    reader.join(10)
+    assert torch.equal(found["rows"], _call(train, "lookup", "a", IDS, False))

@@ -230,6 +230,7 @@ def grow(args, dtype: str) -> dict:
     out = {"dtype": dtype, "sizes": [], "max_rows": 0, "stopped": ""}
     rows = 0
     worst_insert = worst_held = worst_cpu = 0.0
+    inserts: list[float] = []
     checkpoint_dir = tempfile.mkdtemp(prefix="scale-bench-", dir=args.checkpoint_dir)
     try:
         for size in args.sizes:
@@ -243,13 +244,15 @@ def grow(args, dtype: str) -> dict:
                 ids = stored_id(torch.arange(rows, rows + count))
                 started = time.perf_counter()
                 shards.client.lookup({TABLE: ids}, train=True)
-                worst_insert = max(worst_insert, time.perf_counter() - started)
+                inserts.append(time.perf_counter() - started)
+                worst_insert = max(worst_insert, inserts[-1])
                 rows += count
             stats = shards.client.stats()[0]["tables"][TABLE]
             rss = shards.rss()
             worst_held = max(worst_held, stats["worst_insert_s"])  # the table's own figures restart with each load
             worst_cpu = max(worst_cpu, stats["worst_insert_cpu_s"])
             entry = {"rows": rows, "worst_insert_s": worst_insert, "worst_insert_held_s": worst_held, "worst_insert_cpu_s": worst_cpu,
+                     "insert_p99_s": sorted(inserts)[int(0.99 * (len(inserts) - 1))],
                      "rss_bytes": rss, "bytes_per_row": rss / rows,
                      "bytes_per_param": rss / rows / DIM, "store_bytes_per_row": stats["bytes"] / rows,
                      "index_bytes_per_row": stats["index_bytes"] / rows}

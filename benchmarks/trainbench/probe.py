@@ -21,7 +21,7 @@ CPU time (ms of CPU per step, between the end of the warm-up and the end of trai
   cpu_prefetch  the prefetch thread (dedup, bucketing and encoding of lookups)
   cpu_client    the PS client's event-loop thread (gRPC calls, decoding rows)
   cpu_other     every other thread of the trainer process (gRPC core, Lightning)
-  cpu_ranks     the other trainer ranks (rank 0 launched them), whole processes
+  cpu_ranks     the other trainer ranks (rank 0 launched them) and DataLoader workers, whole processes
   cpu_shards    the shard processes (and, with --netem without kernel netem, the delaying forwarder)
 
 in the background (overlapping the above)
@@ -57,16 +57,21 @@ def _stat_cpu_ms(path: str) -> float:
     return (int(fields[11]) + int(fields[12])) * _TICK_MS
 
 
-def _children(pid: int) -> List[int]:
-    out = []
+def _descendants(pid: int) -> List[int]:
+    """Every process below ``pid`` (children, their children, ...)."""
+    parents: Dict[int, List[int]] = defaultdict(list)
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(entry))
+                    parents[int(f.read().rsplit(")", 1)[1].split()[1])].append(int(entry))
             except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
                 continue
+    out, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        out.extend(children)
+        todo.extend(children)
     return out
 
 
@@ -89,7 +94,8 @@ def _role(tid: int, names: Dict[int, str], main_tid: int) -> str:
 
 
 def cpu_snapshot() -> Dict[str, Any]:
-    """CPU ms so far of each thread of this process (with its role), of the process, and of its children."""
+    """CPU ms so far of each thread of this process (with its role), of the process, of the shards, and of the
+    other trainer-side processes below it (other ranks, DataLoader workers)."""
     names = {t.native_id: t.name for t in threading.enumerate()}
     main_tid = threading.main_thread().native_id
     threads = {}
@@ -97,11 +103,11 @@ def cpu_snapshot() -> Dict[str, Any]:
         tid_i = int(tid)
         threads[tid_i] = (_role(tid_i, names, main_tid), _stat_cpu_ms(f"/proc/self/task/{tid}/stat"))
     shards = ranks = 0.0
-    for pid in set(_children(os.getpid())) | set(SHARD_PIDS):
+    for pid in set(_descendants(os.getpid())) | set(SHARD_PIDS):
         ms = _stat_cpu_ms(f"/proc/{pid}/stat")
         if pid in SHARD_PIDS or _is_shard(pid):
             shards += ms
-        else:  # with 2 ranks, rank 0 is the launcher of rank 1
+        else:  # with 2 ranks, rank 0 is the launcher of rank 1; DataLoader workers
             ranks += ms
     return {"threads": threads, "process": _stat_cpu_ms("/proc/self/stat"), "children": shards, "ranks": ranks}
 
@@ -148,6 +154,35 @@ def cpu_delta(start: Dict[str, Any], end: Dict[str, Any], final: Dict[int, float
     out["cpu_shards"] = end["children"] - start["children"]
     out["cpu_ranks"] = end["ranks"] - start["ranks"]
     return out
+
+
+class CpuMeter(L.Callback):
+    """CPU ms per step, after the first ``warmup`` steps, of the trainer process (rank 0), of the other
+    trainer-side processes (other ranks, DataLoader workers) and of the shards; cheap enough for timed runs."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self._steps = 0
+        self._start: Dict[str, Any] = {}
+        self._end: Dict[str, Any] = {}
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self._steps += 1
+        if self._steps == self.warmup:
+            self._start = cpu_snapshot()
+
+    def on_train_end(self, trainer, module) -> None:
+        self._end = cpu_snapshot()
+
+    def summary(self) -> Dict[str, float]:
+        steps = self._steps - self.warmup
+        if not self._start or not self._end or steps < 1:
+            return {}
+        return {
+            "trainer_cpu_ms": (self._end["process"] - self._start["process"]) / steps,
+            "other_trainer_cpu_ms": (self._end["ranks"] - self._start["ranks"]) / steps,
+            "shards_cpu_ms": (self._end["children"] - self._start["children"]) / steps,
+        }
 
 
 TRAINER_PARTS = ("data", "forward", "wait", "transfer", "backward", "push", "optimizer")

@@ -24,49 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n0lightning_persia/remote_ps/protocol/persia.proto\x12\x06persia\"&\n\x08TableIds\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\"b\n\rLookupRequest\x12 \n\x06tables\x18\x01 \x03(\x0b\x32\x10.persia.TableIds\x12\r\n\x05train\x18\x02 \x01(\x08\x12 \n\x05\x64type\x18\x03 \x01(\x0e\x32\x11.persia.WireDType\"5\n\tTableRows\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03\x64im\x18\x02 \x01(\r\x12\x0c\n\x04rows\x18\x03 \x01(\x0c\"U\n\x0eLookupResponse\x12!\n\x06tables\x18\x01 \x03(\x0b\x32\x11.persia.TableRows\x12 \n\x05\x64type\x18\x02 \x01(\x0e\x32\x11.persia.WireDType\"Y\n\nTableGrads\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\x12\r\n\x05grads\x18\x03 \x01(\x0c\x12 \n\x05\x64type\x18\x04 \x01(\x0e\x32\x11.persia.WireDType\"S\n\rUpdateRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\"\n\x06tables\x18\x03 \x03(\x0b\x32\x12.persia.TableGrads\"9\n\x0eUpdateResponse\x12\x14\n\x0crows_applied\x18\x01 \x01(\x04\x12\x11\n\tduplicate\x18\x02 \x01(\x08\"\'\n\x10\x43onfigureRequest\x12\x13\n\x0btables_json\x18\x01 \x03(\t\"(\n\x11\x43onfigureResponse\x12\x13\n\x0btables_json\x18\x01 \x03(\t\" \n\x0f\x44\x65scribeRequest\x12\r\n\x05names\x18\x01 \x03(\t\"\'\n\x10\x44\x65scribeResponse\x12\x13\n\x0btables_json\x18\x01 \x03(\t\"1\n\x0bSaveRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\x0f\n\x07save_id\x18\x02 \x01(\t\"\x0e\n\x0cSaveResponse\" \n\x0bLoadRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\"\x0e\n\x0cLoadResponse\"\x0e\n\x0cStatsRequest\"[\n\rStatsResponse\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x12\n\nnum_shards\x18\x02 \x01(\r\x12\x0c\n\x04json\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\t*;\n\tWireDType\x12\x1a\n\x16WIRE_DTYPE_UNSPECIFIED\x10\x00\x12\x08\n\x04\x46P16\x10\x01\x12\x08\n\x04\x46P32\x10\x02\x32\xa0\x03\n\x0fParameterServer\x12\x37\n\x06Lookup\x12\x15.persia.LookupRequest\x1a\x16.persia.LookupResponse\x12\x37\n\x06Update\x12\x15.persia.UpdateRequest\x1a\x16.persia.UpdateResponse\x12@\n\tConfigure\x12\x18.persia.ConfigureRequest\x1a\x19.persia.ConfigureResponse\x12=\n\x08\x44\x65scribe\x12\x17.persia.DescribeRequest\x1a\x18.persia.DescribeResponse\x12\x31\n\x04Save\x12\x13.persia.SaveRequest\x1a\x14.persia.SaveResponse\x12\x31\n\x04Load\x12\x13.persia.LoadRequest\x1a\x14.persia.LoadResponse\x12\x34\n\x05Stats\x12\x14.persia.StatsRequest\x1a\x15.persia.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n0lightning_persia/remote_ps/protocol/persia.proto\x12\x06persia\"&\n\x08TableIds\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\"8\n\tPackedIds\x12\x0e\n\x06tables\x18\x01 \x03(\t\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\x04\x12\x0b\n\x03ids\x18\x03 \x01(\x0c\"\x85\x01\n\rLookupRequest\x12 \n\x06tables\x18\x01 \x03(\x0b\x32\x10.persia.TableIds\x12\r\n\x05train\x18\x02 \x01(\x08\x12 \n\x05\x64type\x18\x03 \x01(\x0e\x32\x11.persia.WireDType\x12!\n\x06packed\x18\x04 \x01(\x0b\x32\x11.persia.PackedIds\"5\n\tTableRows\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03\x64im\x18\x02 \x01(\r\x12\x0c\n\x04rows\x18\x03 \x01(\x0c\"\x7f\n\x0eLookupResponse\x12!\n\x06tables\x18\x01 \x03(\x0b\x32\x11.persia.TableRows\x12 \n\x05\x64type\x18\x02 \x01(\x0e\x32\x11.persia.WireDType\x12\x13\n\x0bpacked_rows\x18\x03 \x01(\x0c\x12\x13\n\x0bpacked_dims\x18\x04 \x03(\r\"Y\n\nTableGrads\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\x12\r\n\x05grads\x18\x03 \x01(\x0c\x12 \n\x05\x64type\x18\x04 \x01(\x0e\x32\x11.persia.WireDType\"\xb5\x01\n\rUpdateRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\"\n\x06tables\x18\x03 \x03(\x0b\x32\x12.persia.TableGrads\x12!\n\x06packed\x18\x04 \x01(\x0b\x32\x11.persia.PackedIds\x12\x14\n\x0cpacked_grads\x18\x05 \x01(\x0c\x12\'\n\x0cpacked_dtype\x18\x06 \x01(\x0e\x32\x11.persia.WireDType\"9\n\x0eUpdateResponse\x12\x14\n\x0crows_applied\x18\x01 \x01(\x04\x12\x11\n\tduplicate\x18\x02 \x01(\x08\"\'\n\x10\x43onfigureRequest\x12\x13\n\x0btables_json\x18\x01 \x03(\t\"(\n\x11\x43onfigureResponse\x12\x13\n\x0btables_json\x18\x01 \x03(\t\" \n\x0f\x44\x65scribeRequest\x12\r\n\x05names\x18\x01 \x03(\t\"\'\n\x10\x44\x65scribeResponse\x12\x13\n\x0btables_json\x18\x01 \x03(\t\"1\n\x0bSaveRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\x0f\n\x07save_id\x18\x02 \x01(\t\"\x0e\n\x0cSaveResponse\" \n\x0bLoadRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\"\x0e\n\x0cLoadResponse\"\x0e\n\x0cStatsRequest\"[\n\rStatsResponse\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x12\n\nnum_shards\x18\x02 \x01(\r\x12\x0c\n\x04json\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\t*;\n\tWireDType\x12\x1a\n\x16WIRE_DTYPE_UNSPECIFIED\x10\x00\x12\x08\n\x04\x46P16\x10\x01\x12\x08\n\x04\x46P32\x10\x02\x32\xa0\x03\n\x0fParameterServer\x12\x37\n\x06Lookup\x12\x15.persia.LookupRequest\x1a\x16.persia.LookupResponse\x12\x37\n\x06Update\x12\x15.persia.UpdateRequest\x1a\x16.persia.UpdateResponse\x12@\n\tConfigure\x12\x18.persia.ConfigureRequest\x1a\x19.persia.ConfigureResponse\x12=\n\x08\x44\x65scribe\x12\x17.persia.DescribeRequest\x1a\x18.persia.DescribeResponse\x12\x31\n\x04Save\x12\x13.persia.SaveRequest\x1a\x14.persia.SaveResponse\x12\x31\n\x04Load\x12\x13.persia.LoadRequest\x1a\x14.persia.LoadResponse\x12\x34\n\x05Stats\x12\x14.persia.StatsRequest\x1a\x15.persia.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lightning_persia.remote_ps.protocol.persia_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WIREDTYPE']._serialized_start=961
-  _globals['_WIREDTYPE']._serialized_end=1020
+  _globals['_WIREDTYPE']._serialized_start=1196
+  _globals['_WIREDTYPE']._serialized_end=1255
   _globals['_TABLEIDS']._serialized_start=60
   _globals['_TABLEIDS']._serialized_end=98
-  _globals['_LOOKUPREQUEST']._serialized_start=100
-  _globals['_LOOKUPREQUEST']._serialized_end=198
-  _globals['_TABLEROWS']._serialized_start=200
-  _globals['_TABLEROWS']._serialized_end=253
-  _globals['_LOOKUPRESPONSE']._serialized_start=255
-  _globals['_LOOKUPRESPONSE']._serialized_end=340
-  _globals['_TABLEGRADS']._serialized_start=342
-  _globals['_TABLEGRADS']._serialized_end=431
-  _globals['_UPDATEREQUEST']._serialized_start=433
-  _globals['_UPDATEREQUEST']._serialized_end=516
-  _globals['_UPDATERESPONSE']._serialized_start=518
-  _globals['_UPDATERESPONSE']._serialized_end=575
-  _globals['_CONFIGUREREQUEST']._serialized_start=577
-  _globals['_CONFIGUREREQUEST']._serialized_end=616
-  _globals['_CONFIGURERESPONSE']._serialized_start=618
-  _globals['_CONFIGURERESPONSE']._serialized_end=658
-  _globals['_DESCRIBEREQUEST']._serialized_start=660
-  _globals['_DESCRIBEREQUEST']._serialized_end=692
-  _globals['_DESCRIBERESPONSE']._serialized_start=694
-  _globals['_DESCRIBERESPONSE']._serialized_end=733
-  _globals['_SAVEREQUEST']._serialized_start=735
-  _globals['_SAVEREQUEST']._serialized_end=784
-  _globals['_SAVERESPONSE']._serialized_start=786
-  _globals['_SAVERESPONSE']._serialized_end=800
-  _globals['_LOADREQUEST']._serialized_start=802
-  _globals['_LOADREQUEST']._serialized_end=834
-  _globals['_LOADRESPONSE']._serialized_start=836
-  _globals['_LOADRESPONSE']._serialized_end=850
-  _globals['_STATSREQUEST']._serialized_start=852
-  _globals['_STATSREQUEST']._serialized_end=866
-  _globals['_STATSRESPONSE']._serialized_start=868
-  _globals['_STATSRESPONSE']._serialized_end=959
-  _globals['_PARAMETERSERVER']._serialized_start=1023
-  _globals['_PARAMETERSERVER']._serialized_end=1439
+  _globals['_PACKEDIDS']._serialized_start=100
+  _globals['_PACKEDIDS']._serialized_end=156
+  _globals['_LOOKUPREQUEST']._serialized_start=159
+  _globals['_LOOKUPREQUEST']._serialized_end=292
+  _globals['_TABLEROWS']._serialized_start=294
+  _globals['_TABLEROWS']._serialized_end=347
+  _globals['_LOOKUPRESPONSE']._serialized_start=349
+  _globals['_LOOKUPRESPONSE']._serialized_end=476
+  _globals['_TABLEGRADS']._serialized_start=478
+  _globals['_TABLEGRADS']._serialized_end=567
+  _globals['_UPDATEREQUEST']._serialized_start=570
+  _globals['_UPDATEREQUEST']._serialized_end=751
+  _globals['_UPDATERESPONSE']._serialized_start=753
+  _globals['_UPDATERESPONSE']._serialized_end=810
+  _globals['_CONFIGUREREQUEST']._serialized_start=812
+  _globals['_CONFIGUREREQUEST']._serialized_end=851
+  _globals['_CONFIGURERESPONSE']._serialized_start=853
+  _globals['_CONFIGURERESPONSE']._serialized_end=893
+  _globals['_DESCRIBEREQUEST']._serialized_start=895
+  _globals['_DESCRIBEREQUEST']._serialized_end=927
+  _globals['_DESCRIBERESPONSE']._serialized_start=929
+  _globals['_DESCRIBERESPONSE']._serialized_end=968
+  _globals['_SAVEREQUEST']._serialized_start=970
+  _globals['_SAVEREQUEST']._serialized_end=1019
+  _globals['_SAVERESPONSE']._serialized_start=1021
+  _globals['_SAVERESPONSE']._serialized_end=1035
+  _globals['_LOADREQUEST']._serialized_start=1037
+  _globals['_LOADREQUEST']._serialized_end=1069
+  _globals['_LOADRESPONSE']._serialized_start=1071
+  _globals['_LOADRESPONSE']._serialized_end=1085
+  _globals['_STATSREQUEST']._serialized_start=1087
+  _globals['_STATSREQUEST']._serialized_end=1101
+  _globals['_STATSRESPONSE']._serialized_start=1103
+  _globals['_STATSRESPONSE']._serialized_end=1194
+  _globals['_PARAMETERSERVER']._serialized_start=1258
+  _globals['_PARAMETERSERVER']._serialized_end=1674
 # @@protoc_insertion_point(module_scope)

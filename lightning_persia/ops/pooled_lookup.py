@@ -29,16 +29,18 @@ warnings.filterwarnings("ignore", message="fbgemm::dense_embedding_codegen_looku
 class FlatLayout:
     """Where each table of a flat weight tensor starts, and which table each feature reads.
 
-    ``rows[t]`` and ``dims[t]`` describe table ``t``; ``feature_tables[f]`` is the table of feature ``f``.
+    ``rows[t]`` and ``dims[t]`` describe table ``t``; ``feature_tables[f]`` is the table of feature ``f``. The
+    tables lie one after another from ``base`` (the rows of several modules may share one weight tensor).
     """
 
     rows: tuple[int, ...]
     dims: tuple[int, ...]
     feature_tables: tuple[int, ...]
+    base: int = 0
 
     @property
     def table_offsets(self) -> list[int]:
-        return [0] + list(accumulate(r * d for r, d in zip(self.rows, self.dims)))
+        return list(accumulate((r * d for r, d in zip(self.rows, self.dims)), initial=self.base))
 
     @property
     def feature_dims(self) -> list[int]:

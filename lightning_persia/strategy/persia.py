@@ -17,13 +17,14 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_persia.embedding.data_parallel import DataParallelTables
 from lightning_persia.embedding.modules import RemoteModule
+from lightning_persia.embedding.pipeline import EmbeddingPipeline
 from lightning_persia.embedding.prefetch import PrefetchingLoader
 from lightning_persia.embedding.rank_merge import RankMerge
-from lightning_persia.embedding.worker import EmbeddingWorker
 from lightning_persia.remote_ps.client import PSClient
 from lightning_persia.remote_ps.table_config import DEFAULT_CAPACITY, InitLike, OptimizerLike
 from lightning_persia.strategy.interception import MODULE_KINDS, TableDefaults, TableOverride, intercept
@@ -175,7 +176,7 @@ class PersiaStrategy(DDPStrategy):
             defaults.optimizer = embedding_optimizer
         self.table_defaults = defaults
         self.client: Optional[PSClient] = None
-        self.worker: Optional[EmbeddingWorker] = None
+        self._pipeline: Optional[EmbeddingPipeline] = None
         self.remote_modules: list[RemoteModule] = []
         self.data_parallel_tables: list[DataParallelTables] = []
         self._cluster: Optional[LocalCluster] = None
@@ -184,16 +185,24 @@ class PersiaStrategy(DDPStrategy):
         self._recovery = Recovery(self, self.recovery)
 
     @property
+    def pipeline(self) -> Optional[EmbeddingPipeline]:
+        """The rank's embedding pipeline (set up with the model; None before, or without remote tables)."""
+        return self._pipeline
+
+    @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         # The checkpoint's PS files are loaded through the client, which exists only after setup.
         return True
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:  # type: ignore[override]
         strategy_registry.register(cls.strategy_name, cls, description="PERSIA hybrid training: embeddings on PS shards, dense with DDP", override=True)
 
     # ---- connection to the parameter server ---------------------------------------------------------
 
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         if self.client is None:
@@ -215,11 +224,12 @@ class PersiaStrategy(DDPStrategy):
             if isinstance(addresses, str):
                 raise RuntimeError(addresses)
         self.client = PSClient(addresses, token=self.ps_token, tls_root_cert=self.ps_tls_root_cert, timeout_s=self.ps_timeout_s)
-        self._recovery.attach(self.client, None)
+        self._recovery.attach(self.client, None, self._cluster)
         self.client.wait_healthy(self.ps_timeout_s)
 
     # ---- model ------------------------------------------------------------------------------------------
 
+    @override
     def setup(self, trainer: "pl.Trainer") -> None:
         if not any(isinstance(m, RemoteModule) for m in self.model.modules()):
             self._swap_embedding_modules()
@@ -233,15 +243,20 @@ class PersiaStrategy(DDPStrategy):
         if not self.remote_modules:
             log.warning("PersiaStrategy found no embedding table to serve remotely; training runs as plain DDP")
         self.client.configure([t.config for m in self.remote_modules for t in m.remote_tables])
-        self.worker = EmbeddingWorker(self.client, self.staleness, self.wire_dtype, self.root_device, timeout_s=self.ps_timeout_s)
-        for module in self.remote_modules:
-            self.worker.register(module)
         dims = {t.name: t.dim for m in self.remote_modules for t in m.remote_tables}
+        rank_merge = None
         if self.merge_rank_gradients and self.world_size > 1 and dims:
             sender = self.broadcast(f"{self.client.client_id}-merged")
-            self.worker.rank_merge = RankMerge(sender, dims, timeout=self._timeout)
-        self._recovery.attach(self.client, self.worker)
+            rank_merge = RankMerge(sender, dims, timeout=self._timeout)
+        self._pipeline = EmbeddingPipeline(
+            self.client, self.staleness, self.wire_dtype, self.root_device, timeout_s=self.ps_timeout_s, rank_merge=rank_merge,
+        )
+        for module in self.remote_modules:
+            self._pipeline.register(module)
+            module.row_source = self._pipeline
+        self._recovery.attach(self.client, self._pipeline, self._cluster)
 
+    @override
     def configure_ddp(self) -> None:
         # DDP refuses a model without trainable parameters (with every table remote there may be none left),
         # and with one process it only adds a gradient copy and hooks to every step.
@@ -255,35 +270,39 @@ class PersiaStrategy(DDPStrategy):
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self.model, buffers)
         super().configure_ddp()
 
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if self.worker is None or trainer is None or trainer.state.stage != RunningStage.TRAINING:
+        if self._pipeline is None or trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
-        loader = PrefetchingLoader(dataloader, self.worker)
+        loader = PrefetchingLoader(dataloader, self._pipeline)
         self._loaders.append(loader)
         return loader
 
     # ---- the hybrid step --------------------------------------------------------------------------------
 
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        if self.worker is not None:
-            self.worker.begin_step()
+        if self._pipeline is not None:
+            self._pipeline.begin_step(batch)
             self._recovery.check("train")
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
-        if self.worker is not None and self.log_embedding_metrics:
-            metrics = self.worker.step_metrics()
+        if self._pipeline is not None and self.log_embedding_metrics:
+            metrics = self._pipeline.step_metrics()
             if metrics:
                 self.lightning_module.log_dict({f"persia/{k}": v for k, v in metrics.items()}, on_step=True, on_epoch=False, batch_size=1)
         return output
 
+    @override
     def post_backward(self, closure_loss: Tensor) -> None:
         super().post_backward(closure_loss)
         scale = self._embedding_gradient_scale()
-        if self.worker is not None:
-            self.worker.finish_step(scale)
+        if self._pipeline is not None:
+            self._pipeline.finish_step(scale)
         # Inside DDP's no_sync (all micro-batches of an accumulation but the last) a gradient is this rank's
         # own: it stays and accumulates until DDP all-reduces the sum with the last micro-batch's backward.
         if isinstance(self.model, DistributedDataParallel) and not self.model.require_backward_grad_sync:
@@ -299,22 +318,26 @@ class PersiaStrategy(DDPStrategy):
         return scale
 
     def _drain(self) -> None:
-        if self.worker is not None:
-            self.worker.drain()
+        if self._pipeline is not None:
+            self._pipeline.drain()
 
+    @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
         self._drain()
         self._recovery.check("validation")
 
+    @override
     def on_test_start(self) -> None:
         super().on_test_start()
         self._drain()
 
+    @override
     def on_predict_start(self) -> None:
         super().on_predict_start()
         self._drain()
 
+    @override
     def on_train_end(self) -> None:
         super().on_train_end()
         self._close_loaders()
@@ -327,6 +350,7 @@ class PersiaStrategy(DDPStrategy):
 
     # ---- checkpoints --------------------------------------------------------------------------------
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
         """Saves the shards' state beside the ``.ckpt`` (in ``<file>.ps/``), consistent with the same step."""
         ps_dir = None
@@ -349,6 +373,7 @@ class PersiaStrategy(DDPStrategy):
                         shutil.rmtree(old, ignore_errors=True)
             self._recovery.saved(filepath, ps_dir)
 
+    @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Loads the dense state, and the shards' state from ``<file>.ps/`` (also into another shard count)."""
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
@@ -362,6 +387,7 @@ class PersiaStrategy(DDPStrategy):
             self._recovery.loaded(checkpoint_path, ps_dir)
         return checkpoint
 
+    @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         super().remove_checkpoint(filepath)
         if self.is_global_zero:
@@ -369,12 +395,14 @@ class PersiaStrategy(DDPStrategy):
 
     # ---- teardown ----------------------------------------------------------------------------------
 
+    @override
     def teardown(self) -> None:
         # The connection and an embedded cluster stay up: a later trainer.test() must see the trained tables.
         self._close_loaders()
         self._drain()
         super().teardown()
 
+    @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
         self._close_loaders()
@@ -382,15 +410,15 @@ class PersiaStrategy(DDPStrategy):
 
     def close(self) -> None:
         """Disconnects from the shards and stops the embedded cluster, if this rank started one."""
-        if self.worker is not None and self.worker.rank_merge is not None:
-            self.worker.rank_merge.close()
+        if self._pipeline is not None:
+            self._pipeline.close()
         if self.client is not None:
             self.client.close()
             self.client = None
         if self._cluster is not None:
             self._cluster.stop()
             self._cluster = None
-        self.worker = None
+        self._pipeline = None
 
 
 def _ps_dir(filepath: _PATH) -> Path:

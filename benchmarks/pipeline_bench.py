@@ -19,6 +19,7 @@ shard processes (/proc/<pid>/stat), each measured from the end of the warm-up to
     .venv/bin/python benchmarks/pipeline_bench.py                 # the full table (about 8 min on a 2-core machine)
     .venv/bin/python benchmarks/pipeline_bench.py --quick         # batch 4096, 1 rank, 1 round (about 1.5 min)
     .venv/bin/python benchmarks/pipeline_bench.py --json          # + one JSON object on the last line
+    .venv/bin/python benchmarks/pipeline_bench.py --quick --profile   # + where a step's time goes (profiler spans)
 
 Targets (BENCHMARKS.md): at batch 4,096 and 1 rank, the trainer process spends no more CPU per step than local
 TorchRec (moonshot: half), and PersiaStrategy trains at >= 0.8x local's samples/s (moonshot: 1.0x).
@@ -40,7 +41,7 @@ for _path in (str(_HERE.parent), str(_HERE)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from train_bench import Runner, trainer_threads  # noqa: E402  (the same subprocess runner as train_bench.py)
+from train_bench import Runner, print_profile, trainer_threads  # noqa: E402  (the same runner and profile table)
 
 CPU_FIGURES = ("trainer_cpu_ms", "other_trainer_cpu_ms", "shards_cpu_ms")
 HEADLINE_BATCH = 4096
@@ -51,7 +52,7 @@ def make_configs(args: argparse.Namespace, meta: Dict[str, Any]) -> List[Dict[st
         model="linear", steps=args.steps, warmup=args.warmup, window=args.window, test_batches=0,
         data_path=meta["path"], cardinalities=meta["cardinalities"], dim=args.dim, seed=args.seed, ps_seed=args.seed,
         emb_lr=0.05, emb_eps=1e-8, dense_lr=1e-3, wire_dtype=args.wire_dtype, shards=args.shards,
-        data_parallel_max_rows=0, profile=False,
+        data_parallel_max_rows=0, profile=args.profile,
     )
     if args.threads:
         common["torch_threads"] = args.threads
@@ -144,6 +145,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--zipf-alpha", type=float, default=1.1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads per trainer rank (default: cores / ranks)")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile the runs (torch.profiler spans of the embedding path, CPU per thread) and print where a step's time goes")
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     parser.add_argument("--cache-dir", type=Path, default=None, help="where the generated data is cached")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one configuration may take")
@@ -202,6 +205,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     print_table(results)
     head = headline(results, args.staleness)
     print_targets(head)
+    if args.profile:
+        print_profile(results)
     if args.json:
         summary = dict(head, runs=results, steps=args.steps, dim=args.dim, shards=args.shards, wire_dtype=args.wire_dtype,
                        cpu_count=os.cpu_count(), load_average=[load_before[0], load_after[0]])

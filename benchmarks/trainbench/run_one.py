@@ -97,18 +97,15 @@ def run(config: Dict[str, Any]) -> None:
             ps_timeout_s=120.0,
         )
 
+    import trainbench.probe as probe_module
+
+    probe_module.SHARD_PIDS[:] = config.get("shard_pids", [])
     clock = _StepClock()
     cpu = CpuMeter(config["warmup"])
     callbacks = [clock.callback, cpu]
     probe = None
     if config.get("profile"):
-        probe = StepProbe(element_size=2 if config.get("wire_dtype", "fp16") == "fp16" else 4)
-        probe.warmup = config["warmup"]
-        import trainbench.probe as probe_module
-
-        probe_module.SHARD_PIDS[:] = config.get("shard_pids", [])
-        if config["mode"] != "local":
-            probe.install_worker_probes()
+        probe = StepProbe(warmup=config["warmup"], steps=config["steps"])
         callbacks.append(probe)
 
     trainer = L.Trainer(

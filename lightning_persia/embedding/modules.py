@@ -1,9 +1,9 @@
 """Remote twins of TorchRec's and torch's embedding modules: same call signature, same output types.
 
-A twin owns no parameters. Its forward turns its input into a :class:`RowPlan` (the unique ids of each of its
-tables), asks its :class:`~lightning_persia.embedding.row_source.RowSource` for their rows (a batch-local
-table, prefetched under ``PersiaStrategy``) and pools or gathers from them; whoever gave the rows pushes their
-gradient. The TorchRec twins implement TorchRec's ``EmbeddingBagCollectionInterface`` and
+A twin owns no parameters. Its forward asks its :class:`~lightning_persia.embedding.row_source.RowSource` for the
+rows of its input (a batch-local table, prefetched under ``PersiaStrategy``), which its planner
+(``embedding/planning.py``) turns into unique ids per table, and pools or gathers from them; whoever gave the
+rows pushes their gradient. The TorchRec twins implement TorchRec's ``EmbeddingBagCollectionInterface`` and
 ``EmbeddingCollectionInterface``, so code that asks a collection for its configs keeps working after the swap.
 """
 from __future__ import annotations
@@ -23,21 +23,21 @@ from torchrec.modules.embedding_modules import (
 )
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
-from lightning_persia.embedding.batch_rows import ModuleRows, RemoteTable, RowPlan
-from lightning_persia.embedding.batch_search import find_kjts
+from lightning_persia.embedding.batch_rows import ModuleRows, RemoteTable
 from lightning_persia.embedding.data_parallel import DataParallelTables
 from lightning_persia.embedding.phases import POOLED_LOOKUP
-from lightning_persia.embedding.row_source import RowSource
-from lightning_persia.ops.dedup import keyed_unique
-from lightning_persia.ops.keyed_ids import KeyedIds
+from lightning_persia.embedding.planning import CollectionPlanner, TensorPlanner
+from lightning_persia.embedding.row_source import Planner, RowSource
 from lightning_persia.ops.pooled_lookup import pooled_lookup
 
 
 class RemoteModule(nn.Module):
-    """Base of the twins: a key unique in the model, the remote tables it reads, where its rows come from.
+    """Base of the twins: a key unique in the model, the remote tables it reads, its planner, where its rows come from.
 
     ``row_source`` is set by whatever runs the model (``PersiaStrategy`` sets its rank's pipeline).
     """
+
+    planner: Planner
 
     def __init__(self, key: str, tables: list[RemoteTable]) -> None:
         super().__init__()
@@ -45,26 +45,11 @@ class RemoteModule(nn.Module):
         self.remote_tables = tables
         self.data_parallel: Optional[DataParallelTables] = None  # tables a collection keeps on the trainer
         self.row_source: Optional[RowSource] = None
-        self._dims = tuple(t.dim for t in tables)
-        self._names = tuple(t.name for t in tables)
-
-    def plan(self, features: Any) -> RowPlan:
-        raise NotImplementedError
-
-    def sources(self, features: Any) -> tuple[torch.Tensor, ...]:
-        raise NotImplementedError
-
-    def prefetch_input(self, batch: Any) -> Optional[Any]:
-        return None
-
-    def _plan_ids(self, counts: tuple[int, ...], ids: torch.Tensor, source: tuple[torch.Tensor, ...]) -> RowPlan:
-        unique, inverse = keyed_unique(KeyedIds(self._names, counts, ids.reshape(-1).to(device="cpu", dtype=torch.int64)))
-        return RowPlan(self.key, unique, self._dims, inverse, source)
 
     def _rows(self, features: Any) -> ModuleRows:
         if self.row_source is None:
             raise RuntimeError(f"{type(self).__name__} {self.key!r} has no row source; it runs under PersiaStrategy (or a serving Predictor)")
-        return self.row_source.rows(self, features)
+        return self.row_source.rows(self.planner, features)
 
     def extra_repr(self) -> str:
         return ", ".join(f"{t.name}: dim={t.dim} (remote)" for t in self.remote_tables)
@@ -84,6 +69,7 @@ class _KJTModule(RemoteModule):
         super().__init__(key, tables)
         self.features = [f for t in tables for f in t.features]
         self.feature_tables = tuple(i for i, t in enumerate(tables) for _ in t.features)
+        self.planner = CollectionPlanner(key, tuple(t.name for t in tables), tuple(t.dim for t in tables), tuple(self.features), self.feature_tables)
         self.data_parallel = data_parallel
         self.output_features = list(output_features) if output_features is not None else self._computed_features()
         if sorted(self.output_features) != sorted(self._computed_features()):
@@ -94,30 +80,11 @@ class _KJTModule(RemoteModule):
         """Features in the order the forward computes them: remote ones, then kept-local ones."""
         return self.features + (self.data_parallel.features if self.data_parallel is not None else [])
 
-    def prefetch_input(self, batch: Any) -> Optional[KeyedJaggedTensor]:
-        for kjt in find_kjts(batch):
-            if set(self.features) <= set(kjt.keys()):
-                return kjt
-        return None
-
-    def sources(self, features: KeyedJaggedTensor) -> tuple[torch.Tensor, ...]:
-        return (features.values(), features.lengths())
-
-    def plan(self, features: KeyedJaggedTensor) -> RowPlan:
-        mine = self._select(features)
-        per_feature = torch.tensor(mine.length_per_key(), dtype=torch.int64)
-        counts = torch.zeros(len(self.remote_tables), dtype=torch.int64).index_add_(0, self._feature_table_index.cpu(), per_feature)
-        return self._plan_ids(tuple(counts.tolist()), mine.values(), self.sources(features))
-
     def _select(self, kjt: KeyedJaggedTensor, features: Optional[list[str]] = None) -> KeyedJaggedTensor:
-        features = self.features if features is None else features
-        keys = kjt.keys()
-        if keys == features:
-            return kjt
-        missing = [f for f in features if f not in keys]
-        if missing:
-            raise KeyError(f"{type(self).__name__} {self.key!r}: features {missing} are missing from the input (it has {keys})")
-        return kjt.permute([keys.index(f) for f in features])
+        try:
+            return self.planner.select(kjt, features)
+        except KeyError as error:
+            raise KeyError(f"{type(self).__name__} {error.args[0]}") from None
 
     def _select_local(self, kjt: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, torch.Tensor]:
         """The kept-local features of ``kjt`` and the rows their ids read (on the kept tables' device)."""
@@ -248,12 +215,7 @@ class _PlainModule(RemoteModule):
 
     def __init__(self, key: str, table: RemoteTable) -> None:
         super().__init__(key, [table])
-
-    def sources(self, features: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return (features,)
-
-    def plan(self, features: torch.Tensor) -> RowPlan:
-        return self._plan_ids((features.numel(),), features, (features,))
+        self.planner = TensorPlanner(key, table.name, table.dim)
 
 
 class RemoteEmbeddingBag(_PlainModule):

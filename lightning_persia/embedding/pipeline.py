@@ -2,8 +2,9 @@
 
 Modelled on TorchRec's train pipeline, with PERSIA's bounded staleness between lookups and updates:
 
-- **plan** (prefetch thread): the step's batch is numbered, every remote module's input found in it and
-  deduplicated, and all of the step's ids bucketed by shard and encoded once (:meth:`EmbeddingPipeline.plan`);
+- **plan** (prefetch thread, or the train DataLoader's workers): the step's batch is numbered, every remote
+  module's input found in it and deduplicated, and all of the step's ids bucketed by shard and encoded once
+  (:meth:`EmbeddingPipeline.plan`, ``embedding/planning.py``);
 - **issue** (prefetch thread): the :class:`~lightning_persia.embedding.scheduler.LookupScheduler` says when the
   step's one lookup may go out (:meth:`EmbeddingPipeline.issue`);
 - **forward** (trainer): each twin asks for its rows (:meth:`EmbeddingPipeline.rows`, the
@@ -29,10 +30,12 @@ from lightning_persia.embedding.batch_rows import BatchRows, ModuleRows
 from lightning_persia.embedding.batch_search import Path, at_path, find_path
 from lightning_persia.embedding.context import StepContext
 from lightning_persia.embedding.phases import LOOKUP_WAIT, PLAN
+from lightning_persia.embedding.planning import BatchPlanner, PlannedBatch
 from lightning_persia.embedding.pusher import GradientPusher
-from lightning_persia.embedding.row_source import PlannedModule
+from lightning_persia.embedding.row_source import Planner
 from lightning_persia.embedding.scheduler import LookupScheduler
 from lightning_persia.ops import wire
+from lightning_persia.ops.keyed_ids import KeyedIds
 
 if TYPE_CHECKING:
     from lightning_persia.embedding.rank_merge import RankMerge
@@ -66,7 +69,7 @@ class EmbeddingPipeline:
         self.pusher = GradientPusher(client, self.scheduler, wire_dtype)
         self.pusher.rank_merge = rank_merge
         self.prefetch_misses = 0  # forwards whose input differed from the one their lookup was planned from
-        self._modules: dict[str, PlannedModule] = {}
+        self._planners: dict[str, Planner] = {}
         self._paths: dict[str, Path] = {}  # where in a batch each module's input was found
         self._lock = threading.Lock()
         self._allocated = 0
@@ -77,9 +80,14 @@ class EmbeddingPipeline:
 
     # ---- set-up --------------------------------------------------------------------------------------
 
-    def register(self, module: PlannedModule) -> None:
-        """Serves ``module``'s rows from now on (the strategy sets the module's ``row_source`` to this pipeline)."""
-        self._modules[module.key] = module
+    def register(self, planner: Planner) -> None:
+        """Serves the rows of ``planner``'s module from now on (the strategy sets the module's ``row_source`` to
+        this pipeline)."""
+        self._planners[planner.key] = planner
+
+    def batch_planner(self) -> BatchPlanner:
+        """How a batch's lookup is planned, as plain data: what a DataLoader worker runs (see ``planning.py``)."""
+        return BatchPlanner(tuple(self._planners.values()), tuple(self._paths.items()), self.client.sharder())
 
     def set_update_error_handler(self, handler: Callable[[int, BaseException], bool]) -> None:
         """``handler(step, error)`` is told of every failed update; True: handled (the window goes on)."""
@@ -103,19 +111,31 @@ class EmbeddingPipeline:
     def plan(self, batch: Any) -> StepContext:
         """Numbers ``batch`` as the next step and plans the one lookup of every module whose input it shows."""
         with record_function(PLAN):
-            with self._lock:
-                step = StepContext(self._allocated, self._generation)
-                self._allocated += 1
-            plans = []
-            for key, module in self._modules.items():
-                path = self._paths.get(key)
-                features = at_path(batch, path) if path is not None else module.prefetch_input(batch)
-                if features is not None:
-                    plans.append(module.plan(features))
-            if plans:
-                step.prefetched = BatchRows(plans)
-                step.prefetched.sharded = self.client.shard(step.prefetched.keyed)
-            return step
+            return self.adopt(self.batch_planner().plan(batch))
+
+    def adopt(self, planned: PlannedBatch) -> StepContext:
+        """Numbers a batch planned elsewhere (a DataLoader worker) as the next step.
+
+        Modules the planner could not place (their input's path in the batch was learnt after the worker started)
+        are planned here, and the step's ids sharded again with theirs.
+        """
+        plans, sharded = list(planned.plans), planned.sharded
+        missing = [p for key, p in self._planners.items() if key in self._paths and all(plan.key != key for plan in plans)]
+        if missing:
+            with record_function(PLAN):
+                for planner in missing:
+                    features = at_path(planned.batch, self._paths[planner.key])
+                    if features is not None:
+                        plans.append(planner.plan(features))
+                if len(plans) > len(planned.plans):
+                    sharded = self.client.shard(KeyedIds.concat([p.unique for p in plans]))
+        with self._lock:
+            step = StepContext(self._allocated, self._generation)
+            self._allocated += 1
+        if plans:
+            step.prefetched = BatchRows(plans)
+            step.prefetched.sharded = sharded
+        return step
 
     def issue(self, step: StepContext, stopped: Callable[[], bool]) -> None:
         """Starts the step's lookup when the scheduler says so; if ``stopped()`` first (then call
@@ -167,34 +187,35 @@ class EmbeddingPipeline:
         self._current = step
         self.scheduler.step_begun(step.index)
 
-    def rows(self, module: PlannedModule, features: Any) -> ModuleRows:
-        """The rows of ``features`` for ``module``'s forward (the :class:`RowSource` protocol)."""
+    def rows(self, planner: Planner, features: Any) -> ModuleRows:
+        """The rows of ``features`` for the forward of ``planner``'s module (the :class:`RowSource` protocol)."""
+        key = planner.key
         step = self._current
         if step is None:  # evaluation: nothing is admitted, nothing is pushed
-            rows = BatchRows([module.plan(features)])
+            rows = BatchRows([planner.plan(features)])
             self._fetch(rows, train=False)
             with record_function(LOOKUP_WAIT):
                 rows.materialize(self.device, requires_grad=False, timeout_s=self.timeout_s)
-            return rows.take(module.key)
-        if module.key not in self._paths and step.batch is not None:
+            return rows.take(key)
+        if key not in self._paths and step.batch is not None:
             path = find_path(step.batch, features)
             if path is not None:
-                self._paths[module.key] = path
+                self._paths[key] = path
         rows = step.prefetched
-        if rows is not None and module.key in rows.plans:
-            if not rows.plans[module.key].matches(module.sources(features)):
-                self._prefetch_missed(module)
+        if rows is not None and key in rows.plans:
+            if not rows.plans[key].matches(planner.sources(features)):
+                self._prefetch_missed(key)
                 rows = None
         else:
             rows = None
         if rows is None:
-            rows = BatchRows([module.plan(features)])
+            rows = BatchRows([planner.plan(features)])
             self.scheduler.window.wait_for_lookup(step.index, self.timeout_s)
             self._fetch(rows, train=True)
         with record_function(LOOKUP_WAIT):
             rows.materialize(self.device, requires_grad=torch.is_grad_enabled(), timeout_s=self.timeout_s)
         step.use(rows)
-        return rows.take(module.key)
+        return rows.take(key)
 
     def step_metrics(self) -> dict[str, float]:
         """Figures of the open step so far: lookup wait, rows fetched, unique ratio, wire bytes, staleness."""
@@ -262,14 +283,14 @@ class EmbeddingPipeline:
             future.add_done_callback(lambda f: self.scheduler.observe("lookup", time.perf_counter() - issued))
         rows.attach(sharded, future)
 
-    def _prefetch_missed(self, module: PlannedModule) -> None:
+    def _prefetch_missed(self, key: str) -> None:
         self.prefetch_misses += 1
-        if module.key in self._reported_misses:
+        if key in self._reported_misses:
             return
-        self._reported_misses.add(module.key)
+        self._reported_misses.add(key)
         log.warning(
-            "%s %r received other ids than the batch its rows were prefetched from (does the model change the ids "
-            "before this module, e.g. hashing them modulo a table size? Do that in the data pipeline instead). Its "
-            "rows are fetched again inside the forward, which waits for them every step, and the prefetched lookup "
-            "admitted rows for nothing.", type(module).__name__, module.key,
+            "The embedding module %r received other ids than the batch its rows were prefetched from (does the model "
+            "change the ids before this module, e.g. hashing them modulo a table size? Do that in the data pipeline "
+            "instead). Its rows are fetched again inside the forward, which waits for them every step, and the "
+            "prefetched lookup admitted rows for nothing.", key,
         )

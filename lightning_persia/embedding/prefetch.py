@@ -3,15 +3,21 @@
 A background thread reads batches from the wrapped loader, plans their lookups (dedup, bucketing, encoding)
 and starts each as soon as the pipeline's scheduler allows, keeping up to ``staleness + 1`` batches ready.
 The batch itself is handed to the trainer at once; only the forward waits for the rows.
+
+When the loader is a ``DataLoader`` with worker processes, the planning runs in them instead (its
+``collate_fn`` is wrapped for the epoch, see ``planning.py``): the trainer's interpreter only issues the lookups.
 """
 from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+from torch.utils.data import DataLoader
 
 from lightning_persia.embedding.context import StepContext
 from lightning_persia.embedding.pipeline import EmbeddingPipeline
+from lightning_persia.embedding.planning import PlannedBatch, PlanningCollate
 from lightning_persia.embedding.scheduler import LookupStopped
 
 _END = object()
@@ -28,10 +34,16 @@ class PrefetchingLoader:
         self.loader = loader
         self.pipeline = pipeline
         self._active: "_PrefetchIterator | None" = None
+        self._collate: Optional[Callable[[Any], Any]] = None  # the loader's own, while its workers plan
 
     def __iter__(self) -> Iterator[Any]:
         self.close()
-        self._active = _PrefetchIterator(iter(self.loader), self.pipeline, depth=self.pipeline.staleness + 1)
+        loader = self.loader
+        if isinstance(loader, DataLoader) and loader.num_workers > 0:
+            # With the paths learned so far: a worker forked now plans what the pipeline knows now.
+            self._collate = loader.collate_fn
+            loader.collate_fn = PlanningCollate(loader.collate_fn, self.pipeline.batch_planner())
+        self._active = _PrefetchIterator(iter(loader), self.pipeline, depth=self.pipeline.staleness + 1)
         return self._active
 
     def __len__(self) -> int:
@@ -47,6 +59,9 @@ class PrefetchingLoader:
         if self._active is not None:
             self._active.close()
             self._active = None
+        if self._collate is not None:
+            self.loader.collate_fn = self._collate  # type: ignore[attr-defined]
+            self._collate = None
 
 
 class _PrefetchIterator:
@@ -85,10 +100,13 @@ class _PrefetchIterator:
 
     def _run(self) -> None:
         try:
-            for batch in self._batches:
+            for item in self._batches:
                 if self._stopped:
                     return
-                step = self._pipeline.plan(batch)
+                if isinstance(item, PlannedBatch):  # planned in a DataLoader worker
+                    batch, step = item.batch, self._pipeline.adopt(item)
+                else:
+                    batch, step = item, self._pipeline.plan(item)
                 if not self._put((batch, step)):
                     self._pipeline.abandon([step])
                     return

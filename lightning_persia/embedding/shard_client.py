@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
@@ -14,6 +14,9 @@ class ShardClient(Protocol):
 
     def shard(self, keyed: KeyedIds) -> Any:
         """``keyed``'s ids bucketed by shard and made ready to send; serves their lookup and their update."""
+
+    def sharder(self) -> Callable[[KeyedIds], Any]:
+        """:meth:`shard` as a picklable function (it runs in processes without a client: DataLoader workers)."""
 
     def lookup_sharded_async(self, sharded: Any, *, train: bool, wire_dtype: str = "fp16") -> "Future[torch.Tensor]":
         """The rows of every id, flat float32 in ``keyed``'s order (table after table, row-major)."""

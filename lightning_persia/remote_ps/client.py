@@ -115,6 +115,39 @@ class ShardedIds:
         return self.buckets.keyed
 
 
+@dataclass(frozen=True)
+class Sharder:
+    """Buckets ids by shard, splits them into messages under the limits and encodes them (see :meth:`PSClient.shard`)."""
+
+    num_shards: int
+    max_ids_per_message: int
+    max_message_bytes: int
+    max_dim: int  # the widest table's: sizes the messages
+
+    def __call__(self, keyed: KeyedIds) -> ShardedIds:
+        buckets = bucketize(keyed, self.num_shards)
+        per_id = 8 + max(w.itemsize for w in wire.WIRE_DTYPES.values()) * self.max_dim
+        step = max(1, min(self.max_ids_per_message, (self.max_message_bytes // 2) // per_id))
+        messages = []
+        for shard in range(self.num_shards):
+            first, last = buckets.starts[shard], buckets.starts[shard + 1]
+            ends = np.cumsum(buckets.counts[shard])
+            starts = ends - np.asarray(buckets.counts[shard])
+            for start in range(first, max(last, first + 1), step):
+                end = min(start + step, last)
+                # shard 0's first message names every table, so that a table asked for no ids still gets its
+                # dim (and unknown tables their NOT_FOUND)
+                everything = shard == 0 and start == first
+                counts = np.clip(ends, start - first, end - first) - np.clip(starts, start - first, end - first)
+                keep = np.ones(len(counts), dtype=bool) if everything else counts > 0
+                if not keep.any():
+                    continue
+                tables = tuple(t for t, k in zip(keyed.tables, keep) if k)
+                messages.append(_Message(shard, start, end, tables, tuple(counts[keep].tolist()), tuple(counts.tolist()),
+                                         wire.encode_ids(buckets.ids[start:end])))
+        return ShardedIds(buckets, tuple(messages))
+
+
 def _read_pem(value: Optional[PathOrPEM]) -> Optional[bytes]:
     if value is None or isinstance(value, bytes):
         return value
@@ -223,28 +256,13 @@ class PSClient:
         The result serves the lookup of these ids (:meth:`lookup_sharded_async`) and the update of the same
         ids (:meth:`update_sharded_async`), so a training step buckets and encodes its ids once.
         """
-        buckets = bucketize(keyed, self.num_shards)
-        elem = max(wire.WIRE_DTYPES[w].itemsize for w in wire.WIRE_DTYPES)
-        per_id = 8 + elem * max((self._dims.get(t, 0) for t in keyed.tables), default=0)
-        step = max(1, min(self.max_ids_per_message, (self._max_message_bytes // 2) // per_id))
-        messages = []
-        for shard in range(self.num_shards):
-            first, last = buckets.starts[shard], buckets.starts[shard + 1]
-            ends = np.cumsum(buckets.counts[shard])
-            starts = ends - np.asarray(buckets.counts[shard])
-            for start in range(first, max(last, first + 1), step):
-                end = min(start + step, last)
-                # shard 0's first message names every table, so that a table asked for no ids still gets its
-                # dim (and unknown tables their NOT_FOUND)
-                everything = shard == 0 and start == first
-                counts = np.clip(ends, start - first, end - first) - np.clip(starts, start - first, end - first)
-                keep = np.ones(len(counts), dtype=bool) if everything else counts > 0
-                if not keep.any():
-                    continue
-                tables = tuple(t for t, k in zip(keyed.tables, keep) if k)
-                messages.append(_Message(shard, start, end, tables, tuple(counts[keep].tolist()), tuple(counts.tolist()),
-                                         wire.encode_ids(buckets.ids[start:end])))
-        return ShardedIds(buckets, tuple(messages))
+        return self.sharder(keyed.tables)(keyed)
+
+    def sharder(self, tables: Sequence[str] = ()) -> "Sharder":
+        """What :meth:`shard` does, as a picklable function of the ids (for processes without a client, such as
+        DataLoader workers); ``tables``: those whose dims size its messages (default: every table known)."""
+        dims = self._dims if not tables else {t: self._dims.get(t, 0) for t in tables}
+        return Sharder(self.num_shards, self.max_ids_per_message, self._max_message_bytes, max(dims.values(), default=0))
 
     def lookup_sharded_async(self, sharded: ShardedIds, *, train: bool, wire_dtype: str = "fp16") -> "Future[torch.Tensor]":
         """Rows of every id of ``sharded`` as one flat float32 tensor in its :class:`KeyedIds` order: table after

@@ -87,7 +87,8 @@ class PersiaStrategy(DDPStrategy):
         ps_tls_root_cert: PEM file that signed the shards' TLS certificates.
         ps_timeout_s: deadline of one parameter-server call, and of a wait on the staleness window.
         ps_config: PS YAML config for the embedded shards.
-        log_embedding_metrics: log lookup wait, rows fetched, unique ratio, wire bytes and staleness each step.
+        log_embedding_metrics: log lookup wait, rows fetched, unique ratio, wire bytes and staleness of the steps the
+            trainer logs (every ``log_every_n_steps``: logging costs the trainer CPU on every call, even unwritten).
         recovery: what happens when a shard dies or restarts (default: roll back to the last checkpoint and go
             on; the embedded launcher restarts dead shards). See ``lightning_persia.strategy.recovery``.
     """
@@ -252,7 +253,7 @@ class PersiaStrategy(DDPStrategy):
             self.client, self.staleness, self.wire_dtype, self.root_device, timeout_s=self.ps_timeout_s, rank_merge=rank_merge,
         )
         for module in self.remote_modules:
-            self._pipeline.register(module)
+            self._pipeline.register(module.planner)
             module.row_source = self._pipeline
         self._recovery.attach(self.client, self._pipeline, self._cluster)
 
@@ -291,7 +292,8 @@ class PersiaStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
-        if self._pipeline is not None and self.log_embedding_metrics:
+        trainer = self.lightning_module.trainer
+        if self._pipeline is not None and self.log_embedding_metrics and (trainer.global_step + 1) % max(trainer.log_every_n_steps, 1) == 0:
             metrics = self._pipeline.step_metrics()
             if metrics:
                 self.lightning_module.log_dict({f"persia/{k}": v for k, v in metrics.items()}, on_step=True, on_epoch=False, batch_size=1)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Optional, Sequence
 
 import torch
@@ -67,6 +68,9 @@ class InProcessShards:
 
     def shard(self, keyed: KeyedIds) -> ShardBuckets:
         return bucketize(keyed, self.num_shards)
+
+    def sharder(self) -> "partial[ShardBuckets]":
+        return partial(bucketize, num_shards=self.num_shards)
 
     def lookup_sharded_async(self, sharded: ShardBuckets, *, train: bool, wire_dtype: str = "fp16") -> "Future[torch.Tensor]":
         self.lookups.append((sharded.keyed, train))

@@ -41,7 +41,7 @@ def pair(ps_cluster, request):
     client.configure([t.config for twin in twins for t in twin.remote_tables])
     pipeline = EmbeddingPipeline(client, staleness=0, wire_dtype="fp32", device=torch.device("cpu"))
     for twin in twins:
-        pipeline.register(twin)
+        pipeline.register(twin.planner)
         twin.row_source = pipeline
     with torch.no_grad():
         for twin in twins:

@@ -7,13 +7,17 @@ import logging
 import threading
 import time
 
+from typing import Iterable
+
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_persia.embedding.pipeline import EmbeddingPipeline
+from lightning_persia.embedding.planning import BatchPlanner
 from lightning_persia.embedding.prefetch import PrefetchingLoader
 from lightning_persia.remote_ps.store.initializers import initial_rows
 from lightning_persia.remote_ps.table_config import SGD, Constant, Uniform
@@ -56,19 +60,16 @@ def _remote(shards: InProcessShards, staleness: int, defaults: TableDefaults, mo
     shards.configure([t.config for twin in twins for t in twin.remote_tables])
     pipeline = EmbeddingPipeline(shards, staleness=staleness, wire_dtype="fp32", device=torch.device("cpu"), timeout_s=30)
     for twin in twins:
-        pipeline.register(twin)
+        pipeline.register(twin.planner)
         twin.row_source = pipeline
     return model, pipeline
 
 
-def _train(model: nn.Module, pipeline: EmbeddingPipeline, batches: list[dict], seen=None) -> PrefetchingLoader:
+def _train(model: nn.Module, pipeline: EmbeddingPipeline, batches: Iterable) -> PrefetchingLoader:
     loader = PrefetchingLoader(batches, pipeline)
     for batch in loader:
         pipeline.begin_step(batch)
-        loss = model(batch)
-        if seen is not None:
-            seen.append(loss.detach())
-        loss.backward()
+        model(batch).backward()
         pipeline.finish_step(scale=1.0)
     pipeline.drain()
     loader.close()
@@ -82,12 +83,8 @@ def shards():
     shards.close()
 
 
-def test_staleness_zero_trains_exactly_like_the_local_modules(shards):
-    """Tables of different widths and two modules in one lookup and one update per step, at staleness 0."""
-    batches = _batches(6)
-    model, pipeline = _remote(shards, 0, TableDefaults(optimizer=SGD(lr=0.1), init=INIT))
-    _train(model, pipeline, batches)
-
+def _assert_trained_like_local(shards: InProcessShards, batches: list[dict]) -> None:
+    """The shards' rows equal the local modules' after SGD(lr=0.1) on ``batches``, from the same initial rows."""
     local = _Model()
     with torch.no_grad():
         for name, weight in (("ebc.a", local.ebc.embedding_bags["a"].weight), ("ebc.b", local.ebc.embedding_bags["b"].weight), ("emb", local.emb.weight)):
@@ -100,7 +97,31 @@ def test_staleness_zero_trains_exactly_like_the_local_modules(shards):
                 p -= 0.1 * p.grad
     for name, weight in (("ebc.a", local.ebc.embedding_bags["a"].weight), ("ebc.b", local.ebc.embedding_bags["b"].weight), ("emb", local.emb.weight)):
         torch.testing.assert_close(shards.rows(name, torch.arange(N)), weight.detach(), rtol=0, atol=1e-5)
+
+
+def test_staleness_zero_trains_exactly_like_the_local_modules(shards):
+    """Tables of different widths and two modules in one lookup and one update per step, at staleness 0."""
+    batches = _batches(6)
+    model, pipeline = _remote(shards, 0, TableDefaults(optimizer=SGD(lr=0.1), init=INIT))
+    _train(model, pipeline, batches)
+    _assert_trained_like_local(shards, batches)
     assert pipeline.prefetch_misses == 0
+
+
+def test_a_dataloader_with_workers_plans_the_lookups_in_them(shards, monkeypatch):
+    """The worker processes plan (dedup, sharding): nothing is planned in this process but the nn.Embedding's
+    lookup, whose input the workers, started before the first step, could not place."""
+    batches = _batches(6)
+    model, pipeline = _remote(shards, 0, TableDefaults(optimizer=SGD(lr=0.1), init=INIT))
+    planned_here = []
+    plan = BatchPlanner.plan
+    monkeypatch.setattr(BatchPlanner, "plan", lambda self, batch: planned_here.append(batch) or plan(self, batch))
+    loader = DataLoader(batches, batch_size=None, num_workers=1)
+    collate = loader.collate_fn
+    _train(model, pipeline, loader)
+    assert planned_here == [] and pipeline.prefetch_misses == 0
+    assert loader.collate_fn is collate  # the loader's own again after the epoch
+    _assert_trained_like_local(shards, batches)
 
 
 def test_one_lookup_and_one_update_per_step_for_every_module_plain_ones_included(shards):

@@ -13,8 +13,10 @@ embeddings (``trainbench/models.py: BenchLinear``) and keeps the 26 Criteo-shape
 for every --batch-sizes (global batch; default 4,096 and 16,384) and, for PersiaStrategy, every --ranks (default
 1 and 2; the local baseline runs on 1 rank). Reported per run: samples/s (median over windows of --window
 steps after --warmup steps, then over the rounds), the CPU ms per step of the trainer process (rank 0; read
-from /proc/self/stat), of the other trainer-side processes (the second rank, DataLoader workers) and of the
-shard processes (/proc/<pid>/stat), each measured from the end of the warm-up to the end of training.
+from /proc/self/stat), of the other trainer-side processes ("other procs": the second rank, DataLoader workers)
+and of the shard processes (/proc/<pid>/stat), each measured from the end of the warm-up to the end of training.
+With --loader-workers N, every run's train DataLoader has N worker processes, where PersiaStrategy plans each
+batch's lookup (and TorchRec's baseline builds its batches, as PersiaStrategy's does).
 
     .venv/bin/python benchmarks/pipeline_bench.py                 # the full table (about 8 min on a 2-core machine)
     .venv/bin/python benchmarks/pipeline_bench.py --quick         # batch 4096, 1 rank, 1 round (about 1.5 min)
@@ -52,7 +54,7 @@ def make_configs(args: argparse.Namespace, meta: Dict[str, Any]) -> List[Dict[st
         model="linear", steps=args.steps, warmup=args.warmup, window=args.window, test_batches=0,
         data_path=meta["path"], cardinalities=meta["cardinalities"], dim=args.dim, seed=args.seed, ps_seed=args.seed,
         emb_lr=0.05, emb_eps=1e-8, dense_lr=1e-3, wire_dtype=args.wire_dtype, shards=args.shards,
-        data_parallel_max_rows=0, profile=args.profile,
+        data_parallel_max_rows=0, profile=args.profile, loader_workers=args.loader_workers,
     )
     if args.threads:
         common["torch_threads"] = args.threads
@@ -88,7 +90,7 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 
 def print_table(results: List[Dict[str, Any]]) -> None:
     header = (f"{'batch':>7}{'ranks':>6}  {'run':<12}{'samples/s':>11}{'vs local':>9}{'step ms':>9}"
-              f"{'trainer CPU':>13}{'vs local':>9}{'other ranks':>12}{'shards CPU':>12}")
+              f"{'trainer CPU':>13}{'vs local':>9}{'other procs':>12}{'shards CPU':>12}")
     print(header)
     print(f"{'':>7}{'':>6}  {'':<12}{'':>11}{'':>9}{'':>9}{'ms/step':>13}{'':>9}{'ms/step':>12}{'ms/step':>12}")
     print("-" * len(header))
@@ -145,6 +147,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--zipf-alpha", type=float, default=1.1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads per trainer rank (default: cores / ranks)")
+    parser.add_argument("--loader-workers", type=int, default=0, metavar="N",
+                        help="worker processes of every run's train DataLoader (PersiaStrategy then plans each batch's lookup "
+                             "in them; default 0: in the trainer process)")
     parser.add_argument("--profile", action="store_true",
                         help="profile the runs (torch.profiler spans of the embedding path, CPU per thread) and print where a step's time goes")
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
@@ -172,7 +177,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     load_before = os.getloadavg()
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}, load average {load_before[0]:.2f} at start")
     meta = data.prepare(
-        args.cache_dir or data.default_cache_dir(), seed=args.seed, batch_size=max(args.batch_sizes), train_batches=args.steps,
+        args.cache_dir or data.default_cache_dir(), seed=args.seed, batch_size=max(args.batch_sizes), train_batches=args.steps + 16,
         test_batches=1, cardinality_scale=args.cardinality_scale, zipf_alpha=args.zipf_alpha,
     )
     print(f"data: {sum(meta['cardinalities']):,} ids in 26 tables (Zipf {args.zipf_alpha}), dim {args.dim}, every table remote "
@@ -200,7 +205,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     results = [merge_runs(runs[c["name"]]) for c in configs]
     load_after = os.getloadavg()
     print(f"\npipeline_bench: {args.steps} steps per run (samples/s: median of windows of {args.window} steps after {args.warmup}; "
-          f"CPU per step over the same steps), {args.repeat} round(s), {args.wire_dtype} on the wire")
+          f"CPU per step over the same steps), {args.repeat} round(s), {args.wire_dtype} on the wire, "
+          f"{args.loader_workers} DataLoader worker(s)")
     print(f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after (other work on the machine lowers every figure)\n")
     print_table(results)
     head = headline(results, args.staleness)
@@ -209,6 +215,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print_profile(results)
     if args.json:
         summary = dict(head, runs=results, steps=args.steps, dim=args.dim, shards=args.shards, wire_dtype=args.wire_dtype,
+                       loader_workers=args.loader_workers,
                        cpu_count=os.cpu_count(), load_average=[load_before[0], load_after[0]])
         print(json.dumps(summary))
     return 0

@@ -2,7 +2,8 @@
 
 ``config`` (a JSON object on the command line) says everything: the model (``dlrm``, the default, or
 ``linear``), the mode (``local`` or ``persia``), ranks, staleness, sizes, the data cache, and where rank 0
-writes its result JSON. ``test_batches: 0`` skips the evaluation after training (no AUC).
+writes its result JSON. ``test_batches: 0`` skips the evaluation after training (no AUC); ``loader_workers``: the
+train DataLoader's worker processes (default 0).
 """
 from __future__ import annotations
 
@@ -124,9 +125,14 @@ def run(config: Dict[str, Any]) -> None:
         limit_val_batches=0,
         callbacks=callbacks,
     )
-    train = RankSlices(config["data_path"], "train", batch, config["steps"], rank, world)
+    # A few batches more than the steps when the data has them: the prefetcher still runs at the last step (its
+    # thread's CPU is then counted as its own by the profile).
+    available = len(RankSlices(config["data_path"], "train", batch, None, rank, world))
+    train = RankSlices(config["data_path"], "train", batch, min(available, config["steps"] + 16), rank, world)
+    workers = int(config.get("loader_workers", 0))
     fit_start = time.perf_counter()
-    trainer.fit(model, train_dataloaders=DataLoader(train, batch_size=None, shuffle=False))
+    trainer.fit(model, train_dataloaders=DataLoader(train, batch_size=None, shuffle=False, num_workers=workers,
+                                                    persistent_workers=workers > 0))
     fit_s = time.perf_counter() - fit_start
     test_start = time.perf_counter()
     metrics = [{}]

@@ -40,7 +40,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lightning_persia.ops import wire
-from lightning_persia.ops.bucketize import ShardBuckets, bucketize
+from lightning_persia.ops.bucketize import bucketize
 from lightning_persia.ops.keyed_ids import Block, KeyedIds, RowLayout
 from lightning_persia.remote_ps.protocol import SERVICE_NAME, persia_pb2, persia_pb2_grpc
 from lightning_persia.remote_ps.table_config import TableConfig
@@ -105,14 +105,14 @@ class _Message:
 @dataclass(frozen=True)
 class ShardedIds:
     """Ids of several tables bucketed by shard, split into messages and encoded: what :meth:`PSClient.shard` makes
-    once per batch, for its lookup and its update."""
+    once per batch, for its lookup and its update.
 
-    buckets: ShardBuckets
+    ``order[j]`` is the position in ``keyed`` of the ``j``-th id in shard order (None: one shard, the same order).
+    """
+
+    keyed: KeyedIds
+    order: Optional[torch.Tensor]
     messages: Tuple[_Message, ...]
-
-    @property
-    def keyed(self) -> KeyedIds:
-        return self.buckets.keyed
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ class Sharder:
                 tables = tuple(t for t, k in zip(keyed.tables, keep) if k)
                 messages.append(_Message(shard, start, end, tables, tuple(counts[keep].tolist()), tuple(counts.tolist()),
                                          wire.encode_ids(buckets.ids[start:end])))
-        return ShardedIds(buckets, tuple(messages))
+        return ShardedIds(keyed, buckets.order, tuple(messages))
 
 
 def _read_pem(value: Optional[PathOrPEM]) -> Optional[bytes]:
@@ -302,7 +302,7 @@ class PSClient:
                 raise PSError(f"shard {message.shard} at {self.addresses[message.shard]} answered {len(response.packed_dims)} "
                               f"tables for {len(message.tables)}")
             self._dims.update(zip(message.tables, response.packed_dims))
-        keyed, order = sharded.keyed, sharded.buckets.order
+        keyed, order = sharded.keyed, sharded.order
         layout = RowLayout(keyed.counts, [self._dims[t] for t in keyed.tables])
         out = torch.empty(layout.numel, dtype=torch.float32)
         for message, response in zip(sharded.messages, responses):
@@ -335,7 +335,7 @@ class PSClient:
         """
         sender = sender or self.client_id
         dtype = _wire_enum(wire_dtype)
-        keyed, buckets = sharded.keyed, sharded.buckets
+        keyed, order = sharded.keyed, sharded.order
         layout = RowLayout(keyed.counts, dims)
         if grads.dim() != 1 or grads.numel() != layout.numel or not grads.is_floating_point():
             raise ValueError(
@@ -358,10 +358,10 @@ class PSClient:
             parts = []
             for block, row, count in message.blocks(layout):
                 rows = block.of(encoded)
-                if buckets.order is None:
+                if order is None:
                     parts.append(rows[row - block.first_row : row - block.first_row + count])
                 else:
-                    parts.append(rows.index_select(0, buckets.order[row : row + count] - block.first_row))
+                    parts.append(rows.index_select(0, order[row : row + count] - block.first_row))
             request.packed_grads = wire.encode_rows(parts[0] if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts]), wire_dtype)
             calls.append((message.shard, request))
         return self._submit(self._update(calls))

@@ -183,7 +183,7 @@ class Recovery:
         if not self.config.enabled or self._embeddings is None or self.strategy.client is None:
             return False
         local = self._failure or (self._lookup_failure(self._embeddings) if where == "train" else None)
-        if not self.strategy.reduce_boolean_decision(local is not None, all=False):
+        if not self._any_rank(local is not None):
             return False
         self._rollback(local or "another rank saw a parameter-server failure", where, checkpoint)
         return True
@@ -211,9 +211,13 @@ class Recovery:
             return f"the embedding lookup of step {step} failed: {error}"
         return None
 
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether any rank says ``flag`` (one rank has nothing to agree on: no collective on every step)."""
+        return flag if self.strategy.world_size == 1 else self.strategy.reduce_boolean_decision(flag, all=False)
+
     def _all_ok(self, error: Optional[str], stage: str) -> None:
         """Raises the same PersiaRecoveryError on every rank if any rank failed ``stage``."""
-        if self.strategy.reduce_boolean_decision(error is not None, all=False):
+        if self._any_rank(error is not None):
             raise PersiaRecoveryError(
                 f"PersiaStrategy could not roll back to the last checkpoint ({stage}): "
                 f"{error or 'another rank failed this stage; see its log'}"

@@ -87,7 +87,9 @@ class EmbeddingPipeline:
 
     def batch_planner(self) -> BatchPlanner:
         """How a batch's lookup is planned, as plain data: what a DataLoader worker runs (see ``planning.py``)."""
-        return BatchPlanner(tuple(self._planners.values()), tuple(self._paths.items()), self.client.sharder())
+        with self._lock:
+            paths = tuple(self._paths.items())
+        return BatchPlanner(tuple(self._planners.values()), paths, self.client.sharder())
 
     def set_update_error_handler(self, handler: Callable[[int, BaseException], bool]) -> None:
         """``handler(step, error)`` is told of every failed update; True: handled (the window goes on)."""
@@ -120,11 +122,13 @@ class EmbeddingPipeline:
         are planned here, and the step's ids sharded again with theirs.
         """
         plans, sharded = list(planned.plans), planned.sharded
-        missing = [p for key, p in self._planners.items() if key in self._paths and all(plan.key != key for plan in plans)]
+        with self._lock:
+            paths = dict(self._paths)
+        missing = [p for key, p in self._planners.items() if key in paths and all(plan.key != key for plan in plans)]
         if missing:
             with record_function(PLAN):
                 for planner in missing:
-                    features = at_path(planned.batch, self._paths[planner.key])
+                    features = at_path(planned.batch, paths[planner.key])
                     if features is not None:
                         plans.append(planner.plan(features))
                 if len(plans) > len(planned.plans):
@@ -200,7 +204,8 @@ class EmbeddingPipeline:
         if key not in self._paths and step.batch is not None:
             path = find_path(step.batch, features)
             if path is not None:
-                self._paths[key] = path
+                with self._lock:
+                    self._paths[key] = path
         rows = step.prefetched
         if rows is not None and key in rows.plans:
             if not rows.plans[key].matches(planner.sources(features)):

@@ -1,6 +1,6 @@
 """Pooled lookups of many features from one flat batch-local weight tensor, in one fused kernel call.
 
-The embedding worker packs the rows fetched for a batch (every table of a collection) into one flat leaf
+The embedding pipeline packs the rows fetched for a step (every table of its modules) into one flat leaf
 tensor; FBGEMM's ``dense_embedding_codegen_lookup_function`` pools all features from it at once and its
 backward writes the gradient of that tensor directly (CPU kernel on CPU, CUDA kernel on GPU). Where
 FBGEMM is not installed for the device in use, ``torch.nn.functional.embedding_bag`` per feature does the

@@ -217,3 +217,17 @@ def test_an_epoch_cut_short_releases_the_window(shards):
     pipeline.drain()
     assert time.monotonic() - started < 5
     assert len(shards.updates) == 2
+
+
+def test_non_finite_gradient_rows_are_dropped_and_counted_the_others_pushed(shards):
+    model = nn.ModuleDict({"emb": nn.Embedding(8, 2, device="meta")})
+    _, pipeline = _remote(shards, 0, TableDefaults(optimizer=SGD(lr=1.0), init=Constant(0.0)), model=model)
+    ids = torch.tensor([1, 2, 3])
+    pipeline.begin_step()
+    rows = model["emb"](ids)
+    (rows * torch.tensor([[1.0], [float("inf")], [1.0]])).sum().backward()  # row 2's gradient is infinite
+    pipeline.finish_step(scale=1.0)
+    pipeline.drain()
+    assert pipeline.dropped_nonfinite_rows == 1
+    assert sorted(shards.updates[-1].ids.tolist()) == [1, 3]
+    assert shards.rows("emb", ids).tolist() == [[-1.0, -1.0], [0.0, 0.0], [-1.0, -1.0]]

@@ -15,7 +15,7 @@ trainer thread (they add up to the step time)
   push       the ``persia.gradient_push`` span: the step's gradient checked, encoded and handed to the shards
   optimizer  dense optimizer step, Lightning bookkeeping
 
-CPU time (ms of CPU per step, between the end of the warm-up and the last step; 2 cores give at most 2 x the
+CPU time (ms of CPU per step, from the end of the warm-up to the profiled steps; 2 cores give at most 2 x the
 step time)
   cpu_main      the trainer thread (Python, Lightning, and its share of every torch op)
   cpu_pool      torch's other intra-op (OpenMP) threads
@@ -33,7 +33,9 @@ in the background (overlapping the above)
   lag        updates of earlier steps the step's lookup missed (mean; at most the staleness bound)
 
 The spans come from ``torch.profiler`` (``profile_all_threads``, so that the prefetch and merge threads show),
-run over at most :data:`PROFILED_STEPS` timed steps; every span name is in ``lightning_persia.embedding.phases``.
+run over the last :data:`PROFILED_STEPS` steps, whose hooks' timings go with them (the profiler adds a little
+to every op); the CPU figures come from the timed steps before them, unprofiled. Every span name is in
+``lightning_persia.embedding.phases``.
 """
 from __future__ import annotations
 
@@ -180,7 +182,7 @@ class CpuMeter(L.Callback):
 
 TRAINER_PARTS = ("data", "forward", "wait", "pooled", "backward", "push", "optimizer")
 BACKGROUND_PARTS = ("plan", "merge", "lookup", "update")
-PROFILED_STEPS = 40
+PROFILED_STEPS = 12
 _SPAN_PARTS = {"wait": LOOKUP_WAIT, "pooled": POOLED_LOOKUP, "push": GRADIENT_PUSH, "plan": PLAN, "merge": MERGE}
 
 
@@ -194,6 +196,7 @@ class StepProbe(L.Callback):
 
     def __init__(self, warmup: int, steps: int) -> None:
         self.warmup, self.total = warmup, steps
+        self.profile_from = max(warmup + 1, steps - PROFILED_STEPS)  # the hooks and CPU figures stop there
         self.steps: List[Dict[str, float]] = []
         self.lags: List[float] = []  # updates each step's lookup missed (at most the staleness bound)
         self.wire_bytes: List[float] = []
@@ -235,20 +238,20 @@ class StepProbe(L.Callback):
         count = len(self.steps)
         if count == self.warmup:
             self._cpu_start = cpu_snapshot()
-            self._profiler = profile(activities=[ProfilerActivity.CPU], experimental_config=_ExperimentalConfig(profile_all_threads=True))
-            self._profiler.__enter__()
-        elif self._profiler is not None and (count - self.warmup == PROFILED_STEPS or count == self.total):
-            self._stop_profiler(count - self.warmup)
-        if count == self.total:
+        if count == self.profile_from:
             self._cpu_end = cpu_snapshot()
             pipeline = getattr(trainer.strategy, "pipeline", None)
             if pipeline is not None:
                 scheduler = pipeline.scheduler
                 self.latencies = {"lookup": scheduler.lookup_seconds, "update": scheduler.update_seconds}
+            self._profiler = profile(activities=[ProfilerActivity.CPU], experimental_config=_ExperimentalConfig(profile_all_threads=True))
+            self._profiler.__enter__()
+        elif count == self.total and self._profiler is not None:
+            self._stop_profiler(count - self.profile_from)
 
     def on_train_end(self, trainer, module) -> None:
         if self._profiler is not None:
-            self._stop_profiler(len(self.steps) - self.warmup)
+            self._stop_profiler(len(self.steps) - self.profile_from)
 
     def _stop_profiler(self, steps: int) -> None:
         profiler, self._profiler = self._profiler, None
@@ -264,7 +267,7 @@ class StepProbe(L.Callback):
     # ---- summary ------------------------------------------------------------------------------------
 
     def summary(self, skip: int) -> Dict[str, Any]:
-        steps = self.steps[skip:] or self.steps
+        steps = self.steps[self.profile_from :] or self.steps  # the window of the spans: the parts add up
         out: Dict[str, Any] = {"steps": len(steps), "profiled_steps": self._profiled}
         for part in ("data", "forward", "backward", "optimizer"):
             values = [s.get(part, 0.0) for s in steps]
@@ -277,13 +280,13 @@ class StepProbe(L.Callback):
         for part in ("lookup", "update"):
             seconds = self.latencies.get(part)
             out[part] = seconds * 1e3 if seconds is not None else None
-        lags = self.lags[skip:]
+        lags = self.lags[skip : self.profile_from]
         out["staleness_mean"] = statistics.mean(lags) if lags else None
-        wire = self.wire_bytes[skip:]
+        wire = self.wire_bytes[skip : self.profile_from]
         out["wire_mb_per_step"] = statistics.mean(wire) / 2**20 if wire else None
         if self._cpu_start and self._cpu_end:
             delta = cpu_delta(self._cpu_start, self._cpu_end)
-            timed = max(len(self.steps) - self.warmup, 1)
+            timed = max(self.profile_from - self.warmup, 1)
             for part in CPU_PARTS:
                 out[part] = delta[part] / timed
             out["cpu_total"] = sum(out[p] for p in CPU_PARTS)

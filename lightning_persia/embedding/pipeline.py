@@ -71,6 +71,7 @@ class EmbeddingPipeline:
         self.prefetch_misses = 0  # forwards whose input differed from the one their lookup was planned from
         self._planners: dict[str, Planner] = {}
         self._paths: dict[str, Path] = {}  # where in a batch each module's input was found
+        self._located: set[str] = set()  # modules whose input was looked for in a training batch
         self._lock = threading.Lock()
         self._allocated = 0
         self._generation = 0
@@ -129,7 +130,7 @@ class EmbeddingPipeline:
             with record_function(PLAN):
                 for planner in missing:
                     features = at_path(planned.batch, paths[planner.key])
-                    if features is not None:
+                    if features is not None and planner.accepts(features):
                         plans.append(planner.plan(features))
                 if len(plans) > len(planned.plans):
                     sharded = self.client.shard(KeyedIds.concat([p.unique for p in plans]))
@@ -201,11 +202,13 @@ class EmbeddingPipeline:
             with record_function(LOOKUP_WAIT):
                 rows.materialize(self.device, requires_grad=False, timeout_s=self.timeout_s)
             return rows.take(key)
-        if key not in self._paths and step.batch is not None:
-            path = find_path(step.batch, features)
+        if key not in self._located and step.batch is not None:
+            # Where the input sits in the batch, unless the planner finds it itself: later batches are planned from there.
+            path = None if planner.find(step.batch) is not None else find_path(step.batch, features)
             if path is not None:
                 with self._lock:
                     self._paths[key] = path
+            self._located.add(key)
         rows = step.prefetched
         if rows is not None and key in rows.plans:
             if not rows.plans[key].matches(planner.sources(features)):

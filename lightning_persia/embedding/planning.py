@@ -42,9 +42,13 @@ class CollectionPlanner:
     def find(self, batch: Any) -> Optional[KeyedJaggedTensor]:
         """The first KeyedJaggedTensor of ``batch`` that holds every feature of the module."""
         for kjt in find_kjts(batch):
-            if set(self.features) <= set(kjt.keys()):
+            if self.accepts(kjt):
                 return kjt
         return None
+
+    def accepts(self, features: Any) -> bool:
+        """Whether ``features`` can be this module's input."""
+        return isinstance(features, KeyedJaggedTensor) and set(self.features) <= set(features.keys())
 
     def select(self, kjt: KeyedJaggedTensor, features: Optional[Sequence[str]] = None) -> KeyedJaggedTensor:
         """``kjt`` restricted to (and ordered as) ``features`` (default: the remote tables' ones)."""
@@ -77,6 +81,9 @@ class TensorPlanner:
 
     def find(self, batch: Any) -> None:
         return None  # any tensor of the batch could be it: the first step tells (BatchPlanner.paths)
+
+    def accepts(self, features: Any) -> bool:
+        return isinstance(features, torch.Tensor) and not features.is_floating_point() and not features.is_complex()
 
     def sources(self, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (ids,)
@@ -120,7 +127,7 @@ class BatchPlanner:
         for planner in self.planners:
             path = paths.get(planner.key)
             features = at_path(batch, path) if path is not None else planner.find(batch)
-            if features is not None:
+            if features is not None and planner.accepts(features):  # a batch shaped otherwise is fetched in the forward
                 plans.append(planner.plan(features))
         sharded = self.shard(KeyedIds.concat([p.unique for p in plans])) if plans else None
         return PlannedBatch(batch, tuple(plans), sharded)

@@ -24,6 +24,9 @@ class Planner(Protocol):
     def find(self, batch: Any) -> Optional[Any]:
         """The module's forward input found in a training batch, when the planner can tell where it is (else None)."""
 
+    def accepts(self, features: Any) -> bool:
+        """Whether ``features`` (found in a batch) can be the module's input."""
+
     def sources(self, features: Any) -> tuple[torch.Tensor, ...]:
         """The tensors of ``features`` its ids come from (to check that a prefetched plan is the one of ``features``)."""
 

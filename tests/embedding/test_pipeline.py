@@ -231,3 +231,17 @@ def test_non_finite_gradient_rows_are_dropped_and_counted_the_others_pushed(shar
     assert pipeline.dropped_nonfinite_rows == 1
     assert sorted(shards.updates[-1].ids.tolist()) == [1, 3]
     assert shards.rows("emb", ids).tolist() == [[-1.0, -1.0], [0.0, 0.0], [-1.0, -1.0]]
+
+
+def test_a_batch_shaped_otherwise_is_not_planned_from_a_learnt_path():
+    """A learnt path that leads elsewhere in another batch plans nothing: that module's forward fetches its rows."""
+    from functools import partial
+
+    from lightning_persia.embedding.planning import TensorPlanner
+    from lightning_persia.ops.bucketize import bucketize
+
+    planner = BatchPlanner((TensorPlanner("emb", "emb", 2),), (("emb", (("key", "ids"),)),), partial(bucketize, num_shards=1))
+    planned = planner.plan({"ids": torch.tensor([5, 1, 5])})
+    assert [p.key for p in planned.plans] == ["emb"] and planned.plans[0].unique.ids.tolist() == [1, 5]
+    assert planner.plan({"ids": torch.tensor([0.5])}).plans == ()
+    assert planner.plan({"other": torch.tensor([1])}).plans == () and planner.plan([1, 2]).plans == ()

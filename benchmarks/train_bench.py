@@ -218,10 +218,11 @@ def print_profile(results: List[Dict[str, Any]]) -> None:
     for r in rows:
         p = r["profile"]
         line = f"{r['name']:<14}" + "".join(f"{p[k]:>10.1f}" for k in (*TRAINER_PARTS, "step")) + f"{'|':>3}"
-        line += "".join(f"{_fmt(p.get(k + '_median'), '.1f'):>9}" for k in BACKGROUND_PARTS)
+        line += "".join(f"{_fmt(p.get(k), '.1f'):>9}" for k in BACKGROUND_PARTS)
         line += f"{_fmt(p.get('staleness_mean'), '.1f'):>6}{_fmt(p.get('wire_mb_per_step'), '.2f'):>9}"
         print(line)
-    print("background columns (plan, gate, lookup, update) are medians per batch and overlap the trainer thread's parts;\n"
+    print("wait, pooled, push, plan, merge: the embedding path's profiler spans (lightning_persia.embedding.phases); plan and\n"
+          "merge run on their own threads, overlapping the trainer's parts; lookup, update: latencies (moving averages);\n"
           "lag: earlier steps' updates a step's lookup missed (mean)")
     from trainbench.probe import CPU_PARTS
 

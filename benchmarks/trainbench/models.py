@@ -1,6 +1,10 @@
-"""The benchmark's model: the example DLRM, with its tables either remote (PersiaStrategy) or local and fused.
+"""The benchmarks' models, with their tables either remote (PersiaStrategy) or local and fused.
 
-Every configuration builds the DLRM with its ``EmbeddingBagCollection`` on the ``meta`` device right after
+* ``dlrm`` (train_bench.py): the example DLRM;
+* ``linear`` (pipeline_bench.py): the same 26 tables and one ``Linear`` over the dense features and the pooled
+  embeddings, so that the embedding path, not the MLPs, is what a step costs (as on a GPU).
+
+Every configuration builds the model with its ``EmbeddingBagCollection`` on the ``meta`` device right after
 ``torch.manual_seed(seed)``, so the dense layers start from the same weights everywhere. Then:
 
 * remote runs hand the meta collection to ``PersiaStrategy``, which swaps it for its remote twin;
@@ -20,15 +24,19 @@ from torch import nn
 from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 from torchrec.optim import RowWiseAdagrad
 
+from examples.common import RecommenderModule, embedding_bag_collection
 from examples.dlrm.model import DLRM
+from lightning_persia.data import CRITEO_NUM_DENSE, CRITEO_SPARSE_FEATURES, CriteoBatch
 from lightning_persia.remote_ps.store.initializers import initial_rows
 from lightning_persia.remote_ps.table_config import Uniform
 
 EBC_PATH = "ebc"  # where DLRM keeps its collection: the remote tables are named "ebc.<table>"
 
 
-class BenchDLRM(DLRM):
-    """DLRM whose ``configure_optimizers`` leaves a fused local collection to its own (fused) optimizer."""
+class _FusedAware(RecommenderModule):
+    """``configure_optimizers`` leaves a fused local collection (``self.ebc``) to its own (fused) optimizer."""
+
+    ebc: nn.Module
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if isinstance(self.ebc, FusedEmbeddingBagCollection):
@@ -38,8 +46,34 @@ class BenchDLRM(DLRM):
         return super().configure_optimizers()
 
 
-def build_model(cardinalities: List[int], *, dim: int, seed: int, dense_lr: float) -> BenchDLRM:
+class BenchDLRM(_FusedAware, DLRM):
+    """The example DLRM (train_bench.py)."""
+
+
+class BenchLinear(_FusedAware):
+    """DLRM's 26 tables and one ``Linear`` over ``[dense features, pooled embeddings]`` (pipeline_bench.py)."""
+
+    def __init__(self, num_embeddings: List[int], embedding_dim: int, lr: float) -> None:
+        super().__init__(lr=lr, optimizer="adam")
+        features = list(CRITEO_SPARSE_FEATURES)
+        self._set_tables(features, num_embeddings, "meta")
+        self.ebc = embedding_bag_collection(features, num_embeddings, embedding_dim, "meta")
+        self.linear = nn.Linear(CRITEO_NUM_DENSE + len(features) * embedding_dim, 1)
+
+    def forward(self, batch: CriteoBatch) -> torch.Tensor:
+        pooled = self.ebc(batch.sparse_features).values()
+        return self.linear(torch.cat([batch.dense_features, pooled], dim=1)).squeeze(1)
+
+
+MODELS = ("dlrm", "linear")
+
+
+def build_model(cardinalities: List[int], *, dim: int, seed: int, dense_lr: float, kind: str = "dlrm") -> _FusedAware:
+    if kind not in MODELS:
+        raise ValueError(f"model must be one of {MODELS}, got {kind!r}")
     torch.manual_seed(seed)
+    if kind == "linear":
+        return BenchLinear(list(cardinalities), embedding_dim=dim, lr=dense_lr)
     return BenchDLRM(embedding_dim=dim, num_embeddings=list(cardinalities), embedding_device="meta", lr=dense_lr, optimizer="adam")
 
 
@@ -49,7 +83,7 @@ def ps_init(num_embeddings: int) -> Uniform:
     return Uniform(-bound, bound)
 
 
-def make_local_fused(model: BenchDLRM, *, lr: float, eps: float, ps_seed: int, chunk_rows: int = 1 << 18) -> None:
+def make_local_fused(model: _FusedAware, *, lr: float, eps: float, ps_seed: int, chunk_rows: int = 1 << 18) -> None:
     """Replaces ``model.ebc`` (meta) by a fused CPU collection initialised as the parameter server would."""
     configs = model.ebc.embedding_bag_configs()
     fused = FusedEmbeddingBagCollection(

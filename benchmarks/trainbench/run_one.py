@@ -1,7 +1,9 @@
 """One benchmark configuration, in its own process (and, with 2 ranks, the DDP launcher of the second one).
 
-``config`` (a JSON object on the command line) says everything: the mode (``local`` or ``persia``), ranks,
-staleness, sizes, the data cache, and where rank 0 writes its result JSON.
+``config`` (a JSON object on the command line) says everything: the model (``dlrm``, the default, or
+``linear``), the mode (``local`` or ``persia``), ranks, staleness, sizes, the data cache, and where rank 0
+writes its result JSON. ``test_batches: 0`` skips the evaluation after training (no AUC); ``loader_workers``: the
+train DataLoader's worker processes (default 0).
 """
 from __future__ import annotations
 
@@ -68,14 +70,15 @@ def run(config: Dict[str, Any]) -> None:
     from lightning_persia import Adagrad, PersiaStrategy
     from trainbench.data import RankSlices
     from trainbench.models import build_model, make_local_fused
-    from trainbench.probe import StepProbe
+    from trainbench.probe import CpuMeter, StepProbe
 
     world = int(config["world"])
     batch = int(config["batch_size"])
     rank = int(os.environ.get("LOCAL_RANK", "0"))  # one node: local rank == global rank
     setup_start = time.perf_counter()
 
-    model = build_model(config["cardinalities"], dim=config["dim"], seed=config["seed"], dense_lr=config["dense_lr"])
+    model = build_model(config["cardinalities"], dim=config["dim"], seed=config["seed"], dense_lr=config["dense_lr"],
+                        kind=config.get("model", "dlrm"))
     if config["mode"] == "local":
         if world != 1:
             raise ValueError("the local baseline runs on one rank (its tables are not sharded across ranks)")
@@ -96,17 +99,15 @@ def run(config: Dict[str, Any]) -> None:
             ps_timeout_s=120.0,
         )
 
+    import trainbench.probe as probe_module
+
+    probe_module.SHARD_PIDS[:] = config.get("shard_pids", [])
     clock = _StepClock()
-    callbacks = [clock.callback]
+    cpu = CpuMeter(config["warmup"])
+    callbacks = [clock.callback, cpu]
     probe = None
     if config.get("profile"):
-        probe = StepProbe(element_size=2 if config.get("wire_dtype", "fp16") == "fp16" else 4)
-        probe.warmup = config["warmup"]
-        import trainbench.probe as probe_module
-
-        probe_module.SHARD_PIDS[:] = config.get("shard_pids", [])
-        if config["mode"] != "local":
-            probe.install_worker_probes()
+        probe = StepProbe(warmup=config["warmup"], steps=config["steps"])
         callbacks.append(probe)
 
     trainer = L.Trainer(
@@ -125,13 +126,20 @@ def run(config: Dict[str, Any]) -> None:
         limit_val_batches=0,
         callbacks=callbacks,
     )
-    train = RankSlices(config["data_path"], "train", batch, config["steps"], rank, world)
-    test = RankSlices(config["data_path"], "test", batch, config["test_batches"], rank, world)
+    # A few batches more than the steps when the data has them: the prefetcher still runs at the last step (its
+    # thread's CPU is then counted as its own by the profile).
+    available = len(RankSlices(config["data_path"], "train", batch, None, rank, world))
+    train = RankSlices(config["data_path"], "train", batch, min(available, config["steps"] + 16), rank, world)
+    workers = int(config.get("loader_workers", 0))
     fit_start = time.perf_counter()
-    trainer.fit(model, train_dataloaders=DataLoader(train, batch_size=None, shuffle=False))
+    trainer.fit(model, train_dataloaders=DataLoader(train, batch_size=None, shuffle=False, num_workers=workers,
+                                                    persistent_workers=workers > 0))
     fit_s = time.perf_counter() - fit_start
     test_start = time.perf_counter()
-    metrics = trainer.test(model, dataloaders=DataLoader(test, batch_size=None, shuffle=False), verbose=False)
+    metrics = [{}]
+    if config["test_batches"]:
+        test = RankSlices(config["data_path"], "test", batch, config["test_batches"], rank, world)
+        metrics = trainer.test(model, dataloaders=DataLoader(test, batch_size=None, shuffle=False), verbose=False)
     test_s = time.perf_counter() - test_start
     if isinstance(strategy, PersiaStrategy):
         strategy.close()
@@ -143,8 +151,8 @@ def run(config: Dict[str, Any]) -> None:
         "name": config["name"],
         "samples_per_s": statistics.median(rates) if rates else None,
         "window_samples_per_s": rates,
-        "auc": float(metrics[0]["test_auc"]),
-        "test_loss": float(metrics[0]["test_loss"]),
+        "auc": float(metrics[0]["test_auc"]) if "test_auc" in metrics[0] else None,
+        "test_loss": float(metrics[0]["test_loss"]) if "test_loss" in metrics[0] else None,
         "final_train_loss": statistics.mean(clock.losses[-10:]) if clock.losses else None,
         "steps": len(clock.ends),
         "samples": len(clock.ends) * batch,
@@ -153,6 +161,7 @@ def run(config: Dict[str, Any]) -> None:
         "setup_s": fit_start - setup_start,
         "first_step_s": (clock.ends[0] - clock.start) if clock.ends else None,
         "torch_threads": torch.get_num_threads(),
+        **cpu.summary(),
     }
     if probe is not None:
         result["profile"] = probe.summary(skip=config["warmup"])

@@ -32,22 +32,16 @@ from lightning_persia.remote_ps.table_config import TableConfig
 
 
 def _apply_rule(
-    rule: SparseRule, weights: torch.Tensor, state: torch.Tensor, grads: torch.Tensor, touched: Optional[torch.Tensor],
+    rule: SparseRule, weights: torch.Tensor, state: torch.Tensor, grads: torch.Tensor, touched: torch.Tensor,
     scale: float, bound: Optional[float],
 ) -> None:
-    """``rule`` on the ``touched`` rows of a block (all of them when None), in float32 whatever the weights' dtype."""
-    if touched is not None:
-        row_weights, row_state, row_grads = weights[touched].float(), state[touched], grads[touched].float()
-    else:
-        row_weights, row_state, row_grads = weights.float(), state, grads.float()
+    """``rule`` on the ``touched`` rows of a block, in float32 whatever the weights' dtype."""
+    row_weights, row_state, row_grads = weights[touched].float(), state[touched], grads[touched].float()
     rule.apply(row_weights, row_state, row_grads * scale if scale != 1.0 else row_grads)
     if bound is not None:
         row_weights.clamp_(-bound, bound)
-    if touched is not None:
-        weights[touched] = row_weights.to(weights.dtype)
-        state[touched] = row_state
-    elif row_weights.data_ptr() != weights.data_ptr():  # a float copy of lower-precision weights
-        weights.copy_(row_weights)
+    weights[touched] = row_weights.to(weights.dtype)
+    state[touched] = row_state
 
 
 class DataParallelTables(nn.Module):
@@ -119,21 +113,20 @@ class DataParallelTables(nn.Module):
         if grad is None:
             return
         offsets = self.layout.table_offsets
-        all_finite = bool(torch.isfinite(grad).all())
         for first, stop, rule, bound in self._segments:
             rows = sum(self.num_embeddings[first:stop])
             weights = self.weight[offsets[first] : offsets[stop]].view(rows, rule.dim)
             grads = grad[offsets[first] : offsets[stop]].view(rows, rule.dim)
             state = self.optimizer_state[self._state_offsets[first] : self._state_offsets[stop]].view(rows, rule.state_width)
-            if all_finite and bound is None and rule.zero_gradient_is_noop:
-                touched = None  # every row at once: the untouched ones, with a zero gradient, come out unchanged
-            else:
-                nonzero = grads.ne(0).any(dim=1)
-                finite = torch.isfinite(grads).all(dim=1)
-                self.dropped_nonfinite_rows += int((nonzero & ~finite).sum())
-                touched = torch.nonzero(nonzero & finite).squeeze(1)
-                if not touched.numel():
-                    continue
+            # A batch touches a small part of the rows: the rule runs on those only (NaN != 0, so a non-finite
+            # row counts as touched, and is then dropped).
+            touched = torch.nonzero(grads.ne(0).any(dim=1)).squeeze(1)
+            finite = torch.isfinite(grads.index_select(0, touched)).all(dim=1)
+            if not bool(finite.all()):
+                self.dropped_nonfinite_rows += int((~finite).sum())
+                touched = touched[finite]
+            if not touched.numel():
+                continue
             _apply_rule(rule, weights, state, grads, touched, scale, bound)
         self.weight.grad = None
 

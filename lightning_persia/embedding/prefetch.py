@@ -1,42 +1,56 @@
 """A train dataloader wrapper that plans and starts each batch's embedding lookups ahead of its step.
 
-A background thread reads batches from the wrapped loader, dedups their ids and starts their lookups as
-soon as the staleness window allows, keeping up to ``staleness + 1`` batches ready. The batch itself is
-handed to the trainer at once; only the forward waits for the rows.
+A background thread reads batches from the wrapped loader, plans their lookups (dedup, bucketing, encoding)
+and starts each as soon as the pipeline's scheduler allows, keeping up to ``staleness + 1`` batches ready.
+The batch itself is handed to the trainer at once; only the forward waits for the rows.
+
+When the loader is a ``DataLoader`` with worker processes, the planning runs in them instead (its
+``collate_fn`` is wrapped for the epoch, see ``planning.py``): the trainer's interpreter only issues the lookups.
 """
 from __future__ import annotations
 
-import queue
 import threading
-from typing import Any, Iterable, Iterator
+from collections import deque
+from typing import Any, Callable, Iterable, Iterator, Optional
 
-from lightning_persia.embedding.worker import EmbeddingWorker, _Step
+from torch.utils.data import DataLoader
+
+from lightning_persia.embedding.context import StepContext
+from lightning_persia.embedding.pipeline import EmbeddingPipeline
+from lightning_persia.embedding.planning import PlannedBatch, PlanningCollate
+from lightning_persia.embedding.scheduler import LookupStopped
 
 _END = object()
 
 
 class PrefetchingLoader:
-    """Iterable over ``loader``'s batches whose embedding rows are fetched ahead by ``worker``.
+    """Iterable over ``loader``'s batches whose embedding rows are fetched ahead by ``pipeline``.
 
     Attributes such as ``sampler``, ``batch_size`` or ``dataset`` are those of the wrapped loader, so
     Lightning's sampler and length handling keep working.
     """
 
-    def __init__(self, loader: Iterable, worker: EmbeddingWorker) -> None:
+    def __init__(self, loader: Iterable, pipeline: EmbeddingPipeline) -> None:
         self.loader = loader
-        self.worker = worker
+        self.pipeline = pipeline
         self._active: "_PrefetchIterator | None" = None
+        self._collate: Optional[Callable[[Any], Any]] = None  # the loader's own, while its workers plan
 
     def __iter__(self) -> Iterator[Any]:
         self.close()
-        self._active = _PrefetchIterator(iter(self.loader), self.worker, depth=self.worker.window.staleness + 1)
+        loader = self.loader
+        if isinstance(loader, DataLoader) and loader.num_workers > 0:
+            # With the paths learned so far: a worker forked now plans what the pipeline knows now.
+            self._collate = loader.collate_fn
+            loader.collate_fn = PlanningCollate(loader.collate_fn, self.pipeline.batch_planner())
+        self._active = _PrefetchIterator(iter(loader), self.pipeline, depth=self.pipeline.staleness + 1)
         return self._active
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("loader", "worker", "_active"):
+        if name in ("loader", "pipeline", "_active"):
             raise AttributeError(name)
         return getattr(self.loader, name)
 
@@ -45,14 +59,19 @@ class PrefetchingLoader:
         if self._active is not None:
             self._active.close()
             self._active = None
+        if self._collate is not None:
+            self.loader.collate_fn = self._collate  # type: ignore[attr-defined]
+            self._collate = None
 
 
 class _PrefetchIterator:
-    def __init__(self, batches: Iterator[Any], worker: EmbeddingWorker, depth: int) -> None:
+    def __init__(self, batches: Iterator[Any], pipeline: EmbeddingPipeline, depth: int) -> None:
         self._batches = batches
-        self._worker = worker
-        self._queue: "queue.Queue[Any]" = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
+        self._pipeline = pipeline
+        self._depth = depth
+        self._items: deque[Any] = deque()
+        self._changed = threading.Condition()  # an item put or taken, or the iterator stopped
+        self._stopped = False
         self._thread = threading.Thread(target=self._run, name="persia-prefetch", daemon=True)
         self._thread.start()
 
@@ -60,52 +79,62 @@ class _PrefetchIterator:
         return self
 
     def __next__(self) -> Any:
-        item = self._queue.get()
-        if item is _END:
-            self._queue.put(_END)  # later calls see the end too
-            raise StopIteration
+        with self._changed:
+            while not self._items:
+                if self._stopped:
+                    raise StopIteration
+                self._changed.wait()
+            item = self._items[0]
+            if item is _END:  # stays: later calls see the end too
+                raise StopIteration
+            self._items.popleft()
+            self._changed.notify_all()
         if isinstance(item, BaseException):
             raise item
         batch, step = item
-        self._worker.enqueue(step)
+        self._pipeline.enqueue(step)
         return batch
+
+    def _is_stopped(self) -> bool:
+        return self._stopped
 
     def _run(self) -> None:
         try:
-            for batch in self._batches:
-                step = self._worker.plan(batch)
+            for item in self._batches:
+                if self._stopped:
+                    return
+                if isinstance(item, PlannedBatch):  # planned in a DataLoader worker
+                    batch, step = item.batch, self._pipeline.adopt(item)
+                else:
+                    batch, step = item, self._pipeline.plan(item)
                 if not self._put((batch, step)):
-                    self._worker.abandon([step])
+                    self._pipeline.abandon([step])
                     return
                 try:
-                    self._worker.issue(step, self._stop)
-                except BaseException:
-                    if self._stop.is_set():
-                        return
-                    raise
+                    self._pipeline.issue(step, self._is_stopped)
+                except LookupStopped:
+                    return
             self._put(_END)
         except BaseException as error:  # handed to the trainer's thread, which raises it
             self._put(error)
 
     def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
+        with self._changed:
+            while len(self._items) >= self._depth and not self._stopped:
+                self._changed.wait()
+            if self._stopped:
+                return False
+            self._items.append(item)
+            self._changed.notify_all()
+            return True
 
     def close(self) -> None:
-        self._stop.set()
-        leftovers: list[_Step] = []
-        while self._thread.is_alive() or not self._queue.empty():
-            try:
-                item = self._queue.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if isinstance(item, tuple):
-                leftovers.append(item[1])
+        with self._changed:
+            self._stopped = True
+            self._changed.notify_all()
+        self._pipeline.wake()
         self._thread.join()
-        self._worker.abandon(leftovers)
-        self._worker.abandon_ready()
+        leftovers: list[StepContext] = [item[1] for item in self._items if isinstance(item, tuple)]
+        self._items.clear()
+        self._pipeline.abandon(leftovers)
+        self._pipeline.abandon_ready()

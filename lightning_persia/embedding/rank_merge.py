@@ -8,7 +8,7 @@ so a lookup of the next batch could miss another rank's part of the previous one
 
 :class:`RankMerge` makes every rank push the same update: after the backward (where DDP all-reduces the dense
 gradients) the ranks all-gather their embedding gradients, and each sums them into the same
-``{table: (unique ids, summed rows)}``. Every rank then sends that update under one shared sender id with
+update (unique ids, summed rows). Every rank then sends that update under one shared sender id with
 the same sequence numbers, so the shards' exactly-once de-duplication (``remote_ps/exactly_once.py``) applies
 it once, and answers every rank only after it is applied. So:
 
@@ -34,20 +34,26 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
-Updates = dict[str, tuple[torch.Tensor, torch.Tensor]]
+from lightning_persia.embedding.phases import MERGE
+from lightning_persia.embedding.pusher import SparseUpdate
+from lightning_persia.ops.dedup import unique_by_table
+from lightning_persia.ops.keyed_ids import KeyedIds, RowLayout
 
 
 class RankMerge:
     """Sums the ranks' embedding gradients of each step into one update that every rank pushes as ``sender``.
 
-    Every rank submits one update per step, in the same order (as DDP's backward does). Needs an initialised
-    default process group; creates a gloo group of its own (a collective: every rank constructs it together).
+    Every rank submits one update (or None) per step, in the same order (as DDP's backward does). Needs an
+    initialised default process group; creates a gloo group of its own (a collective: every rank constructs it
+    together).
 
     Example::
 
         merge = RankMerge(sender="job-42-merged", dims={"user": 16, "item": 16})
-        future = merge.submit(updates, lambda merged: client.update_async(merged, sender=merge.sender))
+        future = merge.submit(update, lambda merged: client.update_sharded_async(client.shard(merged.keyed), merged.grads,
+                                                                                  merged.dims, sender=merge.sender))
         future.result()   # this step's merged update is applied on every shard
     """
 
@@ -57,8 +63,9 @@ class RankMerge:
         if not dims:
             raise ValueError("RankMerge needs the remote tables' dims (there is nothing to merge without a table)")
         self.sender = sender
-        self.dims = dict(sorted(dims.items()))
-        self._row_bytes = torch.tensor([8 + 4 * d for d in self.dims.values()], dtype=torch.int64)  # int64 id + float32 row
+        self.dims = dict(dims)
+        self._tables = sorted(self.dims)
+        self._index = {name: i for i, name in enumerate(self._tables)}
         # The ranks meet here once a step, so the timeout bounds how far apart they may drift (as DDP's does).
         self._group = dist.new_group(backend="gloo", timeout=timeout)
         self._world = dist.get_world_size()
@@ -66,18 +73,20 @@ class RankMerge:
         self._thread = threading.Thread(target=self._run, name="persia-rank-merge", daemon=True)
         self._thread.start()
 
-    def submit(self, updates: Updates, push: Callable[[Updates], "Future[None]"]) -> "Future[None]":
-        """Merges ``updates`` with the other ranks' of the same step, then ``push(merged)``; returns push's outcome."""
-        unknown = sorted(set(updates) - set(self.dims))
-        if unknown:
-            raise ValueError(f"gradients of tables the rank merge was not set up for: {unknown}")
-        for name, (ids, grads) in updates.items():
-            if ids.dim() != 1 or tuple(grads.shape) != (ids.numel(), self.dims[name]):
-                raise ValueError(
-                    f"table {name!r}: expected ids [n] and grads [n, {self.dims[name]}], got {tuple(ids.shape)} and {tuple(grads.shape)}"
-                )
+    def submit(self, update: Optional[SparseUpdate], push: Callable[[SparseUpdate], "Future[None]"]) -> "Future[None]":
+        """Merges ``update`` with the other ranks' of the same step, then ``push(merged)``; returns push's outcome."""
+        if update is not None:
+            unknown = sorted(set(update.keyed.tables) - set(self.dims))
+            if unknown:
+                raise ValueError(f"gradients of tables the rank merge was not set up for: {unknown}")
+            for name, dim in zip(update.keyed.tables, update.dims):
+                if dim != self.dims[name]:
+                    raise ValueError(f"table {name!r}: gradient rows of dim {dim}, the rank merge was set up with dim {self.dims[name]}")
+            expected = RowLayout(update.keyed.counts, update.dims).numel
+            if update.grads.dim() != 1 or update.grads.numel() != expected:
+                raise ValueError(f"gradients must be flat with {expected} values (ids x dims), got shape {tuple(update.grads.shape)}")
         done: Future = Future()
-        self._queue.put((updates, push, done))
+        self._queue.put((update, push, done))
         return done
 
     def close(self) -> None:
@@ -87,54 +96,59 @@ class RankMerge:
     def _run(self) -> None:
         failure: Optional[BaseException] = None
         while (item := self._queue.get()) is not None:
-            updates, push, done = item
+            update, push, done = item
             if failure is not None:  # a failed collective leaves the ranks out of step: every later one fails too
                 done.set_exception(failure)
                 continue
             try:
-                parts = self._gather(updates)
+                with record_function(MERGE):
+                    parts = self._gather(update)
             except BaseException as error:  # noqa: BLE001 - handed to the step's future
                 failure = error
                 done.set_exception(error)
                 continue
             try:
-                merged = merge_updates(parts)
-                if merged:
+                with record_function(MERGE):
+                    merged = merge_updates(parts)
+                if merged is not None:
                     _chain(push(merged), done)
                 else:
                     done.set_result(None)
             except BaseException as error:  # noqa: BLE001 - handed to the step's future
                 done.set_exception(error)
 
-    def _gather(self, updates: Updates) -> list[Updates]:
-        counts = torch.tensor([updates[n][0].numel() if n in updates else 0 for n in self.dims], dtype=torch.int64)
-        all_counts = [torch.empty_like(counts) for _ in range(self._world)]
-        dist.all_gather(all_counts, counts, group=self._group)
-        size = max(int((c * self._row_bytes).sum()) for c in all_counts)
+    def _gather(self, update: Optional[SparseUpdate]) -> list[SparseUpdate]:
+        """Every rank's update (its tables as the indices of :attr:`_tables`, their counts, ids and gradients)."""
+        num = len(self._tables)
+        header = torch.full((2 * num,), -1, dtype=torch.int64)
+        if update is not None:
+            k = len(update.keyed.tables)
+            header[:k] = torch.tensor([self._index[t] for t in update.keyed.tables], dtype=torch.int64)
+            header[num : num + k] = torch.tensor(update.keyed.counts, dtype=torch.int64)
+        headers = [torch.empty_like(header) for _ in range(self._world)]
+        dist.all_gather(headers, header, group=self._group)
+        layouts = [self._layout(h) for h in headers]
+        size = max(8 * layout.rows + 4 * layout.numel for _, layout in layouts)
         mine = torch.zeros(size, dtype=torch.uint8)
-        offset = 0
-        for name, dim in self.dims.items():
-            if name in updates:
-                ids, grads = updates[name]
-                for part in (ids.to(torch.int64), grads.to(torch.float32).reshape(-1)):
-                    raw = part.contiguous().view(torch.uint8)
-                    mine[offset : offset + raw.numel()] = raw
-                    offset += raw.numel()
+        if update is not None:
+            ids = update.keyed.ids.view(torch.uint8)
+            grads = update.grads.to(torch.float32).contiguous().view(torch.uint8)
+            mine[: ids.numel()] = ids
+            mine[ids.numel() : ids.numel() + grads.numel()] = grads
         gathered = [torch.empty(size, dtype=torch.uint8) for _ in range(self._world)]
         dist.all_gather(gathered, mine, group=self._group)
-        return [self._decode(raw, c) for raw, c in zip(gathered, all_counts)]
+        parts = []
+        for raw, (tables, layout) in zip(gathered, layouts):
+            ids = raw[: 8 * layout.rows].clone().view(torch.int64)  # clone: a view as int64 / float32 needs an aligned start
+            grads = raw[8 * layout.rows : 8 * layout.rows + 4 * layout.numel].clone().view(torch.float32)
+            parts.append(SparseUpdate(KeyedIds(tables, layout.counts, ids), grads, layout.dims))
+        return parts
 
-    def _decode(self, raw: torch.Tensor, counts: torch.Tensor) -> Updates:
-        out: Updates = {}
-        offset = 0
-        for (name, dim), n in zip(self.dims.items(), counts.tolist()):
-            if n:  # clone: a view as int64 / float32 needs an aligned start
-                ids = raw[offset : offset + 8 * n].clone().view(torch.int64)
-                offset += 8 * n
-                grads = raw[offset : offset + 4 * n * dim].clone().view(torch.float32).view(n, dim)
-                offset += 4 * n * dim
-                out[name] = (ids, grads)
-        return out
+    def _layout(self, header: torch.Tensor) -> tuple[tuple[str, ...], RowLayout]:
+        num = len(self._tables)
+        indices = [i for i in header[:num].tolist() if i >= 0]
+        tables = tuple(self._tables[i] for i in indices)
+        return tables, RowLayout(header[num : num + len(indices)].tolist(), [self.dims[t] for t in tables])
 
 
 def _chain(source: "Future[None]", target: "Future[None]") -> None:
@@ -148,17 +162,29 @@ def _chain(source: "Future[None]", target: "Future[None]") -> None:
     source.add_done_callback(forward)
 
 
-def merge_updates(parts: list[Updates]) -> Updates:
-    """Sums several ``{table: (ids [n], grads [n, dim])}`` into one with unique ids, deterministically.
+def merge_updates(parts: list[Optional[SparseUpdate]]) -> Optional[SparseUpdate]:
+    """Sums several updates into one with unique ids, deterministically; None when they hold no ids.
 
-    The result depends only on ``parts`` and their order (sorted tables, sorted ids), so ranks that merge
-    the same gathered parts send byte-identical requests.
+    The result depends only on ``parts`` and their order (tables sorted by width then name, ids sorted), so
+    ranks that merge the same gathered parts send byte-identical requests.
     """
-    merged: Updates = {}
-    for name in sorted({name for part in parts for name in part}):
-        ids = torch.cat([part[name][0] for part in parts if name in part])
-        grads = torch.cat([part[name][1] for part in parts if name in part])
-        unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-        summed = torch.zeros((unique.numel(), grads.shape[1]), dtype=grads.dtype).index_add_(0, inverse, grads)
-        merged[name] = (unique, summed)
-    return merged
+    parts = [p for p in parts if p is not None and p.keyed.ids.numel()]
+    if not parts:
+        return None
+    dims = {name: dim for p in parts for name, dim in zip(p.keyed.tables, p.dims)}
+    tables = sorted(dims, key=lambda name: (dims[name], name))  # one block of rows per width
+    index = {name: i for i, name in enumerate(tables)}
+    table = torch.cat([torch.tensor([index[t] for t in p.keyed.tables], dtype=torch.int64).index_select(0, p.keyed.table_of_ids) for p in parts])
+    unique, counts, inverse = unique_by_table(torch.cat([p.keyed.ids for p in parts]), table, len(tables))
+    merged = KeyedIds(tuple(tables), tuple(counts.tolist()), unique)
+    layout = RowLayout(merged.counts, [dims[t] for t in tables])
+    rows = (torch.cumsum(counts, 0) - counts).index_select(0, table) + inverse  # each contribution's row in the merged update
+    grads = torch.zeros(layout.numel, dtype=torch.float32)
+    by_dim = {block.dim: block for block in layout.blocks}
+    position = 0
+    for part in parts:
+        for block in RowLayout(part.keyed.counts, part.dims).blocks:
+            target = by_dim[block.dim]
+            target.of(grads).index_add_(0, rows[position + block.first_row : position + block.end_row] - target.first_row, block.of(part.grads))
+        position += part.keyed.ids.numel()
+    return SparseUpdate(merged, grads, tuple(dims[t] for t in tables))

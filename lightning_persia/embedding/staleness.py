@@ -24,20 +24,28 @@ class StalenessWindow:
         window.acknowledge(step=0)
     """
 
-    def __init__(self, staleness: int) -> None:
+    def __init__(self, staleness: int, changed: threading.Condition | None = None) -> None:
         if staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {staleness}")
         self.staleness = staleness
         self._acknowledged = 0  # batches 0 .. _acknowledged - 1 are all acknowledged
         self._early: set[int] = set()
         self._failure: BaseException | None = None
-        self._changed = threading.Condition()
+        # Notified on every acknowledgement and failure; a scheduler that waits for more than the window
+        # passes its own, so that one condition wakes it whatever changed.
+        self._changed = changed if changed is not None else threading.Condition()
 
     @property
     def acknowledged(self) -> int:
         """How many batches, counted from the first, have their update acknowledged."""
         with self._changed:
             return self._acknowledged
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The error an update failed with for good (every wait raises it), if any."""
+        with self._changed:
+            return self._failure
 
     def acknowledge(self, step: int) -> None:
         """Marks the update of batch ``step`` as applied by every shard."""
@@ -79,11 +87,3 @@ class StalenessWindow:
                 self._changed.wait(remaining)
             if self._failure is not None:
                 raise self._failure
-
-    def reset(self) -> None:
-        """Starts counting batches from zero again (a new epoch of the prefetcher)."""
-        with self._changed:
-            self._acknowledged = 0
-            self._early.clear()
-            self._failure = None
-            self._changed.notify_all()

@@ -1,6 +1,6 @@
 """Pooled lookups of many features from one flat batch-local weight tensor, in one fused kernel call.
 
-The embedding worker packs the rows fetched for a batch (every table of a collection) into one flat leaf
+The embedding pipeline packs the rows fetched for a step (every table of its modules) into one flat leaf
 tensor; FBGEMM's ``dense_embedding_codegen_lookup_function`` pools all features from it at once and its
 backward writes the gradient of that tensor directly (CPU kernel on CPU, CUDA kernel on GPU). Where
 FBGEMM is not installed for the device in use, ``torch.nn.functional.embedding_bag`` per feature does the
@@ -29,16 +29,18 @@ warnings.filterwarnings("ignore", message="fbgemm::dense_embedding_codegen_looku
 class FlatLayout:
     """Where each table of a flat weight tensor starts, and which table each feature reads.
 
-    ``rows[t]`` and ``dims[t]`` describe table ``t``; ``feature_tables[f]`` is the table of feature ``f``.
+    ``rows[t]`` and ``dims[t]`` describe table ``t``; ``feature_tables[f]`` is the table of feature ``f``. The
+    tables lie one after another from ``base`` (the rows of several modules may share one weight tensor).
     """
 
     rows: tuple[int, ...]
     dims: tuple[int, ...]
     feature_tables: tuple[int, ...]
+    base: int = 0
 
     @property
     def table_offsets(self) -> list[int]:
-        return [0] + list(accumulate(r * d for r, d in zip(self.rows, self.dims)))
+        return list(accumulate((r * d for r, d in zip(self.rows, self.dims)), initial=self.base))
 
     @property
     def feature_dims(self) -> list[int]:

@@ -1,9 +1,11 @@
 """Client of a parameter-server cluster: shards ids by hash, talks to every shard at once, retries, reassembles.
 
 All RPCs run on one background thread with a ``grpc.aio`` event loop; the public ``*_async`` methods return
-:class:`concurrent.futures.Future` objects, so a trainer can keep several batches in flight. Bucketing and
-encoding run on the caller's thread (vectorised torch ops); decoding writes each shard's rows straight into
-the output tensor in the caller's id order.
+:class:`concurrent.futures.Future` objects, so a trainer can keep several batches in flight. Every table of a
+call travels packed (one ids buffer and one rows or gradients buffer per message, see ``persia.proto``):
+bucketing by shard and encoding run on the caller's thread in a few vectorised ops whatever the number of
+tables (:meth:`PSClient.shard`, whose result a trainer reuses for the update of the same ids), and decoding
+writes each shard's rows straight into one output tensor in the caller's id order.
 
 Example::
 
@@ -12,6 +14,10 @@ Example::
     client.configure([TableConfig("user", dim=16, optimizer=Adagrad(rowwise=True))])
     rows = client.lookup({"user": torch.tensor([3, 7, 11])}, train=True)["user"]      # float32 [3, 16]
     client.update({"user": (torch.tensor([3, 7, 11]), torch.randn(3, 16))})
+
+    sharded = client.shard(KeyedIds(("user",), (3,), torch.tensor([3, 7, 11])))       # once per batch
+    flat = client.lookup_sharded_async(sharded, train=True).result()                   # float32 [3 * 16]
+    client.update_sharded_async(sharded, torch.randn(3 * 16), dims=[16])
 """
 from __future__ import annotations
 
@@ -29,11 +35,13 @@ from typing import Any, Awaitable, Callable, Dict, Iterator, List, Mapping, Opti
 
 import grpc
 import grpc.aio
+import numpy as np
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lightning_persia.ops import wire
-from lightning_persia.ops.hashing import shard_of
+from lightning_persia.ops.bucketize import bucketize
+from lightning_persia.ops.keyed_ids import Block, KeyedIds, RowLayout
 from lightning_persia.remote_ps.protocol import SERVICE_NAME, persia_pb2, persia_pb2_grpc
 from lightning_persia.remote_ps.table_config import TableConfig
 
@@ -88,16 +96,70 @@ WaitCallback = Callable[[ShardWait], None]
 
 
 @dataclass
-class _Bucketed:
-    """One table's ids grouped by shard: ``ids[order]`` is sorted by shard, shard s owns ``[starts[s], starts[s+1])``."""
+class _Message:
+    """One message's share of a :class:`ShardedIds`: ids ``[start, end)`` of the shard order, with their tables."""
 
-    ids: torch.Tensor  # ids in shard order
-    order: Optional[torch.Tensor]  # position in the caller's tensor of each id in shard order; None: identity
-    starts: List[int]
+    shard: int
+    start: int
+    end: int
+    tables: Tuple[str, ...]  # the tables it names, and their counts
+    counts: Tuple[int, ...]
+    table_counts: Tuple[int, ...]  # ids of every table of the KeyedIds in it (0 for the others)
+    ids: bytes  # encoded once, sent with the lookup and again with the update of the same ids
+
+    def blocks(self, layout: RowLayout) -> Iterator[Tuple[Block, int, int]]:
+        """``(block, first row in shard order, rows)`` of each block of ``layout`` with ids in this message."""
+        row = self.start
+        for block, count in zip(layout.blocks, layout.block_counts(self.table_counts)):
+            if count:
+                yield block, row, count
+                row += count
 
 
-# (table, start, end) of the shard-ordered ids of a table carried by one message
-_Piece = Tuple[str, int, int]
+@dataclass(frozen=True)
+class ShardedIds:
+    """Ids of several tables bucketed by shard, split into messages and encoded: what :meth:`PSClient.shard` makes
+    once per batch, for its lookup and its update.
+
+    ``order[j]`` is the position in ``keyed`` of the ``j``-th id in shard order (None: one shard, the same order).
+    """
+
+    keyed: KeyedIds
+    order: Optional[torch.Tensor]
+    messages: Tuple[_Message, ...]
+
+
+@dataclass(frozen=True)
+class Sharder:
+    """Buckets ids by shard, splits them into messages under the limits and encodes them (see :meth:`PSClient.shard`)."""
+
+    num_shards: int
+    max_ids_per_message: int
+    max_message_bytes: int
+    max_dim: int  # the widest table's: sizes the messages
+
+    def __call__(self, keyed: KeyedIds) -> ShardedIds:
+        buckets = bucketize(keyed, self.num_shards)
+        per_id = 8 + max(w.itemsize for w in wire.WIRE_DTYPES.values()) * self.max_dim
+        step = max(1, min(self.max_ids_per_message, (self.max_message_bytes // 2) // per_id))
+        messages = []
+        for shard in range(self.num_shards):
+            first, last = buckets.starts[shard], buckets.starts[shard + 1]
+            ends = np.cumsum(buckets.counts[shard])
+            starts = ends - np.asarray(buckets.counts[shard])
+            for start in range(first, max(last, first + 1), step):
+                end = min(start + step, last)
+                # shard 0's first message names every table, so that a table asked for no ids still gets its
+                # dim (and unknown tables their NOT_FOUND)
+                everything = shard == 0 and start == first
+                counts = np.clip(ends, start - first, end - first) - np.clip(starts, start - first, end - first)
+                keep = np.ones(len(counts), dtype=bool) if everything else counts > 0
+                if not keep.any():
+                    continue
+                tables = tuple(t for t, k in zip(keyed.tables, keep) if k)
+                messages.append(_Message(shard, start, end, tables, tuple(counts[keep].tolist()), tuple(counts.tolist()),
+                                         wire.encode_ids(buckets.ids[start:end])))
+        return ShardedIds(keyed, buckets.order, tuple(messages))
 
 
 def _read_pem(value: Optional[PathOrPEM]) -> Optional[bytes]:
@@ -205,93 +267,141 @@ class PSClient:
 
     # ---- lookups and updates -----------------------------------------------------------------------
 
+    def shard(self, keyed: KeyedIds) -> ShardedIds:
+        """Buckets ``keyed``'s ids by shard, splits them into messages under the limits and encodes them.
+
+        The result serves the lookup of these ids (:meth:`lookup_sharded_async`) and the update of the same
+        ids (:meth:`update_sharded_async`), so a training step buckets and encodes its ids once.
+        """
+        return self.sharder(keyed.tables)(keyed)
+
+    def sharder(self, tables: Sequence[str] = ()) -> "Sharder":
+        """What :meth:`shard` does, as a picklable function of the ids (for processes without a client, such as
+        DataLoader workers); ``tables``: those whose dims size its messages (default: every table known)."""
+        dims = self._dims if not tables else {t: self._dims.get(t, 0) for t in tables}
+        return Sharder(self.num_shards, self.max_ids_per_message, self._max_message_bytes, max(dims.values(), default=0))
+
+    def lookup_sharded_async(self, sharded: ShardedIds, *, train: bool, wire_dtype: str = "fp16") -> "Future[torch.Tensor]":
+        """Rows of every id of ``sharded`` as one flat float32 tensor in its :class:`KeyedIds` order: table after
+        table, ``[count, dim]`` each, row-major (every table's ids unique). ``train=True`` admits unseen ids."""
+        _wire_enum(wire_dtype)
+        return self._submit(self._lookup(sharded, train, wire_dtype))
+
     def lookup_async(self, ids: Mapping[str, torch.Tensor], *, train: bool, wire_dtype: str = "fp16") -> "Future[Dict[str, torch.Tensor]]":
         """Rows of ``ids`` per table (float32 ``[n, dim]`` on CPU, in the order of ``ids``).
 
         ``ids`` are int64, unique within each table. ``train=True`` admits unseen ids on the shards.
         """
-        dtype = _wire_enum(wire_dtype)
-        buckets = {name: self._bucket(name, table_ids) for name, table_ids in ids.items()}
-        elem = wire.WIRE_DTYPES[wire_dtype].itemsize
-        requests: List[Tuple[int, persia_pb2.LookupRequest, List[_Piece]]] = []
-        for shard in range(self.num_shards):
-            segments = [(name, b.starts[shard], b.starts[shard + 1], 8 + elem * self._dims.get(name, 0)) for name, b in buckets.items()]
-            messages = self._pack(segments)
-            empty = [(name, 0, 0) for name, b in buckets.items() if b.ids.numel() == 0]
-            if shard == 0 and empty:  # shard 0 tells the dim of a table asked for no ids (and that it exists)
-                messages = [messages[0] + empty] + messages[1:] if messages else [empty]
-            for pieces in messages:
-                request = persia_pb2.LookupRequest(train=train, dtype=dtype)
-                for name, start, end in pieces:
-                    request.tables.add(table=name, ids=wire.encode_ids(buckets[name].ids[start:end]))
-                requests.append((shard, request, pieces))
-        return self._submit(self._lookup(buckets, requests, wire_dtype))
+        _wire_enum(wire_dtype)
+        return self._submit(self._lookup_tables(self.shard(KeyedIds.from_dict(ids)), train, wire_dtype))
 
-    async def _lookup(self, buckets: Dict[str, _Bucketed], requests, wire_dtype: str) -> Dict[str, torch.Tensor]:
+    async def _lookup_tables(self, sharded: ShardedIds, train: bool, wire_dtype: str) -> Dict[str, torch.Tensor]:
+        flat = await self._lookup(sharded, train, wire_dtype)
+        keyed = sharded.keyed
+        dims = [self._dims[t] for t in keyed.tables]
+        parts = torch.split(flat, [c * d for c, d in zip(keyed.counts, dims)])
+        return {t: part.view(c, d) for t, part, c, d in zip(keyed.tables, parts, keyed.counts, dims)}
+
+    async def _lookup(self, sharded: ShardedIds, train: bool, wire_dtype: str) -> torch.Tensor:
+        dtype = _wire_enum(wire_dtype)
+        requests = []
+        for message in sharded.messages:
+            request = persia_pb2.LookupRequest(train=train, dtype=dtype)
+            request.packed.tables.extend(message.tables)
+            request.packed.counts.extend(message.counts)
+            request.packed.ids = message.ids
+            requests.append(request)
         responses = await self._gather(
-            self._call(shard, "Lookup", request, self.timeout_s) for shard, request, _ in requests
+            self._call(message.shard, "Lookup", request, self.timeout_s) for message, request in zip(sharded.messages, requests)
         )
-        out: Dict[str, torch.Tensor] = {}
-        for (shard, _, pieces), response in zip(requests, responses):
-            if len(response.tables) != len(pieces):
-                raise PSError(f"shard {shard} at {self.addresses[shard]} answered {len(response.tables)} tables for {len(pieces)}")
-            for (name, start, end), rows in zip(pieces, response.tables):
-                bucket = buckets[name]
-                view = wire.rows_view(rows.rows, wire_dtype, rows.dim, what=f"rows of table {name!r} from shard {shard}")
-                if view.shape[0] != end - start:
-                    raise PSError(f"shard {shard} answered {view.shape[0]} rows of table {name!r} for {end - start} ids")
-                self._dims[name] = rows.dim
-                target = out.get(name)
-                if target is None:
-                    target = out[name] = torch.empty(bucket.ids.numel(), rows.dim, dtype=torch.float32)
-                if bucket.order is None:
-                    target[start:end].copy_(view)
+        for message, response in zip(sharded.messages, responses):
+            if len(response.packed_dims) != len(message.tables):
+                raise PSError(f"shard {message.shard} at {self.addresses[message.shard]} answered {len(response.packed_dims)} "
+                              f"tables for {len(message.tables)}")
+            self._dims.update(zip(message.tables, response.packed_dims))
+        keyed, order = sharded.keyed, sharded.order
+        layout = RowLayout(keyed.counts, [self._dims[t] for t in keyed.tables])
+        out = torch.empty(layout.numel, dtype=torch.float32)
+        for message, response in zip(sharded.messages, responses):
+            where = f"rows of tables {list(message.tables)} from shard {message.shard}"
+            values = wire.rows_view(response.packed_rows, wire_dtype, 1, what=where).view(-1)
+            expected = sum(c * self._dims[t] for t, c in zip(message.tables, message.counts))
+            if values.numel() != expected:
+                raise PSError(f"shard {message.shard} answered {values.numel()} values of {where} for {expected}")
+            taken = 0
+            for block, row, count in message.blocks(layout):
+                rows = values[taken : taken + count * block.dim].view(count, block.dim)
+                taken += count * block.dim
+                if order is None:
+                    block.of(out)[row - block.first_row : row - block.first_row + count].copy_(rows)
                 else:
-                    target.index_copy_(0, bucket.order[start:end], view.to(torch.float32))
+                    block.of(out).index_copy_(0, order[row : row + count] - block.first_row, rows.float())
         return out
 
-    def update_async(
-        self, updates: Mapping[str, Tuple[torch.Tensor, torch.Tensor]], *, wire_dtype: str = "fp16", sender: Optional[str] = None,
+    def update_sharded_async(
+        self, sharded: ShardedIds, grads: torch.Tensor, dims: Sequence[int], *, wire_dtype: str = "fp16", sender: Optional[str] = None,
     ) -> "Future[None]":
-        """Sends gradients ``{table: (ids [n], grads [n, dim])}``; each shard applies its part exactly once.
+        """Sends the gradients of ``sharded``'s ids: ``grads`` is flat, in its :class:`KeyedIds` order (table after
+        table, ``[count, dims[t]]`` each); each shard applies its part exactly once.
 
         Ids need not be unique (gradients of duplicates are summed on the shard). Every message carries
         ``sender`` (default: this client's id) and the sender's next sequence number, and is resent with the
         same number on retry. Clients that send the very same updates in the same order under one shared
         ``sender`` make each shard apply every update once, and each of them hears back only after it is
-        applied (how ranks push one merged gradient, see ``embedding/rank_merge.py``)::
-
-            client.update_async({"user": (ids, grads)}, sender="job-42-merged")
+        applied (how ranks push one merged gradient, see ``embedding/rank_merge.py``).
         """
         sender = sender or self.client_id
         dtype = _wire_enum(wire_dtype)
-        buckets: Dict[str, _Bucketed] = {}
-        grads: Dict[str, torch.Tensor] = {}
-        for name, (table_ids, table_grads) in updates.items():
-            bucket = buckets[name] = self._bucket(name, table_ids)
-            if table_grads.dim() != 2 or table_grads.shape[0] != bucket.ids.numel() or not table_grads.is_floating_point():
-                raise ValueError(
-                    f"table {name!r}: grads must be a float tensor [n_ids={bucket.ids.numel()}, dim], got "
-                    f"{table_grads.dtype} {tuple(table_grads.shape)}"
-                )
-            encoded = table_grads.detach().to(dtype=wire.WIRE_DTYPES[wire_dtype]).cpu()
-            grads[name] = encoded if bucket.order is None else encoded.index_select(0, bucket.order)
-        elem = wire.WIRE_DTYPES[wire_dtype].itemsize
+        keyed, order = sharded.keyed, sharded.order
+        layout = RowLayout(keyed.counts, dims)
+        if grads.dim() != 1 or grads.numel() != layout.numel or not grads.is_floating_point():
+            raise ValueError(
+                f"grads must be a flat float tensor of {layout.numel} values (counts {list(keyed.counts)} x dims {list(dims)}), got "
+                f"{grads.dtype} {tuple(grads.shape)}"
+            )
+        encoded = grads.detach().to(device="cpu", dtype=wire.WIRE_DTYPES[wire_dtype])
         calls = []
-        for shard in range(self.num_shards):
-            segments = [(name, b.starts[shard], b.starts[shard + 1], 8 + elem * grads[name].shape[1]) for name, b in buckets.items()]
-            for pieces in self._pack(segments):
-                with self._seq_lock:
-                    seqs = self._seqs.setdefault(sender, [itertools.count(1) for _ in self.addresses])
-                    seq = next(seqs[shard])
-                request = persia_pb2.UpdateRequest(client_id=sender, seq=seq)
-                for name, start, end in pieces:
-                    request.tables.add(
-                        table=name, ids=wire.encode_ids(buckets[name].ids[start:end]),
-                        grads=wire.encode_rows(grads[name][start:end], wire_dtype), dtype=dtype,
-                    )
-                calls.append((shard, request))
+        for message in sharded.messages:
+            if message.start == message.end:
+                continue
+            with self._seq_lock:
+                seqs = self._seqs.setdefault(sender, [itertools.count(1) for _ in self.addresses])
+                seq = next(seqs[message.shard])
+            request = persia_pb2.UpdateRequest(client_id=sender, seq=seq, packed_dtype=dtype)
+            named = [(t, c) for t, c in zip(message.tables, message.counts) if c]
+            request.packed.tables.extend(t for t, _ in named)
+            request.packed.counts.extend(c for _, c in named)
+            request.packed.ids = message.ids
+            parts = []
+            for block, row, count in message.blocks(layout):
+                rows = block.of(encoded)
+                if order is None:
+                    parts.append(rows[row - block.first_row : row - block.first_row + count])
+                else:
+                    parts.append(rows.index_select(0, order[row : row + count] - block.first_row))
+            request.packed_grads = wire.encode_rows(parts[0] if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts]), wire_dtype)
+            calls.append((message.shard, request))
         return self._submit(self._update(calls))
+
+    def update_async(
+        self, updates: Mapping[str, Tuple[torch.Tensor, torch.Tensor]], *, wire_dtype: str = "fp16", sender: Optional[str] = None,
+    ) -> "Future[None]":
+        """Sends gradients ``{table: (ids [n], grads [n, dim])}`` (see :meth:`update_sharded_async`)::
+
+            client.update_async({"user": (ids, grads)}, sender="job-42-merged")
+        """
+        dims = []
+        for name, (table_ids, table_grads) in updates.items():
+            n = table_ids.numel() if isinstance(table_ids, torch.Tensor) else -1
+            if not isinstance(table_grads, torch.Tensor) or table_grads.dim() != 2 or table_grads.shape[0] != n or not table_grads.is_floating_point():
+                got = f"{table_grads.dtype} {tuple(table_grads.shape)}" if isinstance(table_grads, torch.Tensor) else type(table_grads).__name__
+                raise ValueError(f"table {name!r}: grads must be a float tensor [n_ids={n}, dim], got {got}")
+            dims.append(table_grads.shape[1])
+        keyed = KeyedIds.from_dict({name: table_ids for name, (table_ids, _) in updates.items()})
+        self._dims.update(zip(keyed.tables, dims))  # sizes the messages
+        grads = [g.detach().reshape(-1) for _, g in updates.values()]
+        flat = torch.cat(grads) if grads else torch.empty(0)
+        return self.update_sharded_async(self.shard(keyed), flat, dims, wire_dtype=wire_dtype, sender=sender)
 
     async def _update(self, calls) -> None:
         await self._gather(self._call(shard, "Update", request, self.timeout_s) for shard, request in calls)
@@ -454,37 +564,6 @@ class PSClient:
         self.close()
 
     # ---- plumbing ----------------------------------------------------------------------------------
-
-    def _bucket(self, name: str, ids: torch.Tensor) -> _Bucketed:
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype not in (torch.int64, torch.int32):
-            got = f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
-            raise ValueError(f"table {name!r}: ids must be a 1-d int64 tensor, got {got}")
-        ids = ids.to(device="cpu", dtype=torch.int64)
-        n = ids.numel()
-        if self.num_shards == 1:
-            return _Bucketed(ids, None, [0, n])
-        shards = shard_of(ids, self.num_shards)
-        shards, order = torch.sort(shards, stable=True)
-        counts = torch.bincount(shards, minlength=self.num_shards)
-        starts = [0] + torch.cumsum(counts, 0).tolist()
-        return _Bucketed(ids.index_select(0, order), order, starts)
-
-    def _pack(self, segments: List[Tuple[str, int, int, int]]) -> List[List[_Piece]]:
-        """Splits one shard's ``(table, start, end, bytes_per_id)`` segments into messages under the limits."""
-        limit = self._max_message_bytes // 2
-        messages: List[List[_Piece]] = [[]]
-        ids = size = 0
-        for name, start, end, per_id in segments:
-            while start < end:
-                room = min(self.max_ids_per_message - ids, (limit - size) // per_id)
-                if room <= 0 and messages[-1]:
-                    messages.append([])
-                    ids = size = 0
-                    continue
-                take = min(max(room, 1), end - start)
-                messages[-1].append((name, start, start + take))
-                ids, size, start = ids + take, size + take * per_id, start + take
-        return [m for m in messages if m]
 
     def _submit(self, coroutine: Awaitable) -> Future:
         if self._closed:

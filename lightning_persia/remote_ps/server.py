@@ -237,7 +237,28 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
             raise _invalid("a table entry has an empty table name")
         return self.store.describe(name).dim  # UnknownTableError -> NOT_FOUND
 
-    def _parse(self, entries, with_grads: bool) -> list[_TableRequest]:
+    def _parse(self, request, with_grads: bool) -> list[_TableRequest]:
+        """The tables of a Lookup or Update request, given one entry per table or packed."""
+        if not request.HasField("packed"):
+            return self._parse_entries(request.tables, with_grads)
+        if len(request.tables):
+            raise _invalid("a request carries its tables either as entries (`tables`) or packed (`packed`), not both")
+        return self._parse_packed(request, with_grads)
+
+    def _check_total(self, total: int) -> None:
+        if total > self.config.max_ids_per_request:
+            raise _Abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"request carries more than {self.config.max_ids_per_request} ids (max_ids_per_request); split it",
+            )
+
+    def _grads_dtype(self, name: str, value: int) -> str:
+        dtype = _DTYPE_NAMES.get(value)
+        if dtype is None:
+            raise _invalid(f"{name}: grads dtype {_dtype_label(value)} is not one of FP16, FP32")
+        return dtype
+
+    def _parse_entries(self, entries, with_grads: bool) -> list[_TableRequest]:
         parsed: list[_TableRequest] = []
         seen: set[str] = set()
         total = 0
@@ -249,24 +270,42 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
             dim = self._dim(name)
             ids = wire.decode_ids(entry.ids, what=f"table {name!r}: ids")
             total += ids.numel()
-            if total > self.config.max_ids_per_request:
-                raise _Abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"request carries more than {self.config.max_ids_per_request} ids (max_ids_per_request); split it",
-                )
+            self._check_total(total)
             item = _TableRequest(name, dim, ids)
             if with_grads:
-                dtype = _DTYPE_NAMES.get(entry.dtype)
-                if dtype is None:
-                    raise _invalid(
-                        f"table {name!r}: grads dtype {_dtype_label(entry.dtype)} is not one of FP16, FP32"
-                    )
+                dtype = self._grads_dtype(f"table {name!r}", entry.dtype)
                 grads = wire.rows_view(entry.grads, dtype, dim, what=f"table {name!r} (dim {dim}): grads")
                 if grads.shape[0] != ids.numel():
                     raise _invalid(f"table {name!r}: {ids.numel()} ids but {grads.shape[0]} rows of grads (dim {dim})")
                 item.grads = grads.float()
             parsed.append(item)
         return parsed
+
+    def _parse_packed(self, request, with_grads: bool) -> list[_TableRequest]:
+        packed = request.packed
+        names, counts = list(packed.tables), [int(c) for c in packed.counts]
+        if len(counts) != len(names):
+            raise _invalid(f"packed ids name {len(names)} tables but give {len(counts)} counts")
+        if len(set(names)) != len(names):
+            raise _invalid(f"a table appears more than once in one request: {sorted({n for n in names if names.count(n) > 1})}")
+        dims = [self._dim(name) for name in names]
+        self._check_total(sum(counts))
+        ids = wire.decode_ids(packed.ids, what="packed ids")
+        if ids.numel() != sum(counts):
+            raise _invalid(f"packed ids hold {ids.numel()} ids, their counts {counts} add up to {sum(counts)}")
+        per_table = torch.split(ids, counts)
+        grads: Sequence[Optional[torch.Tensor]] = [None] * len(names)
+        if with_grads:
+            dtype = self._grads_dtype("packed grads", request.packed_dtype)
+            sizes = [c * d for c, d in zip(counts, dims)]
+            flat = wire.rows_view(request.packed_grads, dtype, 1, what="packed grads").view(-1)
+            if flat.numel() != sum(sizes):
+                raise _invalid(
+                    f"packed grads hold {flat.numel()} {dtype} values, the ids' counts times their tables' dims "
+                    f"({list(zip(names, counts, dims))}) make {sum(sizes)}"
+                )
+            grads = [g.view(c, d) for g, c, d in zip(torch.split(flat.float(), sizes), counts, dims)]
+        return [_TableRequest(name, dim, table_ids, table_grads) for name, dim, table_ids, table_grads in zip(names, dims, per_table, grads)]
 
     # ---- RPCs ----------------------------------------------------------------------------------------
 
@@ -276,7 +315,7 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         dtype = _DTYPE_NAMES.get(dtype_enum)
         if dtype is None:
             raise _invalid(f"lookup dtype {_dtype_label(request.dtype)} is not one of FP16, FP32")
-        items = self._parse(request.tables, with_grads=False)
+        items = self._parse(request, with_grads=False)
         response_bytes = sum(item.ids.numel() * item.dim for item in items) * wire.WIRE_DTYPES[dtype].itemsize
         if response_bytes > self.max_message_bytes - (1 << 20):
             raise _Abort(
@@ -288,8 +327,18 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         # A read-only shard answers a training lookup like an evaluation one: nothing is inserted or touched.
         train = request.train and not self.config.read_only
         found = self.store.lookup_many([(item.name, item.ids) for item in items], train=train, dtype=wire.WIRE_DTYPES[dtype])
-        for item, rows in zip(items, found):
-            response.tables.add(table=item.name, dim=item.dim, rows=wire.encode_rows(rows, dtype))
+        if request.HasField("packed"):
+            # One buffer, converted to the wire dtype as it is filled: one encode for every table.
+            packed = torch.empty(sum(rows.numel() for rows in found), dtype=wire.WIRE_DTYPES[dtype])
+            offset = 0
+            for rows in found:
+                packed[offset : offset + rows.numel()].copy_(rows.reshape(-1))
+                offset += rows.numel()
+            response.packed_rows = wire.encode_rows(packed, dtype)
+            response.packed_dims.extend(item.dim for item in items)
+        else:
+            for item, rows in zip(items, found):
+                response.tables.add(table=item.name, dim=item.dim, rows=wire.encode_rows(rows, dtype))
         self._count("lookup_rows", sum(item.ids.numel() for item in items))
         return response
 
@@ -305,7 +354,7 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         def apply() -> int:
             # Parsed here, not before: a duplicate (a retry, or the same merged update from another rank)
             # is answered without decoding its gradients again.
-            items = self._parse(request.tables, with_grads=True)
+            items = self._parse(request, with_grads=True)
             return self.store.update_many([(item.name, item.ids, item.grads) for item in items])
 
         rows, duplicate = self.dedup.run(request.client_id, request.seq, apply, digest=_digest(request))
@@ -422,6 +471,11 @@ def _digest(request: persia_pb2.UpdateRequest) -> int:
     crc = 0
     for entry in request.tables:
         for part in (entry.table.encode(), entry.ids, entry.grads, str(entry.dtype).encode()):
+            crc = zlib.crc32(part, crc)
+    if request.HasField("packed"):
+        packed = request.packed
+        for part in ("\0".join(packed.tables).encode(), str(list(packed.counts)).encode(), packed.ids, request.packed_grads,
+                     str(request.packed_dtype).encode()):
             crc = zlib.crc32(part, crc)
     return crc
 

@@ -101,8 +101,8 @@ class PublishDeltas(Callback):
         strategy = trainer.strategy
         assert isinstance(strategy, PersiaStrategy) and strategy.client is not None
         step_time = time.time()
-        if strategy.worker is not None:
-            strategy.worker.drain()
+        if strategy.pipeline is not None:
+            strategy.pipeline.drain()
         strategy.barrier("persia_publish_delta")  # every rank's updates of this step are on the shards
         version = None
         if trainer.is_global_zero:

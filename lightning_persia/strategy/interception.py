@@ -1,15 +1,16 @@
 """Finding the embedding modules of a model and swapping them for their remote twins.
 
-Each table gets a name on the parameter server made of the module's path in the model and the table's
-own name (``sparse.ebc.t_cat_0``), so two collections may reuse table names. Settings come from the
-strategy's defaults, then from a per-table override keyed by either name.
+The twin of a module comes from a registry keyed by module type (:func:`register_twin`; a subclass of a
+registered type gets its base's twin). Each table gets a name on the parameter server made of the module's
+path in the model and the table's own name (``sparse.ebc.t_cat_0``), so two collections may reuse table
+names. Settings come from the strategy's defaults, then from a per-table override keyed by either name.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Sequence
+from typing import Callable, Literal, Optional, Sequence
 
 from torch import nn
 from torchrec.modules.embedding_configs import PoolingType
@@ -37,7 +38,26 @@ from lightning_persia.remote_ps.table_config import (
     Uniform,
 )
 
-MODULE_KINDS = ("EmbeddingBagCollection", "EmbeddingCollection", "EmbeddingBag", "Embedding")
+TwinBuilder = Callable[[str, nn.Module, "TableDefaults", int], RemoteModule]
+_TWINS: dict[type, tuple[str, TwinBuilder]] = {}  # module type -> (kind name, builder of its twin)
+
+
+def register_twin(module_type: type, kind: str) -> Callable[[TwinBuilder], TwinBuilder]:
+    """Registers ``builder(path, module, defaults, seed) -> twin`` for modules of ``module_type`` (and its
+    subclasses), under the kind name that ``PersiaStrategy(intercept=[...])`` selects."""
+
+    def decorate(builder: TwinBuilder) -> TwinBuilder:
+        _TWINS[module_type] = (kind, builder)
+        return builder
+
+    return decorate
+
+
+def _registered(module: nn.Module) -> Optional[tuple[str, TwinBuilder]]:
+    for cls in type(module).__mro__:
+        if cls in _TWINS:
+            return _TWINS[cls]
+    return None
 
 
 @dataclass
@@ -96,9 +116,10 @@ def intercept(model: nn.Module, kinds: Sequence[str], exclude: Sequence[str], de
     Tables of TorchRec collections with at most ``defaults.data_parallel_max_rows`` rows stay in the twin as
     :class:`DataParallelTables`, initialised like the parameter server's rows of ``seed``.
     """
-    unknown = set(kinds) - set(MODULE_KINDS)
+    known = [kind for kind, _ in _TWINS.values()]
+    unknown = set(kinds) - set(known)
     if unknown:
-        raise ValueError(f"intercept: unknown module kinds {sorted(unknown)}; choose from {list(MODULE_KINDS)}")
+        raise ValueError(f"intercept: unknown module kinds {sorted(unknown)}; choose from {known}")
     twins: list[RemoteModule] = []
     replaced: list[str] = []
     for path, module in list(model.named_modules()):
@@ -128,30 +149,48 @@ def _under(path: str, prefix: str) -> bool:
 
 
 def _twin(path: str, module: nn.Module, kinds: Sequence[str], defaults: TableDefaults, seed: int) -> Optional[RemoteModule]:
-    if isinstance(module, EmbeddingBagCollection) and "EmbeddingBagCollection" in kinds:
-        configs = module.embedding_bag_configs()
-        poolings = {c.pooling for c in configs}
-        if len(poolings) > 1:
-            raise ValueError(f"{path}: tables with different pooling types in one EmbeddingBagCollection are not supported; split them")
-        pooling = "mean" if poolings == {PoolingType.MEAN} else "sum"
-        if poolings - {PoolingType.SUM, PoolingType.MEAN}:
-            raise ValueError(f"{path}: pooling {poolings} is not supported; use SUM or MEAN")
-        remote, local = _torchrec_tables(path, configs, defaults, seed)
-        return RemoteEmbeddingBagCollection(path, remote, pooling, module.is_weighted(), local, _features(configs))
-    if isinstance(module, EmbeddingCollection) and "EmbeddingCollection" in kinds:
-        configs = module.embedding_configs()
-        remote, local = _torchrec_tables(path, configs, defaults, seed)
-        return RemoteEmbeddingCollection(path, remote, local, _features(configs))
-    if isinstance(module, nn.EmbeddingBag) and "EmbeddingBag" in kinds:
-        _check_plain(path, module)
-        if module.mode not in ("sum", "mean", "max"):
-            raise ValueError(f"{path}: nn.EmbeddingBag mode {module.mode!r} is not supported")
-        table = RemoteTable(path, defaults.config_for(path, path, module.embedding_dim, Normal(0.0, 1.0)))
-        return RemoteEmbeddingBag(path, table, module.mode, module.include_last_offset)
-    if isinstance(module, nn.Embedding) and "Embedding" in kinds:
-        _check_plain(path, module)
-        return RemoteEmbedding(path, RemoteTable(path, defaults.config_for(path, path, module.embedding_dim, Normal(0.0, 1.0))))
-    return None
+    entry = _registered(module)
+    if entry is None or entry[0] not in kinds:
+        return None
+    return entry[1](path, module, defaults, seed)
+
+
+@register_twin(EmbeddingBagCollection, "EmbeddingBagCollection")
+def _bag_collection_twin(path: str, module: EmbeddingBagCollection, defaults: TableDefaults, seed: int) -> RemoteModule:
+    configs = module.embedding_bag_configs()
+    poolings = {c.pooling for c in configs}
+    if len(poolings) > 1:
+        raise ValueError(f"{path}: tables with different pooling types in one EmbeddingBagCollection are not supported; split them")
+    pooling = "mean" if poolings == {PoolingType.MEAN} else "sum"
+    if poolings - {PoolingType.SUM, PoolingType.MEAN}:
+        raise ValueError(f"{path}: pooling {poolings} is not supported; use SUM or MEAN")
+    remote, local = _torchrec_tables(path, configs, defaults, seed)
+    return RemoteEmbeddingBagCollection(path, remote, pooling, module.is_weighted(), local, _features(configs), configs=list(configs))
+
+
+@register_twin(EmbeddingCollection, "EmbeddingCollection")
+def _collection_twin(path: str, module: EmbeddingCollection, defaults: TableDefaults, seed: int) -> RemoteModule:
+    configs = module.embedding_configs()
+    remote, local = _torchrec_tables(path, configs, defaults, seed)
+    return RemoteEmbeddingCollection(path, remote, local, _features(configs), configs=list(configs), need_indices=module.need_indices())
+
+
+@register_twin(nn.EmbeddingBag, "EmbeddingBag")
+def _bag_twin(path: str, module: nn.EmbeddingBag, defaults: TableDefaults, seed: int) -> RemoteModule:
+    _check_plain(path, module)
+    if module.mode not in ("sum", "mean", "max"):
+        raise ValueError(f"{path}: nn.EmbeddingBag mode {module.mode!r} is not supported")
+    table = RemoteTable(path, defaults.config_for(path, path, module.embedding_dim, Normal(0.0, 1.0)))
+    return RemoteEmbeddingBag(path, table, module.mode, module.include_last_offset)
+
+
+@register_twin(nn.Embedding, "Embedding")
+def _embedding_twin(path: str, module: nn.Embedding, defaults: TableDefaults, seed: int) -> RemoteModule:
+    _check_plain(path, module)
+    return RemoteEmbedding(path, RemoteTable(path, defaults.config_for(path, path, module.embedding_dim, Normal(0.0, 1.0))))
+
+
+MODULE_KINDS = tuple(kind for kind, _ in _TWINS.values())  # the built-in ones: PersiaStrategy's default
 
 
 def _check_plain(path: str, module: nn.Module) -> None:

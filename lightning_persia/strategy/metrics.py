@@ -2,7 +2,7 @@
 
 Served at ``http://<metrics_host>:<metrics_port + local rank>/metrics``:
 
-- per step, from the embedding worker's figures of the step (:meth:`TrainerMetrics.observe_step`):
+- per step, from the embedding pipeline's figures of the step (:meth:`TrainerMetrics.observe_step`):
   ``persia_trainer_steps_total``, ``persia_trainer_lookup_wait_seconds`` (histogram: how long the forward
   waited for its rows), ``persia_trainer_embedding_lag_steps`` (histogram: how many earlier steps' updates the
   step's rows missed), ``persia_trainer_rows_fetched_total``, ``persia_trainer_wire_bytes_total``;
@@ -70,7 +70,7 @@ class TrainerMetrics:
         self.url = metrics_url(self._server, host)
 
     def observe_step(self, figures: Mapping[str, float]) -> None:
-        """Folds in one step's figures (``EmbeddingWorker.step_metrics()``: lookup_wait_ms, staleness, rows_fetched, wire_bytes)."""
+        """Folds in one step's figures (``EmbeddingPipeline.step_metrics()``: lookup_wait_ms, staleness, rows_fetched, wire_bytes)."""
         if not figures:
             return
         self._steps.inc()

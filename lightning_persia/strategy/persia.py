@@ -20,13 +20,14 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_persia.embedding.data_parallel import DataParallelTables
 from lightning_persia.embedding.modules import RemoteModule
+from lightning_persia.embedding.pipeline import EmbeddingPipeline
 from lightning_persia.embedding.prefetch import PrefetchingLoader
 from lightning_persia.embedding.rank_merge import RankMerge
-from lightning_persia.embedding.worker import EmbeddingWorker
 from lightning_persia.remote_ps.client import PSClient, ShardWait
 from lightning_persia.remote_ps.table_config import DEFAULT_CAPACITY, InitLike, OptimizerLike
 from lightning_persia.strategy.interception import MODULE_KINDS, TableDefaults, TableOverride, intercept
@@ -94,7 +95,8 @@ class PersiaStrategy(DDPStrategy):
         ps_timeout_s: deadline of one parameter-server call, of a wait on the staleness window, and of the wait
             for the shards to answer at start (a line every 2 s names a shard that has not answered yet).
         ps_config: PS YAML config for the embedded shards.
-        log_embedding_metrics: log lookup wait, rows fetched, unique ratio, wire bytes and staleness each step.
+        log_embedding_metrics: log lookup wait, rows fetched, unique ratio, wire bytes and staleness of the steps the
+            trainer logs (every ``log_every_n_steps``: logging costs the trainer CPU on every call, even unwritten).
         recovery: what happens when a shard dies or restarts (default: roll back to the last checkpoint and go
             on; the embedded launcher restarts dead shards). See ``lightning_persia.strategy.recovery``.
         metrics_port: serve this rank's Prometheus metrics (lookup wait, lag, rows, wire bytes, rollbacks, PS
@@ -193,7 +195,7 @@ class PersiaStrategy(DDPStrategy):
             defaults.optimizer = embedding_optimizer
         self.table_defaults = defaults
         self.client: Optional[PSClient] = None
-        self.worker: Optional[EmbeddingWorker] = None
+        self._pipeline: Optional[EmbeddingPipeline] = None
         self.remote_modules: list[RemoteModule] = []
         self.data_parallel_tables: list[DataParallelTables] = []
         self._cluster: Optional[LocalCluster] = None
@@ -205,16 +207,24 @@ class PersiaStrategy(DDPStrategy):
         self.metrics: Optional[TrainerMetrics] = None
 
     @property
+    def pipeline(self) -> Optional[EmbeddingPipeline]:
+        """The rank's embedding pipeline (set up with the model; None before, or without remote tables)."""
+        return self._pipeline
+
+    @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         # The checkpoint's PS files are loaded through the client, which exists only after setup.
         return True
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:  # type: ignore[override]
         strategy_registry.register(cls.strategy_name, cls, description="PERSIA hybrid training: embeddings on PS shards, dense with DDP", override=True)
 
     # ---- connection to the parameter server ---------------------------------------------------------
 
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         if self.metrics_port is not None and self.metrics is None:  # before connecting: its PS calls count too
@@ -225,10 +235,10 @@ class PersiaStrategy(DDPStrategy):
             self._connect()
 
     def _metric_figures(self) -> dict[str, float]:
-        worker = self.worker
+        pipeline = self._pipeline
         return {"rollbacks": len(self._recovery.events),
-                "dropped_nonfinite_rows": worker.dropped_nonfinite_rows if worker is not None else 0,
-                "prefetch_misses": worker.prefetch_misses if worker is not None else 0}
+                "dropped_nonfinite_rows": pipeline.dropped_nonfinite_rows if pipeline is not None else 0,
+                "prefetch_misses": pipeline.prefetch_misses if pipeline is not None else 0}
 
     def _connect(self) -> None:
         addresses: Union[list[str], str, None] = self.ps_addresses
@@ -248,11 +258,12 @@ class PersiaStrategy(DDPStrategy):
                 raise RuntimeError(addresses)
         self.client = PSClient(addresses, token=self.ps_token, tls_root_cert=self.ps_tls_root_cert, timeout_s=self.ps_timeout_s,
                                interceptors=[self.metrics.client_interceptor] if self.metrics is not None else ())
-        self._recovery.attach(self.client, None)
+        self._recovery.attach(self.client, None, self._cluster)
         self.client.wait_healthy(self.ps_timeout_s, on_wait=_report_wait, report_every_s=WAIT_REPORT_INTERVAL_S)
 
     # ---- model ------------------------------------------------------------------------------------------
 
+    @override
     def setup(self, trainer: "pl.Trainer") -> None:
         if not any(isinstance(m, RemoteModule) for m in self.model.modules()):
             self._swap_embedding_modules()
@@ -281,15 +292,20 @@ class PersiaStrategy(DDPStrategy):
         if not self.remote_modules:
             log.warning("PersiaStrategy found no embedding table to serve remotely; training runs as plain DDP")
         self.client.configure([t.config for m in self.remote_modules for t in m.remote_tables])
-        self.worker = EmbeddingWorker(self.client, self.staleness, self.wire_dtype, self.root_device, timeout_s=self.ps_timeout_s)
-        for module in self.remote_modules:
-            self.worker.register(module)
         dims = {t.name: t.dim for m in self.remote_modules for t in m.remote_tables}
+        rank_merge = None
         if self.merge_rank_gradients and self.world_size > 1 and dims:
             sender = self.broadcast(f"{self.client.client_id}-merged")
-            self.worker.rank_merge = RankMerge(sender, dims, timeout=self._timeout)
-        self._recovery.attach(self.client, self.worker)
+            rank_merge = RankMerge(sender, dims, timeout=self._timeout)
+        self._pipeline = EmbeddingPipeline(
+            self.client, self.staleness, self.wire_dtype, self.root_device, timeout_s=self.ps_timeout_s, rank_merge=rank_merge,
+        )
+        for module in self.remote_modules:
+            self._pipeline.register(module.planner)
+            module.row_source = self._pipeline
+        self._recovery.attach(self.client, self._pipeline, self._cluster)
 
+    @override
     def configure_ddp(self) -> None:
         # DDP refuses a model without trainable parameters (with every table remote there may be none left),
         # and with one process it only adds a gradient copy and hooks to every step.
@@ -303,37 +319,44 @@ class PersiaStrategy(DDPStrategy):
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self.model, buffers)
         super().configure_ddp()
 
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if self.worker is None or trainer is None or trainer.state.stage != RunningStage.TRAINING:
+        if self._pipeline is None or trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
-        loader = PrefetchingLoader(dataloader, self.worker)
+        loader = PrefetchingLoader(dataloader, self._pipeline)
         self._loaders.append(loader)
         return loader
 
     # ---- the hybrid step --------------------------------------------------------------------------------
 
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        if self.worker is not None:
-            self.worker.begin_step()
+        if self._pipeline is not None:
+            self._pipeline.begin_step(batch)
             self._recovery.check("train")
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
-        if self.worker is not None and (self.log_embedding_metrics or self.metrics is not None):
-            metrics = self.worker.step_metrics()
-            if metrics and self.log_embedding_metrics:
+        trainer = self.lightning_module.trainer
+        # five log calls a step cost milliseconds of the trainer's CPU: the figures go out on the logging steps only
+        logging_step = self.log_embedding_metrics and (trainer.global_step + 1) % max(trainer.log_every_n_steps, 1) == 0
+        if self._pipeline is not None and (logging_step or self.metrics is not None):
+            metrics = self._pipeline.step_metrics()
+            if metrics and logging_step:
                 self.lightning_module.log_dict({f"persia/{k}": v for k, v in metrics.items()}, on_step=True, on_epoch=False, batch_size=1)
             if self.metrics is not None:
                 self.metrics.observe_step(metrics)
         return output
 
+    @override
     def post_backward(self, closure_loss: Tensor) -> None:
         super().post_backward(closure_loss)
         scale = self._embedding_gradient_scale()
-        if self.worker is not None:
-            self.worker.finish_step(scale)
+        if self._pipeline is not None:
+            self._pipeline.finish_step(scale)
         # Inside DDP's no_sync (all micro-batches of an accumulation but the last) a gradient is this rank's
         # own: it stays and accumulates until DDP all-reduces the sum with the last micro-batch's backward.
         if isinstance(self.model, DistributedDataParallel) and not self.model.require_backward_grad_sync:
@@ -349,22 +372,26 @@ class PersiaStrategy(DDPStrategy):
         return scale
 
     def _drain(self) -> None:
-        if self.worker is not None:
-            self.worker.drain()
+        if self._pipeline is not None:
+            self._pipeline.drain()
 
+    @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
         self._drain()
         self._recovery.check("validation")
 
+    @override
     def on_test_start(self) -> None:
         super().on_test_start()
         self._drain()
 
+    @override
     def on_predict_start(self) -> None:
         super().on_predict_start()
         self._drain()
 
+    @override
     def on_train_end(self) -> None:
         super().on_train_end()
         self._close_loaders()
@@ -377,6 +404,7 @@ class PersiaStrategy(DDPStrategy):
 
     # ---- checkpoints --------------------------------------------------------------------------------
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
         """Saves the shards' state beside the ``.ckpt`` (in ``<file>.ps/``), consistent with the same step."""
         ps_dir = None
@@ -414,6 +442,7 @@ class PersiaStrategy(DDPStrategy):
             "tables": {c.name: json.loads(json.dumps(c.to_dict())) for c in configs},
         }
 
+    @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Loads the dense state, and the shards' state from ``<file>.ps/`` (also into another shard count)."""
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
@@ -427,6 +456,7 @@ class PersiaStrategy(DDPStrategy):
             self._recovery.loaded(checkpoint_path, ps_dir)
         return checkpoint
 
+    @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         super().remove_checkpoint(filepath)
         if self.is_global_zero:
@@ -434,6 +464,7 @@ class PersiaStrategy(DDPStrategy):
 
     # ---- teardown ----------------------------------------------------------------------------------
 
+    @override
     def teardown(self) -> None:
         # The connection and an embedded cluster stay up: a later trainer.test() must see the trained tables.
         self._close_loaders()
@@ -452,6 +483,7 @@ class PersiaStrategy(DDPStrategy):
         finally:
             self._lightning_module = module
 
+    @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
         # Lightning re-raises ``exception`` after this hook and the teardown: an error while cleaning up would be
@@ -464,11 +496,11 @@ class PersiaStrategy(DDPStrategy):
 
     def close(self) -> None:
         """Disconnects from the shards and stops the embedded cluster, if this rank started one."""
-        worker, client, cluster, metrics = self.worker, self.client, self._cluster, self.metrics
-        self.worker = self.client = self._cluster = self.metrics = None
+        pipeline, client, cluster, metrics = self._pipeline, self.client, self._cluster, self.metrics
+        self._pipeline = self.client = self._cluster = self.metrics = None
         try:
-            if worker is not None and worker.rank_merge is not None:
-                worker.rank_merge.close()
+            if pipeline is not None:
+                pipeline.close()
             if client is not None:
                 client.close()
         finally:  # the shards and the metrics server stop whatever failed before

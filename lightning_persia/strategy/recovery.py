@@ -35,20 +35,15 @@ import logging
 import time
 import uuid
 from concurrent.futures import CancelledError
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 from lightning_persia.remote_ps.client import PSError
 
 COMMIT_MARKER = "COMMITTED"  # = remote_ps.store.checkpoint.COMMIT_MARKER (the strategy does not import the store)
 
 if TYPE_CHECKING:
-    from lightning_persia.embedding.worker import EmbeddingWorker
     from lightning_persia.strategy.persia import PersiaStrategy
 
 log = logging.getLogger(__name__)
@@ -56,6 +51,36 @@ log = logging.getLogger(__name__)
 
 class PersiaRecoveryError(RuntimeError):
     """A parameter-server failure that could not be recovered from; the message says why and what to do."""
+
+
+class RecoverableEmbeddings(Protocol):
+    """What recovery needs of the rank's embedding pipeline (``embedding/pipeline.py``)."""
+
+    @property
+    def current_step(self) -> Optional[int]:
+        """The open training step, if any."""
+
+    def set_update_error_handler(self, handler: Callable[[int, BaseException], bool]) -> None:
+        """``handler(step, error)`` hears of every failed update; True: handled, the staleness window goes on."""
+
+    def lookup_failure(self, timeout_s: float) -> Optional[BaseException]:
+        """Waits up to ``timeout_s`` for the open step's prefetched lookup; its error, if it failed."""
+
+    def wait_for_pushed(self) -> None:
+        """Waits until every update pushed so far is answered; the open step stays open."""
+
+    def invalidate_prefetched(self) -> None:
+        """Rows fetched so far are stale: they are fetched again."""
+
+
+class RestartableShards(Protocol):
+    """What recovery needs of the embedded cluster (``strategy/local_cluster.py``)."""
+
+    restore_from: Optional[str]
+
+    @property
+    def events(self) -> list:
+        """What the launcher saw and did (shards that exited, restarts, give-ups)."""
 
 
 @dataclass
@@ -104,7 +129,11 @@ class RollbackEvent:
 
 
 class Recovery:
-    """The recovery logic of one PersiaStrategy (hooks: ``attach``, ``check``, ``saved``, ``loaded``)."""
+    """The recovery logic of one PersiaStrategy (hooks: ``attach``, ``check``, ``saved``, ``loaded``).
+
+    It works through the strategy's public API (collectives, checkpoint IO, state loading) and the two narrow
+    interfaces it is attached to: :class:`RecoverableEmbeddings` and, in embedded mode, :class:`RestartableShards`.
+    """
 
     def __init__(self, strategy: "PersiaStrategy", config: RecoveryConfig) -> None:
         self.strategy = strategy
@@ -112,16 +141,20 @@ class Recovery:
         self.events: list[RollbackEvent] = []
         self.last_checkpoint: Optional[str] = None
         self._failure: Optional[str] = None
+        self._client: Any = None
+        self._embeddings: Optional[RecoverableEmbeddings] = None
+        self._shards: Optional[RestartableShards] = None
 
     # ---- hooks called by the strategy ----------------------------------------------------------------
 
-    def attach(self, client: Any, worker: Optional["EmbeddingWorker"]) -> None:
+    def attach(self, client: Any, embeddings: Optional[RecoverableEmbeddings], shards: Optional[RestartableShards]) -> None:
         """Applies the client's retry settings and makes failed updates wait for the next check."""
         client.max_retries = self.config.client_max_retries
         client.backoff_s = self.config.client_backoff_s
         client.max_backoff_s = self.config.client_max_backoff_s
-        if worker is not None and self.config.enabled:
-            worker.on_update_error = self._on_update_error
+        self._client, self._embeddings, self._shards = client, embeddings, shards
+        if embeddings is not None and self.config.enabled:
+            embeddings.set_update_error_handler(self._on_update_error)
 
     def saved(self, filepath: Any, ps_dir: Optional[Path], commit: bool = True) -> None:
         """A checkpoint (dense file + PS folder) is complete: the target of the next rollback.
@@ -134,9 +167,8 @@ class Recovery:
                 (ps_dir / COMMIT_MARKER).write_text(f"{Path(str(filepath)).name}\n")
             except OSError as err:  # the shards' file system may not be this rank's; nothing depends on it
                 log.debug("cannot mark %s committed: %s", ps_dir, err)
-        cluster = self.strategy._cluster
-        if cluster is not None and ps_dir is not None:
-            cluster.restore_from = str(ps_dir)
+        if self._shards is not None and ps_dir is not None:
+            self._shards.restore_from = str(ps_dir)
 
     def loaded(self, filepath: Any, ps_dir: Optional[Path]) -> None:
         """The run resumed from a checkpoint: it is the rollback target until a newer one is saved."""
@@ -148,10 +180,9 @@ class Recovery:
         ``where``: ``"train"`` (start of a batch: also waits for its prefetched lookups), ``"validation"`` or
         ``"checkpoint"`` (then ``checkpoint``, the dict about to be written, is refilled after a rollback).
         """
-        worker = self.strategy.worker
-        if not self.config.enabled or worker is None or self.strategy.client is None:
+        if not self.config.enabled or self._embeddings is None or self.strategy.client is None:
             return False
-        local = self._failure or (self._lookup_failure(worker) if where == "train" else None)
+        local = self._failure or (self._lookup_failure(self._embeddings) if where == "train" else None)
         if not self._any_rank(local is not None):
             return False
         self._rollback(local or "another rank saw a parameter-server failure", where, checkpoint)
@@ -166,39 +197,23 @@ class Recovery:
             return True  # acknowledged; the next check rolls back
         return False
 
-    def _lookup_failure(self, worker: "EmbeddingWorker") -> Optional[str]:
-        step = getattr(worker, "_current", None)
-        if step is None:
-            return None
-        client = self.strategy.client
+    def _lookup_failure(self, embeddings: RecoverableEmbeddings) -> Optional[str]:
+        step = embeddings.current_step
+        client = self._client
         # long enough for the client's own retries to end, so that their error (naming the shard) is the reason
         budget = client.timeout_s * (client.max_retries + 1) + client.max_backoff_s * client.max_retries + 1.0
-        for rows in step.prefetched.values():
-            issued = getattr(rows, "_issued", None)
-            if issued is not None and not issued.wait(worker.timeout_s):
-                return f"the embedding lookup of step {step.index} was not issued within {worker.timeout_s:.1f} s"
-            future = getattr(rows, "_rows", None)
-            if future is None:
-                continue
-            try:
-                error = future.exception(budget)
-            except FutureTimeout:
-                return f"the embedding lookup of step {step.index} did not answer within {budget:.1f} s"
-            except CancelledError:
-                return f"the embedding lookup of step {step.index} was cancelled"
-            if isinstance(error, PSError):
-                return f"the embedding lookup of step {step.index} failed: {error}"
+        error = embeddings.lookup_failure(budget)
+        if isinstance(error, TimeoutError):
+            return f"the embedding lookup of step {step}: {error}"
+        if isinstance(error, CancelledError):
+            return f"the embedding lookup of step {step} was cancelled"
+        if isinstance(error, PSError):
+            return f"the embedding lookup of step {step} failed: {error}"
         return None
 
-    def _distributed(self) -> bool:
-        return self.strategy.world_size > 1 and dist.is_available() and dist.is_initialized()
-
     def _any_rank(self, flag: bool) -> bool:
-        if not self._distributed():
-            return flag
-        value = torch.tensor([1 if flag else 0], device=self.strategy.root_device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return bool(value.item())
+        """Whether any rank says ``flag`` (one rank has nothing to agree on: no collective on every step)."""
+        return flag if self.strategy.world_size == 1 else self.strategy.reduce_boolean_decision(flag, all=False)
 
     def _all_ok(self, error: Optional[str], stage: str) -> None:
         """Raises the same PersiaRecoveryError on every rank if any rank failed ``stage``."""
@@ -227,14 +242,14 @@ class Recovery:
                 "restart the run"
             )
         log.warning("PersiaStrategy: %s at step %d (%s); rolling back to %s", reason, step, where, target)
-        worker = strategy.worker
+        embeddings = self._embeddings
         client = strategy.client
-        assert worker is not None and client is not None
+        assert embeddings is not None and client is not None
 
         # 1. every update this rank pushed is answered (applied or failed), so none lands after the load
         error = None
         try:
-            worker.wait_for_pushed()  # not drain(): the open step (this batch) must stay open
+            embeddings.wait_for_pushed()  # not drain(): the open step (this batch) must stay open
         except Exception as err:  # noqa: BLE001 - reported on every rank below
             error = f"in-flight embedding updates did not finish: {err}"
         self._all_ok(error, "draining updates")
@@ -267,9 +282,7 @@ class Recovery:
                 client.refresh_incarnations()
             strategy.load_model_state_dict(dense, strict=True)
             strategy.load_optimizer_state_dict(dense)
-            invalidate = getattr(worker, "invalidate_prefetched", None)
-            if invalidate is not None:
-                invalidate()
+            embeddings.invalidate_prefetched()
         except Exception as err:  # noqa: BLE001
             error = f"{type(err).__name__}: {err}"
         self._all_ok(error, "restoring the dense state")
@@ -285,8 +298,7 @@ class Recovery:
                     target, event.seconds, len(self.events), self.config.max_rollbacks)
 
     def _cluster_events(self) -> str:
-        cluster = self.strategy._cluster
-        events = getattr(cluster, "events", None)
+        events = self._shards.events if self._shards is not None else None
         if not events:
             return ""
         return "; embedded launcher: " + "; ".join(f"shard {e.shard} {e.kind}: {e.detail.splitlines()[0]}" for e in events[-4:])

@@ -7,10 +7,11 @@ from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_persia.embedding.worker import EmbeddingWorker
+from lightning_persia.embedding.pipeline import EmbeddingPipeline
 from lightning_persia.remote_ps.client import PSClient
 from lightning_persia.remote_ps.store.initializers import initial_rows
 from lightning_persia.remote_ps.table_config import SGD, Uniform
+from lightning_persia.embedding.batch_rows import RemoteTable
 from lightning_persia.strategy.interception import TableDefaults, intercept
 
 SEED = 5  # the seed of the session's ps_cluster
@@ -38,9 +39,10 @@ def pair(ps_cluster, request):
     twins = intercept(remote, ["EmbeddingBagCollection", "EmbeddingCollection", "EmbeddingBag", "Embedding"], [], TableDefaults(optimizer=SGD(lr=1.0), init=INIT))
     client = PSClient(ps_cluster.addresses)
     client.configure([t.config for twin in twins for t in twin.remote_tables])
-    worker = EmbeddingWorker(client, staleness=0, wire_dtype="fp32", device=torch.device("cpu"))
+    pipeline = EmbeddingPipeline(client, staleness=0, wire_dtype="fp32", device=torch.device("cpu"))
     for twin in twins:
-        worker.register(twin)
+        pipeline.register(twin.planner)
+        twin.row_source = pipeline
     with torch.no_grad():
         for twin in twins:
             for table in twin.remote_tables:
@@ -48,7 +50,7 @@ def pair(ps_cluster, request):
                 owner = local.get_submodule(module_path) if module_path in ("ebc", "ec") else local.get_submodule(table.name)
                 weight = owner.embedding_bags[table_name].weight if module_path == "ebc" else owner.embeddings[table_name].weight if module_path == "ec" else owner.weight
                 weight.copy_(initial_rows(INIT, SEED, table.name, torch.arange(N), weight.shape[1]))
-    yield local, remote, worker
+    yield local, remote, pipeline
     client.close()
 
 
@@ -65,19 +67,19 @@ def _outputs(model: nn.Module, kjt: KeyedJaggedTensor, ids: torch.Tensor, offset
 
 
 def test_evaluation_outputs_equal_the_local_modules(pair):
-    local, remote, worker = pair
+    local, remote, _ = pair
     kjt, ids, offsets = _kjt(), torch.tensor([3, 7, 7, 1, 29, 0]), torch.tensor([0, 2])
     for mine, theirs in zip(_outputs(remote, kjt, ids, offsets), _outputs(local, kjt, ids, offsets)):
         torch.testing.assert_close(mine, theirs)
 
 
 def test_training_pushes_the_gradient_the_local_module_gets(pair):
-    local, remote, worker = pair
+    local, remote, pipeline = pair
     kjt, ids, offsets = _kjt(1), torch.tensor([3, 7, 7, 1, 29, 0]), torch.tensor([0, 2])
-    worker.begin_step()
+    pipeline.begin_step()
     sum(o.square().sum() for o in _outputs(remote, kjt, ids, offsets)).backward()
-    worker.finish_step(scale=1.0)
-    worker.drain()
+    pipeline.finish_step(scale=1.0)
+    pipeline.drain()
     sum(o.square().sum() for o in _outputs(local, kjt, ids, offsets)).backward()
     with torch.no_grad():
         for p in local.parameters():
@@ -125,3 +127,52 @@ def test_torchrec_init_bounds_become_the_remote_initialiser():
     (twin,) = intercept(nn.ModuleDict({"ebc": ebc}), ["EmbeddingBagCollection"], [], TableDefaults())
     inits = [t.config.init for t in twin.remote_tables]
     assert inits == [Constant(0.0), Uniform(-0.2, 0.3), Uniform(-0.1, 0.1)]
+
+
+def test_the_torchrec_twins_implement_the_torchrec_interfaces():
+    """Code that asks a collection for its configs keeps working after the swap."""
+    from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, EmbeddingCollectionInterface
+
+    model = _Model("iface_")
+    bag_configs, configs = model.ebc.embedding_bag_configs(), model.ec.embedding_configs()
+    intercept(model, ["EmbeddingBagCollection", "EmbeddingCollection"], [], TableDefaults())
+    assert isinstance(model.ebc, EmbeddingBagCollectionInterface) and isinstance(model.ec, EmbeddingCollectionInterface)
+    assert model.ebc.embedding_bag_configs() == bag_configs and not model.ebc.is_weighted()
+    assert model.ec.embedding_configs() == configs and model.ec.embedding_dim() == 4 and not model.ec.need_indices()
+    assert model.ec.embedding_names_by_table() == [["x"]]
+
+
+def test_a_subclass_of_a_registered_module_gets_its_twin_and_new_kinds_can_be_registered():
+    from lightning_persia.embedding.modules import RemoteEmbedding
+    from lightning_persia.strategy.interception import _TWINS, register_twin
+
+    class MyEmbedding(nn.Embedding):
+        pass
+
+    class Hashed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dim = 3
+
+    model = nn.ModuleDict({"mine": MyEmbedding(5, 2)})
+    (twin,) = intercept(model, ["Embedding"], [], TableDefaults())
+    assert isinstance(model["mine"], RemoteEmbedding) and twin.remote_tables[0].dim == 2
+
+    @register_twin(Hashed, "Hashed")
+    def _hashed(path, module, defaults, seed):
+        return RemoteEmbedding(path, RemoteTable(path, defaults.config_for(path, path, module.dim, INIT)))
+
+    try:
+        model = nn.ModuleDict({"h": Hashed()})
+        assert intercept(model, ["Embedding"], [], TableDefaults()) == []  # not a kind asked for
+        (twin,) = intercept(model, ["Hashed"], [], TableDefaults())
+        assert twin.remote_tables[0].dim == 3
+    finally:
+        del _TWINS[Hashed]
+
+
+def test_a_twin_without_a_row_source_says_what_runs_it():
+    model = nn.ModuleDict({"emb": nn.Embedding(5, 2)})
+    intercept(model, ["Embedding"], [], TableDefaults())
+    with pytest.raises(RuntimeError, match="'emb' has no row source; it runs under PersiaStrategy"):
+        model["emb"](torch.tensor([1]))

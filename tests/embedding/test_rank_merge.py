@@ -7,36 +7,48 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_persia.embedding.pusher import SparseUpdate
 from lightning_persia.embedding.rank_merge import RankMerge, merge_updates
+from lightning_persia.ops.keyed_ids import KeyedIds
 
 
-def _part(ids: list[int], value: float, dim: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.tensor(ids), torch.full((len(ids), dim), value)
+def _update(**tables: tuple[list[int], float, int]) -> SparseUpdate:
+    """``name=(ids, value, dim)``: every gradient row of the table filled with ``value``."""
+    keyed = KeyedIds.from_dict({name: torch.tensor(ids, dtype=torch.int64) for name, (ids, _, _) in tables.items()})
+    grads = torch.cat([torch.full((len(ids) * dim,), value) for ids, value, dim in tables.values()])
+    return SparseUpdate(keyed, grads, tuple(dim for _, _, dim in tables.values()))
 
 
-def test_merge_sums_the_rows_of_every_rank_once_per_id():
-    rank0 = {"t": _part([5, 1, 5], 1.0)}
-    rank1 = {"t": _part([1, 9], 10.0), "u": _part([3], 2.0, dim=3)}
+def _rows(update: SparseUpdate, table: str) -> tuple[list[int], torch.Tensor]:
+    position = update.keyed.tables.index(table)
+    start = sum(update.keyed.counts[:position])
+    offset = sum(c * d for c, d in zip(update.keyed.counts[:position], update.dims))
+    count, dim = update.keyed.counts[position], update.dims[position]
+    return update.keyed.ids[start : start + count].tolist(), update.grads[offset : offset + count * dim].view(count, dim)
+
+
+def test_merge_sums_the_rows_of_every_rank_once_per_id_tables_ordered_by_width():
+    rank0 = _update(t=([5, 1, 5], 1.0, 2))
+    rank1 = _update(u=([3], 2.0, 3), t=([1, 9], 10.0, 2))
     merged = merge_updates([rank0, rank1])
-    assert list(merged) == ["t", "u"]
-    ids, grads = merged["t"]
-    assert ids.tolist() == [1, 5, 9]
-    assert grads[:, 0].tolist() == [11.0, 2.0, 10.0]
-    assert merged["u"][0].tolist() == [3] and merged["u"][1].shape == (1, 3)
+    assert merged.keyed.tables == ("t", "u") and merged.dims == (2, 3)
+    ids, grads = _rows(merged, "t")
+    assert ids == [1, 5, 9] and grads[:, 0].tolist() == [11.0, 2.0, 10.0]
+    ids, grads = _rows(merged, "u")
+    assert ids == [3] and grads.tolist() == [[2.0, 2.0, 2.0]]
 
 
 def test_merge_gives_the_same_bytes_whatever_the_order_of_the_tables_in_a_part():
-    a = {"t": _part([4, 2], 1.5), "u": _part([7], 0.25)}
-    b = {"u": _part([7], 0.25), "t": _part([4, 2], 1.5)}
+    a = _update(t=([4, 2], 1.5, 2), u=([7], 0.25, 2))
+    b = _update(u=([7], 0.25, 2), t=([4, 2], 1.5, 2))
     left, right = merge_updates([a, a]), merge_updates([b, b])
-    assert list(left) == list(right)
-    for name in left:
-        assert torch.equal(left[name][0], right[name][0]) and torch.equal(left[name][1], right[name][1])
+    assert left.keyed.tables == right.keyed.tables and left.keyed.counts == right.keyed.counts
+    assert torch.equal(left.keyed.ids, right.keyed.ids) and torch.equal(left.grads, right.grads)
 
 
-def test_merge_of_nothing_is_empty():
-    assert merge_updates([]) == {}
-    assert merge_updates([{}, {}]) == {}
+def test_merge_of_nothing_is_nothing():
+    assert merge_updates([]) is None
+    assert merge_updates([None, _update(t=([], 1.0, 2))]) is None
 
 
 def test_rank_merge_needs_a_sender_and_tables():
@@ -62,25 +74,29 @@ def test_rank_merge_pushes_the_merged_update_and_reports_its_outcome(one_process
         done.set_result(None)
         return done
 
-    assert merge.submit({"t": _part([2, 2, 0], 1.0), "u": _part([7], 0.5, dim=3)}, push).result(10) is None
-    assert merge.submit({}, push).result(10) is None  # nothing to push: answered without a push
+    assert merge.submit(_update(t=([2, 2, 0], 1.0, 2), u=([7], 0.5, 3)), push).result(10) is None
+    assert merge.submit(None, push).result(10) is None  # nothing to push: answered without a push
     (merged,) = pushed
-    assert merged["t"][0].tolist() == [0, 2] and merged["t"][1][:, 0].tolist() == [1.0, 2.0]
-    assert torch.equal(merged["u"][1], torch.full((1, 3), 0.5))
+    ids, grads = _rows(merged, "t")
+    assert ids == [0, 2] and grads[:, 0].tolist() == [1.0, 2.0]
+    assert torch.equal(_rows(merged, "u")[1], torch.full((1, 3), 0.5))
 
     def refused(merged):
         raise ValueError("shard said no")
 
     with pytest.raises(ValueError, match="shard said no"):
-        merge.submit({"t": _part([1], 1.0)}, refused).result(10)
-    assert merge.submit({"t": _part([1], 1.0)}, push).result(10) is None  # a failed push is that step's alone
+        merge.submit(_update(t=([1], 1.0, 2)), refused).result(10)
+    assert merge.submit(_update(t=([1], 1.0, 2)), push).result(10) is None  # a failed push is that step's alone
     merge.close()
 
 
 def test_rank_merge_refuses_unknown_tables_and_misshapen_gradients(one_process_group):
     merge = RankMerge("job-merged", {"t": 2})
     with pytest.raises(ValueError, match=r"\['v'\]"):
-        merge.submit({"v": _part([1], 1.0)}, lambda merged: None)
-    with pytest.raises(ValueError, match=r"table 't': expected ids \[n\] and grads \[n, 2\], got \(1,\) and \(1, 3\)"):
-        merge.submit({"t": _part([1], 1.0, dim=3)}, lambda merged: None)
+        merge.submit(_update(v=([1], 1.0, 2)), lambda merged: None)
+    with pytest.raises(ValueError, match=r"table 't': gradient rows of dim 3, the rank merge was set up with dim 2"):
+        merge.submit(_update(t=([1], 1.0, 3)), lambda merged: None)
+    bad = _update(t=([1, 2], 1.0, 2))
+    with pytest.raises(ValueError, match=r"flat with 4 values"):
+        merge.submit(SparseUpdate(bad.keyed, bad.grads[:3], bad.dims), lambda merged: None)
     merge.close()

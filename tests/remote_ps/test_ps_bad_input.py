@@ -45,6 +45,19 @@ def update(*tables, client_id="bad-input-test", seq=None):
     entries = [pb.TableGrads(table=t, ids=i, grads=g, dtype=d) for t, i, g, d in tables]
     return "Update", pb.UpdateRequest(client_id=client_id, seq=next(_SEQ) if seq is None else seq, tables=entries)
 
+def packed(tables, counts, values) -> pb.PackedIds:
+    return pb.PackedIds(tables=tables, counts=counts, ids=ids(values))
+
+
+def packed_lookup(tables, counts, values, **extra):
+    return "Lookup", pb.LookupRequest(packed=packed(tables, counts, values), train=True, dtype=pb.FP32, **extra)
+
+
+def packed_update(tables, counts, values, grad_bytes, dtype=pb.FP32):
+    return "Update", pb.UpdateRequest(client_id="bad-input-test", seq=next(_SEQ), packed=packed(tables, counts, values),
+                                      packed_grads=grad_bytes, packed_dtype=dtype)
+
+
 NOT_FOUND, RESOURCE_EXHAUSTED = grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED
 CASES = {
     "lookup_unknown_table": (lookup(("nope", ids([1]))), NOT_FOUND, "unknown table 'nope'"),
@@ -80,6 +93,23 @@ CASES = {
     "update_second_table_nan": (
         update((TABLE, ids([1, 2]), grads(2), pb.FP32), (OTHER, ids([1]), grads(1, dim=2, value=math.inf), pb.FP32)),
         INVALID, "'bad_input_other': gradients contain NaN or infinity"),
+    "packed_lookup_counts_do_not_add_up": (packed_lookup([TABLE, OTHER], [2, 2], FRESH[:3]), INVALID,
+                                           "packed ids hold 3 ids, their counts [2, 2] add up to 4"),
+    "packed_lookup_fewer_counts_than_tables": (packed_lookup([TABLE, OTHER], [3], FRESH[:3]), INVALID,
+                                               "packed ids name 2 tables but give 1 counts"),
+    "packed_lookup_table_twice": (packed_lookup([TABLE, TABLE], [1, 1], FRESH[:2]), INVALID, "appears more than once"),
+    "packed_lookup_unknown_table": (packed_lookup([TABLE, "nope"], [1, 1], FRESH[:2]), NOT_FOUND, "unknown table 'nope'"),
+    "packed_lookup_too_many_ids": (packed_lookup([TABLE], [4097], range(4097)), RESOURCE_EXHAUSTED, "more than 4096 ids"),
+    "packed_lookup_and_entries": (
+        ("Lookup", pb.LookupRequest(tables=[pb.TableIds(table=TABLE, ids=ids([1]))], packed=packed([OTHER], [1], [1]), train=True)),
+        INVALID, "either as entries (`tables`) or packed (`packed`), not both"),
+    "packed_update_grads_of_other_dims": (packed_update([TABLE, OTHER], [2, 1], [1, 2, 3], grads(3, dim=4)), INVALID,
+                                          "packed grads hold 12 fp32 values, the ids' counts times their tables' dims"),
+    "packed_update_dtype_unspecified": (packed_update([TABLE], [1], [1], grads(1), dtype=pb.WIRE_DTYPE_UNSPECIFIED), INVALID,
+                                        "packed grads: grads dtype WIRE_DTYPE_UNSPECIFIED is not one of FP16, FP32"),
+    "packed_update_second_table_nan": (
+        packed_update([TABLE, OTHER], [1, 1], [1, 2], grads(1) + grads(1, dim=2, value=math.nan)), INVALID,
+        "'bad_input_other': gradients contain NaN or infinity"),
     "configure_not_json": (("Configure", pb.ConfigureRequest(tables_json=["{nope"])), INVALID, "not valid JSON"),
     "configure_unknown_optimizer": (
         ("Configure", pb.ConfigureRequest(tables_json=[json.dumps({"name": "x", "dim": 2, "optimizer": {"kind": "Lion"}})])),

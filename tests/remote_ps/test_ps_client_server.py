@@ -190,6 +190,31 @@ def test_large_requests_are_split_into_several_messages(ps_cluster, make_client)
     torch.testing.assert_close(after, rows - 1.0)
 
 
+def test_tables_of_several_widths_travel_packed_split_and_reordered(ps_cluster, make_client):
+    """One sharding serves the lookup and the update of the same ids; tables of widths 4, 8, 4 (one empty) share
+    each message, which splits mid-table; the flat rows come back in the caller's order."""
+    from lightning_persia.ops.keyed_ids import KeyedIds
+
+    client = make_client(ps_cluster.addresses, max_ids_per_message=37)
+    client.configure([TableConfig(n, d, optimizer=SGD(lr=1.0)) for n, d in (("packed_a", 4), ("packed_b", 8), ("packed_c", 4), ("packed_d", 2))])
+    ids = {"packed_a": _ids(90, seed=30), "packed_b": _ids(60, seed=31), "packed_d": torch.tensor([], dtype=torch.int64),
+           "packed_c": _ids(70, seed=32)}
+    per_table = client.lookup(ids, train=True, wire_dtype="fp32")
+    assert {name: tuple(rows.shape) for name, rows in per_table.items()} == {
+        "packed_a": (ids["packed_a"].numel(), 4), "packed_b": (ids["packed_b"].numel(), 8), "packed_d": (0, 2),
+        "packed_c": (ids["packed_c"].numel(), 4)}
+    sharded = client.shard(KeyedIds.from_dict(ids))
+    assert len(sharded.messages) >= sum(t.numel() for t in ids.values()) // 37
+    flat = client.lookup_sharded_async(sharded, train=False, wire_dtype="fp32").result(30)
+    torch.testing.assert_close(flat, torch.cat([rows.reshape(-1) for rows in per_table.values()]), rtol=0, atol=0)
+    grads = torch.randn(flat.numel())
+    client.update_sharded_async(sharded, grads, [4, 8, 2, 4], wire_dtype="fp32").result(30)
+    after = client.lookup_sharded_async(sharded, train=False, wire_dtype="fp32").result(30)
+    torch.testing.assert_close(after, flat - grads, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match=r"flat float tensor of 1120 values \(counts \[\d+, \d+, 0, \d+\] x dims \[4, 8, 2, 4\]\)"):
+        client.update_sharded_async(sharded, grads[:-1], [4, 8, 2, 4])
+
+
 def test_futures_overlap_and_stats(ps_cluster, make_client):
     client = make_client(ps_cluster.addresses)
     client.configure([TableConfig("overlap", 2, optimizer=SGD(lr=1.0), init=Constant(0.0))])

@@ -29,7 +29,7 @@ def test_gpu_training_matches_local_gpu_training(precision):
     strategy = PersiaStrategy(staleness=0, embedding_optimizer=SGD(lr=0.1), embedding_init=INIT, wire_dtype="fp32")
     try:
         _fit(remote, 10, strategy, precision=precision)
-        assert strategy.worker.device.type == "cuda"
+        assert strategy.pipeline.device.type == "cuda"
         print("fbgemm CUDA kernel in use:", fbgemm_available("cuda"))
         tolerance = 1e-4 if precision == "32-true" else 5e-3
         for table in ("t0", "t1"):

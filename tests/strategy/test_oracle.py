@@ -134,7 +134,7 @@ def test_mixed_precision_and_accumulation_push_unscaled_gradients():
     strategy = PersiaStrategy(staleness=0, embedding_optimizer=SGD(lr=0.1), embedding_init=INIT, wire_dtype="fp32")
     try:
         _trainer(strategy, steps=2, accumulate_grad_batches=2, precision="bf16-mixed").fit(remote, loader(batches))
-        assert strategy.worker.dropped_nonfinite_rows == 0
+        assert strategy.pipeline.dropped_nonfinite_rows == 0
         for table in ("t0", "t1"):
             torch.testing.assert_close(_remote_rows(strategy, table), local.ebc.embedding_bags[table].weight.detach(), rtol=0, atol=2e-3)
     finally:

@@ -1,4 +1,4 @@
-"""The embedding worker when the run stops with updates still in flight."""
+"""The gradient pusher when the run stops with updates still in flight."""
 from __future__ import annotations
 
 import logging
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_persia.embedding.worker import EmbeddingWorker
+from lightning_persia.embedding.pipeline import EmbeddingPipeline
 from lightning_persia.remote_ps.client import PSClient
 from lightning_persia.remote_ps.table_config import SGD
 from lightning_persia.strategy.interception import TableDefaults, intercept
@@ -18,21 +18,24 @@ def test_closing_the_client_under_an_update_in_flight_fails_the_window_without_a
     proxies = [ChaosProxy(address) for address in ps_cluster.addresses]
     client = PSClient([p.address for p in proxies])
     model = nn.Module()
-    model.closing_worker_table = nn.Embedding(50, 4)
+    model.closing_pusher_table = nn.Embedding(50, 4)
     twins = intercept(model, ["Embedding"], [], TableDefaults(optimizer=SGD(lr=0.1)))
     client.configure([t.config for twin in twins for t in twin.remote_tables])
-    worker = EmbeddingWorker(client, staleness=2, wire_dtype="fp32", device=torch.device("cpu"), timeout_s=10)
-    worker.register(twins[0])
+    pipeline = EmbeddingPipeline(client, staleness=2, wire_dtype="fp32", device=torch.device("cpu"), timeout_s=10)
+    for twin in twins:
+        pipeline.register(twin.planner)
+        twin.row_source = pipeline
+    ids = torch.arange(20)
     try:
-        worker.begin_step()
-        model.closing_worker_table(torch.arange(20)).sum().backward()
+        pipeline.begin_step(ids)
+        model.closing_pusher_table(ids).sum().backward()
         for proxy in proxies:
             proxy.delay_s = 1.0  # the update below is still on its way when the client closes
-        worker.finish_step(scale=1.0)
+        pipeline.finish_step(scale=1.0)
         with caplog.at_level(logging.DEBUG):
             client.close()  # what the strategy does when the run fails (a malformed data line, Ctrl-C, ...)
             with pytest.raises(RuntimeError, match="embedding update of step 0 was cancelled: the connection to the parameter server was closed"):
-                worker.window.wait_until(1, timeout_s=10)
+                pipeline.wait_for_pushed()
         # concurrent.futures logs an exception raised by a done-callback, with its traceback, at ERROR
         assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
     finally:

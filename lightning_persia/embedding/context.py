@@ -1,0 +1,27 @@
+"""The state of one training step in the embedding pipeline (TorchRec's ``TrainPipelineContext``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from lightning_persia.embedding.batch_rows import BatchRows
+
+
+@dataclass
+class StepContext:
+    """One step: its number, the rows prefetched for its modules, the rows its forwards read.
+
+    Made by the prefetcher when it plans the step's batch (or by the trainer for a batch nobody planned),
+    handed to the trainer with the batch, closed after the step's backward.
+    """
+
+    index: int
+    generation: int  # the pipeline's generation when planned: rows of an older one are fetched again
+    prefetched: Optional[BatchRows] = None  # one lookup for every module whose input the batch showed
+    used: list[BatchRows] = field(default_factory=list)  # rows the step's forwards read: its update
+    lag: int = 0  # earlier steps' updates its lookup missed
+    batch: Any = None  # the batch the trainer runs (where a module's input is found)
+
+    def use(self, rows: BatchRows) -> None:
+        if not any(r is rows for r in self.used):
+            self.used.append(rows)

@@ -1,0 +1,144 @@
+"""Turning a batch into its step's lookup: each remote module's input found and deduplicated, the ids sharded.
+
+Everything here is plain data and tensor code (no module, no connection, nothing on a GPU), so it runs wherever
+the batch is: on the pipeline's prefetch thread, or, when the train DataLoader has worker processes, inside
+them (:class:`PlanningCollate`), where PERSIA's embedding workers would do it: out of the trainer's interpreter,
+while the trainer runs earlier steps.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from lightning_persia.embedding.batch_rows import RowPlan
+from lightning_persia.embedding.batch_search import Path, at_path, find_kjts
+from lightning_persia.ops.dedup import keyed_unique
+from lightning_persia.ops.keyed_ids import KeyedIds
+
+
+def _plan_ids(key: str, tables: tuple[str, ...], dims: tuple[int, ...], counts: tuple[int, ...], ids: torch.Tensor,
+              source: tuple[torch.Tensor, ...]) -> RowPlan:
+    unique, inverse = keyed_unique(KeyedIds(tables, counts, ids.reshape(-1).to(device="cpu", dtype=torch.int64)))
+    return RowPlan(key, unique, dims, inverse, source)
+
+
+@dataclass(frozen=True)
+class CollectionPlanner:
+    """Plans the lookup of a TorchRec collection twin: the features of its remote tables, in a KeyedJaggedTensor.
+
+    ``feature_tables[f]`` is the table (an index into ``tables``) of ``features[f]``; each table's features are
+    consecutive.
+    """
+
+    key: str
+    tables: tuple[str, ...]
+    dims: tuple[int, ...]
+    features: tuple[str, ...]
+    feature_tables: tuple[int, ...]
+
+    def find(self, batch: Any) -> Optional[KeyedJaggedTensor]:
+        """The first KeyedJaggedTensor of ``batch`` that holds every feature of the module."""
+        for kjt in find_kjts(batch):
+            if self.accepts(kjt):
+                return kjt
+        return None
+
+    def accepts(self, features: Any) -> bool:
+        """Whether ``features`` can be this module's input."""
+        return isinstance(features, KeyedJaggedTensor) and set(self.features) <= set(features.keys())
+
+    def select(self, kjt: KeyedJaggedTensor, features: Optional[Sequence[str]] = None) -> KeyedJaggedTensor:
+        """``kjt`` restricted to (and ordered as) ``features`` (default: the remote tables' ones)."""
+        features = list(self.features if features is None else features)
+        keys = kjt.keys()
+        if keys == features:
+            return kjt
+        missing = [f for f in features if f not in keys]
+        if missing:
+            raise KeyError(f"{self.key!r}: features {missing} are missing from the input (it has {keys})")
+        return kjt.permute([keys.index(f) for f in features])
+
+    def sources(self, kjt: KeyedJaggedTensor) -> tuple[torch.Tensor, ...]:
+        return (kjt.values(), kjt.lengths())
+
+    def plan(self, kjt: KeyedJaggedTensor) -> RowPlan:
+        mine = self.select(kjt)
+        per_feature = torch.tensor(mine.length_per_key(), dtype=torch.int64)
+        counts = torch.zeros(len(self.tables), dtype=torch.int64).index_add_(0, torch.tensor(self.feature_tables, dtype=torch.int64), per_feature)
+        return _plan_ids(self.key, self.tables, self.dims, tuple(counts.tolist()), mine.values(), self.sources(kjt))
+
+
+@dataclass(frozen=True)
+class TensorPlanner:
+    """Plans the lookup of a ``nn.Embedding[Bag]`` twin: one table, a tensor of ids as input."""
+
+    key: str
+    table: str
+    dim: int
+
+    def find(self, batch: Any) -> None:
+        return None  # any tensor of the batch could be it: the first step tells (BatchPlanner.paths)
+
+    def accepts(self, features: Any) -> bool:
+        return isinstance(features, torch.Tensor) and not features.is_floating_point() and not features.is_complex()
+
+    def sources(self, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (ids,)
+
+    def plan(self, ids: torch.Tensor) -> RowPlan:
+        return _plan_ids(self.key, (self.table,), (self.dim,), (ids.numel(),), ids, (ids,))
+
+
+Planner = Union[CollectionPlanner, TensorPlanner]
+
+
+@dataclass(frozen=True)
+class PlannedBatch:
+    """A batch with its step's lookup planned where the batch was made: each module's plan, the ids sharded."""
+
+    batch: Any
+    plans: tuple[RowPlan, ...]
+    sharded: Any  # the step's ids bucketed and encoded (ShardClient.shard); None without a plan
+
+    def pin_memory(self) -> "PlannedBatch":
+        """The same with the batch in pinned memory (``DataLoader(pin_memory=True)``)."""
+        pin = getattr(self.batch, "pin_memory", None)
+        return replace(self, batch=pin()) if callable(pin) else self
+
+
+@dataclass(frozen=True)
+class BatchPlanner:
+    """Plans a batch's lookup: every module whose input the batch shows, then the ids of all of them sharded.
+
+    ``paths``: where in a batch the input of a module that cannot tell (a plain ``nn.Embedding``) was found;
+    ``shard``: how the ids are bucketed and encoded for the shards (``PSClient.sharder()``), picklable like the rest.
+    """
+
+    planners: tuple[Planner, ...]
+    paths: tuple[tuple[str, Path], ...]
+    shard: Callable[[KeyedIds], Any]
+
+    def plan(self, batch: Any) -> PlannedBatch:
+        paths = dict(self.paths)
+        plans = []
+        for planner in self.planners:
+            path = paths.get(planner.key)
+            features = at_path(batch, path) if path is not None else planner.find(batch)
+            if features is not None and planner.accepts(features):  # a batch shaped otherwise is fetched in the forward
+                plans.append(planner.plan(features))
+        sharded = self.shard(KeyedIds.concat([p.unique for p in plans])) if plans else None
+        return PlannedBatch(batch, tuple(plans), sharded)
+
+
+class PlanningCollate:
+    """A DataLoader ``collate_fn`` that also plans each batch's lookup, in the DataLoader's worker process."""
+
+    def __init__(self, collate_fn: Callable[[Any], Any], planner: BatchPlanner) -> None:
+        self.collate_fn = collate_fn
+        self.planner = planner
+
+    def __call__(self, samples: Any) -> PlannedBatch:
+        return self.planner.plan(self.collate_fn(samples))

@@ -76,11 +76,11 @@ def fields(chunks: Chunks, rows: torch.Tensor, arrays: dict[int, torch.Tensor], 
     arrays = {offset: array if array.is_contiguous() else array.contiguous() for offset, array in arrays.items()}
     for offset, array in arrays.items():
         rows = _rows(chunks, rows, array, offset)
-    offsets = torch.tensor(list(arrays), dtype=torch.int64)
-    widths = torch.tensor([_row_bytes(a) for a in arrays.values()], dtype=torch.int64)
-    pointers = torch.tensor([a.data_ptr() for a in arrays.values()], dtype=torch.int64)
-    _require().lp_fields(*_layout(chunks), rows.data_ptr(), rows.numel(), len(arrays), offsets.data_ptr(), widths.data_ptr(),
-                         pointers.data_ptr(), int(to_rows))
+    count = len(arrays)
+    offsets = (ctypes.c_int64 * count)(*arrays)
+    widths = (ctypes.c_int64 * count)(*(_row_bytes(a) for a in arrays.values()))
+    pointers = (ctypes.c_int64 * count)(*(a.data_ptr() for a in arrays.values()))
+    _require().lp_fields(*_layout(chunks), rows.data_ptr(), rows.numel(), count, offsets, widths, pointers, int(to_rows))
 
 
 def set_int32(chunks: Chunks, offset: int, rows: torch.Tensor, value: int, add: bool = False) -> None:

@@ -32,6 +32,7 @@ from lightning_persia.remote_ps.table_config import STORAGE_DTYPES, TableConfig
 
 SAVED_FIELDS = ("ids", "weights", "state", "access")
 """The fields a checkpoint keeps per row (versions restart with the process)."""
+_TIMED_INSERT = 4096  # lookups of at least this many ids have the CPU time of their inserting part measured
 _REMOVED_LOG_IDS = 1 << 24  # evicted ids remembered for deltas; a delta since an older point is refused
 
 
@@ -124,7 +125,7 @@ class Table:
         """Rows of ``ids`` as ``[n, dim]`` of ``dtype``; training lookups admit unseen ids."""
         out = torch.empty(ids.numel(), self.config.dim, dtype=self.storage_dtype)
         with self.lock:
-            held, worked = time.perf_counter(), time.thread_time()
+            held = time.perf_counter()
             touch = None
             if train:
                 self._step += 1
@@ -134,9 +135,15 @@ class Table:
             self._counters["lookups"] += 1
             self._counters["lookup_rows"] += ids.numel()
             if bool(missing.any()):
+                # The longest a lookup that inserted held the table, and the CPU time of its inserting part: what
+                # growing costs the table's other requests. A thread's CPU clock is a system call (hundreds of
+                # microseconds in some virtual machines): read only around inserts of a growing table's size.
+                timed = train and ids.numel() >= _TIMED_INSERT
+                worked = time.thread_time() if timed else 0.0
                 out[missing] = self._fill_missing(ids[missing], train)
-                if train:  # the longest a lookup that inserted held the table (and its CPU time): what growing costs others
+                if train:
                     self._worst_insert_s = max(self._worst_insert_s, time.perf_counter() - held)
+                if timed:
                     self._worst_insert_cpu_s = max(self._worst_insert_cpu_s, time.thread_time() - worked)
         return out.to(dtype)
 
@@ -152,16 +159,20 @@ class Table:
             if not bool(present.all()):
                 self._counters["dropped_update_rows"] += int((~present).sum())
                 rows, grads = rows[present], grads[present]
-            weights = self._rows["weights"].gather(rows).float()
-            state = self._rows["state"].gather(rows) if "state" in self._rows.fields else torch.empty(rows.numel(), 0)
+            # every field of the touched records in one pass each way (a record shares its cache lines)
+            fields = {name: torch.empty(self.field_specs[name].shape(rows.numel()), dtype=self.field_specs[name].dtype)
+                      for name in ("weights", "state") if name in self._rows.fields}
+            self._rows.gather_fields(rows, fields)
+            weights = fields["weights"].float()
+            state = fields.get("state", torch.empty(rows.numel(), 0))
             self._preserve(rows)
             self.rule.apply(weights, state, grads)
             if self.config.weight_bound is not None:
                 weights.clamp_(-self.config.weight_bound, self.config.weight_bound)
-            self._rows["weights"].scatter(rows, weights)
+            written = {"weights": weights, "version": torch.full((rows.numel(),), self._version, dtype=torch.int32)}
             if state.shape[1]:
-                self._rows["state"].scatter(rows, state)
-            self._rows["version"].fill(rows, self._version)
+                written["state"] = state
+            self._rows.scatter_fields(rows, written)
             self._counters["updates"] += 1
             self._counters["update_rows"] += rows.numel()
             return rows.numel()

@@ -3,21 +3,21 @@
 What serving relies on, all of it here:
 
 * a twin (:class:`~lightning_persia.embedding.modules.RemoteModule`) has ``remote_tables`` (each with a
-  ``name`` and a ``dim``) and ``bind(source)``; the TorchRec twins list their KJT keys in ``output_features``;
-* a bound twin's forward calls ``source.rows_for(module, source_tensors, plan)``, where ``plan()`` builds the
-  batch's :class:`~lightning_persia.embedding.batch_rows.BatchRows` (``request()``: unique ids per table;
-  ``attach(future)``: the lookup answering them; ``materialize(...)``: the rows on the device), and expects
-  the rows back materialised.
+  ``name`` and a ``dim``) and a ``row_source``; the TorchRec twins list their KJT keys in ``output_features``;
+* a twin's forward calls ``row_source.rows(planner, features)``
+  (:class:`~lightning_persia.embedding.row_source.RowSource`) and expects the rows back materialised, as the
+  trainer's pipeline gives them.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
-from lightning_persia.embedding.batch_rows import BatchRows
+from lightning_persia.embedding.batch_rows import BatchRows, ModuleRows
 from lightning_persia.embedding.modules import RemoteEmbeddingBagCollection, RemoteEmbeddingCollection, RemoteModule
+from lightning_persia.embedding.row_source import Planner
 from lightning_persia.remote_ps.client import PSClient
 
 
@@ -41,13 +41,15 @@ class ReadOnlyRowSource:
     def bind(self, twins: Sequence[RemoteModule]) -> None:
         """Makes every twin of ``twins`` read its rows from this source."""
         for twin in twins:
-            twin.bind(self)
+            twin.row_source = self
 
-    def rows_for(self, module: RemoteModule, source: tuple[torch.Tensor, ...], plan: Callable[[], BatchRows]) -> BatchRows:
-        rows = plan()
-        rows.attach(self._client.lookup_async(rows.request(), train=False, wire_dtype=self._wire_dtype))
+    def rows(self, planner: Planner, features: Any) -> ModuleRows:
+        """The rows of ``features`` for the forward of ``planner``'s module (the ``RowSource`` protocol)."""
+        rows = BatchRows([planner.plan(features)])
+        sharded = self._client.shard(rows.keyed)
+        rows.attach(sharded, self._client.lookup_sharded_async(sharded, train=False, wire_dtype=self._wire_dtype))
         rows.materialize(self._device, requires_grad=False, timeout_s=self._timeout_s)
-        return rows
+        return rows.take(planner.key)
 
 
 def remote_table_dims(twins: Sequence[RemoteModule]) -> dict[str, int]:

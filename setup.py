@@ -20,6 +20,7 @@ setup(
             f"lightning_persia.ops.native.{_source.library_name()}",
             sources=["lightning_persia/ops/native/kernels.c"],
             extra_compile_args=list(_source.COMPILE_ARGS),
+            libraries=["m"],  # sqrtf of the sparse rules
             optional=True,
         )
     ]

@@ -145,6 +145,42 @@ class Index:
         )
         return rows
 
+    def find_job(self, ids: torch.Tensor, rows: torch.Tensor, chunks: Chunks, copy: tuple[int, torch.Tensor],
+                 touch: Optional[tuple[int, int, bool]] = None) -> FindJob:
+        """A :func:`find_many` job: as :meth:`find` into ``rows``; the tensors must outlive the call."""
+        _check(ids, torch.int64, "ids")
+        _check(rows, torch.int64, "rows")
+        offset, out = copy
+        if not (ids.is_contiguous() and rows.is_contiguous() and out.is_contiguous()) or rows.numel() != ids.numel() or \
+                out.shape[0] != ids.numel() or out.device.type != "cpu":
+            raise ValueError(f"find_job: contiguous CPU ids, rows and out of {ids.numel()} rows are needed")
+        _within(chunks, offset, _row_bytes(out))
+        touch_offset, value, add = touch if touch is not None else (-1, 0, False)
+        if touch is not None:
+            _within(chunks, touch_offset, 4)
+        address, shift, stride = _layout(chunks)
+        return FindJob(self._handle, address, shift, stride, ids.data_ptr(), ids.numel(), rows.data_ptr(), offset,
+                       _row_bytes(out), out.data_ptr(), touch_offset, value, int(add), 0)
+
+    def update_job(self, ids: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor, chunks: Chunks, rule: str,
+                   weights: tuple[int, torch.dtype], state_offset: int, version: tuple[int, int], lr: float, eps: float,
+                   weight_decay: float, bound: Optional[float]) -> UpdateJob:
+        """An :func:`update_many` job for the rows of ``ids``; the tensors must outlive the call."""
+        _check(ids, torch.int64, "ids")
+        _check(rows, torch.int64, "rows")
+        weights_offset, weights_dtype = weights
+        dim = grads.shape[1] if grads.dim() == 2 else -1
+        if grads.dtype != torch.float32 or dim < 1 or grads.shape[0] != ids.numel() or not grads.is_contiguous() or \
+                not ids.is_contiguous() or rows.numel() != ids.numel() or weights_dtype not in (torch.float16, torch.float32):
+            raise ValueError(f"update_job: contiguous float32 grads [{ids.numel()}, dim], ids and rows of as many are needed")
+        _within(chunks, weights_offset, dim * torch.empty(0, dtype=weights_dtype).element_size())
+        _within(chunks, state_offset, 4 * (dim if rule == "Adagrad" else 1 if rule == "RowwiseAdagrad" else 0))
+        _within(chunks, version[0], 4)
+        address, shift, stride = _layout(chunks)
+        return UpdateJob(self._handle, address, shift, stride, ids.data_ptr(), ids.numel(), rows.data_ptr(), grads.data_ptr(),
+                         dim, weights_offset, state_offset, version[0], int(weights_dtype == torch.float16), RULES[rule],
+                         version[1], int(bound is not None), lr, eps, weight_decay, bound or 0.0, 0, 0, 0)
+
     def insert(self, ids: torch.Tensor, rows: torch.Tensor, chunks: Chunks) -> None:
         """Adds ``ids`` (unique, absent, already written to their rows' records) pointing at ``rows``."""
         ids = _check(ids, torch.int64, "ids").contiguous()
@@ -166,6 +202,48 @@ class Index:
         """Drops the ``ids`` present; returns how many were."""
         ids = _check(ids, torch.int64, "ids").contiguous()
         return self._library.lp_index_remove(self._handle, *_layout(chunks), ids.data_ptr(), ids.numel())
+
+
+class FindJob(ctypes.Structure):
+    """One table's part of :func:`find_many` (``kernels.c``'s ``find_job_t``)."""
+
+    _fields_ = [("index", _P), ("chunks", _P), ("shift", _I64), ("stride", _I64), ("ids", _P), ("n", _I64), ("rows", _P),
+                ("offset", _I64), ("width", _I64), ("out", _P), ("touch_offset", _I64), ("value", ctypes.c_int32),
+                ("add", ctypes.c_int32), ("missing", _I64)]
+
+
+class UpdateJob(ctypes.Structure):
+    """One table's part of :func:`update_many` (``kernels.c``'s ``update_job_t``)."""
+
+    _fields_ = [("index", _P), ("chunks", _P), ("shift", _I64), ("stride", _I64), ("ids", _P), ("n", _I64), ("rows", _P),
+                ("grads", _P), ("dim", _I64), ("weights_offset", _I64), ("state_offset", _I64), ("version_offset", _I64),
+                ("weights_half", ctypes.c_int32), ("rule", ctypes.c_int32), ("version", ctypes.c_int32),
+                ("bounded", ctypes.c_int32), ("lr", ctypes.c_float), ("eps", ctypes.c_float), ("weight_decay", ctypes.c_float),
+                ("bound", ctypes.c_float), ("applied", _I64), ("absent", _I64), ("not_unique", ctypes.c_int32)]
+
+
+RULES = {"SGD": 0, "Adagrad": 1, "RowwiseAdagrad": 2}
+"""The sparse rules :func:`update_many` runs in C (``remote_ps/store/optimizers.py`` names; Adam runs in torch)."""
+
+
+def find_many(jobs: list[FindJob]) -> None:
+    """Lookups of several tables in one call (each job: :meth:`Index.find` with a copy and a touch); sets ``missing``.
+
+    The jobs' buffers are checked by their builder (``Index.find_job``); the caller holds every table's lock.
+    """
+    array = (FindJob * len(jobs))(*jobs)
+    _require().lp_find_many(array, len(jobs))
+    for job, done in zip(jobs, array):
+        job.missing = done.missing
+
+
+def update_many(jobs: list[UpdateJob]) -> None:
+    """Sparse updates of several tables in one call; sets each job's ``applied``, ``absent`` and ``not_unique`` (ids
+    not strictly increasing: that job applied nothing). The caller holds every table's lock."""
+    array = (UpdateJob * len(jobs))(*jobs)
+    _require().lp_update_many(array, len(jobs))
+    for job, done in zip(jobs, array):
+        job.applied, job.absent, job.not_unique = done.applied, done.absent, done.not_unique
 
 
 def row_bits(ids: torch.Tensor, key: int, columns: int) -> torch.Tensor:
@@ -256,6 +334,8 @@ def _library() -> Optional[ctypes.CDLL]:
         ("lp_index_insert", [_P, _P, _I64, _I64, _P, _P, _I64], _I64),
         ("lp_index_remove", [_P, _P, _I64, _I64, _P, _I64], _I64),
         ("lp_index_reserve", [_P, _P, _I64, _I64, _I64], _I64),
+        ("lp_find_many", [_P, _I64], None),
+        ("lp_update_many", [_P, _I64], None),
         ("lp_row_bits", [_P, _I64, _I64, _I64, _P], None),
         ("lp_uniform_rows", [_P, _I64, _I64, _I64, ctypes.c_double, ctypes.c_double, _P], None),
         ("lp_first_foreign", [_P, _I64, _I64, _I64], _I64),

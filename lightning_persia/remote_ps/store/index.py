@@ -78,6 +78,19 @@ class NativeIdIndex:
                                 copy=(copy[0].offset, copy[1]) if copy is not None else None,
                                 touch=(touch[0].offset, touch[1], touch[2]) if touch is not None else None)
 
+    def find_job(self, ids: torch.Tensor, rows: torch.Tensor, copy: tuple[ChunkedField, torch.Tensor],
+                 touch: Optional[tuple[ChunkedField, int, bool]] = None) -> native.FindJob:
+        """:meth:`find` as one job of a :func:`~lightning_persia.ops.native.find_many` call, into ``rows``."""
+        return self._index.find_job(ids, rows, self._rows.layout, (copy[0].offset, copy[1]),
+                                    (touch[0].offset, touch[1], touch[2]) if touch is not None else None)
+
+    def update_job(self, ids: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor, rule: str, weights: ChunkedField,
+                   state_offset: int, version: tuple[ChunkedField, int], lr: float, eps: float, weight_decay: float,
+                   bound: Optional[float]) -> native.UpdateJob:
+        """A native sparse update of the rows of ``ids`` (see :func:`~lightning_persia.ops.native.update_many`)."""
+        return self._index.update_job(ids, rows, grads, self._rows.layout, rule, (weights.offset, weights.spec.dtype),
+                                      state_offset, (version[0].offset, version[1]), lr, eps, weight_decay, bound)
+
     def insert(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         self._index.insert(ids, rows, self._rows.layout)
 

@@ -6,25 +6,26 @@ L2 form (``g + weight_decay * w``), as in ``torch.optim``.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from lightning_persia.remote_ps.table_config import SGD, Adagrad, Adam, EmbeddingOptimizer
 
 
 class SparseRule:
-    """One optimizer's update of a block of rows; ``state_width`` float32 columns of state per row."""
+    """One optimizer's update of a block of rows; ``state_width`` float32 columns of state per row.
+
+    ``native``: the name of the same rule in the native kernels (``ops/native``: SGD and both Adagrads run there
+    over a request's rows in place, in the same float32 operations), or None where only this class runs it.
+    """
 
     state_width: int = 0
+    native: Optional[str] = None
 
     def __init__(self, config: EmbeddingOptimizer, dim: int) -> None:
         self.config = config
         self.dim = dim
-
-    @property
-    def zero_gradient_is_noop(self) -> bool:
-        """Whether a row with a zero gradient comes out unchanged: then the rule may run on a whole block of
-        rows at once (a trainer's dense gradient) instead of gathering the touched ones first."""
-        return not self.config.weight_decay
 
     def initial_state(self, n: int) -> torch.Tensor:
         return torch.zeros(n, self.state_width, dtype=torch.float32)
@@ -40,12 +41,16 @@ class SparseRule:
 
 
 class SGDRule(SparseRule):
+    native = "SGD"
+
     def apply(self, weights: torch.Tensor, state: torch.Tensor, grads: torch.Tensor) -> None:
         weights.add_(self._decayed(weights, grads), alpha=-self.config.lr)
 
 
 class AdagradRule(SparseRule):
     """Element-wise Adagrad, as ``torch.optim.Adagrad`` (no lr decay): ``s += g^2; w -= lr * g / (sqrt(s) + eps)``."""
+
+    native = "Adagrad"
 
     def __init__(self, config: Adagrad, dim: int) -> None:
         super().__init__(config, dim)
@@ -63,6 +68,8 @@ class AdagradRule(SparseRule):
 class RowwiseAdagradRule(AdagradRule):
     """Row-wise Adagrad, as FBGEMM's EXACT_ROWWISE_ADAGRAD: one accumulator per row, ``s += mean(g^2)``."""
 
+    native = "RowwiseAdagrad"
+
     def __init__(self, config: Adagrad, dim: int) -> None:
         super().__init__(config, dim)
         self.state_width = 1
@@ -79,7 +86,6 @@ class AdamRule(SparseRule):
     State columns: ``[exp_avg (dim) | exp_avg_sq (dim) | step (1)]``.
     """
 
-    zero_gradient_is_noop = False  # the moments decay and the step counts
 
     def __init__(self, config: Adam, dim: int) -> None:
         super().__init__(config, dim)

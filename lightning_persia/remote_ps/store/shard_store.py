@@ -80,7 +80,9 @@ class ShardStore:
         tables = [self._table(name) for name, _ in requests]
         for name, ids in requests:
             self._check_ids(name, ids)
-        return [table.lookup(ids, train, dtype) for table, (_, ids) in zip(tables, requests)]
+        if len(requests) == 1:
+            return [tables[0].lookup(requests[0][1], train, dtype)]
+        return Table.lookup_together([(table, ids) for table, (_, ids) in zip(tables, requests)], train, dtype)
 
     def update(self, name: str, ids: torch.Tensor, grads: torch.Tensor) -> int:
         """Applies the table's optimizer to the rows of ``ids``; duplicate ids have their gradients summed."""
@@ -99,7 +101,7 @@ class ShardStore:
                 raise InvalidRequestError(f"table {name!r}: gradients must be float32 of shape {expected}, got {grads.dtype} {tuple(grads.shape)}")
             if not bool(torch.isfinite(grads).all()):
                 raise InvalidRequestError(f"table {name!r}: gradients contain NaN or infinity")
-        return sum(table.update(ids, grads) for table, (_, ids, grads) in zip(tables, requests))
+        return Table.update_together([(table, ids, grads) for table, (_, ids, grads) in zip(tables, requests)])
 
     def stats(self) -> dict[str, dict[str, int | float]]:
         with self._lock:

@@ -14,10 +14,11 @@ earlier point holds only the rows changed after it, and the ids evicted after it
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -25,7 +26,8 @@ from lightning_persia.ops.hashing import name_hash
 from lightning_persia.remote_ps.store import eviction
 from lightning_persia.remote_ps.store.chunked_rows import ChunkedRows, FieldSpec
 from lightning_persia.remote_ps.store.errors import StoreError
-from lightning_persia.remote_ps.store.index import make_index
+from lightning_persia.ops import native
+from lightning_persia.remote_ps.store.index import NativeIdIndex, make_index
 from lightning_persia.remote_ps.store.initializers import initial_rows
 from lightning_persia.remote_ps.store.optimizers import make_rule
 from lightning_persia.remote_ps.table_config import STORAGE_DTYPES, TableConfig
@@ -126,26 +128,52 @@ class Table:
         out = torch.empty(ids.numel(), self.config.dim, dtype=self.storage_dtype)
         with self.lock:
             held = time.perf_counter()
-            touch = None
-            if train:
-                self._step += 1
-                touch = (self._rows["access"], *eviction.touch_value(self.config.eviction, self._step))
-            rows = self._index.find(ids, copy=(self._rows["weights"], out), touch=touch)
-            missing = rows < 0
-            self._counters["lookups"] += 1
-            self._counters["lookup_rows"] += ids.numel()
-            if bool(missing.any()):
-                # The longest a lookup that inserted held the table, and the CPU time of its inserting part: what
-                # growing costs the table's other requests. A thread's CPU clock is a system call (hundreds of
-                # microseconds in some virtual machines): read only around inserts of a growing table's size.
-                timed = train and ids.numel() >= _TIMED_INSERT
-                worked = time.thread_time() if timed else 0.0
-                out[missing] = self._fill_missing(ids[missing], train)
-                if train:
-                    self._worst_insert_s = max(self._worst_insert_s, time.perf_counter() - held)
-                if timed:
-                    self._worst_insert_cpu_s = max(self._worst_insert_cpu_s, time.thread_time() - worked)
+            rows = self._index.find(ids, copy=(self._rows["weights"], out), touch=self._touch(train))
+            self._finish_lookup(ids, rows, out, train, held, bool((rows < 0).any()))
         return out.to(dtype)
+
+    @staticmethod
+    def lookup_together(requests: Sequence[tuple["Table", torch.Tensor]], train: bool, dtype: torch.dtype) -> list[torch.Tensor]:
+        """:meth:`lookup` of several tables (distinct), every table's lock held, their probes in one native call."""
+        tables = [table for table, _ in requests]
+        if not all(isinstance(t._index, NativeIdIndex) for t in tables) or len({id(t) for t in tables}) < len(tables):
+            return [table.lookup(ids, train, dtype) for table, ids in requests]
+        outs = [torch.empty(ids.numel(), table.config.dim, dtype=table.storage_dtype) for table, ids in requests]
+        rows = [torch.empty_like(ids) for _, ids in requests]
+        with _all_locked(tables):
+            held = time.perf_counter()
+            jobs = [table._index.find_job(ids, found, (table._rows["weights"], out), table._touch(train))
+                    for (table, ids), found, out in zip(requests, rows, outs)]
+            native.find_many(jobs)
+            for (table, ids), found, out, job in zip(requests, rows, outs, jobs):
+                table._finish_lookup(ids, found, out, train, held, job.missing > 0)
+        return [out.to(dtype) for out in outs]
+
+    def _touch(self, train: bool) -> Optional[tuple]:
+        """What a lookup writes into its rows' access values (a training one; an evaluation one leaves them)."""
+        if not train:
+            return None
+        self._step += 1
+        return (self._rows["access"], *eviction.touch_value(self.config.eviction, self._step))
+
+    def _finish_lookup(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, held: float,
+                       missing_any: bool) -> None:
+        """The rows of the ids the probe did not find (admitted when training), and the counters; lock held."""
+        self._counters["lookups"] += 1
+        self._counters["lookup_rows"] += ids.numel()
+        if not missing_any:
+            return
+        missing = rows < 0
+        # The longest a lookup that inserted held the table, and the CPU time of its inserting part: what growing
+        # costs the table's other requests. A thread's CPU clock is a system call (hundreds of microseconds in some
+        # virtual machines): read only around inserts of a growing table's size.
+        timed = train and ids.numel() >= _TIMED_INSERT
+        worked = time.thread_time() if timed else 0.0
+        out[missing] = self._fill_missing(ids[missing], train)
+        if train:
+            self._worst_insert_s = max(self._worst_insert_s, time.perf_counter() - held)
+        if timed:
+            self._worst_insert_cpu_s = max(self._worst_insert_cpu_s, time.thread_time() - worked)
 
     def update(self, ids: torch.Tensor, grads: torch.Tensor) -> int:
         """Applies the optimizer to the rows of ``ids``; returns how many rows were present and updated."""
@@ -154,28 +182,75 @@ class Table:
             grads = torch.zeros(unique.numel(), grads.shape[1], dtype=grads.dtype).index_add_(0, inverse, grads)
             ids = unique
         with self.lock:
-            rows = self._index.find(ids)
-            present = rows >= 0
-            if not bool(present.all()):
-                self._counters["dropped_update_rows"] += int((~present).sum())
-                rows, grads = rows[present], grads[present]
-            # every field of the touched records in one pass each way (a record shares its cache lines)
-            fields = {name: torch.empty(self.field_specs[name].shape(rows.numel()), dtype=self.field_specs[name].dtype)
-                      for name in ("weights", "state") if name in self._rows.fields}
-            self._rows.gather_fields(rows, fields)
-            weights = fields["weights"].float()
-            state = fields.get("state", torch.empty(rows.numel(), 0))
-            self._preserve(rows)
-            self.rule.apply(weights, state, grads)
-            if self.config.weight_bound is not None:
-                weights.clamp_(-self.config.weight_bound, self.config.weight_bound)
-            written = {"weights": weights, "version": torch.full((rows.numel(),), self._version, dtype=torch.int32)}
-            if state.shape[1]:
-                written["state"] = state
-            self._rows.scatter_fields(rows, written)
-            self._counters["updates"] += 1
-            self._counters["update_rows"] += rows.numel()
-            return rows.numel()
+            return self._update_locked(ids, grads)
+
+    @staticmethod
+    def update_together(requests: Sequence[tuple["Table", torch.Tensor, torch.Tensor]]) -> int:
+        """:meth:`update` of several tables (distinct), every table's lock held, their rules in one native call where
+        the rule runs there (SGD, Adagrad) and no checkpoint is being taken; returns the rows updated in all."""
+        tables = [table for table, _, _ in requests]
+        native_ones = [i for i, table in enumerate(tables) if isinstance(table._index, NativeIdIndex) and table.rule.native]
+        if not native_ones or len({id(t) for t in tables}) < len(tables):
+            return sum(table.update(ids, grads) for table, ids, grads in requests)
+        applied = 0
+        with _all_locked(tables):
+            jobs = {}  # position -> (job, and the tensors whose memory it points at: alive until the call is done)
+            for i in native_ones:
+                table, ids, grads = requests[i]
+                if table._snapshot is None:  # a save in progress keeps pre-images: the tensor path does
+                    ids, grads, rows = ids.contiguous(), grads.contiguous(), torch.empty_like(ids)
+                    jobs[i] = (table._update_job(ids, rows, grads), ids, grads, rows)
+            native.update_many([job[0] for job in jobs.values()])
+            for i, (table, ids, grads) in enumerate(requests):
+                job = jobs.get(i)
+                if job is not None and not job[0].not_unique:
+                    applied += table._finish_update(job[0])
+                    continue
+                unique, inverse = torch.unique(ids, return_inverse=True)  # duplicate or unsorted ids: summed first
+                if unique.numel() < ids.numel():
+                    grads = torch.zeros(unique.numel(), grads.shape[1], dtype=grads.dtype).index_add_(0, inverse, grads)
+                applied += table._update_locked(unique, grads if unique.numel() < ids.numel() else grads[torch.argsort(ids)])
+        return applied
+
+    def _update_job(self, ids: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor) -> native.UpdateJob:
+        config = self.config.optimizer
+        state = self._rows.fields.get("state")
+        return self._index.update_job(
+            ids, rows, grads, self.rule.native, self._rows["weights"], state.offset if state is not None else 0,
+            (self._rows["version"], self._version), config.lr, getattr(config, "eps", 0.0), config.weight_decay,
+            self.config.weight_bound,
+        )
+
+    def _finish_update(self, job: native.UpdateJob) -> int:
+        self._counters["updates"] += 1
+        self._counters["update_rows"] += job.applied
+        self._counters["dropped_update_rows"] += job.absent
+        return job.applied
+
+    def _update_locked(self, ids: torch.Tensor, grads: torch.Tensor) -> int:
+        """The rule on the rows of ``ids`` (unique) in tensor ops; the lock held."""
+        rows = self._index.find(ids)
+        present = rows >= 0
+        if not bool(present.all()):
+            self._counters["dropped_update_rows"] += int((~present).sum())
+            rows, grads = rows[present], grads[present]
+        # every field of the touched records in one pass each way (a record shares its cache lines)
+        fields = {name: torch.empty(self.field_specs[name].shape(rows.numel()), dtype=self.field_specs[name].dtype)
+                  for name in ("weights", "state") if name in self._rows.fields}
+        self._rows.gather_fields(rows, fields)
+        weights = fields["weights"].float()
+        state = fields.get("state", torch.empty(rows.numel(), 0))
+        self._preserve(rows)
+        self.rule.apply(weights, state, grads)
+        if self.config.weight_bound is not None:
+            weights.clamp_(-self.config.weight_bound, self.config.weight_bound)
+        written = {"weights": weights, "version": torch.full((rows.numel(),), self._version, dtype=torch.int32)}
+        if state.shape[1]:
+            written["state"] = state
+        self._rows.scatter_fields(rows, written)
+        self._counters["updates"] += 1
+        self._counters["update_rows"] += rows.numel()
+        return rows.numel()
 
     def append(self, rows: dict[str, torch.Tensor], expected_rows: int = 0) -> None:
         """Adds rows read from a checkpoint (``{field: values}`` of :data:`SAVED_FIELDS`; ids absent from the table).
@@ -355,12 +430,13 @@ class Table:
             return
         rows = self._take_rows(ids.numel())
         self._preserve(rows)
-        self._rows["ids"].scatter(rows, ids)
-        self._rows["weights"].scatter(rows, initial)
+        n = ids.numel()
+        written = {"ids": ids, "weights": initial,
+                   "access": torch.full((n,), eviction.first_access(self.config.eviction, self._step), dtype=torch.int32),
+                   "version": torch.full((n,), self._version, dtype=torch.int32)}
         if "state" in self._rows.fields:
-            self._rows["state"].scatter(rows, self.rule.initial_state(ids.numel()))
-        self._rows["access"].fill(rows, eviction.first_access(self.config.eviction, self._step))
-        self._rows["version"].fill(rows, self._version)
+            written["state"] = self.rule.initial_state(n)
+        self._rows.scatter_fields(rows, written)  # the new records written in one pass
         self._index.insert(ids, rows)
         self._live += ids.numel()
         self._counters["inserted"] += ids.numel()
@@ -407,3 +483,11 @@ class Table:
         self._free = torch.cat([self._free, victims])
         self._live -= victims.numel()
         self._counters["evicted"] += victims.numel()
+
+
+def _all_locked(tables: Sequence[Table]) -> contextlib.ExitStack:
+    """Every table's lock, taken in name order (so that two callers never wait on each other)."""
+    held = contextlib.ExitStack()
+    for table in sorted(tables, key=lambda t: t.config.name):
+        held.enter_context(table.lock)
+    return held

@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from lightning_persia.ops.hashing import shard_of
-from lightning_persia.remote_ps.store import InvalidRequestError, ShardStore, UnknownTableError
+from lightning_persia.remote_ps.store import InvalidRequestError, ShardStore, UnknownTableError, chunked_rows
 from lightning_persia.remote_ps.store.initializers import initial_rows
-from lightning_persia.remote_ps.table_config import SGD, Constant, Normal, TableConfig, Uniform
+from lightning_persia.remote_ps.table_config import SGD, Adagrad, Constant, Normal, TableConfig, Uniform
 
 
 def test_initial_rows_depend_only_on_seed_table_and_id():
@@ -108,3 +108,33 @@ def test_bad_requests_name_the_problem_and_change_nothing():
     with pytest.raises(InvalidRequestError, match="dim 4"):
         store.configure(TableConfig("t", 8))
     assert torch.equal(store.lookup("t", mine, train=False), before)
+
+
+def test_one_request_of_several_tables_gives_what_table_by_table_requests_give(native_kernels, monkeypatch):
+    """The native path runs every table of a request in one call (lookups, and the SGD / Adagrad rules); the tensor
+    path runs them one by one. Duplicate, unsorted and absent ids, fp16 rows and a weight bound included."""
+    configs = [
+        TableConfig("sgd", 4, optimizer=SGD(lr=0.1, weight_decay=0.01), weight_bound=0.3),
+        TableConfig("ada", 8, optimizer=Adagrad(lr=0.05, initial_accumulator_value=0.1), storage_dtype="fp16"),
+        TableConfig("row", 16, optimizer=Adagrad(lr=0.05, rowwise=True)),
+    ]
+
+    def run(store: ShardStore) -> list[torch.Tensor]:
+        for config in configs:
+            store.configure(config)
+        generator = torch.Generator().manual_seed(0)
+        for step in range(5):
+            ids = [torch.randint(0, 300, (200,), generator=generator) for _ in configs]
+            store.lookup_many([(c.name, i.unique()) for c, i in zip(configs, ids)], train=True)
+            extra = torch.tensor([10_000 + step])  # never looked up: its update is dropped
+            store.update_many([(c.name, torch.cat([i, extra]), torch.randn(201, c.dim, generator=generator))
+                               for c, i in zip(configs, ids)])
+        return store.lookup_many([(c.name, torch.arange(300)) for c in configs], train=False)
+
+    native_rows = run(ShardStore(0, 1, seed=5))
+    monkeypatch.setattr(chunked_rows.native, "available", lambda: False)
+    tensor_store = ShardStore(0, 1, seed=5)
+    tensor_rows = run(tensor_store)
+    for native_table, tensor_table in zip(native_rows, tensor_rows):
+        torch.testing.assert_close(native_table, tensor_table, rtol=1e-5, atol=1e-6)
+    assert tensor_store.stats()["sgd"]["dropped_update_rows"] == 5

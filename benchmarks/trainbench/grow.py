@@ -7,12 +7,15 @@ reference run caps them (40M ids), so the largest tables hold tens of millions o
 already stored and a long tail keeps adding new rows, as in click logs. Batches are generated on the fly (a few
 ms each), in one trainer rank with the embedded shards. Every ``--window`` steps a line gives the window's
 samples/s, the rows the shards hold and their resident memory; training stops once the shards hold
-``--grow-rows`` rows in all. The figure of merit is the last window's samples/s over the first's.
+``--grow-rows`` rows in all. The figure of merit is the last windows' samples/s over the first ones' (medians of
+``_EDGE`` windows each, since one window on shared cores swings with the other work), and the same for the CPU
+seconds the trainer and its shards spend per 1,000 samples (which the other work on the cores barely moves).
 """
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from typing import Any, Dict, Iterator, List
 
@@ -57,22 +60,54 @@ class GrowingCriteo(IterableDataset):
             step += 1
 
 
-def _shards_rss() -> int:
-    """Resident memory of this process's shard children (the embedded PS)."""
-    total = 0
+_EDGE = 5  # windows at each end whose median is compared
+
+
+def _shard_pids() -> List[str]:
+    """This process's shard children (the embedded PS)."""
+    pids = []
     for task in os.listdir("/proc/self/task"):
         with open(f"/proc/self/task/{task}/children") as f:
             children = f.read().split()
         for pid in children:
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if b"serve" not in f.read():
-                        continue
-                with open(f"/proc/{pid}/status") as f:
-                    total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-            except (OSError, StopIteration):
+                    if b"serve" in f.read():
+                        pids.append(pid)
+            except OSError:
                 continue
+    return pids
+
+
+def _shards_rss(pids: List[str]) -> int:
+    """Resident memory of the shard processes ``pids``."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+        except (OSError, StopIteration):
+            continue
     return total
+
+
+def _cpu_s(pids: List[str]) -> float:
+    """CPU seconds (user + system) this process and the processes ``pids`` have used so far."""
+    total = 0.0
+    for pid in ["self", *pids]:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError):
+            continue
+    return total
+
+
+def _edge_ratio(windows: List[Dict[str, float]], key: str) -> tuple[float, float]:
+    """Median of ``key`` over the first and over the last :data:`_EDGE` windows."""
+    edge = max(1, min(_EDGE, len(windows) // 2))
+    return (statistics.median(w[key] for w in windows[:edge]), statistics.median(w[key] for w in windows[-edge:]))
 
 
 def run_grow(args: Any) -> int:
@@ -95,23 +130,28 @@ def run_grow(args: Any) -> int:
     class Watch(L.Callback):
         def __init__(self) -> None:
             self.started = 0.0
+            self.cpu = 0.0
+            self.pids: List[str] = []
 
         def on_train_batch_end(self, trainer, module, outputs, batch_, batch_idx) -> None:
             step = batch_idx + 1
             if step == 1:
-                self.started = time.perf_counter()
+                self.pids = _shard_pids()
+                self.started, self.cpu = time.perf_counter(), _cpu_s(self.pids)
                 return
             if (step - 1) % window:
                 return
-            now = time.perf_counter()
+            now, cpu = time.perf_counter(), _cpu_s(self.pids)
             stats = strategy.client.stats()
             rows = sum(t["rows"] for s in stats for t in s["tables"].values())
             entry = {"step": step, "samples_per_s": window * batch / (now - self.started), "ps_rows": rows,
-                     "ps_rss_bytes": _shards_rss()}
+                     "cpu_s_per_1k_samples": (cpu - self.cpu) * 1000 / (window * batch),
+                     "ps_rss_bytes": _shards_rss(self.pids), "load_average": os.getloadavg()[0]}
             windows.append(entry)
-            print(f"  step {step:>6}  {entry['samples_per_s']:>9,.0f} samples/s  {rows:>13,} rows on the shards  "
-                  f"shards' RSS {entry['ps_rss_bytes'] / 1e9:5.2f} GB", flush=True)
-            self.started = now
+            print(f"  step {step:>6}  {entry['samples_per_s']:>9,.0f} samples/s  {entry['cpu_s_per_1k_samples']:6.3f} CPU s "
+                  f"per 1k samples  {rows:>13,} rows on the shards  shards' RSS {entry['ps_rss_bytes'] / 1e9:5.2f} GB  "
+                  f"load {entry['load_average']:.1f}", flush=True)
+            self.started, self.cpu = now, cpu
             if rows >= target:
                 trainer.should_stop = True
 
@@ -129,12 +169,16 @@ def run_grow(args: Any) -> int:
     if not windows:
         print("grow: no full window ran")
         return 1
-    first, last = windows[0], windows[-1]
-    summary = {"grow_first_samples_per_s": first["samples_per_s"], "grow_last_samples_per_s": last["samples_per_s"],
-               "grow_last_vs_first": last["samples_per_s"] / first["samples_per_s"], "grow_ps_rows": last["ps_rows"],
-               "grow_steps": last["step"], "windows": windows, "load_average_after": os.getloadavg()[0]}
-    print(f"grow: last window {last['samples_per_s']:,.0f} samples/s at {last['ps_rows']:,} rows, first "
-          f"{first['samples_per_s']:,.0f} at {first['ps_rows']:,} rows: {summary['grow_last_vs_first']:.2f}x; "
+    last = windows[-1]
+    first_rate, last_rate = _edge_ratio(windows, "samples_per_s")
+    first_cpu, last_cpu = _edge_ratio(windows, "cpu_s_per_1k_samples")
+    summary = {"grow_first_samples_per_s": first_rate, "grow_last_samples_per_s": last_rate,
+               "grow_last_vs_first": last_rate / first_rate, "grow_cpu_last_vs_first": last_cpu / first_cpu,
+               "grow_ps_rows": last["ps_rows"], "grow_steps": last["step"], "windows": windows,
+               "load_average_after": os.getloadavg()[0]}
+    print(f"grow: the last {_EDGE} windows ran at {last_rate:,.0f} samples/s (median) with {last['ps_rows']:,} rows on the "
+          f"shards, the first {_EDGE} at {first_rate:,.0f}: {summary['grow_last_vs_first']:.2f}x; CPU per sample "
+          f"{last_cpu:.3f} vs {first_cpu:.3f} s per 1k samples: {summary['grow_cpu_last_vs_first']:.2f}x; "
           f"load average {summary['load_average_after']:.1f}")
     if args.json:
         print(json.dumps(summary))

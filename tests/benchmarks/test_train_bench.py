@@ -45,6 +45,20 @@ def test_tiny_run_reports_every_figure(tmp_path):
     print(f"smoke run took {time.monotonic() - start:.0f} s")
 
 
+def test_grow_stops_at_its_row_count_and_compares_the_ends():
+    """--grow on tiny batches: windows until the shards hold 150k rows, then the first and last windows compared."""
+    command = [sys.executable, str(SCRIPT), "--grow", "--grow-rows", "1.5e5", "--grow-batch-size", "512", "--window", "2",
+               "--shards", "1", "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=170, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    windows = summary["windows"]
+    assert len(windows) >= 2 and windows[-1]["ps_rows"] >= 150_000 > windows[-2]["ps_rows"]
+    assert [w["ps_rows"] for w in windows] == sorted(w["ps_rows"] for w in windows)
+    assert all(w["samples_per_s"] > 0 and w["cpu_s_per_1k_samples"] > 0 and w["ps_rss_bytes"] > 0 for w in windows)
+    assert summary["grow_last_vs_first"] > 0 and summary["grow_cpu_last_vs_first"] > 0
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--repeat", "0"], "--repeat must be >= 1"),
     (["--steps", "10", "--warmup", "5", "--window", "10"], "must cover --warmup"),

@@ -10,12 +10,17 @@ field: on a table far larger than the caches, a row costs one or two cache misse
 
 Chunks are anonymous memory maps: untouched rows cost address space only, and the chunks of a large table ask
 for transparent huge pages (``MADV_HUGEPAGE``), which cuts the TLB misses of random row accesses over many GB.
+The first write to a page of fresh memory costs a fault, and a huge page's fault may first have the kernel
+compact memory: tens to hundreds of milliseconds that an inserting request would spend holding its table's lock.
+So a table past its first chunk has the memory of the rows it will append next committed ahead of it, by a
+background thread (``MADV_POPULATE_WRITE``, which commits pages without changing what they hold).
 Gathers and scatters run as native loops over the chunks' addresses (``ops/native``) or, without them, as
 tensor indexing of typed views of each chunk.
 """
 from __future__ import annotations
 
 import mmap
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -28,6 +33,10 @@ CHUNK_BYTES = 1 << 27
 _MIN_SHIFT, _MAX_SHIFT = 10, 20
 _HUGE_PAGE = 2 << 20
 _ALIGN = 4  # records of 4-byte multiples: every 4-byte field stays aligned; the 8-byte id is read unaligned
+POPULATE_AHEAD_BYTES = 64 << 20
+"""Memory committed ahead of a growing table's last row (tables past their first chunk; a chunk at most)."""
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14; Python names it from 3.14 on
+_populator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="populate-rows")  # one for the process's tables
 
 
 @dataclass(frozen=True)
@@ -64,14 +73,40 @@ class _Records:
         self.shift = chunk_shift(record_bytes)
         self.chunk_rows = 1 << self.shift
         self.chunks: list[torch.Tensor] = []  # uint8 [chunk_rows, record_bytes]
+        self.maps: list[tuple[mmap.mmap, int]] = []  # each chunk's map and where the chunk starts in it
         self.layout = native.Chunks(torch.empty(0, dtype=torch.int64), self.shift, record_bytes)
+        self.populated = 0  # rows whose memory is committed (or being committed) ahead of the writes
+        self.last_populate: Optional[Future] = None  # the latest commit asked (the populator runs them in order)
 
     def add_chunk(self) -> None:
         huge = bool(self.chunks) and self.chunk_rows * self.record_bytes >= _HUGE_PAGE  # small tables stay small
-        memory = _anonymous_memory(self.chunk_rows * self.record_bytes, huge)
+        buffer, start = _anonymous_memory(self.chunk_rows * self.record_bytes, huge)
+        memory = torch.frombuffer(buffer, dtype=torch.uint8)[start : start + self.chunk_rows * self.record_bytes]
         self.chunks.append(memory.view(self.chunk_rows, self.record_bytes))
+        self.maps.append((buffer, start))
         self.layout = native.Chunks(torch.tensor([c.data_ptr() for c in self.chunks], dtype=torch.int64),
                                     self.shift, self.record_bytes)
+
+    def populate_ahead(self, rows: int, limit: int) -> None:
+        """Commits, in the background, the memory of the rows that follow the first ``rows``, up to ``limit`` rows
+        (allocating their chunks now: an address-space reservation), once the writes near what is committed."""
+        if len(self.chunks) < 2:
+            return
+        ahead = max(1, min(POPULATE_AHEAD_BYTES // self.record_bytes, self.chunk_rows))
+        end = min(rows + ahead, limit)
+        if rows + ahead // 2 <= self.populated or end <= self.populated:
+            return
+        first = max(rows, self.populated)
+        while len(self.chunks) << self.shift < end:
+            self.add_chunk()
+        self.populated = end
+        ranges = []
+        for chunk in range(first >> self.shift, ((end - 1) >> self.shift) + 1):
+            lo = max(first, chunk << self.shift) - (chunk << self.shift)
+            hi = min(end, (chunk + 1) << self.shift) - (chunk << self.shift)
+            buffer, start = self.maps[chunk]
+            ranges.append((buffer, start + lo * self.record_bytes, start + hi * self.record_bytes))
+        self.last_populate = _populator.submit(_populate, ranges)
 
     def by_chunk(self, rows: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """``(chunk, positions in rows, offsets in the chunk)`` of the rows ``>= 0``, one chunk at a time."""
@@ -199,10 +234,17 @@ class ChunkedRows:
     def num_chunks(self) -> int:
         return len(self._records.chunks)
 
-    def reserve(self, rows: int) -> None:
-        """Makes room for rows ``0 .. rows - 1`` (appends chunks; nothing stored moves)."""
+    def reserve(self, rows: int, ahead_limit: int = 0) -> None:
+        """Makes room for rows ``0 .. rows - 1`` (appends chunks; nothing stored moves); a table past its first
+        chunk also has the memory of the rows after them, up to row ``ahead_limit``, committed in the background."""
         while self.capacity < rows:
             self._records.add_chunk()
+        self._records.populate_ahead(rows, ahead_limit)
+
+    def wait_populated(self, timeout_s: Optional[float] = None) -> None:
+        """Waits until the memory :meth:`reserve` asked to commit ahead is committed."""
+        if self._records.last_populate is not None:
+            self._records.last_populate.result(timeout_s)
 
     def gather_fields(self, rows: torch.Tensor, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``out[name]`` = field ``name`` of ``rows``, every field in one pass over the records; returns ``out``."""
@@ -223,8 +265,19 @@ class ChunkedRows:
             self.fields[name].scatter(rows, array)
 
 
-def _anonymous_memory(nbytes: int, huge: bool) -> torch.Tensor:
-    """Zero-filled bytes of an anonymous private map (pages are committed when first written).
+def _populate(ranges: list[tuple[mmap.mmap, int, int]]) -> None:
+    """Commits the pages of ``(map, first byte, end byte)`` ranges, leaving their bytes as they are."""
+    for buffer, first, end in ranges:
+        first -= first % mmap.PAGESIZE
+        try:
+            buffer.madvise(_MADV_POPULATE_WRITE, first, end - first)
+        except OSError:  # an older kernel: the rows' first writes fault their pages, as without this
+            return
+
+
+def _anonymous_memory(nbytes: int, huge: bool) -> tuple[mmap.mmap, int]:
+    """An anonymous private map of at least ``nbytes`` zero bytes (pages are committed when first written), and
+    the offset of the bytes to use in it.
 
     With ``huge``, the bytes start on a huge-page boundary (the map is one huge page longer; its untouched ends
     cost no memory), so the kernel can back all of them with huge pages.
@@ -236,6 +289,5 @@ def _anonymous_memory(nbytes: int, huge: bool) -> torch.Tensor:
             buffer.madvise(mmap.MADV_HUGEPAGE)
         except OSError:  # a kernel without transparent huge pages: ordinary pages then
             pass
-    memory = torch.frombuffer(buffer, dtype=torch.uint8)
-    start = -memory.data_ptr() % extra if huge else 0
-    return memory[start : start + nbytes]
+    start = -torch.frombuffer(buffer, dtype=torch.uint8).data_ptr() % extra if huge else 0
+    return buffer, start

@@ -464,7 +464,7 @@ class Table:
         reused = self._free[:n]
         self._free = self._free[reused.numel() :]
         appended = n - reused.numel()
-        self._rows.reserve(self._size + appended)
+        self._rows.reserve(self._size + appended, ahead_limit=self.config.capacity)
         fresh = torch.arange(self._size, self._size + appended)
         self._size += appended
         return torch.cat([reused, fresh])

@@ -31,7 +31,7 @@ def test_ids_spanning_chunks_train_like_one_chunk(small_chunks, store_kernels):
     store.configure(config)
     ids = torch.arange(5000) * 7919 - 12345
     store.lookup("t", ids, train=True)
-    assert store.stats()["t"]["chunks"] == 5
+    assert store.stats()["t"]["chunks"] == 6  # 5 hold the rows; the next is allocated (and committed) ahead of them
     grads = torch.randn(5000, 4, generator=torch.Generator().manual_seed(0))
     store.update("t", ids, grads)
     expected = initial_rows(config.init, 2, "t", ids, 4) - grads
@@ -67,3 +67,37 @@ def test_dropped_rows_free_their_chunks_at_once_without_a_gc_pass():
         assert chunk() is None
     finally:
         gc.enable()
+
+
+def _resident_bytes(rows: ChunkedRows, chunk: int) -> int:
+    """Bytes of chunk ``chunk`` that are in memory (``mincore`` through the page cache's view of the map)."""
+    import ctypes
+    import mmap
+
+    memory = rows.chunks[chunk]
+    first = memory.data_ptr() - memory.data_ptr() % mmap.PAGESIZE
+    length = memory.data_ptr() + memory.numel() - first
+    pages = (length + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    vector = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(ctypes.c_void_p(first), ctypes.c_size_t(length), vector) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vector) * mmap.PAGESIZE
+
+
+def test_a_growing_table_has_the_memory_of_its_next_rows_committed_ahead_without_changing_them(small_chunks):
+    rows = ChunkedRows({"ids": FieldSpec(torch.int64), "weights": FieldSpec(torch.float32, 16)})
+    rows.reserve(small_chunks, ahead_limit=10 * small_chunks)  # one chunk: a small table commits nothing ahead
+    rows.wait_populated(10)
+    assert rows.num_chunks == 1
+    values = torch.randn(small_chunks + 10, 16)
+    rows.reserve(small_chunks + 10, ahead_limit=10 * small_chunks)
+    rows["weights"].scatter(torch.arange(small_chunks + 10), values)
+    rows.wait_populated(10)
+    assert rows.num_chunks == 3  # the chunk of the rows after the first ones written, allocated ahead
+    assert _resident_bytes(rows, 2) > 0 and _resident_bytes(rows, 1) == rows.chunks[1].numel()
+    assert torch.equal(rows["weights"].gather(torch.arange(small_chunks + 10)), values)
+    assert not rows["weights"].gather(torch.arange(small_chunks + 10, 3 * small_chunks)).any()
+    rows.reserve(2 * small_chunks + 10, ahead_limit=2 * small_chunks + 10)  # a table at its capacity: nothing more
+    rows.wait_populated(10)
+    assert rows.num_chunks == 3

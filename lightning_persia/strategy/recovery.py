@@ -39,6 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
+import torch
+
+from lightning_persia.embedding.pipeline import EmbeddingLookupError
 from lightning_persia.remote_ps.client import PSError
 
 COMMIT_MARKER = "COMMITTED"  # = remote_ps.store.checkpoint.COMMIT_MARKER (the strategy does not import the store)
@@ -62,6 +65,10 @@ class RecoverableEmbeddings(Protocol):
 
     def set_update_error_handler(self, handler: Callable[[int, BaseException], bool]) -> None:
         """``handler(step, error)`` hears of every failed update; True: handled, the staleness window goes on."""
+
+    def set_lookup_error_handler(self, handler: Callable[[int, BaseException], bool]) -> None:
+        """``handler(step, error)`` hears of a training forward's failed lookup; True: handled, the forward goes
+        on with stand-in rows (the step is undone by the rollback that follows)."""
 
     def lookup_failure(self, timeout_s: float) -> Optional[BaseException]:
         """Waits up to ``timeout_s`` for the open step's prefetched lookup; its error, if it failed."""
@@ -97,13 +104,16 @@ class RecoveryConfig:
     max_rollbacks: int = 3
     """Rollbacks allowed in one ``fit``; one more failure fails the run."""
     wait_for_shards_s: float = 120.0
-    """How long a rollback waits for every shard to answer again before it gives up."""
+    """How long a shard may take to come back (a restart from a checkpoint, a paused host): every call to the
+    shards keeps retrying UNAVAILABLE / DEADLINE_EXCEEDED that long, and a rollback waits that long for every
+    shard to answer again. Set it above the time the launcher (or whoever restarts shards) needs."""
     restart_local_shards: bool = True
     """Embedded mode: the launcher restarts a dead shard on its port, from the latest checkpoint."""
     max_local_restarts: int = 3
     """Embedded mode: restarts per shard before the launcher gives up on it."""
     client_max_retries: int = 5
-    """Retries of a PS call that failed with UNAVAILABLE or DEADLINE_EXCEEDED (each with ``ps_timeout_s``)."""
+    """Retries of a PS call that failed with UNAVAILABLE or DEADLINE_EXCEEDED (each with ``ps_timeout_s``), at
+    least; more until the call has lasted ``wait_for_shards_s``."""
     client_backoff_s: float = 0.1
     """First back-off between retries (doubles each time, with jitter)."""
     client_max_backoff_s: float = 5.0
@@ -150,11 +160,13 @@ class Recovery:
     def attach(self, client: Any, embeddings: Optional[RecoverableEmbeddings], shards: Optional[RestartableShards]) -> None:
         """Applies the client's retry settings and makes failed updates wait for the next check."""
         client.max_retries = self.config.client_max_retries
+        client.retry_for_s = self.config.wait_for_shards_s
         client.backoff_s = self.config.client_backoff_s
         client.max_backoff_s = self.config.client_max_backoff_s
         self._client, self._embeddings, self._shards = client, embeddings, shards
         if embeddings is not None and self.config.enabled:
             embeddings.set_update_error_handler(self._on_update_error)
+            embeddings.set_lookup_error_handler(self._on_lookup_error)
 
     def saved(self, filepath: Any, ps_dir: Optional[Path], commit: bool = True) -> None:
         """A checkpoint (dense file + PS folder) is complete: the target of the next rollback.
@@ -174,6 +186,33 @@ class Recovery:
         """The run resumed from a checkpoint: it is the rollback target until a newer one is saved."""
         self.saved(filepath, ps_dir, commit=False)
 
+    def failed(self, reason: str) -> None:
+        """Records a shard failure seen outside the embedding pipeline (a checkpoint's Save): the next
+        :meth:`check` rolls back."""
+        if self._failure is None:
+            self._failure = reason
+
+    def evaluate(self, forward: Callable[[], Any], where: str = "validation") -> Any:
+        """Runs an evaluation step's ``forward``; if a lookup of any rank failed on a shard, every rank rolls back
+        and the ranks whose lookup failed run their forward again (on the restored state).
+
+        The forward raised before it returned anything, so a step's metrics are counted once. Collective when
+        ``world_size > 1`` (one all-reduce per evaluation batch), like the check of every training batch.
+        """
+        while True:
+            failure = None
+            try:
+                output = forward()
+            except EmbeddingLookupError as error:
+                if not self.config.enabled or not is_shard_failure(error.cause):
+                    raise
+                failure = f"an evaluation lookup failed: {error.cause}"
+            if not self.config.enabled or not self._any_rank(failure is not None):
+                return output
+            self._rollback(failure or "another rank saw a parameter-server failure", where, None)
+            if failure is None:
+                return output
+
     def check(self, where: str, checkpoint: Optional[dict] = None) -> bool:
         """Collective: rolls every rank back if any saw a shard failure. Returns whether it rolled back.
 
@@ -192,17 +231,20 @@ class Recovery:
 
     def _on_update_error(self, index: int, error: BaseException) -> bool:
         if isinstance(error, (PSError, CancelledError)):
-            if self._failure is None:
-                self._failure = f"the embedding update of step {index} failed: {error}"
+            self.failed(f"the embedding update of step {index} failed: {error}")
             return True  # acknowledged; the next check rolls back
+        return False
+
+    def _on_lookup_error(self, index: int, error: BaseException) -> bool:
+        if is_shard_failure(error):
+            self.failed(f"the embedding lookup in the forward of step {index} failed: {error}")
+            return True  # the step runs on stand-in rows; the next check rolls back and undoes it
         return False
 
     def _lookup_failure(self, embeddings: RecoverableEmbeddings) -> Optional[str]:
         step = embeddings.current_step
-        client = self._client
         # long enough for the client's own retries to end, so that their error (naming the shard) is the reason
-        budget = client.timeout_s * (client.max_retries + 1) + client.max_backoff_s * client.max_retries + 1.0
-        error = embeddings.lookup_failure(budget)
+        error = embeddings.lookup_failure(self._client.call_budget_s + 1.0)
         if isinstance(error, TimeoutError):
             return f"the embedding lookup of step {step}: {error}"
         if isinstance(error, CancelledError):
@@ -224,6 +266,12 @@ class Recovery:
             )
 
     def _rollback(self, reason: str, where: str, checkpoint: Optional[dict]) -> None:
+        # Evaluation runs under inference mode: the restored optimizer state must not become inference tensors,
+        # which the next training step could not update.
+        with torch.inference_mode(False):
+            self._restore(reason, where, checkpoint)
+
+    def _restore(self, reason: str, where: str, checkpoint: Optional[dict]) -> None:
         strategy = self.strategy
         trainer = strategy.lightning_module.trainer
         step = trainer.global_step
@@ -275,11 +323,11 @@ class Recovery:
         status = strategy.broadcast(status)
         self._all_ok(None if status == "ok" else status, "restoring the shards")
 
-        # 3. every rank: the shards' new incarnations, the dense state of the same checkpoint, no stale rows
+        # 3. every rank: the shards' new incarnations, the dense state of the same checkpoint, no stale rows.
+        # A shard that restarts after the load comes back from the same checkpoint (the launcher's restore_from).
         error = None
         try:
-            if not strategy.is_global_zero:
-                client.refresh_incarnations()
+            client.refresh_incarnations()
             strategy.load_model_state_dict(dense, strict=True)
             strategy.load_optimizer_state_dict(dense)
             embeddings.invalidate_prefetched()
@@ -302,6 +350,12 @@ class Recovery:
         if not events:
             return ""
         return "; embedded launcher: " + "; ".join(f"shard {e.shard} {e.kind}: {e.detail.splitlines()[0]}" for e in events[-4:])
+
+
+def is_shard_failure(error: BaseException) -> bool:
+    """Whether ``error`` is how a call fails when a shard is down, restarted or paused (a shard's answer, the
+    client's retries running out, a wait that ran out, a call cancelled), as opposed to a defect."""
+    return isinstance(error, (PSError, TimeoutError, CancelledError))
 
 
 def new_save_id() -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import os
 import shutil
 from datetime import timedelta
@@ -390,6 +391,11 @@ class PersiaStrategy(DDPStrategy):
         super().on_validation_start()
         self._drain()
         self._recovery.check("validation")
+        if self._pipeline is not None:
+            trainer = self.lightning_module.trainer
+            counts = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
+            total = sum(counts)
+            self._recovery.begin_evaluation(int(total) if math.isfinite(total) else None)
 
     @override
     def on_test_start(self) -> None:

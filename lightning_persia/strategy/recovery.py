@@ -154,6 +154,7 @@ class Recovery:
         self._client: Any = None
         self._embeddings: Optional[RecoverableEmbeddings] = None
         self._shards: Optional[RestartableShards] = None
+        self._evaluation_agrees = True  # whether evaluation batches are paired across ranks (see begin_evaluation)
 
     # ---- hooks called by the strategy ----------------------------------------------------------------
 
@@ -192,22 +193,35 @@ class Recovery:
         if self._failure is None:
             self._failure = reason
 
+    def begin_evaluation(self, batches: Optional[int]) -> None:
+        """Collective, before an evaluation loop: ``batches``, this rank's count (None: unknown). Evaluation
+        failures are recovered in place only when every rank runs the same known number of batches (Lightning's
+        DistributedSampler pads to it): the ranks then agree after every batch. Otherwise a failure fails the run."""
+        if self.strategy.world_size == 1:
+            self._evaluation_agrees = True
+            return
+        count = -1.0 if batches is None else float(batches)
+        spread = self.strategy.reduce(torch.tensor([count, -count]), reduce_op="max")
+        self._evaluation_agrees = count >= 0 and float(spread[0]) == -float(spread[1])
+
     def evaluate(self, forward: Callable[[], Any], where: str = "validation") -> Any:
         """Runs an evaluation step's ``forward``; if a lookup of any rank failed on a shard, every rank rolls back
         and the ranks whose lookup failed run their forward again (on the restored state).
 
         The forward raised before it returned anything, so a step's metrics are counted once. Collective when
-        ``world_size > 1`` (one all-reduce per evaluation batch), like the check of every training batch.
+        ``world_size > 1`` (one all-reduce per evaluation batch, see :meth:`begin_evaluation`), like the check of
+        every training batch.
         """
+        recover = self.config.enabled and self._evaluation_agrees
         while True:
             failure = None
             try:
                 output = forward()
             except EmbeddingLookupError as error:
-                if not self.config.enabled or not is_shard_failure(error.cause):
+                if not recover or not is_shard_failure(error.cause):
                     raise
                 failure = f"an evaluation lookup failed: {error.cause}"
-            if not self.config.enabled or not self._any_rank(failure is not None):
+            if not recover or not self._any_rank(failure is not None):
                 return output
             self._rollback(failure or "another rank saw a parameter-server failure", where, None)
             if failure is None:

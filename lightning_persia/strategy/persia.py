@@ -34,7 +34,9 @@ from lightning_persia.remote_ps.table_config import DEFAULT_CAPACITY, InitLike, 
 from lightning_persia.strategy.interception import MODULE_KINDS, TableDefaults, TableOverride, intercept
 from lightning_persia.strategy.local_cluster import LocalCluster
 from lightning_persia.strategy.metrics import TrainerMetrics
-from lightning_persia.strategy.recovery import PersiaRecoveryError, Recovery, RecoveryConfig, is_shard_failure, new_save_id
+from lightning_persia.strategy.recovery import (
+    PersiaRecoveryError, Recovery, RecoveryConfig, RollbackEvent, is_shard_failure, new_save_id,
+)
 
 log = logging.getLogger(__name__)
 
@@ -211,6 +213,11 @@ class PersiaStrategy(DDPStrategy):
     def pipeline(self) -> Optional[EmbeddingPipeline]:
         """The rank's embedding pipeline (set up with the model; None before, or without remote tables)."""
         return self._pipeline
+
+    @property
+    def rollbacks(self) -> list[RollbackEvent]:
+        """The rollbacks of this run so far (when, where, why, to which checkpoint, how long)."""
+        return list(self._recovery.events)
 
     @property
     @override

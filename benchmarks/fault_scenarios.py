@@ -199,6 +199,7 @@ class Fault:
     stop_s: float = 0.0
     again_in_rollback: Optional[int] = None  # this shard is SIGKILLed too, once the rollback the first fault causes begins
     again_after_s: float = 0.0  # that long after the rollback's first line
+    after_mark: Optional[str] = None  # at_s counts from this phase mark (e.g. "backward 14") instead of the first one
 
 
 @dataclass
@@ -230,26 +231,41 @@ def _phase_at(lines: list[tuple[float, str]], when: float) -> str:
 
 
 def _shard_pid(group: int, shard: int) -> Optional[int]:
-    listing = subprocess.run(["ps", "-o", "pid=,stat=,args=", "-g", str(group)], capture_output=True, text=True).stdout
-    for line in listing.splitlines():
-        pid, stat, args = line.split(None, 2)
-        if "ps serve" in args and f"--shard-index {shard} " in args + " " and not stat.startswith("Z"):
-            return int(pid)
+    for _ in range(20):  # a shard being restarted is back within a few tenths of a second
+        listing = subprocess.run(["ps", "-ww", "-o", "pid=,stat=,args=", "-g", str(group)], capture_output=True, text=True).stdout
+        for line in listing.splitlines():
+            pid, stat, args = line.split(None, 2)
+            if "ps serve" in args and f"--shard-index {shard} " in args + " " and not stat.startswith("Z"):
+                return int(pid)
+        time.sleep(0.05)
+    return None
+
+
+def _signal_shard(group: int, shard: int, pid: Optional[int], signum: int) -> Optional[int]:
+    """Sends ``signum`` to ``shard`` (``pid``, found beforehand, or its restarted successor); returns the pid."""
+    for candidate in (pid, None):
+        candidate = candidate or _shard_pid(group, shard)
+        if candidate is None:
+            return None
+        try:
+            os.kill(candidate, signum)
+            return candidate
+        except ProcessLookupError:
+            continue
     return None
 
 
 def _kill_in_rollback(process: subprocess.Popen, lines: list[tuple[float, str]], shard: int, after_s: float) -> str:
     """SIGKILLs ``shard`` ``after_s`` after the run logs that it rolls back; returns the phase it landed in."""
+    known = _shard_pid(process.pid, shard)
     deadline = time.monotonic() + 120
     while process.poll() is None and time.monotonic() < deadline:
         began = next((stamp for stamp, line in list(lines) if "rolling back to" in line), None)
         if began is not None:
             time.sleep(max(0.0, began + after_s - time.monotonic()))
-            pid = _shard_pid(process.pid, shard)
-            if pid is None:
-                return "(no live shard)"
             landed = time.monotonic()
-            os.kill(pid, signal.SIGKILL)
+            if _signal_shard(process.pid, shard, known, signal.SIGKILL) is None:
+                return "(no live shard)"
             time.sleep(0.05)
             return _phase_at(lines, landed)
         time.sleep(0.02)
@@ -287,12 +303,18 @@ def fit_once(out: Path, ranks: int, train_batches: int, fault: Optional[Fault], 
     reader.start()
     outcome = Outcome(status=-999, seconds=0.0)
     if fault is not None and first_mark.wait(timeout):
-        t0 = next(stamp for stamp, line in lines if line.startswith("PHASE "))
+        known = _shard_pid(process.pid, fault.shard)  # looked up now: a signal then lands on its mark, not 50 ms after
+        mark = f"PHASE {fault.after_mark}" if fault.after_mark else "PHASE "
+        t0 = None
+        while t0 is None and process.poll() is None:
+            t0 = next((stamp for stamp, line in list(lines) if line.startswith(mark)), None)
+            time.sleep(0.005)
+        t0 = t0 if t0 is not None else time.monotonic()
         time.sleep(max(0.0, t0 + fault.at_s - time.monotonic()))
-        pid = _shard_pid(process.pid, fault.shard) if process.poll() is None else None
+        landed = time.monotonic()
+        pid = _signal_shard(process.pid, fault.shard, known, signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP) \
+            if process.poll() is None else None
         if pid is not None:
-            landed = time.monotonic()
-            os.kill(pid, signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
             if fault.kind == "stop":
                 time.sleep(fault.stop_s)
                 os.kill(pid, signal.SIGCONT)

@@ -95,8 +95,10 @@ class PersiaStrategy(DDPStrategy):
         ps_seed: seed of the embedded shards' deterministic row initialisation.
         ps_token: shared secret for shards started with ``--token`` (default: ``PERSIA_PS_TOKEN``).
         ps_tls_root_cert: PEM file that signed the shards' TLS certificates.
-        ps_timeout_s: deadline of one parameter-server call, of a wait on the staleness window, and of the wait
-            for the shards to answer at start (a line every 2 s names a shard that has not answered yet).
+        ps_timeout_s: deadline of one attempt of a parameter-server call, and of the wait for the shards to
+            answer at start (a line every 2 s names a shard that has not answered yet). A failed attempt is
+            retried for ``recovery.wait_for_shards_s``; a wait for rows or on the staleness window lasts as long
+            as the call it waits for may.
         ps_config: PS YAML config for the embedded shards.
         log_embedding_metrics: log lookup wait, rows fetched, unique ratio, wire bytes and staleness of the steps the
             trainer logs (every ``log_every_n_steps``: logging costs the trainer CPU on every call, even unwritten).

@@ -2,31 +2,43 @@
 
 What happens (the choice made for Lightning 2.6, kept simple):
 
-1. **Noticing.** A shard that dies makes the calls to it fail (``ShardUnavailableError`` after the client's
-   retries); a shard that restarted refuses every client that knew its previous *incarnation*
-   (``ShardRestartedError``), so no lookup or update ever lands silently on a shard that lost rows. With
-   recovery on, a failed embedding update does not fail the staleness window: it is recorded, and the step
-   goes on to the next check.
+1. **Noticing.** A call to a shard that is down or paused keeps retrying (UNAVAILABLE, DEADLINE_EXCEEDED) for
+   ``wait_for_shards_s``, the time a restart (or a paused host) is given: a shard back within it costs a pause.
+   A shard that restarted refuses every client that knew its previous *incarnation* (``ShardRestartedError``),
+   so no lookup, update or save ever lands silently on a shard that lost rows. With recovery on, such a failure
+   fails nothing at once; it is recorded where it happens:
+
+   - a prefetched lookup or an update (between steps, in the staleness window): the next check sees it;
+   - a lookup inside a training forward: the step runs on stand-in rows of zeros (every rank still takes part
+     in its collectives) and the next check undoes it with the rest;
+   - the shards' Save of a checkpoint: every rank hears of it; nothing of that save is kept (its folder is
+     removed, no ``.ckpt`` is written) and the save starts again after the rollback, into a fresh folder;
+   - a lookup inside an evaluation forward (validation, sanity check): the ranks agree after that batch.
 2. **Agreeing.** At the start of every training batch (after the batch's prefetched lookups have answered),
-   before validation, and before a checkpoint is written, every rank reports whether it saw such a failure;
-   the ranks agree with one all-reduce (nothing on one rank). So every rank rolls back at the same step, and
-   none is left waiting in a DDP collective.
+   before validation, before and after the shards' Save of a checkpoint, after every evaluation batch and at
+   the end of training, every rank reports whether it saw such a failure; the ranks agree with one all-reduce
+   (nothing on one rank). So every rank rolls back at the same point, and none is left waiting in a collective.
 3. **Rolling back in place** (inside the running ``fit``; no new process, no new process group):
    every rank drains its in-flight updates; rank 0 waits until every shard answers again (the embedded
    launcher restarts a dead shard on its port with ``--restore-from`` the latest checkpoint; in a cluster,
    whoever restarts it) and loads the last checkpoint's PS state into *all* shards; every rank accepts the
    shards' new incarnations, loads the same checkpoint's dense weights and optimizer state (``weights_only``)
-   and drops the rows it had prefetched. Dense and sparse state are then those of one checkpoint.
-4. **Going on** with the current batch. The batches trained between the checkpoint and the failure are not
-   replayed (their effect is undone; the data loader and the step counter go on): the run loses at most one
-   checkpoint interval of progress, never its consistency.
+   and drops the rows it had prefetched. Dense and sparse state are then those of one checkpoint. A shard that
+   fails during the rollback is waited for like any other (its calls retry); one that restarts after the load
+   comes back from the same checkpoint.
+4. **Going on** with the current batch (the evaluation batch whose lookup failed runs again; a save writes
+   the restored state). The batches trained between the checkpoint and the failure are not replayed (their
+   effect is undone; the data loader and the step counter go on): the run loses at most one checkpoint
+   interval of progress, never its consistency.
 
 Without a checkpoint to return to, or after ``max_rollbacks`` rollbacks in one ``fit``, or when the shards do not
 answer within ``wait_for_shards_s``, every rank raises :class:`PersiaRecoveryError` with the reason; the
 strategy's ``on_exception`` then stops the embedded shards. Nothing waits forever.
 
-Not recovered in place (the run fails cleanly; resume with ``fit(ckpt_path=...)``): a shard failing in the
-middle of a step's forward (after the check), a failure during validation lookups, a dead trainer rank.
+Not recovered in place: a dead trainer rank (the job fails; resume with ``fit(ckpt_path=...)``); a failure in an
+evaluation loop whose ranks do not run the same known number of batches (an iterable dataset of uneven
+shards: agreeing batch by batch would pair one rank's batch with another's end of loop; that run fails with the
+error). A validation run hit by a failure evaluates its batches after the rollback on the restored model.
 Learning-rate schedulers and callbacks' states are not rolled back.
 """
 from __future__ import annotations

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 import torch
 
 from lightning_persia.embedding.pipeline import EmbeddingLookupError
-from lightning_persia.remote_ps.client import PSError
+from lightning_persia.remote_ps.client import PSError, ShardRestartedError, ShardUnavailableError
 
 COMMIT_MARKER = "COMMITTED"  # = remote_ps.store.checkpoint.COMMIT_MARKER (the strategy does not import the store)
 
@@ -379,9 +379,10 @@ class Recovery:
 
 
 def is_shard_failure(error: BaseException) -> bool:
-    """Whether ``error`` is how a call fails when a shard is down, restarted or paused (a shard's answer, the
-    client's retries running out, a wait that ran out, a call cancelled), as opposed to a defect."""
-    return isinstance(error, (PSError, TimeoutError, CancelledError))
+    """Whether ``error`` is how a call fails when a shard is down, restarted or paused (the client's retries
+    running out, a new incarnation, a wait that ran out, a call cancelled), as opposed to a refused request (a
+    defect, a full disk: retrying after a rollback would not help)."""
+    return isinstance(error, (ShardUnavailableError, ShardRestartedError, TimeoutError, CancelledError))
 
 
 def new_save_id() -> str:

@@ -318,3 +318,16 @@ def test_a_shard_killed_in_the_sanity_check_before_any_checkpoint_fails_clearly(
     with pytest.raises(PersiaRecoveryError, match=r"evaluation lookup failed.*shard 0.*no checkpoint of this run exists"):
         _trainer(strategy, 4, num_sanity_val_steps=2).fit(remote, loader(make_batches(4)), loader(make_batches(2, seed=1)))
     assert strategy._cluster is None  # stopped on the way out
+
+
+def test_a_save_the_shards_refuse_fails_every_rank_naming_it_and_writes_no_checkpoint(tmp_path):
+    """Not a shard's failure (a refused request: here a folder outside the shards' checkpoint_root): no rollback
+    and no retry, the run stops naming it, and no .ckpt names a PS folder that was never written."""
+    confined = tmp_path / "ps.yaml"
+    confined.write_text(f"checkpoint_root: {tmp_path / 'elsewhere'}\n")
+    _, remote = _pair()
+    strategy = PersiaStrategy(num_local_shards=1, staleness=0, embedding_optimizer=SGD(lr=0.1), embedding_init=INIT,
+                              ps_config=str(confined), recovery=FAST)
+    with pytest.raises(PersiaRecoveryError, match=r"could not save the checkpoint .*step=5\.ckpt: PSRequestError: .*PERMISSION_DENIED"):
+        _trainer(strategy, 10, checkpoint_dir=tmp_path / "ckpt", every=5).fit(remote, loader(make_batches(10)))
+    assert list((tmp_path / "ckpt").glob("*.ckpt")) == [] and strategy.rollbacks == []

@@ -501,6 +501,7 @@ class PersiaStrategy(DDPStrategy):
             if self.is_global_zero:
                 self.client.load(str(ps_dir))
             self.barrier("persia_load_checkpoint_done")
+            self.client.refresh_incarnations()  # every shard holds this checkpoint now, a restarted one too
             self._recovery.loaded(checkpoint_path, ps_dir)
         return checkpoint
 

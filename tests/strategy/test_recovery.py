@@ -23,6 +23,7 @@ from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_persia import SGD, PersiaStrategy
+from lightning_persia.embedding.pipeline import EmbeddingLookupError
 from lightning_persia.strategy.recovery import PersiaRecoveryError, RecoveryConfig
 from toy import INIT, NUM_IDS, ToyRecommender, loader, make_batches
 
@@ -331,3 +332,27 @@ def test_a_save_the_shards_refuse_fails_every_rank_naming_it_and_writes_no_check
     with pytest.raises(PersiaRecoveryError, match=r"could not save the checkpoint .*step=5\.ckpt: PSRequestError: .*PERMISSION_DENIED"):
         _trainer(strategy, 10, checkpoint_dir=tmp_path / "ckpt", every=5).fit(remote, loader(make_batches(10)))
     assert list((tmp_path / "ckpt").glob("*.ckpt")) == [] and strategy.rollbacks == []
+
+
+class _Testable(ToyRecommender):
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", nn.functional.binary_cross_entropy_with_logits(self(batch), batch["labels"]), batch_size=1)
+
+
+def test_after_fit_test_from_the_checkpoint_accepts_a_restarted_shard_and_test_without_it_refuses_it(tmp_path):
+    """Outside fit nothing rolls back: the restarted shard's rows are the checkpoint's, not the trained ones, so
+    test refuses them; testing from the checkpoint loads it into every shard and accepts their incarnations."""
+    torch.manual_seed(0)
+    remote = _Testable(device="meta")
+    strategy = PersiaStrategy(staleness=0, embedding_optimizer=SGD(lr=0.1), embedding_init=INIT, recovery=FAST)
+    try:
+        trainer = _trainer(strategy, 10, checkpoint_dir=tmp_path / "ckpt", every=5)
+        trainer.fit(remote, loader(make_batches(10)))
+        _kill(strategy, 0)
+        (result,) = trainer.test(remote, loader(make_batches(2, seed=1)), ckpt_path="best", verbose=False)
+        assert result["test_loss"] > 0
+        _kill(strategy, 1)
+        with pytest.raises(EmbeddingLookupError, match="ShardRestartedError: shard 1 .*ABORTED"):
+            trainer.test(remote, loader(make_batches(2, seed=1)), verbose=False)
+    finally:
+        strategy.close()

@@ -16,7 +16,9 @@ Scenarios:
 
 Randomised mode (``--random N``): N runs of the DLRM example through ``lightning-persia fit`` (small and fast:
 examples/dlrm/config.yaml with the overrides of ``run_config``), alternately 1 and 2 ranks, 2 embedded shards,
-ModelCheckpoint every 10 steps, validation twice per epoch and a 2-batch sanity check. Each run gets one fault
+ModelCheckpoint every 10 steps, validation twice per epoch. Each run resumes from the step-10 checkpoint of a
+fault-free run like it, so that a fault before its own first checkpoint has a state to return to (Lightning runs
+no sanity check on a resumed fit; ``fit_once`` without ``resume`` starts fresh, with one). Each run gets one fault
 on a random shard at a random moment, uniform over the run (from its first phase mark to its expected end, taken
 from one fault-free calibration run per rank count): a SIGKILL, or (``--stop-fraction`` of the runs) a
 SIGSTOP held for 1.5-3x ``ps_timeout_s`` then SIGCONT (a hung host); in ``--again-fraction`` of the SIGKILL runs a

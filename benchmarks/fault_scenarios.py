@@ -13,15 +13,39 @@ Scenarios:
   rank0_killed_in_save  2 ranks; rank 0 SIGKILLed while the shards write its 3rd checkpoint: the previous pair
                         (.ckpt + PS folder) is intact, the half-written one never replaces it; resume works.
   no_checkpoint         1 rank; shard killed before any checkpoint: a clear PersiaRecoveryError, shards stopped.
+
+Randomised mode (``--random N``): N runs of the DLRM example through ``lightning-persia fit`` (small and fast:
+examples/dlrm/config.yaml with the overrides of ``run_config``), alternately 1 and 2 ranks, 2 embedded shards,
+ModelCheckpoint every 10 steps, validation twice per epoch. Each run resumes from the step-10 checkpoint of a
+fault-free run like it, so that a fault before its own first checkpoint has a state to return to (Lightning runs
+no sanity check on a resumed fit; ``fit_once`` without ``resume`` starts fresh, with one). Each run gets one fault
+on a random shard at a random moment, uniform over the run (from its first phase mark to its expected end, taken
+from one fault-free calibration run per rank count): a SIGKILL, or (``--stop-fraction`` of the runs) a
+SIGSTOP held for 1.5-3x ``ps_timeout_s`` then SIGCONT (a hung host); in ``--again-fraction`` of the SIGKILL runs a
+second shard is SIGKILLed 0-0.1 s into the rollback the first one causes. Per run it prints where the fault landed
+(the phase, from ``lightning_persia.testing.phases.PhaseMarks``), the rollbacks, whether the run finished and
+its final val_auc; every run must finish.
+
+    .venv/bin/python benchmarks/fault_scenarios.py --random 50 --seed 0
+    .venv/bin/python benchmarks/fault_scenarios.py --random 2 --window-s 20 --train-batches 24   # a quick look
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import random
+import re
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -127,10 +151,285 @@ def no_checkpoint(base: Path) -> tuple[str, str, bool]:
 SCENARIOS = {f.__name__: f for f in (shard_killed_ddp, shard_killed_twice, rank_killed_ddp, rank0_killed_in_save, no_checkpoint)}
 
 
+# ---- randomised mode: the DLRM example through `lightning-persia fit`, one fault at a random moment ----------
+
+PS_TIMEOUT_S = 2.0
+NUM_SHARDS = 2
+
+
+def run_config(out: Path, ranks: int, train_batches: int) -> str:
+    """Overrides of examples/dlrm/config.yaml: a small, fast run with checkpoints, validations and a sanity check."""
+    every = max(1, 10 // ranks)
+    return f"""
+trainer:
+  devices: {ranks}
+  max_epochs: 1
+  val_check_interval: 0.5
+  num_sanity_val_steps: 2
+  enable_checkpointing: true
+  log_every_n_steps: 5
+  enable_progress_bar: false
+  default_root_dir: {out}
+  strategy:
+    init_args:
+      staleness: 2
+      num_local_shards: {NUM_SHARDS}
+      ps_timeout_s: {PS_TIMEOUT_S}
+      recovery: {{wait_for_shards_s: 60, client_max_backoff_s: 0.5}}
+  callbacks:
+    - class_path: examples.common.PrintAUC
+    - class_path: lightning_persia.testing.phases.PhaseMarks
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args: {{dirpath: {out / "ckpt"}, every_n_train_steps: {every}, save_top_k: 1, monitor: step, mode: max}}
+model:
+  init_args:
+    bottom_mlp: [64, 16]
+    top_mlp: [64, 32]
+data:
+  init_args:
+    num_train_batches: {train_batches}
+    num_val_batches: 8
+    batch_size: 1024
+"""
+
+
+@dataclass
+class Fault:
+    kind: str  # "kill" or "stop"
+    shard: int
+    at_s: float  # after the run's first phase mark
+    stop_s: float = 0.0
+    again_in_rollback: Optional[int] = None  # this shard is SIGKILLed too, once the rollback the first fault causes begins
+    again_after_s: float = 0.0  # that long after the rollback's first line
+    after_mark: Optional[str] = None  # at_s counts from this phase mark (e.g. "backward 14") instead of the first one
+
+
+@dataclass
+class Outcome:
+    status: int
+    seconds: float
+    phase: str = "(no fault)"
+    landed_s: Optional[float] = None
+    second_phase: Optional[str] = None
+    rollbacks: list = field(default_factory=list)
+    auc: Optional[float] = None
+    fit_s: Optional[float] = None  # from the first phase mark to the end of fit
+    log: str = ""
+
+
+def _phase_at(lines: list[tuple[float, str]], when: float) -> str:
+    phase, before_rollback = "start-up", None
+    for stamp, line in lines:
+        if stamp > when:
+            break
+        if line.startswith("PHASE "):
+            phase = line.split(" ", 1)[1].rsplit(" ", 1)[0]
+            before_rollback = None
+        elif "rolling back to" in line and before_rollback is None:
+            before_rollback, phase = phase, f"rollback (in {phase})"
+        elif "rolled back to" in line and before_rollback is not None:
+            phase, before_rollback = before_rollback, None
+    return phase
+
+
+def _shard_pid(group: int, shard: int) -> Optional[int]:
+    for _ in range(20):  # a shard being restarted is back within a few tenths of a second
+        listing = subprocess.run(["ps", "-ww", "-o", "pid=,stat=,args=", "-g", str(group)], capture_output=True, text=True).stdout
+        for line in listing.splitlines():
+            pid, stat, args = line.split(None, 2)
+            if "ps serve" in args and f"--shard-index {shard} " in args + " " and not stat.startswith("Z"):
+                return int(pid)
+        time.sleep(0.05)
+    return None
+
+
+def _signal_shard(group: int, shard: int, pid: Optional[int], signum: int) -> Optional[int]:
+    """Sends ``signum`` to ``shard`` (``pid``, found beforehand, or its restarted successor); returns the pid."""
+    for candidate in (pid, None):
+        candidate = candidate or _shard_pid(group, shard)
+        if candidate is None:
+            return None
+        try:
+            os.kill(candidate, signum)
+            return candidate
+        except ProcessLookupError:
+            continue
+    return None
+
+
+def _kill_in_rollback(process: subprocess.Popen, lines: list[tuple[float, str]], shard: int, after_s: float) -> str:
+    """SIGKILLs ``shard`` ``after_s`` after the run logs that it rolls back; returns the phase it landed in."""
+    known = _shard_pid(process.pid, shard)
+    deadline = time.monotonic() + 120
+    while process.poll() is None and time.monotonic() < deadline:
+        began = next((stamp for stamp, line in list(lines) if "rolling back to" in line), None)
+        if began is not None:
+            time.sleep(max(0.0, began + after_s - time.monotonic()))
+            landed = time.monotonic()
+            if _signal_shard(process.pid, shard, known, signal.SIGKILL) is None:
+                return "(no live shard)"
+            time.sleep(0.05)
+            return _phase_at(lines, landed)
+        time.sleep(0.02)
+    return "(no rollback began)"
+
+
+def fit_once(out: Path, ranks: int, train_batches: int, fault: Optional[Fault], resume: Optional[Path] = None,
+             extra: tuple[str, ...] = (), timeout: float = 600) -> Outcome:
+    """One ``lightning-persia fit`` of the small DLRM run (from the checkpoint ``resume``, copied into ``out``
+    first), with ``fault`` injected; every line of its output timestamped."""
+    out.mkdir(parents=True, exist_ok=True)
+    config = out / "run.yaml"
+    config.write_text(run_config(out, ranks, train_batches))
+    command = [sys.executable, "-m", "lightning_persia.cli", "fit", "--config", str(ROOT / "examples/dlrm/config.yaml"),
+               "--config", str(config), *extra]
+    if resume is not None:
+        start = out / "start" / resume.name
+        shutil.copytree(resume.parent, start.parent)
+        command += ["--ckpt_path", str(start)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    started = time.monotonic()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, cwd=ROOT, env=env,
+                               start_new_session=True)
+    lines: list[tuple[float, str]] = []
+    first_mark = threading.Event()
+
+    def read() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append((time.monotonic(), line.rstrip("\n")))
+            if line.startswith("PHASE "):
+                first_mark.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    outcome = Outcome(status=-999, seconds=0.0)
+    if fault is not None and first_mark.wait(timeout):
+        known = _shard_pid(process.pid, fault.shard)  # looked up now: a signal then lands on its mark, not 50 ms after
+        mark = f"PHASE {fault.after_mark}" if fault.after_mark else "PHASE "
+        t0 = None
+        while t0 is None and process.poll() is None:
+            t0 = next((stamp for stamp, line in list(lines) if line.startswith(mark)), None)
+            time.sleep(0.005)
+        t0 = t0 if t0 is not None else time.monotonic()
+        time.sleep(max(0.0, t0 + fault.at_s - time.monotonic()))
+        landed = time.monotonic()
+        pid = _signal_shard(process.pid, fault.shard, known, signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP) \
+            if process.poll() is None else None
+        if pid is not None:
+            if fault.kind == "stop":
+                time.sleep(fault.stop_s)
+                os.kill(pid, signal.SIGCONT)
+            time.sleep(0.05)  # the reader has the lines written before the signal
+            outcome.landed_s, outcome.phase = landed - t0, _phase_at(lines, landed)
+            if fault.again_in_rollback is not None:
+                outcome.second_phase = _kill_in_rollback(process, lines, fault.again_in_rollback, fault.again_after_s)
+        else:
+            outcome.phase = "(the run had ended)"
+    try:
+        outcome.status = process.wait(timeout=max(1.0, timeout - (time.monotonic() - started)))
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        lines.append((time.monotonic(), "TIMED OUT (a hang)"))
+    reader.join(10)
+    while live(process.pid) and time.monotonic() - started < timeout + 30:
+        time.sleep(0.1)
+    outcome.seconds = time.monotonic() - started
+    text = [line for _, line in lines]
+    outcome.log = "\n".join(text)
+    (out / "log.txt").write_text("".join(f"{stamp - started:8.3f} {line}\n" for stamp, line in lines))
+    for stamp, line in lines:
+        if line.startswith("ROLLBACKS "):
+            outcome.rollbacks = json.loads(line.split(" ", 1)[1])
+        found = re.search(r"end of fit: val_auc ([0-9.]+)", line)
+        if found:
+            outcome.auc = float(found.group(1))
+        if line.startswith("PHASE after fit"):
+            outcome.fit_s = stamp - next(s for s, l in lines if l.startswith("PHASE "))
+    return outcome
+
+
+def random_faults(base: Path, runs: int, seed: int, stop_fraction: float, again_fraction: float, train_batches: int,
+                  window_s: Optional[float]) -> bool:
+    rng = random.Random(seed)
+    windows: dict[int, float] = {}
+    starts: dict[int, Path] = {}
+    for ranks in (1, 2):
+        # Every run resumes from the checkpoint of step 10 of a run like it: a shard failing before a run's
+        # first checkpoint (its sanity check, its first steps) then has a state to roll back to, as in any
+        # resumed or long run. (Without one the run stops with PersiaRecoveryError: the `no_checkpoint` scenario.)
+        first = fit_once(base / f"first-{ranks}", ranks, train_batches, None, extra=("--trainer.max_steps=10",))
+        found = sorted((base / f"first-{ranks}" / "ckpt").glob("*.ckpt"))
+        if first.status != 0 or not found:
+            print(f"the run making the first checkpoint ({ranks} ranks) FAILED (status {first.status}):\n{first.log[-3000:]}", flush=True)
+            return False
+        starts[ranks] = found[-1]
+        if window_s is not None:
+            windows[ranks] = window_s
+            continue
+        calibration = fit_once(base / f"calibrate-{ranks}", ranks, train_batches, None, resume=starts[ranks])
+        if calibration.status != 0 or calibration.fit_s is None:
+            print(f"calibration run ({ranks} ranks) FAILED (status {calibration.status}):\n{calibration.log[-3000:]}", flush=True)
+            return False
+        windows[ranks] = calibration.fit_s
+        print(f"calibration, {ranks} rank(s), no fault: fit {calibration.fit_s:.1f} s after its first phase mark, "
+              f"{calibration.seconds:.1f} s in all, val_auc {calibration.auc}", flush=True)
+    print(f"\n{'run':>3} {'ranks':>5} {'fault':<13} {'at s':>5}  {'landed in':<44} {'rollbacks (step@where)':<34} {'result':<8} {'val_auc':>7} {'wall s':>6}", flush=True)
+    results = []
+    for index in range(runs):
+        ranks = 1 + index % 2
+        stop = rng.random() < stop_fraction
+        fault = Fault("stop" if stop else "kill", rng.randrange(NUM_SHARDS), rng.uniform(0.0, windows[ranks]),
+                      stop_s=round(rng.uniform(1.5, 3.0) * PS_TIMEOUT_S, 1) if stop else 0.0)
+        if not stop and rng.random() < again_fraction:
+            fault.again_in_rollback, fault.again_after_s = rng.randrange(NUM_SHARDS), rng.uniform(0.0, 0.1)
+        outcome = fit_once(base / f"run-{index}", ranks, train_batches, fault, resume=starts[ranks])
+        finished = outcome.status == 0 and outcome.auc is not None
+        results.append((ranks, fault, outcome, finished))
+        what = f"SIGSTOP {fault.stop_s:g}s" if stop else "SIGKILL"
+        if outcome.second_phase is not None:
+            outcome.phase += f" + s{fault.again_in_rollback} in {outcome.second_phase}"
+        rollbacks = ", ".join(f"{r['step']}@{r['where']}" for r in outcome.rollbacks) or "none"
+        landed = f"{outcome.landed_s:5.1f}" if outcome.landed_s is not None else "    -"
+        print(f"{index:>3} {ranks:>5} {what + ' s' + str(fault.shard):<13} {landed}  {outcome.phase:<44} {rollbacks:<34} "
+              f"{'finished' if finished else 'FAILED':<8} {outcome.auc if outcome.auc is not None else float('nan'):>7.4f} {outcome.seconds:>6.0f}", flush=True)
+        if not finished:
+            print(outcome.log[-4000:], flush=True)
+    phases: dict[str, int] = {}
+    for _, _, outcome, _ in results:
+        for key in [outcome.phase.split(" + ")[0]] + ([outcome.second_phase] if outcome.second_phase else []):
+            key = key.split(" (in ")[0]
+            phases[key] = phases.get(key, 0) + 1
+    aucs = [o.auc for _, _, o, ok in results if ok and o.auc is not None]
+    print(f"\n{sum(ok for *_, ok in results)} of {len(results)} runs finished; faults (first and second) landed in: "
+          + ", ".join(f"{k} {v}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]))
+          + f"; rollbacks: {sum(len(o.rollbacks) for _, _, o, _ in results)}"
+          + (f"; val_auc {min(aucs):.4f}-{max(aucs):.4f}" if aucs else ""), flush=True)
+    return all(ok for *_, ok in results)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", nargs="*", choices=sorted(SCENARIOS))
+    parser.add_argument("--random", type=int, metavar="N", help="N runs of the DLRM example, each with one random fault")
+    parser.add_argument("--seed", type=int, default=0, help="--random: seed of the faults' draws")
+    parser.add_argument("--stop-fraction", type=float, default=0.25, help="--random: share of SIGSTOP/SIGCONT faults")
+    parser.add_argument("--again-fraction", type=float, default=0.2,
+                        help="--random: share of SIGKILL runs where a second shard is killed during the rollback")
+    parser.add_argument("--train-batches", type=int, default=60, help="--random: training batches of a run (all ranks)")
+    parser.add_argument("--window-s", type=float, help="--random: draw the fault times in [0, this] instead of calibrating")
+    parser.add_argument("--keep", help="--random: keep every run's folder (logs, checkpoints) under this folder")
     args = parser.parse_args()
+    if args.random is not None:
+        if args.keep:
+            ok = random_faults(Path(args.keep), args.random, args.seed, args.stop_fraction, args.again_fraction, args.train_batches,
+                               args.window_s)
+        else:
+            with tempfile.TemporaryDirectory(prefix="persia-random-faults-") as tmp:
+                ok = random_faults(Path(tmp), args.random, args.seed, args.stop_fraction, args.again_fraction, args.train_batches,
+                                   args.window_s)
+        return 0 if ok else 1
     rows = []
     with tempfile.TemporaryDirectory(prefix="persia-faults-") as tmp:
         for name in args.only or SCENARIOS:

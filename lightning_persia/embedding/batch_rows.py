@@ -160,6 +160,11 @@ class BatchRows:
         self.weights = fetched.to(device, non_blocking=True).requires_grad_(requires_grad)
         return self.weights
 
+    def stand_in(self, device: torch.device, requires_grad: bool) -> torch.Tensor:
+        """Zeros in place of rows whose lookup failed, for a step that will be undone (see ``EmbeddingPipeline.rows``)."""
+        self.weights = torch.zeros(self.layout.numel, device=device).requires_grad_(requires_grad)
+        return self.weights
+
     def take(self, key: str) -> ModuleRows:
         """Module ``key``'s rows (after :meth:`materialize`); its gradient is part of this lookup's update."""
         assert self.weights is not None

@@ -44,6 +44,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+class EmbeddingLookupError(RuntimeError):
+    """An evaluation forward could not get its rows (``cause``: the lookup's error); nothing was written."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"the embedding lookup of an evaluation forward failed: {type(cause).__name__}: {cause}")
+        self.cause = cause
+
+
 class EmbeddingPipeline:
     """Per-rank engine of the remote twins (their :class:`RowSource`).
 
@@ -52,7 +60,8 @@ class EmbeddingPipeline:
         staleness: how many earlier steps' updates a lookup may miss (0 = synchronous).
         wire_dtype: ``"fp16"`` or ``"fp32"`` for rows and gradients on the wire.
         device: where batch-local rows are placed for the forward.
-        timeout_s: longest wait for rows or for the staleness window before failing with a clear error.
+        timeout_s: longest wait for rows or for the staleness window before failing with a clear error (at
+            least as long as one call to the shards may last with its retries).
         rank_merge: with several ranks, sums their gradients of a step into one update.
     """
 
@@ -78,6 +87,7 @@ class EmbeddingPipeline:
         self._ready: deque[StepContext] = deque()
         self._current: Optional[StepContext] = None
         self._reported_misses: set[str] = set()
+        self._on_lookup_error: Optional[Callable[[int, BaseException], bool]] = None
 
     # ---- set-up --------------------------------------------------------------------------------------
 
@@ -95,6 +105,11 @@ class EmbeddingPipeline:
     def set_update_error_handler(self, handler: Callable[[int, BaseException], bool]) -> None:
         """``handler(step, error)`` is told of every failed update; True: handled (the window goes on)."""
         self.pusher.on_update_error = handler
+
+    def set_lookup_error_handler(self, handler: Callable[[int, BaseException], bool]) -> None:
+        """``handler(step, error)`` is told of a training forward's failed lookup; True: handled (the forward goes
+        on with rows of zeros, whose step the handler undoes), else the forward raises ``error``."""
+        self._on_lookup_error = handler
 
     @property
     def staleness(self) -> int:
@@ -198,9 +213,12 @@ class EmbeddingPipeline:
         step = self._current
         if step is None:  # evaluation: nothing is admitted, nothing is pushed
             rows = BatchRows([planner.plan(features)])
-            self._fetch(rows, train=False)
-            with record_function(LOOKUP_WAIT):
-                rows.materialize(self.device, requires_grad=False, timeout_s=self.timeout_s)
+            try:
+                self._fetch(rows, train=False)
+                with record_function(LOOKUP_WAIT):
+                    rows.materialize(self.device, requires_grad=False, timeout_s=self.timeout_s)
+            except Exception as error:  # the caller tells a shard's failure from a defect (``cause``)
+                raise EmbeddingLookupError(error) from error
             return rows.take(key)
         if key not in self._located and step.batch is not None:
             # Where the input sits in the batch, unless the planner finds it itself: later batches are planned from there.
@@ -216,12 +234,20 @@ class EmbeddingPipeline:
                 rows = None
         else:
             rows = None
-        if rows is None:
-            rows = BatchRows([planner.plan(features)])
-            self.scheduler.window.wait_for_lookup(step.index, self.timeout_s)
-            self._fetch(rows, train=True)
-        with record_function(LOOKUP_WAIT):
-            rows.materialize(self.device, requires_grad=torch.is_grad_enabled(), timeout_s=self.timeout_s)
+        requires_grad = torch.is_grad_enabled()
+        try:
+            if rows is None:
+                rows = BatchRows([planner.plan(features)])
+                self.scheduler.window.wait_for_lookup(step.index, self.timeout_s)
+                self._fetch(rows, train=True)
+            with record_function(LOOKUP_WAIT):
+                rows.materialize(self.device, requires_grad=requires_grad, timeout_s=self.timeout_s)
+        except Exception as error:  # the handler tells a shard's failure from a defect
+            if self._on_lookup_error is None or not self._on_lookup_error(step.index, error):
+                raise
+            # The step is lost (recovery undoes it): its forward and backward run on zeros, so that every rank
+            # still takes part in the step's collectives and nothing waits.
+            rows.stand_in(self.device, requires_grad=requires_grad)
         step.use(rows)
         return rows.take(key)
 

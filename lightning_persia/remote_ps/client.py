@@ -183,6 +183,9 @@ class PSClient:
         timeout_s: deadline of one attempt of a lookup, update or table call.
         max_retries: retries of an attempt that failed with UNAVAILABLE or DEADLINE_EXCEEDED (every call is
             safe to retry: updates carry a sequence number that the shard applies once).
+        retry_for_s: a failed attempt is also retried, beyond ``max_retries``, until the call has lasted this
+            long: how long a shard may take to come back (a restart, a paused host) before the call fails.
+            ``PersiaStrategy`` sets it to ``RecoveryConfig.wait_for_shards_s``.
         backoff_s, max_backoff_s: exponential back-off between retries (with jitter).
         client_id: identity of this client for exactly-once updates; unique by default.
         max_ids_per_message: larger requests to one shard are split into several messages.
@@ -202,6 +205,7 @@ class PSClient:
         tls_server_name: Optional[str] = None,
         timeout_s: float = 30.0,
         max_retries: int = 5,
+        retry_for_s: float = 0.0,
         backoff_s: float = 0.1,
         max_backoff_s: float = 5.0,
         client_id: Optional[str] = None,
@@ -212,13 +216,14 @@ class PSClient:
     ) -> None:
         if not addresses:
             raise ValueError("PSClient needs the address of at least one shard")
-        if max_retries < 0 or timeout_s <= 0 or backoff_s < 0 or max_ids_per_message < 1:
-            raise ValueError("PSClient: timeout_s must be > 0, max_retries and backoff_s >= 0, max_ids_per_message >= 1")
+        if max_retries < 0 or timeout_s <= 0 or backoff_s < 0 or retry_for_s < 0 or max_ids_per_message < 1:
+            raise ValueError("PSClient: timeout_s must be > 0, max_retries, retry_for_s and backoff_s >= 0, max_ids_per_message >= 1")
         self.addresses = list(addresses)
         self.num_shards = len(self.addresses)
         self.client_id = client_id or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.timeout_s = timeout_s
         self.max_retries = max_retries
+        self.retry_for_s = retry_for_s
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.max_ids_per_message = max_ids_per_message
@@ -264,6 +269,13 @@ class PSClient:
             self._health = [health_pb2_grpc.HealthStub(c) for c in self._channels]
 
         self._submit(connect()).result()
+
+    @property
+    def call_budget_s(self) -> float:
+        """The longest a lookup, update or table call can last with its retries before it fails: what a caller
+        waiting for one (a staleness window, a forward waiting for its rows) should wait at most."""
+        retries = self.max_retries * (self.timeout_s + self.max_backoff_s)
+        return max(retries, self.retry_for_s + self.max_backoff_s) + self.timeout_s
 
     # ---- lookups and updates -----------------------------------------------------------------------
 
@@ -587,7 +599,8 @@ class PSClient:
         return results
 
     async def _call(self, shard: int, method: str, request, timeout_s: float):
-        """One RPC with deadline and retries on UNAVAILABLE / DEADLINE_EXCEEDED (every PS call is idempotent)."""
+        """One RPC with deadline and retries on UNAVAILABLE / DEADLINE_EXCEEDED (every PS call is idempotent):
+        at least ``max_retries`` of them, and more until the call has lasted ``retry_for_s``."""
         rpc = getattr(self._stubs[shard], method)
         start = time.monotonic()
         for attempt in itertools.count(1):
@@ -603,7 +616,7 @@ class PSClient:
                     raise ShardRestartedError(shard, self.addresses[shard], code, err.details() or "") from None
                 if code not in _RETRYABLE:
                     raise PSRequestError(shard, self.addresses[shard], code, err.details() or "") from None
-                if attempt > self.max_retries:
+                if attempt > self.max_retries and time.monotonic() - start >= self.retry_for_s:
                     raise ShardUnavailableError(
                         shard, self.addresses[shard], attempt, time.monotonic() - start,
                         f"{method}: {code.name}: {err.details()}",

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import os
 import shutil
 from datetime import timedelta
@@ -33,7 +34,9 @@ from lightning_persia.remote_ps.table_config import DEFAULT_CAPACITY, InitLike, 
 from lightning_persia.strategy.interception import MODULE_KINDS, TableDefaults, TableOverride, intercept
 from lightning_persia.strategy.local_cluster import LocalCluster
 from lightning_persia.strategy.metrics import TrainerMetrics
-from lightning_persia.strategy.recovery import Recovery, RecoveryConfig, new_save_id
+from lightning_persia.strategy.recovery import (
+    PersiaRecoveryError, Recovery, RecoveryConfig, RollbackEvent, is_shard_failure, new_save_id,
+)
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +95,10 @@ class PersiaStrategy(DDPStrategy):
         ps_seed: seed of the embedded shards' deterministic row initialisation.
         ps_token: shared secret for shards started with ``--token`` (default: ``PERSIA_PS_TOKEN``).
         ps_tls_root_cert: PEM file that signed the shards' TLS certificates.
-        ps_timeout_s: deadline of one parameter-server call, of a wait on the staleness window, and of the wait
-            for the shards to answer at start (a line every 2 s names a shard that has not answered yet).
+        ps_timeout_s: deadline of one attempt of a parameter-server call, and of the wait for the shards to
+            answer at start (a line every 2 s names a shard that has not answered yet). A failed attempt is
+            retried for ``recovery.wait_for_shards_s``; a wait for rows or on the staleness window lasts as long
+            as the call it waits for may.
         ps_config: PS YAML config for the embedded shards.
         log_embedding_metrics: log lookup wait, rows fetched, unique ratio, wire bytes and staleness of the steps the
             trainer logs (every ``log_every_n_steps``: logging costs the trainer CPU on every call, even unwritten).
@@ -212,6 +217,11 @@ class PersiaStrategy(DDPStrategy):
         return self._pipeline
 
     @property
+    def rollbacks(self) -> list[RollbackEvent]:
+        """The rollbacks of this run so far (when, where, why, to which checkpoint, how long)."""
+        return list(self._recovery.events)
+
+    @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
         # The checkpoint's PS files are loaded through the client, which exists only after setup.
@@ -297,8 +307,10 @@ class PersiaStrategy(DDPStrategy):
         if self.merge_rank_gradients and self.world_size > 1 and dims:
             sender = self.broadcast(f"{self.client.client_id}-merged")
             rank_merge = RankMerge(sender, dims, timeout=self._timeout)
+        # A wait for rows or for the staleness window lasts as long as the call it waits for may, retries included
+        # (RecoveryConfig.wait_for_shards_s): a shard coming back in that time costs a pause, not the run.
         self._pipeline = EmbeddingPipeline(
-            self.client, self.staleness, self.wire_dtype, self.root_device, timeout_s=self.ps_timeout_s, rank_merge=rank_merge,
+            self.client, self.staleness, self.wire_dtype, self.root_device, timeout_s=self.client.call_budget_s, rank_merge=rank_merge,
         )
         for module in self.remote_modules:
             self._pipeline.register(module.planner)
@@ -352,6 +364,14 @@ class PersiaStrategy(DDPStrategy):
         return output
 
     @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        trainer = self.lightning_module.trainer
+        where = "sanity check" if trainer.sanity_checking else "validation"
+        return self._recovery.evaluate(lambda: super(PersiaStrategy, self).validation_step(*args, **kwargs), where)
+
+    @override
     def post_backward(self, closure_loss: Tensor) -> None:
         super().post_backward(closure_loss)
         scale = self._embedding_gradient_scale()
@@ -380,6 +400,11 @@ class PersiaStrategy(DDPStrategy):
         super().on_validation_start()
         self._drain()
         self._recovery.check("validation")
+        if self._pipeline is not None:
+            trainer = self.lightning_module.trainer
+            counts = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
+            total = sum(counts)
+            self._recovery.begin_evaluation(int(total) if math.isfinite(total) else None)
 
     @override
     def on_test_start(self) -> None:
@@ -396,6 +421,8 @@ class PersiaStrategy(DDPStrategy):
         super().on_train_end()
         self._close_loaders()
         self._drain()
+        if self._pipeline is not None:  # a failure in the last steps: the run ends on a consistent state
+            self._recovery.check("end of training")
 
     def _close_loaders(self) -> None:
         for loader in self._loaders:
@@ -409,14 +436,7 @@ class PersiaStrategy(DDPStrategy):
         """Saves the shards' state beside the ``.ckpt`` (in ``<file>.ps/``), consistent with the same step."""
         ps_dir = None
         if self.client is not None and self.remote_modules:
-            self._drain()
-            self.barrier("persia_save_checkpoint")
-            self._recovery.check("checkpoint", checkpoint)
-            # A fresh folder per save (<file>.ps/<save id>/): the previous one, named by the .ckpt it belongs to,
-            # stays intact until the new .ckpt has replaced it, so a save killed half-way never breaks the pair.
-            ps_dir = _ps_dir(filepath) / self.broadcast(new_save_id())
-            if self.is_global_zero:
-                self.client.save(str(ps_dir))
+            ps_dir = self._save_shards(filepath, checkpoint)
             checkpoint[CHECKPOINT_KEY] = {"ps_dir": f"{ps_dir.parent.name}/{ps_dir.name}",
                                           "tables": [t.name for m in self.remote_modules for t in m.remote_tables],
                                           "interception": self._interception_record()}
@@ -427,6 +447,34 @@ class PersiaStrategy(DDPStrategy):
                     if old.name != ps_dir.name:
                         shutil.rmtree(old, ignore_errors=True)
             self._recovery.saved(filepath, ps_dir)
+
+    def _save_shards(self, filepath: _PATH, checkpoint: dict[str, Any]) -> Path:
+        """Every shard saves its state, consistent with ``checkpoint`` (the dense state of the same step), into a
+        fresh folder; returns it. A shard that fails during the save is a shard failure like any other: every rank
+        rolls back (``checkpoint`` is refilled with the restored state) and the save starts again, so the ``.ckpt``
+        written next never names an incomplete folder and Lightning never hears of a save that did not happen."""
+        assert self.client is not None
+        while True:
+            self._drain()
+            self.barrier("persia_save_checkpoint")
+            self._recovery.check("checkpoint", checkpoint)
+            # A fresh folder per save (<file>.ps/<save id>/): the previous one, named by the .ckpt it belongs to,
+            # stays intact until the new .ckpt has replaced it, so a save killed half-way never breaks the pair.
+            ps_dir = _ps_dir(filepath) / self.broadcast(new_save_id())
+            error: Optional[tuple[bool, str]] = None
+            if self.is_global_zero:
+                try:
+                    self.client.save(str(ps_dir))
+                except Exception as err:  # noqa: BLE001 - every rank hears of it below
+                    error = (is_shard_failure(err), f"{type(err).__name__}: {err}")
+                    shutil.rmtree(ps_dir, ignore_errors=True)  # what the shards that did answer wrote
+            error = self.broadcast(error)
+            if error is None:
+                return ps_dir
+            shard_failure, reason = error
+            if not shard_failure or not self.recovery.enabled:
+                raise PersiaRecoveryError(f"the parameter-server shards could not save the checkpoint {filepath}: {reason}")
+            self._recovery.failed(f"the shards' save of checkpoint {Path(str(filepath)).name} failed: {reason}")
 
     def _interception_record(self) -> dict[str, Any]:
         """What rebuilds the twins without this strategy (``lightning_persia.serving``): which modules were
@@ -453,6 +501,7 @@ class PersiaStrategy(DDPStrategy):
             if self.is_global_zero:
                 self.client.load(str(ps_dir))
             self.barrier("persia_load_checkpoint_done")
+            self.client.refresh_incarnations()  # every shard holds this checkpoint now, a restarted one too
             self._recovery.loaded(checkpoint_path, ps_dir)
         return checkpoint
 

@@ -2,31 +2,43 @@
 
 What happens (the choice made for Lightning 2.6, kept simple):
 
-1. **Noticing.** A shard that dies makes the calls to it fail (``ShardUnavailableError`` after the client's
-   retries); a shard that restarted refuses every client that knew its previous *incarnation*
-   (``ShardRestartedError``), so no lookup or update ever lands silently on a shard that lost rows. With
-   recovery on, a failed embedding update does not fail the staleness window: it is recorded, and the step
-   goes on to the next check.
+1. **Noticing.** A call to a shard that is down or paused keeps retrying (UNAVAILABLE, DEADLINE_EXCEEDED) for
+   ``wait_for_shards_s``, the time a restart (or a paused host) is given: a shard back within it costs a pause.
+   A shard that restarted refuses every client that knew its previous *incarnation* (``ShardRestartedError``),
+   so no lookup, update or save ever lands silently on a shard that lost rows. With recovery on, such a failure
+   fails nothing at once; it is recorded where it happens:
+
+   - a prefetched lookup or an update (between steps, in the staleness window): the next check sees it;
+   - a lookup inside a training forward: the step runs on stand-in rows of zeros (every rank still takes part
+     in its collectives) and the next check undoes it with the rest;
+   - the shards' Save of a checkpoint: every rank hears of it; nothing of that save is kept (its folder is
+     removed, no ``.ckpt`` is written) and the save starts again after the rollback, into a fresh folder;
+   - a lookup inside an evaluation forward (validation, sanity check): the ranks agree after that batch.
 2. **Agreeing.** At the start of every training batch (after the batch's prefetched lookups have answered),
-   before validation, and before a checkpoint is written, every rank reports whether it saw such a failure;
-   the ranks agree with one all-reduce (nothing on one rank). So every rank rolls back at the same step, and
-   none is left waiting in a DDP collective.
+   before validation, before and after the shards' Save of a checkpoint, after every evaluation batch and at
+   the end of training, every rank reports whether it saw such a failure; the ranks agree with one all-reduce
+   (nothing on one rank). So every rank rolls back at the same point, and none is left waiting in a collective.
 3. **Rolling back in place** (inside the running ``fit``; no new process, no new process group):
    every rank drains its in-flight updates; rank 0 waits until every shard answers again (the embedded
    launcher restarts a dead shard on its port with ``--restore-from`` the latest checkpoint; in a cluster,
    whoever restarts it) and loads the last checkpoint's PS state into *all* shards; every rank accepts the
    shards' new incarnations, loads the same checkpoint's dense weights and optimizer state (``weights_only``)
-   and drops the rows it had prefetched. Dense and sparse state are then those of one checkpoint.
-4. **Going on** with the current batch. The batches trained between the checkpoint and the failure are not
-   replayed (their effect is undone; the data loader and the step counter go on): the run loses at most one
-   checkpoint interval of progress, never its consistency.
+   and drops the rows it had prefetched. Dense and sparse state are then those of one checkpoint. A shard that
+   fails during the rollback is waited for like any other (its calls retry); one that restarts after the load
+   comes back from the same checkpoint.
+4. **Going on** with the current batch (the evaluation batch whose lookup failed runs again; a save writes
+   the restored state). The batches trained between the checkpoint and the failure are not replayed (their
+   effect is undone; the data loader and the step counter go on): the run loses at most one checkpoint
+   interval of progress, never its consistency.
 
 Without a checkpoint to return to, or after ``max_rollbacks`` rollbacks in one ``fit``, or when the shards do not
 answer within ``wait_for_shards_s``, every rank raises :class:`PersiaRecoveryError` with the reason; the
 strategy's ``on_exception`` then stops the embedded shards. Nothing waits forever.
 
-Not recovered in place (the run fails cleanly; resume with ``fit(ckpt_path=...)``): a shard failing in the
-middle of a step's forward (after the check), a failure during validation lookups, a dead trainer rank.
+Not recovered in place: a dead trainer rank (the job fails; resume with ``fit(ckpt_path=...)``); a failure in an
+evaluation loop whose ranks do not run the same known number of batches (an iterable dataset of uneven
+shards: agreeing batch by batch would pair one rank's batch with another's end of loop; that run fails with the
+error). A validation run hit by a failure evaluates its batches after the rollback on the restored model.
 Learning-rate schedulers and callbacks' states are not rolled back.
 """
 from __future__ import annotations
@@ -39,7 +51,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
-from lightning_persia.remote_ps.client import PSError
+import torch
+
+from lightning_persia.embedding.pipeline import EmbeddingLookupError
+from lightning_persia.remote_ps.client import PSError, ShardRestartedError, ShardUnavailableError
 
 COMMIT_MARKER = "COMMITTED"  # = remote_ps.store.checkpoint.COMMIT_MARKER (the strategy does not import the store)
 
@@ -62,6 +77,10 @@ class RecoverableEmbeddings(Protocol):
 
     def set_update_error_handler(self, handler: Callable[[int, BaseException], bool]) -> None:
         """``handler(step, error)`` hears of every failed update; True: handled, the staleness window goes on."""
+
+    def set_lookup_error_handler(self, handler: Callable[[int, BaseException], bool]) -> None:
+        """``handler(step, error)`` hears of a training forward's failed lookup; True: handled, the forward goes
+        on with stand-in rows (the step is undone by the rollback that follows)."""
 
     def lookup_failure(self, timeout_s: float) -> Optional[BaseException]:
         """Waits up to ``timeout_s`` for the open step's prefetched lookup; its error, if it failed."""
@@ -97,13 +116,16 @@ class RecoveryConfig:
     max_rollbacks: int = 3
     """Rollbacks allowed in one ``fit``; one more failure fails the run."""
     wait_for_shards_s: float = 120.0
-    """How long a rollback waits for every shard to answer again before it gives up."""
+    """How long a shard may take to come back (a restart from a checkpoint, a paused host): every call to the
+    shards keeps retrying UNAVAILABLE / DEADLINE_EXCEEDED that long, and a rollback waits that long for every
+    shard to answer again. Set it above the time the launcher (or whoever restarts shards) needs."""
     restart_local_shards: bool = True
     """Embedded mode: the launcher restarts a dead shard on its port, from the latest checkpoint."""
     max_local_restarts: int = 3
     """Embedded mode: restarts per shard before the launcher gives up on it."""
     client_max_retries: int = 5
-    """Retries of a PS call that failed with UNAVAILABLE or DEADLINE_EXCEEDED (each with ``ps_timeout_s``)."""
+    """Retries of a PS call that failed with UNAVAILABLE or DEADLINE_EXCEEDED (each with ``ps_timeout_s``), at
+    least; more until the call has lasted ``wait_for_shards_s``."""
     client_backoff_s: float = 0.1
     """First back-off between retries (doubles each time, with jitter)."""
     client_max_backoff_s: float = 5.0
@@ -144,17 +166,20 @@ class Recovery:
         self._client: Any = None
         self._embeddings: Optional[RecoverableEmbeddings] = None
         self._shards: Optional[RestartableShards] = None
+        self._evaluation_agrees = True  # whether evaluation batches are paired across ranks (see begin_evaluation)
 
     # ---- hooks called by the strategy ----------------------------------------------------------------
 
     def attach(self, client: Any, embeddings: Optional[RecoverableEmbeddings], shards: Optional[RestartableShards]) -> None:
         """Applies the client's retry settings and makes failed updates wait for the next check."""
         client.max_retries = self.config.client_max_retries
+        client.retry_for_s = self.config.wait_for_shards_s
         client.backoff_s = self.config.client_backoff_s
         client.max_backoff_s = self.config.client_max_backoff_s
         self._client, self._embeddings, self._shards = client, embeddings, shards
         if embeddings is not None and self.config.enabled:
             embeddings.set_update_error_handler(self._on_update_error)
+            embeddings.set_lookup_error_handler(self._on_lookup_error)
 
     def saved(self, filepath: Any, ps_dir: Optional[Path], commit: bool = True) -> None:
         """A checkpoint (dense file + PS folder) is complete: the target of the next rollback.
@@ -174,6 +199,46 @@ class Recovery:
         """The run resumed from a checkpoint: it is the rollback target until a newer one is saved."""
         self.saved(filepath, ps_dir, commit=False)
 
+    def failed(self, reason: str) -> None:
+        """Records a shard failure seen outside the embedding pipeline (a checkpoint's Save): the next
+        :meth:`check` rolls back."""
+        if self._failure is None:
+            self._failure = reason
+
+    def begin_evaluation(self, batches: Optional[int]) -> None:
+        """Collective, before an evaluation loop: ``batches``, this rank's count (None: unknown). Evaluation
+        failures are recovered in place only when every rank runs the same known number of batches (Lightning's
+        DistributedSampler pads to it): the ranks then agree after every batch. Otherwise a failure fails the run."""
+        if self.strategy.world_size == 1:
+            self._evaluation_agrees = True
+            return
+        count = -1.0 if batches is None else float(batches)
+        spread = self.strategy.reduce(torch.tensor([count, -count]), reduce_op="max")
+        self._evaluation_agrees = count >= 0 and float(spread[0]) == -float(spread[1])
+
+    def evaluate(self, forward: Callable[[], Any], where: str = "validation") -> Any:
+        """Runs an evaluation step's ``forward``; if a lookup of any rank failed on a shard, every rank rolls back
+        and the ranks whose lookup failed run their forward again (on the restored state).
+
+        The forward raised before it returned anything, so a step's metrics are counted once. Collective when
+        ``world_size > 1`` (one all-reduce per evaluation batch, see :meth:`begin_evaluation`), like the check of
+        every training batch.
+        """
+        recover = self.config.enabled and self._evaluation_agrees
+        while True:
+            failure = None
+            try:
+                output = forward()
+            except EmbeddingLookupError as error:
+                if not recover or not is_shard_failure(error.cause):
+                    raise
+                failure = f"an evaluation lookup failed: {error.cause}"
+            if not recover or not self._any_rank(failure is not None):
+                return output
+            self._rollback(failure or "another rank saw a parameter-server failure", where, None)
+            if failure is None:
+                return output
+
     def check(self, where: str, checkpoint: Optional[dict] = None) -> bool:
         """Collective: rolls every rank back if any saw a shard failure. Returns whether it rolled back.
 
@@ -192,17 +257,20 @@ class Recovery:
 
     def _on_update_error(self, index: int, error: BaseException) -> bool:
         if isinstance(error, (PSError, CancelledError)):
-            if self._failure is None:
-                self._failure = f"the embedding update of step {index} failed: {error}"
+            self.failed(f"the embedding update of step {index} failed: {error}")
             return True  # acknowledged; the next check rolls back
+        return False
+
+    def _on_lookup_error(self, index: int, error: BaseException) -> bool:
+        if is_shard_failure(error):
+            self.failed(f"the embedding lookup in the forward of step {index} failed: {error}")
+            return True  # the step runs on stand-in rows; the next check rolls back and undoes it
         return False
 
     def _lookup_failure(self, embeddings: RecoverableEmbeddings) -> Optional[str]:
         step = embeddings.current_step
-        client = self._client
         # long enough for the client's own retries to end, so that their error (naming the shard) is the reason
-        budget = client.timeout_s * (client.max_retries + 1) + client.max_backoff_s * client.max_retries + 1.0
-        error = embeddings.lookup_failure(budget)
+        error = embeddings.lookup_failure(self._client.call_budget_s + 1.0)
         if isinstance(error, TimeoutError):
             return f"the embedding lookup of step {step}: {error}"
         if isinstance(error, CancelledError):
@@ -224,6 +292,12 @@ class Recovery:
             )
 
     def _rollback(self, reason: str, where: str, checkpoint: Optional[dict]) -> None:
+        # Evaluation runs under inference mode: the restored optimizer state must not become inference tensors,
+        # which the next training step could not update.
+        with torch.inference_mode(False):
+            self._restore(reason, where, checkpoint)
+
+    def _restore(self, reason: str, where: str, checkpoint: Optional[dict]) -> None:
         strategy = self.strategy
         trainer = strategy.lightning_module.trainer
         step = trainer.global_step
@@ -275,11 +349,11 @@ class Recovery:
         status = strategy.broadcast(status)
         self._all_ok(None if status == "ok" else status, "restoring the shards")
 
-        # 3. every rank: the shards' new incarnations, the dense state of the same checkpoint, no stale rows
+        # 3. every rank: the shards' new incarnations, the dense state of the same checkpoint, no stale rows.
+        # A shard that restarts after the load comes back from the same checkpoint (the launcher's restore_from).
         error = None
         try:
-            if not strategy.is_global_zero:
-                client.refresh_incarnations()
+            client.refresh_incarnations()
             strategy.load_model_state_dict(dense, strict=True)
             strategy.load_optimizer_state_dict(dense)
             embeddings.invalidate_prefetched()
@@ -302,6 +376,13 @@ class Recovery:
         if not events:
             return ""
         return "; embedded launcher: " + "; ".join(f"shard {e.shard} {e.kind}: {e.detail.splitlines()[0]}" for e in events[-4:])
+
+
+def is_shard_failure(error: BaseException) -> bool:
+    """Whether ``error`` is how a call fails when a shard is down, restarted or paused (the client's retries
+    running out, a new incarnation, a wait that ran out, a call cancelled), as opposed to a refused request (a
+    defect, a full disk: retrying after a rollback would not help)."""
+    return isinstance(error, (ShardUnavailableError, ShardRestartedError, TimeoutError, CancelledError))
 
 
 def new_save_id() -> str:

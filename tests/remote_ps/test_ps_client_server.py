@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import grpc.aio
@@ -10,6 +12,7 @@ import torch
 
 from lightning_persia.ops.hashing import shard_of
 from lightning_persia.remote_ps.client import PSError, PSRequestError, ShardUnavailableError, ShardWait
+from lightning_persia.remote_ps.server import LocalShards
 from lightning_persia.remote_ps.store import ShardStore
 from lightning_persia.remote_ps.table_config import SGD, Adagrad, Adam, Constant, Normal, TableConfig, Uniform
 
@@ -297,6 +300,30 @@ def test_unreachable_shard_raises_after_retries(make_client):
         client.lookup({"t": torch.arange(3)}, train=False)
     with pytest.raises(ShardUnavailableError):
         client.wait_healthy(0.5)
+
+
+def test_a_call_keeps_retrying_for_retry_for_s_and_answers_once_the_shard_is_back(make_client, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = make_client([f"127.0.0.1:{port}"], max_retries=0, retry_for_s=1.0, backoff_s=0.01, max_backoff_s=0.05, timeout_s=2)
+    started = time.monotonic()
+    with pytest.raises(ShardUnavailableError) as info:
+        client.stats()
+    assert info.value.tries > 2 and 1.0 <= info.value.elapsed_s and time.monotonic() - started < 1.0 + 2 + 0.5, info.value
+    assert client.call_budget_s == pytest.approx(1.0 + 0.05 + 2)
+
+    # A shard that starts on that port while the call retries (as a restarted one does) answers it.
+    client.retry_for_s = 60.0
+    with ThreadPoolExecutor(1) as pool:
+        call = pool.submit(client.stats)
+        time.sleep(0.5)
+        assert not call.done()
+        shards = LocalShards(1, extra_args=["--port", str(port)])  # the last --port wins
+        try:
+            assert call.result(timeout=60)[0]["num_shards"] == 1
+        finally:
+            shards.stop()
 
 
 def test_wait_healthy_checks_the_shard_order_and_count(ps_cluster, make_client):

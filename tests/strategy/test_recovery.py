@@ -83,15 +83,7 @@ def test_killed_shard_rolls_back_dense_and_sparse_together_and_training_goes_on(
         assert "step=10.ckpt.ps/" in strategy._cluster.events[1].detail  # restarted from the last checkpoint
 
         # The model equals plain training on the batches that survived: 0..9 (in the checkpoint), then the rest.
-        survivors = batches[:10] + batches[rollback.step:]
-        L.Trainer(accelerator="cpu", devices=1, max_steps=len(survivors), logger=False, enable_checkpointing=False,
-                  enable_progress_bar=False, enable_model_summary=False).fit(local, loader(survivors))
-        ids = torch.arange(NUM_IDS)
-        tables = strategy.client.lookup({"ebc.t0": ids, "ebc.t1": ids}, train=False, wire_dtype="fp32")
-        for name in ("t0", "t1"):
-            torch.testing.assert_close(tables[f"ebc.{name}"], local.ebc.embedding_bags[name].weight.detach(), rtol=0, atol=1e-5)
-        for name, value in local.mlp.state_dict().items():
-            torch.testing.assert_close(remote.mlp.state_dict()[name], value, rtol=0, atol=1e-5)
+        _assert_equals_plain_training(strategy, remote, local, batches[:10] + batches[rollback.step:])
     finally:
         strategy.close()
 

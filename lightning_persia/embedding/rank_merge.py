@@ -89,9 +89,12 @@ class RankMerge:
         self._queue.put((update, push, done))
         return done
 
-    def close(self) -> None:
-        """Lets the merge thread end after the steps submitted so far (without waiting: another rank may be gone)."""
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Lets the merge thread end after the steps submitted so far, waiting up to ``timeout_s`` for it (not
+        longer: another rank may be gone). A thread left inside a collective when the interpreter exits is ended
+        mid-call, which aborts the process (``terminate called without an active exception``)."""
         self._queue.put(None)
+        self._thread.join(timeout_s)
 
     def _run(self) -> None:
         failure: Optional[BaseException] = None

@@ -206,10 +206,6 @@ class ChunkedRows:
         return self._records.record_bytes
 
     @property
-    def row_bytes(self) -> int:
-        return self._records.record_bytes
-
-    @property
     def shift(self) -> int:
         return self._records.shift
 

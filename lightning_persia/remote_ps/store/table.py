@@ -177,10 +177,7 @@ class Table:
 
     def update(self, ids: torch.Tensor, grads: torch.Tensor) -> int:
         """Applies the optimizer to the rows of ``ids``; returns how many rows were present and updated."""
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        if unique.numel() < ids.numel():
-            grads = torch.zeros(unique.numel(), grads.shape[1], dtype=grads.dtype).index_add_(0, inverse, grads)
-            ids = unique
+        ids, grads = _summed_by_id(ids, grads)
         with self.lock:
             return self._update_locked(ids, grads)
 
@@ -206,10 +203,7 @@ class Table:
                 if job is not None and not job[0].not_unique:
                     applied += table._finish_update(job[0])
                     continue
-                unique, inverse = torch.unique(ids, return_inverse=True)  # duplicate or unsorted ids: summed first
-                if unique.numel() < ids.numel():
-                    grads = torch.zeros(unique.numel(), grads.shape[1], dtype=grads.dtype).index_add_(0, inverse, grads)
-                applied += table._update_locked(unique, grads if unique.numel() < ids.numel() else grads[torch.argsort(ids)])
+                applied += table._update_locked(*_summed_by_id(ids, grads))
         return applied
 
     def _update_job(self, ids: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor) -> native.UpdateJob:
@@ -398,11 +392,11 @@ class Table:
                 step=self._step,
                 version=self._version,
                 storage_dtype=self.config.storage_dtype,
-                row_bytes=self._rows.row_bytes,
+                row_bytes=self._rows.record_bytes,
                 chunks=self._rows.num_chunks,
                 rows_allocated=self._size,
                 index_bytes=self._index.nbytes,
-                bytes=self._size * self._rows.row_bytes + self._index.nbytes,
+                bytes=self._size * self._rows.record_bytes + self._index.nbytes,
                 saving_preimage_rows=snapshot.preimage_rows if snapshot is not None else 0,
                 worst_insert_s=self._worst_insert_s,
                 worst_insert_cpu_s=self._worst_insert_cpu_s,
@@ -483,6 +477,14 @@ class Table:
         self._free = torch.cat([self._free, victims])
         self._live -= victims.numel()
         self._counters["evicted"] += victims.numel()
+
+
+def _summed_by_id(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ids`` made unique, the gradients of a repeated id summed (unchanged when every id is already unique)."""
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    if unique.numel() == ids.numel():
+        return ids, grads
+    return unique, torch.zeros(unique.numel(), grads.shape[1], dtype=grads.dtype).index_add_(0, inverse, grads)
 
 
 def _all_locked(tables: Sequence[Table]) -> contextlib.ExitStack:

@@ -19,6 +19,7 @@ tensor indexing of typed views of each chunk.
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ POPULATE_AHEAD_BYTES = 64 << 20
 """Memory committed ahead of a growing table's last row (tables past their first chunk; a chunk at most)."""
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14; Python names it from 3.14 on
 _populator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="populate-rows")  # one for the process's tables
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,7 @@ class _Records:
         self.shift = chunk_shift(record_bytes)
         self.chunk_rows = 1 << self.shift
         self.chunks: list[torch.Tensor] = []  # uint8 [chunk_rows, record_bytes]
-        self.maps: list[tuple[mmap.mmap, int]] = []  # each chunk's map and where the chunk starts in it
+        self.maps: list[tuple[mmap.mmap, int]] = []  # each chunk's map and the chunk's address in it
         self.layout = native.Chunks(torch.empty(0, dtype=torch.int64), self.shift, record_bytes)
         self.populated = 0  # rows whose memory is committed (or being committed) ahead of the writes
         self.last_populate: Optional[Future] = None  # the latest commit asked (the populator runs them in order)
@@ -83,7 +86,7 @@ class _Records:
         buffer, start = _anonymous_memory(self.chunk_rows * self.record_bytes, huge)
         memory = torch.frombuffer(buffer, dtype=torch.uint8)[start : start + self.chunk_rows * self.record_bytes]
         self.chunks.append(memory.view(self.chunk_rows, self.record_bytes))
-        self.maps.append((buffer, start))
+        self.maps.append((buffer, memory.data_ptr()))
         self.layout = native.Chunks(torch.tensor([c.data_ptr() for c in self.chunks], dtype=torch.int64),
                                     self.shift, self.record_bytes)
 
@@ -104,8 +107,8 @@ class _Records:
         for chunk in range(first >> self.shift, ((end - 1) >> self.shift) + 1):
             lo = max(first, chunk << self.shift) - (chunk << self.shift)
             hi = min(end, (chunk + 1) << self.shift) - (chunk << self.shift)
-            buffer, start = self.maps[chunk]
-            ranges.append((buffer, start + lo * self.record_bytes, start + hi * self.record_bytes))
+            buffer, address = self.maps[chunk]
+            ranges.append((buffer, address + lo * self.record_bytes, address + hi * self.record_bytes))
         self.last_populate = _populator.submit(_populate, ranges)
 
     def by_chunk(self, rows: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -262,13 +265,15 @@ class ChunkedRows:
 
 
 def _populate(ranges: list[tuple[mmap.mmap, int, int]]) -> None:
-    """Commits the pages of ``(map, first byte, end byte)`` ranges, leaving their bytes as they are."""
-    for buffer, first, end in ranges:
+    """Commits the pages of ``(map, first address, end address)`` ranges in the map, leaving their bytes as they are.
+
+    Through libc, which ctypes calls without the GIL: ``mmap.madvise`` holds it for the whole call (tens of ms per
+    64 MB), which would stop every request thread of the shard meanwhile. The map in each range keeps it open.
+    """
+    for _, first, end in ranges:
         first -= first % mmap.PAGESIZE
-        try:
-            buffer.madvise(_MADV_POPULATE_WRITE, first, end - first)
-        except OSError:  # an older kernel: the rows' first writes fault their pages, as without this
-            return
+        if _libc.madvise(first, end - first, _MADV_POPULATE_WRITE):  # an older kernel: the rows' first writes
+            return                                                    # fault their pages, as without this
 
 
 def _anonymous_memory(nbytes: int, huge: bool) -> tuple[mmap.mmap, int]:

@@ -256,7 +256,9 @@ class Table:
             if expected_rows:
                 self._index.reserve(expected_rows)
             positions = torch.arange(self._size, self._size + ids.numel())
-            self._rows.reserve(self._size + ids.numel())
+            # the memory of the blocks that follow is committed in the background while this one is written:
+            # faulting it in row by row costs several times more (a fault per page, each trying for a huge page)
+            self._rows.reserve(self._size + ids.numel(), ahead_limit=max(expected_rows, self._size + ids.numel()))
             self._rows.scatter_fields(positions, {name: rows[name] for name in SAVED_FIELDS if name in self._rows.fields})
             self._index.insert(ids, positions)
             self._size += ids.numel()

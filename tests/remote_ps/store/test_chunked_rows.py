@@ -1,10 +1,15 @@
 """Tables whose rows span several chunks: lookups, updates, eviction and reuse across chunk boundaries."""
+import ctypes
 import gc
+import mmap
+import threading
+import time
 import weakref
 
 import torch
 
 from lightning_persia.remote_ps.store import ShardStore
+from lightning_persia.remote_ps.store import chunked_rows
 from lightning_persia.remote_ps.store.chunked_rows import ChunkedRows, FieldSpec
 from lightning_persia.remote_ps.store.initializers import initial_rows
 from lightning_persia.remote_ps.table_config import SGD, TableConfig, Uniform
@@ -70,19 +75,21 @@ def test_dropped_rows_free_their_chunks_at_once_without_a_gc_pass():
 
 
 def _resident_bytes(rows: ChunkedRows, chunk: int) -> int:
-    """Bytes of chunk ``chunk`` that are in memory (``mincore`` through the page cache's view of the map)."""
-    import ctypes
-    import mmap
-
+    """Bytes of chunk ``chunk`` that are in memory."""
     memory = rows.chunks[chunk]
-    first = memory.data_ptr() - memory.data_ptr() % mmap.PAGESIZE
-    length = memory.data_ptr() + memory.numel() - first
+    return _resident_bytes_at(memory.data_ptr(), memory.numel())
+
+
+def _resident_bytes_at(address: int, length: int) -> int:
+    """Bytes of the pages of ``length`` bytes at ``address`` that are in memory (``mincore``)."""
+    first = address - address % mmap.PAGESIZE
+    length += address - first
     pages = (length + mmap.PAGESIZE - 1) // mmap.PAGESIZE
     vector = (ctypes.c_ubyte * pages)()
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     assert libc.mincore(ctypes.c_void_p(first), ctypes.c_size_t(length), vector) == 0, ctypes.get_errno()
-    return sum(v & 1 for v in vector) * mmap.PAGESIZE
+    return min(sum(v & 1 for v in vector) * mmap.PAGESIZE, length)
 
 
 def test_a_growing_table_has_the_memory_of_its_next_rows_committed_ahead_without_changing_them(small_chunks):
@@ -101,3 +108,28 @@ def test_a_growing_table_has_the_memory_of_its_next_rows_committed_ahead_without
     rows.reserve(2 * small_chunks + 10, ahead_limit=2 * small_chunks + 10)  # a table at its capacity: nothing more
     rows.wait_populated(10)
     assert rows.num_chunks == 3
+
+
+def test_committing_memory_ahead_lets_the_other_threads_run():
+    # A shard's request threads go on while the populator commits memory: a commit that held the GIL would stop
+    # them all for its whole duration (about 0.3 s for the 256 MB here).
+    size = 256 << 20
+    memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    address = torch.frombuffer(memory, dtype=torch.uint8).data_ptr()
+    started, done = threading.Event(), threading.Event()
+
+    def commit() -> None:
+        started.set()
+        chunked_rows._populate([(memory, address, address + size)])
+        done.set()
+
+    thread = threading.Thread(target=commit)
+    thread.start()
+    started.wait(10)
+    ticks = 0
+    while not done.is_set():
+        time.sleep(0.001)
+        ticks += 1
+    thread.join()
+    assert _resident_bytes_at(address, size) == size
+    assert ticks >= 5, f"the main thread ran {ticks} times while {size >> 20} MB were committed"

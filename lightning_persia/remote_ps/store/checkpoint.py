@@ -290,7 +290,8 @@ class TableSource:
 
     def blocks(self, shard_index: int, num_shards: int, block_rows: int = BLOCK_ROWS) -> Iterator[dict[str, torch.Tensor]]:
         """``{field: rows}`` of the rows that belong to shard ``shard_index`` of ``num_shards``, block by block; a
-        block's tensors are valid until the next block is asked for (the read buffers are reused).
+        block's tensors are valid until the block after the next one is asked for (two sets of read buffers are
+        used in turn: a block can be indexed while the next one is read).
 
         Raises :class:`CheckpointError` naming the file when one cannot be read as the manifest describes it.
         """
@@ -439,14 +440,18 @@ class _ArrayReader:
         self._dtype = dtype
         self._width = int(np.prod(shape[1:])) if len(shape) > 1 else 1
         self._shape = shape[1:]
-        self._buffer: Optional[np.ndarray] = None
+        self._buffers: list[Optional[np.ndarray]] = [None, None]
+        self._reads = 0
 
     def read(self, rows: int) -> torch.Tensor:
-        """The next ``rows`` rows, in a buffer that the next read reuses (no fresh memory per block)."""
+        """The next ``rows`` rows, in one of two buffers used in turn (no fresh memory per block): valid until the
+        read after the next one."""
         count = rows * self._width
-        if self._buffer is None or self._buffer.size < count:
-            self._buffer = np.empty(count, dtype=self._dtype.newbyteorder("="))
-        data = self._buffer[:count]
+        turn = self._reads % 2
+        self._reads += 1
+        if self._buffers[turn] is None or self._buffers[turn].size < count:
+            self._buffers[turn] = np.empty(count, dtype=self._dtype.newbyteorder("="))
+        data = self._buffers[turn][:count]
         if self._file.readinto(memoryview(data).cast("B")) != data.nbytes:
             raise CheckpointError(f"checkpoint file {self.path} ends early")
         if self._dtype.byteorder == ">" or (self._dtype.byteorder == "=" and sys.byteorder == "big"):

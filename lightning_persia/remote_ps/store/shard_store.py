@@ -203,8 +203,7 @@ class ShardStore:
             for source in sources:
                 table = Table(source.config, self.seed)
                 table.restore_step(source.step)
-                for block in source.blocks(self.shard_index, self.num_shards):
-                    table.append(block, expected_rows=source.rows_for(self.num_shards))
+                table.load(source.blocks(self.shard_index, self.num_shards), expected_rows=source.rows_for(self.num_shards))
                 tables[source.name] = table
             with self._lock:
                 self._tables = tables

@@ -288,13 +288,14 @@ class TableSource:
         total = sum(part.entry["rows"] for part in self.parts)
         return total if len(self.parts) == 1 and num_shards == _saved_shards(self.parts[0]) else total // num_shards + 1
 
-    def blocks(self, shard_index: int, num_shards: int, block_rows: int = BLOCK_ROWS) -> Iterator[dict[str, torch.Tensor]]:
+    def blocks(self, shard_index: int, num_shards: int, block_rows: Optional[int] = None) -> Iterator[dict[str, torch.Tensor]]:
         """``{field: rows}`` of the rows that belong to shard ``shard_index`` of ``num_shards``, block by block; a
         block's tensors are valid until the block after the next one is asked for (two sets of read buffers are
         used in turn: a block can be indexed while the next one is read).
 
         Raises :class:`CheckpointError` naming the file when one cannot be read as the manifest describes it.
         """
+        block_rows = block_rows or BLOCK_ROWS
         for part in self.parts:
             readers = {name: _ArrayReader(part.folder, part.entry, name) for name in SAVED_FIELDS}
             try:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_persia.ops.hashing import shard_of
-from lightning_persia.remote_ps.store import CheckpointError, ShardStore, shard_store
+from lightning_persia.remote_ps.store import CheckpointError, ShardStore, checkpoint, shard_store
 from lightning_persia.remote_ps.store.table import Table
 from lightning_persia.remote_ps.table_config import SGD, Adagrad, Adam, Constant, TableConfig, Uniform
 
@@ -45,8 +45,12 @@ def _train(stores):
     _call(stores, "update", "a", IDS, torch.randn(IDS.numel(), 4, generator=torch.Generator().manual_seed(1)))
 
 
+@pytest.mark.parametrize("blocks", ["one block", "many blocks"])
 @pytest.mark.parametrize("saved_by,loaded_by", [(2, 2), (2, 3), (3, 1)])
-def test_save_load_round_trip_and_reshard(tmp_path, saved_by, loaded_by):
+def test_save_load_round_trip_and_reshard(tmp_path, monkeypatch, request, saved_by, loaded_by, blocks):
+    if blocks == "many blocks":  # a load indexes each block while it reads and writes the next one
+        request.getfixturevalue("small_chunks")
+        monkeypatch.setattr(checkpoint, "BLOCK_ROWS", 37)
     old = _cluster(saved_by)
     _train(old)
     for s in old:

@@ -349,15 +349,19 @@ class Table:
                     for name in fields} for _ in range(2)]
         for chunk in range((state.size + self._rows.chunk_rows - 1) >> self._rows.shift):
             with self.lock:
-                copied = self._copy_chunk(state, chunk, buffers[chunk % 2])
+                copied, pieces = self._copy_chunk(state, chunk, buffers[chunk % 2])
             yield copied  # written to disk by the caller while the table serves
+            if pieces:  # the chunk's pre-images, handed out apart from its copy: no chunk-sized concatenation
+                yield {name: torch.cat([piece[name][piece["access"] != eviction.FREE] for piece in pieces]) for name in copied}
 
     def _end_snapshot(self, state: _Snapshot) -> None:
         with self.lock:
             if self._snapshot is state:
                 self._snapshot = None
 
-    def _copy_chunk(self, state: _Snapshot, chunk: int, buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _copy_chunk(self, state: _Snapshot, chunk: int, buffers: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+        """The chunk's rows unchanged since the point (into ``buffers``), and the pre-images kept of the others
+        (now the snapshot's alone: no later write adds to them). Call it holding :attr:`lock`."""
         count = min(self._rows.chunk_rows, state.size - (chunk << self._rows.shift))
         version = self._rows["version"].chunk(chunk, count)
         keep = (version <= state.point) & (self._rows["access"].chunk(chunk, count) != eviction.FREE)
@@ -368,13 +372,12 @@ class Table:
         pieces = state.preimages.pop(chunk, [])
         for piece in pieces:
             state.preimage_rows -= piece["rows"].numel()
-        if pieces:
-            parts = [copied] + [{name: piece[name][piece["access"] != eviction.FREE] for name in copied} for piece in pieces]
-            copied = {name: torch.cat([p[name] for p in parts]) for name in copied}
+            if "state" not in piece:
+                piece["state"] = torch.empty(piece["ids"].numel(), 0)
         state.next_chunk = chunk + 1
         if "state" not in copied:
             copied["state"] = torch.empty(copied["ids"].numel(), 0)
-        return copied
+        return copied, pieces
 
     def _preserve(self, rows: torch.Tensor) -> None:
         """Keeps the pre-image of ``rows`` about to change, for the checkpoint in progress (if any)."""

@@ -556,7 +556,8 @@ class PSClient:
 
     def close(self) -> None:
         """Cancels calls still in flight (their futures raise ``CancelledError``), closes the channels and
-        stops the client's thread; the client cannot be used afterwards."""
+        stops the client's thread; the client cannot be used afterwards. Runs at interpreter exit if not called
+        before."""
         if self._closed:
             return
         self._closed = True

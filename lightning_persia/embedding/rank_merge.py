@@ -26,6 +26,8 @@ are ranks. Copies that differ (they never should) are refused with FAILED_PRECON
 """
 from __future__ import annotations
 
+import atexit
+import logging
 import queue
 import threading
 from concurrent.futures import Future
@@ -40,6 +42,8 @@ from lightning_persia.embedding.phases import MERGE
 from lightning_persia.embedding.pusher import SparseUpdate
 from lightning_persia.ops.dedup import unique_by_table
 from lightning_persia.ops.keyed_ids import KeyedIds, RowLayout
+
+log = logging.getLogger(__name__)
 
 
 class RankMerge:
@@ -72,6 +76,9 @@ class RankMerge:
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="persia-rank-merge", daemon=True)
         self._thread.start()
+        # The strategy leaves its merge open after fit (it stays set up for a later test()): the merge is then
+        # closed before the interpreter finalizes, while its thread may still finish a step (see close()).
+        atexit.register(self.close)
 
     def submit(self, update: Optional[SparseUpdate], push: Callable[[SparseUpdate], "Future[None]"]) -> "Future[None]":
         """Merges ``update`` with the other ranks' of the same step, then ``push(merged)``; returns push's outcome."""
@@ -91,10 +98,24 @@ class RankMerge:
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Lets the merge thread end after the steps submitted so far, waiting up to ``timeout_s`` for it (not
-        longer: another rank may be gone). A thread left inside a collective when the interpreter exits is ended
-        mid-call, which aborts the process (``terminate called without an active exception``)."""
+        longer: another rank may be gone), then destroys the merge's process group.
+
+        Runs at interpreter exit if not called before. A daemon thread inside a collective or a torch op when
+        the interpreter finalizes is ended by ``pthread_exit`` as it takes the GIL back, and that unwinding
+        through torch's C++ frames aborts the process (``terminate called without an active exception``).
+        """
+        atexit.unregister(self.close)
         self._queue.put(None)
         self._thread.join(timeout_s)
+        if self._thread.is_alive():  # still inside a collective: its group must outlive it
+            log.warning("RankMerge: the merge thread did not end within %.0f s of close(); another rank is gone or "
+                        "out of step", timeout_s)
+            return
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group(self._group)
+            except ValueError:  # already gone: destroying the default group destroys every group
+                pass
 
     def _run(self) -> None:
         failure: Optional[BaseException] = None

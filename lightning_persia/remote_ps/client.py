@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import json
 import os
@@ -269,6 +270,11 @@ class PSClient:
             self._health = [health_pb2_grpc.HealthStub(c) for c in self._channels]
 
         self._submit(connect()).result()
+        # A client left open is closed before the interpreter finalizes: its thread decodes rows with torch ops,
+        # which release the GIL, and a daemon thread that takes the GIL back once finalization has begun is
+        # ended by pthread_exit, whose unwinding through torch's C++ frames aborts the process (``terminate
+        # called without an active exception``). atexit runs while every thread may still finish its call.
+        atexit.register(self.close)
 
     @property
     def call_budget_s(self) -> float:
@@ -550,10 +556,12 @@ class PSClient:
 
     def close(self) -> None:
         """Cancels calls still in flight (their futures raise ``CancelledError``), closes the channels and
-        stops the client's thread; the client cannot be used afterwards."""
+        stops the client's thread; the client cannot be used afterwards. Runs at interpreter exit if not called
+        before."""
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.close)
 
         async def disconnect() -> None:
             pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]

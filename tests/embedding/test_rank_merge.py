@@ -1,6 +1,10 @@
 """RankMerge: the ranks' embedding gradients summed into one update, identical on every rank."""
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+import threading
 from concurrent.futures import Future
 
 import pytest
@@ -100,3 +104,66 @@ def test_rank_merge_refuses_unknown_tables_and_misshapen_gradients(one_process_g
     with pytest.raises(ValueError, match=r"flat with 4 values"):
         merge.submit(SparseUpdate(bad.keyed, bad.grads[:3], bad.dims), lambda merged: None)
     merge.close()
+
+
+# Two ranks exit while their merge threads are still merging (all-gathers and sums of 50k rows): unless the merge
+# is closed at exit, each thread is ended by pthread_exit as it takes the GIL back during finalization, and the
+# unwinding through torch's C++ frames aborts the process (every run of this script did).
+_EXIT_WHILE_MERGING = textwrap.dedent(
+    """\
+    import sys, torch, torch.distributed as dist
+    from concurrent.futures import Future
+    from lightning_persia.embedding.pusher import SparseUpdate
+    from lightning_persia.embedding.rank_merge import RankMerge
+    from lightning_persia.ops.keyed_ids import KeyedIds
+    rank, init = int(sys.argv[1]), sys.argv[2]
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    merge = RankMerge("exit-merged", {"t": 16})
+    def push(merged):
+        done = Future()
+        done.set_result(None)
+        return done
+    ids = torch.arange(rank, 100_000, 2)
+    update = SparseUpdate(KeyedIds(("t",), (ids.numel(),), ids), torch.ones(ids.numel() * 16), (16,))
+    merge.submit(update, push).result()
+    merge.submit(update, push)
+    merge.submit(update, push)
+    if rank == 1:
+        merge.submit(update, push)  # one step more than rank 0: it waits in an all-gather for a rank that is gone
+    """
+)
+
+
+def test_ranks_that_exit_while_merging_end_cleanly_and_a_lone_step_does_not_hold_them(tmp_path):
+    processes = [subprocess.Popen([sys.executable, "-c", _EXIT_WHILE_MERGING, str(rank), f"file://{tmp_path / 'pg'}"],
+                                  stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    for process in processes:
+        _, err = process.communicate(timeout=120)
+        assert process.returncode == 0, err[-2000:]
+
+
+def test_close_ends_the_thread_and_destroys_the_merge_group(one_process_group, monkeypatch, tmp_path):
+    groups = []
+
+    def new_group(**kwargs):
+        groups.append(create(**kwargs))
+        return groups[-1]
+
+    create = dist.new_group
+    monkeypatch.setattr(dist, "new_group", new_group)
+    def merge_threads() -> int:
+        return sum(t.name == "persia-rank-merge" for t in threading.enumerate())
+
+    merge = RankMerge("job-merged", {"t": 2})
+    running = merge_threads()
+    assert dist.get_rank(groups[0]) == 0
+    merge.close()
+    assert merge_threads() == running - 1
+    with pytest.raises(ValueError, match="not registered"):
+        dist.get_rank(groups[0])
+    merge.close()  # a second close changes nothing
+    late, later = RankMerge("job-merged", {"t": 2}), RankMerge("job-merged", {"t": 2})
+    dist.destroy_process_group()  # and every group with it: closing a merge afterwards is no error
+    late.close()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg-again'}", rank=0, world_size=1)
+    later.close()  # nor with another default group (of which its group is not one)

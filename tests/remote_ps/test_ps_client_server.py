@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
+import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -389,3 +392,29 @@ def test_close_cancels_calls_in_flight(ps_cluster, make_client):
         assert future.cancelled() or future.result()["closing"].shape[1] == 2
     with pytest.raises(PSError, match="closed"):
         client.lookup({"closing": torch.arange(2)}, train=False)
+
+
+# Exits with lookups in flight and the client open: its thread is decoding rows (torch ops, GIL released) as the
+# interpreter finalizes. Unless the client is closed at exit, that thread is ended by pthread_exit as it takes the
+# GIL back, and the unwinding through torch's C++ frames aborts the process (most runs of this script did).
+_LEFT_OPEN = textwrap.dedent(
+    """\
+    import sys, torch
+    from lightning_persia.remote_ps.client import PSClient
+    from lightning_persia.remote_ps.table_config import TableConfig
+    client = PSClient(sys.argv[1:])
+    client.configure([TableConfig("left_open", dim=128)])
+    ids = {"left_open": torch.arange(50_000)}
+    client.lookup(ids, train=True)
+    calls = [client.lookup_async(ids, train=False) for _ in range(40)]
+    calls[0].result()
+    """
+)
+
+
+def test_a_client_left_open_with_calls_in_flight_lets_the_interpreter_exit_cleanly(ps_cluster):
+    processes = [subprocess.Popen([sys.executable, "-c", _LEFT_OPEN, *ps_cluster.addresses], stderr=subprocess.PIPE, text=True)
+                 for _ in range(3)]
+    for process in processes:
+        _, err = process.communicate(timeout=120)
+        assert process.returncode == 0, err[-2000:]

@@ -20,6 +20,7 @@ This module imports neither Lightning nor torch: parameter-server shards read de
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import re
@@ -219,8 +220,13 @@ class DeltaWatcher:
 
         self._thread = threading.Thread(target=loop, name=f"persia-deltas-{self.name}", daemon=True)
         self._thread.start()
+        # Stopped before the interpreter finalizes: a daemon thread inside a torch op then (applying a delta) is
+        # ended by pthread_exit, which aborts the process (see RELIABILITY.md, the exit-time abort).
+        atexit.register(self.stop)
 
     def stop(self) -> None:
+        """Ends the polling thread after the delta it is applying, if any (also run at interpreter exit)."""
+        atexit.unregister(self.stop)
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()

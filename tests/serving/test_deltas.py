@@ -192,3 +192,28 @@ def test_publish_deltas_refuses_bad_settings_and_another_strategy(tmp_path):
                         enable_checkpointing=False, enable_model_summary=False, callbacks=[PublishDeltas(tmp_path)])
     with pytest.raises(TypeError, match="PublishDeltas publishes the tables of PersiaStrategy's shards; this trainer runs SingleDeviceStrategy"):
         trainer.fit(BoringModel())
+
+
+_EXIT_WHILE_APPLYING = """
+import sys, threading, time
+from types import SimpleNamespace
+from lightning_persia.serving import delta
+served, applying = [1], threading.Event()
+delta.next_delta = lambda root, version, up_to=None: SimpleNamespace(version=version + 1, path=root, global_step=0) if version < 2 else None
+def apply(found):
+    applying.set()
+    time.sleep(0.5)
+    served.append(found.version)
+    print("applied", found.version, flush=True)
+watcher = delta.DeltaWatcher(sys.argv[1], lambda: served[-1], apply, interval_s=0.01)
+watcher.start()
+applying.wait(10)
+"""
+
+
+def test_a_started_watcher_finishes_the_delta_it_applies_before_the_interpreter_exits(tmp_path):
+    # A daemon thread still applying a delta (torch ops) when the interpreter finalizes would be ended mid-apply,
+    # which can abort the process (RELIABILITY.md: the exit-time abort): the watcher is stopped at exit instead.
+    done = subprocess.run([sys.executable, "-c", _EXIT_WHILE_APPLYING, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["applied", "2"]

@@ -72,7 +72,8 @@ class TableSnapshot:
         return {name: spec for name, spec in self._table.field_specs.items() if name in SAVED_FIELDS}
 
     def chunks(self) -> Iterator[dict[str, torch.Tensor]]:
-        """``{field: rows}`` of the live rows at the point, chunk by chunk; the table serves between chunks.
+        """``{field: rows}`` of the live rows at the point, chunk by chunk (the rows of a chunk changed before its
+        copy, as they were at the point, follow it as a ``{field: rows}`` of their own); the table serves between chunks.
 
         A chunk's tensors stay valid until the chunk after the next one is asked for (they are reused then).
         """

@@ -268,12 +268,16 @@ def _populate(ranges: list[tuple[mmap.mmap, int, int]]) -> None:
     """Commits the pages of ``(map, first address, end address)`` ranges in the map, leaving their bytes as they are.
 
     Through libc, which ctypes calls without the GIL: ``mmap.madvise`` holds it for the whole call (tens of ms per
-    64 MB), which would stop every request thread of the shard meanwhile. The map in each range keeps it open.
+    64 MB), which would stop every request thread of the shard meanwhile. And one huge page per call: a call
+    holds the process's memory-map lock (for reading) throughout, and a request thread that maps or unmaps
+    memory meanwhile (a new chunk, an index partition, a large tensor) waits for it, holding its table's lock.
+    The map in each range keeps it open.
     """
     for _, first, end in ranges:
         first -= first % mmap.PAGESIZE
-        if _libc.madvise(first, end - first, _MADV_POPULATE_WRITE):  # an older kernel: the rows' first writes
-            return                                                    # fault their pages, as without this
+        for start in range(first, end, _HUGE_PAGE):
+            if _libc.madvise(start, min(_HUGE_PAGE, end - start), _MADV_POPULATE_WRITE):  # an older kernel: the
+                return  # rows' first writes fault their pages, as without this
 
 
 def _anonymous_memory(nbytes: int, huge: bool) -> tuple[mmap.mmap, int]:

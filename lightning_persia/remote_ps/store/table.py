@@ -259,7 +259,7 @@ class Table:
         """:meth:`append` of a checkpoint's blocks of rows, one after the other.
 
         A block's ids are indexed on a thread of their own while the next block is read and written (the index
-        is a third of a load's CPU, and its native insert runs without the GIL), so ``blocks`` must keep a block's
+        insert is about a quarter of an in-place load's CPU, and runs without the GIL), so ``blocks`` must keep a block's
         tensors valid until the block after the next one is asked for (``checkpoint.TableSource.blocks`` does).
         """
         positions = [torch.empty(0, dtype=torch.int64)] * 2  # the rows of a block stay valid while it is indexed

@@ -47,6 +47,9 @@ TABLE = "scale"
 DIM = 16
 _MULTIPLIER = 0x9E3779B1  # odd: the i-th stored id, i * M + 7, is distinct for every i
 _GB = 1e9
+_HELD_PARTS = {"worst_insert_held_s": "worst_insert_s", "worst_insert_cpu_s": "worst_insert_cpu_s",
+               "worst_insert_runnable_s": "worst_insert_runnable_s", "worst_insert_blocked_s": "worst_insert_blocked_s"}
+"""This benchmark's figures of the longest an inserting request held its table, from the shard's table stats."""
 
 
 def stored_id(index: torch.Tensor) -> torch.Tensor:
@@ -229,7 +232,8 @@ def grow(args, dtype: str) -> dict:
     shards = start(1, dtype)
     out = {"dtype": dtype, "sizes": [], "max_rows": 0, "stopped": ""}
     rows = 0
-    worst_insert = worst_held = worst_cpu = 0.0
+    worst_insert = 0.0
+    worst_parts = dict.fromkeys(_HELD_PARTS, 0.0)  # the table's own worst figures restart with each load
     inserts: list[float] = []
     checkpoint_dir = tempfile.mkdtemp(prefix="scale-bench-", dir=args.checkpoint_dir)
     try:
@@ -249,9 +253,8 @@ def grow(args, dtype: str) -> dict:
                 rows += count
             stats = shards.client.stats()[0]["tables"][TABLE]
             rss = shards.rss()
-            worst_held = max(worst_held, stats["worst_insert_s"])  # the table's own figures restart with each load
-            worst_cpu = max(worst_cpu, stats["worst_insert_cpu_s"])
-            entry = {"rows": rows, "worst_insert_s": worst_insert, "worst_insert_held_s": worst_held, "worst_insert_cpu_s": worst_cpu,
+            worst_parts = {key: max(worst_parts[key], stats[stat]) for key, stat in _HELD_PARTS.items()}
+            entry = {"rows": rows, "worst_insert_s": worst_insert, **worst_parts,
                      "insert_p99_s": sorted(inserts)[int(0.99 * (len(inserts) - 1))],
                      "rss_bytes": rss, "bytes_per_row": rss / rows,
                      "bytes_per_param": rss / rows / DIM, "store_bytes_per_row": stats["bytes"] / rows,
@@ -259,7 +262,8 @@ def grow(args, dtype: str) -> dict:
             entry.update(measure_rates(shards, rows, args.request_ids, args.repeats, seed=rows))
             print(f"[{dtype}] {rows:>13,} rows  lookup {entry['lookup_rows_per_s'] / 1e6:5.2f} M/s  "
                   f"update {entry['update_rows_per_s'] / 1e6:5.2f} M/s  worst insert {worst_insert:5.3f} s "
-                  f"(table held {entry['worst_insert_held_s']:5.3f} s, {entry['worst_insert_cpu_s']:5.3f} s of CPU)  "
+                  f"(table held {entry['worst_insert_held_s']:5.3f} s: at most {entry['worst_insert_cpu_s']:5.3f} s of CPU, "
+                  f"{entry['worst_insert_runnable_s']:5.3f} s waiting for a core, {entry['worst_insert_blocked_s']:5.3f} s blocked)  "
                   f"RSS {rss / _GB:5.2f} GB  {entry['bytes_per_param']:.2f} B/param", flush=True)
             if rows >= args.save_from:
                 try:
@@ -309,13 +313,14 @@ def print_tables(results: dict) -> None:
     for run in results["grow"]:
         print(f"\n### storage {run['dtype']}: one shard process, dim {DIM}, row-wise Adagrad"
               + (f" ({run['stopped']})" if run["stopped"] else ""))
-        print("| rows | lookup rows/s | zipf lookup rows/s | update rows/s | worst insert: client (table held; its CPU) | RSS | B/row | B/param "
+        print("| rows | lookup rows/s | zipf lookup rows/s | update rows/s | worst insert: client (table held; at most: CPU, waiting for a core, blocked) | RSS | B/row | B/param "
               "| save s (GB/s; plain write) | save extra peak | worst train round in save | load s (GB/s; plain read) | load peak |")
         print("|" + "---|" * 13)
         for e in run["sizes"]:
             saved = "save_s" in e
             print(f"| {e['rows']:,} | {_fmt_rate(e['lookup_rows_per_s'])} | {_fmt_rate(e['lookup_zipf_rows_per_s'])} "
-                  f"| {_fmt_rate(e['update_rows_per_s'])} | {e['worst_insert_s']:.3f} s ({e['worst_insert_held_s']:.3f}; {e['worst_insert_cpu_s']:.3f}) "
+                  f"| {_fmt_rate(e['update_rows_per_s'])} | {e['worst_insert_s']:.3f} s ({e['worst_insert_held_s']:.3f}; "
+                  f"{e['worst_insert_cpu_s']:.3f}, {e['worst_insert_runnable_s']:.3f}, {e['worst_insert_blocked_s']:.3f}) "
                   f"| {e['rss_bytes'] / _GB:.2f} GB "
                   f"| {e['bytes_per_row']:.1f} | {e['bytes_per_param']:.2f} "
                   + (f"| {e['save_s']:.1f} ({e['save_gb_per_s']:.2f}; {e['disk_write_gb_per_s']:.2f}) | {e['save_peak_extra_bytes'] / _GB:.2f} GB "
@@ -340,8 +345,8 @@ def summary(results: dict) -> dict:
             out[f"update_rows_per_s_{key}"] = e["update_rows_per_s"]
     sizes = [e for run in results["grow"] for e in run["sizes"]]
     out["worst_insert_s"] = max((e["worst_insert_s"] for e in sizes), default=None)
-    out["worst_insert_held_s"] = max((e["worst_insert_held_s"] for e in sizes), default=None)
-    out["worst_insert_cpu_s"] = max((e["worst_insert_cpu_s"] for e in sizes), default=None)
+    for key in _HELD_PARTS:
+        out[key] = max((e[key] for e in sizes), default=None)
     out["save_peak_extra_bytes"] = max((e["save_peak_extra_bytes"] for e in sizes if "save_s" in e), default=None)
     for run in results["grow"]:
         by_rows = {e["rows"]: e for e in run["sizes"]}

@@ -39,6 +39,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from lightning_persia.ops import native, wire
+from lightning_persia.remote_ps.allocator import keep_freed_memory
 from lightning_persia.remote_ps.config import PSConfig
 from lightning_persia.remote_ps import metrics
 from lightning_persia.remote_ps.exactly_once import ConflictingDuplicateError, StaleSequenceError, UpdateDeduplicator
@@ -703,6 +704,7 @@ def run_shard(
     ``before_serving(servicer, stop)`` runs once the tables are restored, before the first call is accepted
     (the serving delta watcher: ``stop`` is set when the shard stops); what it raises stops the shard.
     """
+    keep_freed_memory()  # before the first request thread has an arena of its own
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     if config.nice:

@@ -31,12 +31,29 @@ from lightning_persia.ops import native
 from lightning_persia.remote_ps.store.index import NativeIdIndex, make_index
 from lightning_persia.remote_ps.store.initializers import initial_rows
 from lightning_persia.remote_ps.store.optimizers import make_rule
+from lightning_persia.remote_ps.store.thread_clock import ThreadTimes, thread_times
 from lightning_persia.remote_ps.table_config import STORAGE_DTYPES, TableConfig
 
 SAVED_FIELDS = ("ids", "weights", "state", "access")
 """The fields a checkpoint keeps per row (versions restart with the process)."""
-_TIMED_INSERT = 4096  # lookups of at least this many ids have the CPU time of their inserting part measured
+_TIMED_INSERT = 4096  # training lookups of at least this many ids have their thread's times read (see _Held)
 _REMOVED_LOG_IDS = 1 << 24  # evicted ids remembered for deltas; a delta since an older point is refused
+
+
+@dataclass(frozen=True)
+class _Held:
+    """When a lookup took its table's lock, and, for a training lookup large enough to time, its thread's times then.
+
+    A thread's times are a file read (tens of microseconds; a system call costs hundreds in some virtual machines):
+    read only around lookups that may insert many rows, whose held time is what growing costs the other requests.
+    """
+
+    wall: float
+    times: Optional[ThreadTimes]
+
+    @staticmethod
+    def now(ids: torch.Tensor, train: bool) -> "_Held":
+        return _Held(time.perf_counter(), thread_times() if train and ids.numel() >= _TIMED_INSERT else None)
 
 
 @dataclass
@@ -116,7 +133,7 @@ class Table:
         self._removed: list[tuple[int, torch.Tensor]] = []  # (version, ids) of evictions, for deltas
         self._removed_ids = 0
         self._removed_floor: Optional[int] = None  # evictions up to this version are unknown; None: not logged
-        self._worst_insert_s = self._worst_insert_cpu_s = 0.0
+        self._worst_insert_s = self._worst_insert_cpu_s = self._worst_insert_runnable_s = self._worst_insert_blocked_s = 0.0
         self._counters = dict(lookups=0, lookup_rows=0, inserted=0, evicted=0, not_admitted=0, updates=0, update_rows=0, dropped_update_rows=0)
 
     @property
@@ -129,7 +146,7 @@ class Table:
         """Rows of ``ids`` as ``[n, dim]`` of ``dtype``; training lookups admit unseen ids."""
         out = torch.empty(ids.numel(), self.config.dim, dtype=self.storage_dtype)
         with self.lock:
-            held = time.perf_counter()
+            held = _Held.now(ids, train)
             rows = self._index.find(ids, copy=(self._rows["weights"], out), touch=self._touch(train))
             self._finish_lookup(ids, rows, out, train, held, bool((rows < 0).any()))
         return out.to(dtype)
@@ -143,7 +160,7 @@ class Table:
         outs = [torch.empty(ids.numel(), table.config.dim, dtype=table.storage_dtype) for table, ids in requests]
         rows = [torch.empty_like(ids) for _, ids in requests]
         with _all_locked(tables):
-            held = time.perf_counter()
+            held = _Held.now(max((ids for _, ids in requests), key=torch.Tensor.numel), train)
             jobs = [table._index.find_job(ids, found, (table._rows["weights"], out), table._touch(train))
                     for (table, ids), found, out in zip(requests, rows, outs)]
             native.find_many(jobs)
@@ -158,7 +175,7 @@ class Table:
         self._step += 1
         return (self._rows["access"], *eviction.touch_value(self.config.eviction, self._step))
 
-    def _finish_lookup(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, held: float,
+    def _finish_lookup(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, held: _Held,
                        missing_any: bool) -> None:
         """The rows of the ids the probe did not find (admitted when training), and the counters; lock held."""
         self._counters["lookups"] += 1
@@ -166,16 +183,18 @@ class Table:
         if not missing_any:
             return
         missing = rows < 0
-        # The longest a lookup that inserted held the table, and the CPU time of its inserting part: what growing
-        # costs the table's other requests. A thread's CPU clock is a system call (hundreds of microseconds in some
-        # virtual machines): read only around inserts of a growing table's size.
-        timed = train and ids.numel() >= _TIMED_INSERT
-        worked = time.thread_time() if timed else 0.0
         out[missing] = self._fill_missing(ids[missing], train)
-        if train:
-            self._worst_insert_s = max(self._worst_insert_s, time.perf_counter() - held)
-        if timed:
-            self._worst_insert_cpu_s = max(self._worst_insert_cpu_s, time.thread_time() - worked)
+        if not train:
+            return
+        # The longest a lookup that inserted held the table: what growing costs the table's other requests. Split
+        # into the thread's CPU time, its wait for a core, and the rest (blocked), each the worst of its own.
+        wall = time.perf_counter() - held.wall
+        self._worst_insert_s = max(self._worst_insert_s, wall)
+        if held.times is not None:
+            spent = thread_times() - held.times
+            self._worst_insert_cpu_s = max(self._worst_insert_cpu_s, spent.cpu_s)
+            self._worst_insert_runnable_s = max(self._worst_insert_runnable_s, spent.runnable_s)
+            self._worst_insert_blocked_s = max(self._worst_insert_blocked_s, wall - spent.cpu_s - spent.runnable_s)
 
     def update(self, ids: torch.Tensor, grads: torch.Tensor) -> int:
         """Applies the optimizer to the rows of ``ids``; returns how many rows were present and updated."""
@@ -425,6 +444,8 @@ class Table:
                 saving_preimage_rows=snapshot.preimage_rows if snapshot is not None else 0,
                 worst_insert_s=self._worst_insert_s,
                 worst_insert_cpu_s=self._worst_insert_cpu_s,
+                worst_insert_runnable_s=self._worst_insert_runnable_s,
+                worst_insert_blocked_s=self._worst_insert_blocked_s,
             )
 
     # ---- internals ---------------------------------------------------------------------------------

@@ -138,3 +138,17 @@ def test_one_request_of_several_tables_gives_what_table_by_table_requests_give(n
     for native_table, tensor_table in zip(native_rows, tensor_rows):
         torch.testing.assert_close(native_table, tensor_table, rtol=1e-5, atol=1e-6)
     assert tensor_store.stats()["sgd"]["dropped_update_rows"] == 5
+
+
+def test_the_longest_insert_is_split_into_cpu_waiting_for_a_core_and_blocked():
+    store = ShardStore(0, 1)
+    store.configure(TableConfig("t", 4))
+    store.lookup("t", torch.arange(10), train=True)  # too small to time: only its held time counts
+    store.lookup("t", torch.arange(10, 10 + 8192), train=True)
+    stats = store.stats()["t"]
+    parts = stats["worst_insert_cpu_s"] + stats["worst_insert_runnable_s"] + stats["worst_insert_blocked_s"]
+    assert stats["worst_insert_cpu_s"] > 0
+    # one timed insert: its three parts are those of its held time (the untimed one could only be shorter)
+    assert parts == pytest.approx(stats["worst_insert_s"], abs=1e-6) or stats["worst_insert_s"] > parts
+    store.lookup("t", torch.arange(10, 10 + 8192), train=False)
+    assert store.stats()["t"]["worst_insert_s"] == stats["worst_insert_s"]  # nothing inserted, nothing timed

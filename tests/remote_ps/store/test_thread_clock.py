@@ -1,0 +1,46 @@
+"""A thread's wall time split into running, waiting for a core, and blocked."""
+import threading
+import time
+
+from lightning_persia.remote_ps.store import thread_clock
+from lightning_persia.remote_ps.store.thread_clock import thread_times
+
+
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_a_busy_thread_counts_running_time_and_a_sleeping_one_does_not():
+    before = thread_times()
+    _busy(0.2)
+    busy = thread_times() - before
+    assert busy.cpu_s + busy.runnable_s >= 0.15  # ran, or waited for a core on a loaded machine
+    before = thread_times()
+    time.sleep(0.2)
+    asleep = thread_times() - before
+    assert asleep.cpu_s + asleep.runnable_s < 0.1  # blocked: neither running nor runnable
+
+
+def test_each_thread_has_its_own_times():
+    seen = {}
+
+    def sleeper() -> None:
+        before = thread_times()
+        time.sleep(0.2)
+        seen["sleeper"] = thread_times() - before
+
+    worker = threading.Thread(target=sleeper)
+    worker.start()
+    _busy(0.2)
+    worker.join()
+    assert seen["sleeper"].cpu_s < 0.1
+
+
+def test_without_the_kernels_statistics_the_cpu_time_stands_and_no_wait_is_counted(monkeypatch, tmp_path):
+    monkeypatch.setattr(thread_clock, "_SCHEDSTAT", str(tmp_path / "absent"))
+    before = thread_times()
+    _busy(0.1)
+    spent = thread_times() - before
+    assert spent.runnable_s == 0.0 and spent.cpu_s > 0.0

@@ -1,9 +1,10 @@
 """Id -> row index of one table. The keys live in the table's rows (their ``ids`` field); the index holds row numbers.
 
 :func:`make_index` picks the native index when the kernels are loaded (``ops/native/kernels.c``: buckets of
-12 tagged slots in one cache line, 1,024 partitions grown one at a time, so a growing table never waits for a
-whole-index rebuild and a lookup costs about one cache miss in the index), else :class:`TensorIdIndex`, a
-vectorised open-addressing table in tensor ops (same answers, slower, and it rebuilds whole when it grows).
+12 tagged slots in one cache line, 4,096 partitions grown one at a time and at most ~262k rows rehashed per
+insert, so a growing table never waits for a whole-index rebuild, and a lookup costs about one cache miss in the
+index), else :class:`TensorIdIndex`, a vectorised open-addressing table in tensor ops (same answers, slower, and
+it rebuilds whole when it grows).
 """
 from __future__ import annotations
 
@@ -69,8 +70,13 @@ class NativeIdIndex:
 
     @property
     def rebuilds(self) -> int:
-        """Partition rebuilds so far (each rehashes about 1/1024 of the ids)."""
+        """Partition rebuilds so far (each rehashes about 1/4096 of the ids)."""
         return self._index.info()[2]
+
+    @property
+    def put_off(self) -> int:
+        """Rebuilds an insert left to a later insert so far, its budget of rows to rehash spent."""
+        return self._index.info()[3]
 
     def find(self, ids: torch.Tensor, copy: Optional[tuple[ChunkedField, torch.Tensor]] = None,
              touch: Optional[tuple[ChunkedField, int, bool]] = None) -> torch.Tensor:

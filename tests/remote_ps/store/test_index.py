@@ -61,9 +61,9 @@ def test_native_index_grows_a_partition_at_a_time(native_kernels, monkeypatch):
     for start in range(0, 300_000, 30_000):
         index.insert(ids[start : start + 30_000], torch.arange(start, start + 30_000))
         grown.append(index.rebuilds)
-    # each batch of 30k ids rebuilt some of the 1024 partitions, never all of them at once
+    # each batch of 30k ids rebuilt some of the 4,096 partitions, never all of them at once
     steps = [b - a for a, b in zip([0] + grown, grown)]
-    assert all(0 < s < 1024 * 2 for s in steps[1:]), steps
+    assert all(0 < s < 4096 for s in steps[1:]), steps
     assert torch.equal(index.find(ids.flip(0)), torch.arange(300_000).flip(0))
     assert torch.equal(index.find(ids + 1), torch.full((300_000,), -1))
     assert index.nbytes < 300_000 * 12  # at most 12 bytes a row at any load the partitions reach
@@ -87,3 +87,18 @@ def test_wrong_buffers_are_refused_before_any_c_code_runs(native_kernels, monkey
         native.gather(chunks, 0, torch.tensor([1]), torch.empty(1, 2, dtype=torch.int64))
     with pytest.raises(ValueError, match="does not fit"):
         index.find(torch.arange(2), chunks, touch=(6, 1, False))
+
+
+def test_an_insert_that_would_rehash_too_many_rows_puts_rebuilds_off_and_still_finds_every_id(native_kernels, monkeypatch):
+    count, batch = 4_000_000, 500_000
+    keys = _keys(count, monkeypatch, chunk_bytes=1 << 24)
+    index = index_module.NativeIdIndex(keys)
+    ids = torch.arange(count, dtype=torch.int64) * 2654435761 + 17
+    keys["ids"].scatter(torch.arange(count), ids)
+    for start in range(0, count, batch):
+        index.insert(ids[start : start + batch], torch.arange(start, start + batch))
+        assert torch.equal(index.find(ids[: start + batch]), torch.arange(start + batch))
+    # a 500k-id insert passes the load of more partitions than its budget of rows to rehash (~262k) allows
+    assert index.put_off > 0
+    assert torch.equal(index.find(ids + 1), torch.full((count,), -1))
+    assert index.nbytes < count * 12

@@ -86,7 +86,7 @@ def test_long_run_at_capacity_stays_bounded():
         store.lookup("t", torch.arange(start, start + 500), train=True)
     stats = store.stats()["t"]
     assert stats["rows"] <= 1000 and stats["rows_allocated"] <= 1000  # evicted rows are reused, never appended
-    assert stats["index_bytes"] <= 90_136 + 1000 * 12  # the smallest index (1024 partitions of one bucket) + 12 B a row
+    assert stats["index_bytes"] <= 393_248 + 1000 * 12  # the smallest index (4,096 partitions of one bucket) + 12 B a row
 
 
 def test_bad_requests_name_the_problem_and_change_nothing():

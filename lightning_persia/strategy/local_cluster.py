@@ -9,7 +9,16 @@ from __future__ import annotations
 import atexit
 from typing import Optional
 
+from omegaconf import OmegaConf
+
 from lightning_persia.remote_ps.server import LocalShards
+
+EMBEDDED_NICE = 10
+"""The embedded shards' nice value (``PSConfig.nice``) unless the PS config sets one. They share the trainers'
+cores: a trainer's parallel regions (two intra-op threads on a 2-core machine) stall on any core a shard takes
+from them, while a prefetched lookup has steps to come back. ``train_bench.py --ranks 1 --staleness 4 --steps 150``
+on 2 cores: hybrid at 0.88-1.00x local's samples/s with nice 10 (median of 7 runs 0.96), 0.91-0.96x without
+(median of 4 runs 0.935; BENCHMARKS.md)."""
 
 
 class LocalCluster:
@@ -26,7 +35,10 @@ class LocalCluster:
     def __init__(
         self, num_shards: int, seed: int = 0, config_path: Optional[str] = None, *, restart: bool = False, max_restarts: int = 3,
     ) -> None:
-        self._shards = LocalShards(num_shards, config_path=config_path, overrides=[f"seed={seed}"], restart=restart, max_restarts=max_restarts)
+        overrides = [f"seed={seed}"]
+        if config_path is None or "nice" not in OmegaConf.load(config_path):
+            overrides.append(f"nice={EMBEDDED_NICE}")
+        self._shards = LocalShards(num_shards, config_path=config_path, overrides=overrides, restart=restart, max_restarts=max_restarts)
         self.addresses = list(self._shards.addresses)
         atexit.register(self.stop)
 

@@ -52,8 +52,8 @@ class _Held:
     times: Optional[ThreadTimes]
 
     @staticmethod
-    def now(ids: torch.Tensor, train: bool) -> "_Held":
-        return _Held(time.perf_counter(), thread_times() if train and ids.numel() >= _TIMED_INSERT else None)
+    def now(num_ids: int, train: bool) -> "_Held":
+        return _Held(time.perf_counter(), thread_times() if train and num_ids >= _TIMED_INSERT else None)
 
 
 @dataclass
@@ -124,6 +124,7 @@ class Table:
         self._index = make_index(self._rows)
         self._admission = torch.Generator().manual_seed((seed ^ name_hash(config.name)) & ((1 << 63) - 1))
         self._eviction_sample = torch.Generator().manual_seed(seed)
+        self._evict_from = 0  # the row where the next eviction's sweep starts (eviction.select_victims)
         self._size = 0  # rows allocated so far (live or free)
         self._live = 0
         self._free = torch.empty(0, dtype=torch.int64)
@@ -146,7 +147,7 @@ class Table:
         """Rows of ``ids`` as ``[n, dim]`` of ``dtype``; training lookups admit unseen ids."""
         out = torch.empty(ids.numel(), self.config.dim, dtype=self.storage_dtype)
         with self.lock:
-            held = _Held.now(ids, train)
+            held = _Held.now(ids.numel(), train)
             rows = self._index.find(ids, copy=(self._rows["weights"], out), touch=self._touch(train))
             self._finish_lookup(ids, rows, out, train, held, bool((rows < 0).any()))
         return out.to(dtype)
@@ -160,7 +161,7 @@ class Table:
         outs = [torch.empty(ids.numel(), table.config.dim, dtype=table.storage_dtype) for table, ids in requests]
         rows = [torch.empty_like(ids) for _, ids in requests]
         with _all_locked(tables):
-            held = _Held.now(max((ids for _, ids in requests), key=torch.Tensor.numel), train)
+            held = _Held.now(sum(ids.numel() for _, ids in requests), train)
             jobs = [table._index.find_job(ids, found, (table._rows["weights"], out), table._touch(train))
                     for (table, ids), found, out in zip(requests, rows, outs)]
             native.find_many(jobs)
@@ -513,7 +514,9 @@ class Table:
         access = self._rows["access"]
         in_use = [access.chunk(c, min(self._rows.chunk_rows, self._size - (c << self._rows.shift)))
                   for c in range((self._size + self._rows.chunk_rows - 1) >> self._rows.shift)]
-        victims = eviction.select_victims(in_use, count, self._eviction_sample) if in_use else torch.empty(0, dtype=torch.int64)
+        victims = torch.empty(0, dtype=torch.int64)
+        if in_use:
+            victims, self._evict_from = eviction.select_victims(in_use, count, self._eviction_sample, self._evict_from)
         self._preserve(victims)
         gone = self._rows["ids"].gather(victims)
         self._index.remove(gone)

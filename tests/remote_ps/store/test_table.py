@@ -152,3 +152,20 @@ def test_the_longest_insert_is_split_into_cpu_waiting_for_a_core_and_blocked():
     assert parts == pytest.approx(stats["worst_insert_s"], abs=1e-6) or stats["worst_insert_s"] > parts
     store.lookup("t", torch.arange(10, 10 + 8192), train=False)
     assert store.stats()["t"]["worst_insert_s"] == stats["worst_insert_s"]  # nothing inserted, nothing timed
+
+
+def test_a_large_table_at_capacity_evicts_cold_rows_a_slice_at_a_time_and_keeps_hot_ones():
+    store = ShardStore(0, 1)
+    store.configure(TableConfig("t", 2, capacity=80_000, optimizer=SGD(lr=1.0), init=Uniform(0, 1)))
+    hot = torch.arange(1000)
+    store.lookup("t", torch.arange(80_000), train=True)
+    evicted = []
+    for wave in range(1, 9):
+        store.lookup("t", hot, train=True)
+        store.update("t", hot, torch.ones(1000, 2))
+        before = store.stats()["t"]["evicted"]
+        store.lookup("t", torch.arange(wave * 100_000, wave * 100_000 + 10_000), train=True)
+        evicted.append(store.stats()["t"]["evicted"] - before)
+    assert all(10_000 <= n <= 10_000 + 4_000 for n in evicted), evicted  # what the wave needs (5% of 80k at least)
+    assert store.stats()["t"]["rows"] <= 80_000
+    torch.testing.assert_close(store.lookup("t", hot, train=False), initial_rows(Uniform(0, 1), 0, "t", hot, 2) - 8)

@@ -1,0 +1,54 @@
+"""Which rows leave a full table: the coldest, found by a sweep that reads a bounded part of a large table."""
+import torch
+
+from lightning_persia.remote_ps.store import eviction
+from lightning_persia.remote_ps.store.eviction import FREE, select_victims
+
+
+def _access(chunks: int = 4, rows: int = 100_000) -> list[torch.Tensor]:
+    """Access values of a large table: a random order of steps, some rows free."""
+    values = torch.randperm(chunks * rows, generator=torch.Generator().manual_seed(0)).to(torch.int32) + 1
+    values[::97] = FREE
+    return list(values.split(rows))
+
+
+def test_a_large_table_gives_cold_rows_from_where_the_last_eviction_stopped_reading_a_bounded_part():
+    access = _access()
+    flat = torch.cat(access)
+    live = flat[flat != FREE].to(torch.float64)
+    start = 150_000
+    victims, stop = select_victims(access, 1000, torch.Generator().manual_seed(1), start)
+    assert victims.numel() == 1000 and victims.unique().numel() == 1000
+    assert bool((flat[victims] != FREE).all())
+    assert int(flat[victims].max()) <= torch.quantile(live, 2 * eviction.BULK_FRACTION)  # cold: the sample's error aside
+    assert bool((victims >= start).all()) and start < stop <= start + 60_000  # ~1000 / 5% rows read, not 400k
+    assert stop == int(victims.max()) + 1
+
+
+def test_the_sweep_wraps_around_the_table():
+    access = _access()
+    victims, stop = select_victims(access, 1000, torch.Generator().manual_seed(1), 395_000)
+    assert victims.numel() == 1000
+    assert bool((victims >= 395_000).any()) and bool((victims < 395_000).any()) and stop < 395_000
+
+
+def test_more_victims_than_the_coldest_fraction_still_come_out_coldest_first_enough():
+    access = _access()
+    flat = torch.cat(access)
+    want = 100_000  # a quarter of the rows: more than BULK_FRACTION of them
+    victims, _ = select_victims(access, want, torch.Generator().manual_seed(2), 0)
+    assert victims.numel() == want and victims.unique().numel() == want
+    live = flat[flat != FREE].to(torch.float64)
+    assert int(flat[victims].max()) <= torch.quantile(live, 0.35)
+
+
+def test_a_small_table_gives_exactly_its_coldest_rows():
+    access = [torch.tensor([5, FREE, 1, 9], dtype=torch.int32), torch.tensor([3, 7], dtype=torch.int32)]
+    victims, stop = select_victims(access, 2, torch.Generator().manual_seed(0), 3)
+    assert sorted(victims.tolist()) == [2, 4] and stop == 3
+
+
+def test_an_eviction_takes_at_most_a_slice_more_than_it_needs():
+    assert eviction.bulk_size(10, 1_000) == 50  # a small table: 5% of its capacity
+    assert eviction.bulk_size(10, 1 << 26) == eviction.SLICE_ROWS  # a large one: a slice, not 5% (3.3M rows)
+    assert eviction.bulk_size(200_000, 1 << 26) == 200_000

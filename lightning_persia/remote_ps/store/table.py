@@ -189,10 +189,10 @@ class Table:
             return
         # The longest a lookup that inserted held the table: what growing costs the table's other requests. Split
         # into the thread's CPU time, its wait for a core, and the rest (blocked), each the worst of its own.
+        spent = thread_times() - held.times if held.times is not None else None  # read inside the wall time's span
         wall = time.perf_counter() - held.wall
         self._worst_insert_s = max(self._worst_insert_s, wall)
-        if held.times is not None:
-            spent = thread_times() - held.times
+        if spent is not None:
             self._worst_insert_cpu_s = max(self._worst_insert_cpu_s, spent.cpu_s)
             self._worst_insert_runnable_s = max(self._worst_insert_runnable_s, spent.runnable_s)
             self._worst_insert_blocked_s = max(self._worst_insert_blocked_s, wall - spent.cpu_s - spent.runnable_s)

@@ -146,10 +146,9 @@ def test_the_longest_insert_is_split_into_cpu_waiting_for_a_core_and_blocked():
     store.lookup("t", torch.arange(10), train=True)  # too small to time: only its held time counts
     store.lookup("t", torch.arange(10, 10 + 8192), train=True)
     stats = store.stats()["t"]
-    parts = stats["worst_insert_cpu_s"] + stats["worst_insert_runnable_s"] + stats["worst_insert_blocked_s"]
     assert stats["worst_insert_cpu_s"] > 0
-    # one timed insert: its three parts are those of its held time (the untimed one could only be shorter)
-    assert parts == pytest.approx(stats["worst_insert_s"], abs=1e-6) or stats["worst_insert_s"] > parts
+    for part in ("cpu", "runnable", "blocked"):  # each the worst of its own, none longer than the longest hold
+        assert -1e-3 <= stats[f"worst_insert_{part}_s"] <= stats["worst_insert_s"] + 1e-3, stats
     store.lookup("t", torch.arange(10, 10 + 8192), train=False)
     assert store.stats()["t"]["worst_insert_s"] == stats["worst_insert_s"]  # nothing inserted, nothing timed
 

@@ -22,6 +22,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Sequence
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -135,7 +136,7 @@ def load_ps_config(path: Optional[str] = None, overrides: Sequence[str] = ()) ->
                 raise ConfigError(f"PS config overrides must be key=value, got {bad}")
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
         plain = OmegaConf.to_container(merged, resolve=True, throw_on_missing=True)
-    except OSError as err:
+    except (OSError, yaml.YAMLError) as err:
         raise ConfigError(f"cannot read PS config {path!r}: {err}") from None
     except OmegaConfBaseException as err:
         sources = ([f"file {path}"] if path else []) + ([f"overrides {list(overrides)}"] if overrides else [])

@@ -11,6 +11,7 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
+from lightning_persia.remote_ps.config import load_ps_config
 from lightning_persia.remote_ps.server import LocalShards
 
 EMBEDDED_NICE = 10
@@ -36,7 +37,7 @@ class LocalCluster:
         self, num_shards: int, seed: int = 0, config_path: Optional[str] = None, *, restart: bool = False, max_restarts: int = 3,
     ) -> None:
         overrides = [f"seed={seed}"]
-        if config_path is None or "nice" not in OmegaConf.load(config_path):
+        if not _sets_nice(config_path):
             overrides.append(f"nice={EMBEDDED_NICE}")
         self._shards = LocalShards(num_shards, config_path=config_path, overrides=overrides, restart=restart, max_restarts=max_restarts)
         self.addresses = list(self._shards.addresses)
@@ -63,3 +64,12 @@ class LocalCluster:
     def stop(self) -> None:
         atexit.unregister(self.stop)
         self._shards.stop()
+
+
+def _sets_nice(config_path: Optional[str]) -> bool:
+    """Whether the PS config at ``config_path`` sets ``nice`` (a file that cannot be read or holds a bad value raises
+    the :class:`~lightning_persia.remote_ps.config.ConfigError` naming it, as the shards would)."""
+    if config_path is None:
+        return False
+    load_ps_config(config_path)
+    return "nice" in OmegaConf.load(config_path)

@@ -49,3 +49,10 @@ def test_bad_settings_are_named(overrides, message):
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match="cannot read PS config .*missing.yaml"):
         load_ps_config(str(tmp_path / "missing.yaml"))
+
+
+def test_malformed_yaml_is_named(tmp_path):
+    broken = tmp_path / "ps.yaml"
+    broken.write_text("nice: [unclosed\n")
+    with pytest.raises(ConfigError, match="cannot read PS config .*ps.yaml"):
+        load_ps_config(str(broken))

@@ -24,3 +24,14 @@ def test_embedded_shards_run_niced_unless_the_ps_config_says_otherwise(configure
         assert _nice(shard.pid) == _nice(os.getpid()) + expected
     finally:
         cluster.stop()
+
+
+def test_a_ps_config_that_cannot_be_read_is_refused_naming_the_file(tmp_path):
+    from lightning_persia.remote_ps.config import ConfigError
+
+    broken = tmp_path / "ps.yaml"
+    broken.write_text("nice: [unclosed\n")
+    with pytest.raises(ConfigError, match="ps.yaml"):
+        LocalCluster(1, config_path=str(broken))
+    with pytest.raises(ConfigError, match="missing.yaml"):
+        LocalCluster(1, config_path=str(tmp_path / "missing.yaml"))

@@ -579,7 +579,7 @@ int64_t lp_index_insert(void *handle, const int64_t *chunks, int64_t shift, int6
                     rehashed += p->live;
                     if (rebuild(index, part, 1, &t)) return -1;
                 } else if (p->used == p->limit) {
-                    index->put_off += 1; /* counted once: as the partition passes its load */
+                    index->put_off += 1; /* counted as the partition passes its load */
                 }
             }
             const int reused = place(p, hashes[i], (int32_t)rows[start + i]);

@@ -44,7 +44,7 @@ _REMOVED_LOG_IDS = 1 << 24  # evicted ids remembered for deltas; a delta since a
 class _Held:
     """When a lookup took its table's lock, and, for a training lookup large enough to time, its thread's times then.
 
-    A thread's times are a file read (tens of microseconds; a system call costs hundreds in some virtual machines):
+    A thread's times are a file read and a system call (tens of microseconds; hundreds in some virtual machines):
     read only around lookups that may insert many rows, whose held time is what growing costs the other requests.
     """
 

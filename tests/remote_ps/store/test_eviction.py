@@ -32,7 +32,7 @@ def test_the_sweep_wraps_around_the_table():
     assert bool((victims >= 395_000).any()) and bool((victims < 395_000).any()) and stop < 395_000
 
 
-def test_more_victims_than_the_coldest_fraction_still_come_out_coldest_first_enough():
+def test_more_victims_than_the_coldest_fraction_come_from_the_coldest_rows():
     access = _access()
     flat = torch.cat(access)
     want = 100_000  # a quarter of the rows: more than BULK_FRACTION of them

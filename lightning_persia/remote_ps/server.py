@@ -40,6 +40,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from lightning_persia.ops import native, wire
 from lightning_persia.remote_ps.allocator import keep_freed_memory
+from lightning_persia.remote_ps.gc_freeze import freeze_startup_objects
 from lightning_persia.remote_ps.config import PSConfig
 from lightning_persia.remote_ps import metrics
 from lightning_persia.remote_ps.exactly_once import ConflictingDuplicateError, StaleSequenceError, UpdateDeduplicator
@@ -710,6 +711,8 @@ def run_shard(
     if config.nice:
         os.nice(config.nice)
     native.available()  # loads the kernels (or warns that it cannot) now, not inside the first request
+    # Before the tables: a frozen object is never collected, and a table a load replaces must be freed.
+    freeze_startup_objects()
     store = ShardStore(shard_index=shard_index, num_shards=num_shards, seed=config.seed, table_defaults=config.table_configs(),
                        fault_save_delay_s=config.fault_save_delay_s)
     restored = None

@@ -148,8 +148,8 @@ void lp_set_i32(const int64_t *chunks, int64_t shift, int64_t stride, int64_t of
  *
  * Slots come in buckets of 12, one cache line each; a probe reads the home bucket, then the next ones while they
  * are full and marked `overflowed` (an insert passed through them). The index is split into 2^PART_BITS
- * partitions by the top bits of the hash, each grown on its own (to a load of 0.55, once it reaches a load
- * between 0.7 and 0.92 that differs per partition), so growing the table rehashes a small slice at a time: no request ever waits for
+ * partitions by the top bits of the hash, each grown on its own (to a load of 0.5, once it reaches a load
+ * between 0.72 and 0.94 that differs per partition), so growing the table rehashes a small slice at a time: no request ever waits for
  * the whole index to be rebuilt, whatever the table size. Bucket counts need not be powers of two (the home
  * bucket is a multiply-shift of 32 hash bits), which keeps the load, and the memory per row, within 1.5x.
  *
@@ -157,16 +157,19 @@ void lp_set_i32(const int64_t *chunks, int64_t shift, int64_t stride, int64_t of
  * partitions that pass their load in one insert call come in random numbers: up to five rebuilds of ~290k rows
  * each in one 65,536-id request at 300M rows with 1,024 partitions, 0.1 s of a table's lock. So an insert call
  * rehashes at most REBUILD_BUDGET rows (beyond it, a partition past its load still takes ids, up to FULL_LOAD,
- * and grows in a later call), and 4,096 partitions keep one rebuild a quarter of that. */
+ * and grows in a later call), and 4,096 partitions keep one rebuild a small part of that. The budget must stay
+ * above what inserting asks for on average: growing from a load L to 0.5 rehashes 0.5 / (L - 0.5) rows per row
+ * inserted, 1.6 over the spread of L (2.3 from 0.55: the growth factor is chosen for this as much as for memory),
+ * ~105k rows per 65,536 new ids. */
 
 #define SLOTS 12
 #define EMPTY_TAG 0
 #define TOMB_TAG 1
 #define PART_BITS 12
 #define PARTS (1 << PART_BITS)
-#define TARGET_LOAD 0.55
+#define TARGET_LOAD 0.5
 #define FULL_LOAD 0.97     /* a partition whose rebuild was put off grows at this load whatever the budget */
-#define REBUILD_BUDGET (1 << 18) /* live rows one insert call rehashes before it puts off further rebuilds */
+#define REBUILD_BUDGET (1 << 17) /* live rows one insert call rehashes before it puts off further rebuilds */
 #define REHASH_AHEAD 64
 #define POPULATE_MIN_BYTES (1 << 20) /* calloc maps allocations this large afresh: untouched pages */
 #ifndef MADV_POPULATE_WRITE
@@ -208,8 +211,8 @@ static inline int64_t key_of(const rows_t *t, int32_t row) {
     return key;
 }
 
-static double max_load(uint32_t part) { /* 0.7 .. 0.92, spread over the partitions so they grow at different times */
-    return 0.7 + 0.22 * (double)(mix64(part + 1) >> 11) / (double)(1ULL << 53);
+static double max_load(uint32_t part) { /* 0.72 .. 0.94, spread over the partitions so they grow at different times */
+    return 0.72 + 0.22 * (double)(mix64(part + 1) >> 11) / (double)(1ULL << 53);
 }
 
 /* Commits the pages of a large fresh allocation in one call: the inserts that follow write its buckets in random
@@ -274,7 +277,7 @@ static int64_t probe(const part_t *p, uint64_t h, int64_t id, const rows_t *t) {
     return -1;
 }
 
-/* Rebuilds partition `part` at load TARGET_LOAD for its live ids and `extra` more: x1.4-1.6 when live ids filled
+/* Rebuilds partition `part` at load TARGET_LOAD for its live ids and `extra` more: x1.4-1.9 when live ids filled
  * it, smaller when tombstones did. Reads the keys of its live rows, prefetched a block at a time. */
 static int rebuild(index_t *index, uint32_t part, uint32_t extra, const rows_t *t) {
     part_t *p = &index->parts[part];

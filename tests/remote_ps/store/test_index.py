@@ -98,7 +98,7 @@ def test_an_insert_that_would_rehash_too_many_rows_puts_rebuilds_off_and_still_f
     for start in range(0, count, batch):
         index.insert(ids[start : start + batch], torch.arange(start, start + batch))
         assert torch.equal(index.find(ids[: start + batch]), torch.arange(start + batch))
-    # a 500k-id insert passes the load of more partitions than its budget of rows to rehash (~262k) allows
+    # a 500k-id insert passes the load of more partitions than its budget of rows to rehash (~131k) allows
     assert index.put_off > 0
     assert torch.equal(index.find(ids + 1), torch.full((count,), -1))
     assert index.nbytes < count * 12

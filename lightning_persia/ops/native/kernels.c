@@ -149,9 +149,9 @@ void lp_set_i32(const int64_t *chunks, int64_t shift, int64_t stride, int64_t of
  * Slots come in buckets of 12, one cache line each; a probe reads the home bucket, then the next ones while they
  * are full and marked `overflowed` (an insert passed through them). The index is split into 2^PART_BITS
  * partitions by the top bits of the hash, each grown on its own (to a load of 0.5, once it reaches a load
- * between 0.72 and 0.94 that differs per partition), so growing the table rehashes a small slice at a time: no request ever waits for
- * the whole index to be rebuilt, whatever the table size. Bucket counts need not be powers of two (the home
- * bucket is a multiply-shift of 32 hash bits), which keeps the load, and the memory per row, within 1.5x.
+ * between 0.72 and 0.94 that differs per partition), so growing the table rehashes a small slice at a time: no
+ * request ever waits for the whole index to be rebuilt, whatever the table size. Bucket counts need not be powers
+ * of two (the home bucket is a multiply-shift of 32 hash bits), so a partition grows by what its load asks.
  *
  * A rebuild reads the key of every live row of its partition (a cache miss each: ~5 ms for 80k rows), and the
  * partitions that pass their load in one insert call come in random numbers: up to five rebuilds of ~290k rows
@@ -159,8 +159,8 @@ void lp_set_i32(const int64_t *chunks, int64_t shift, int64_t stride, int64_t of
  * rehashes at most REBUILD_BUDGET rows (beyond it, a partition past its load still takes ids, up to FULL_LOAD,
  * and grows in a later call), and 4,096 partitions keep one rebuild a small part of that. The budget must stay
  * above what inserting asks for on average: growing from a load L to 0.5 rehashes 0.5 / (L - 0.5) rows per row
- * inserted, 1.6 over the spread of L (2.3 from 0.55: the growth factor is chosen for this as much as for memory),
- * ~105k rows per 65,536 new ids. */
+ * inserted: 1.6 over the spread of L, ~105k rows per 65,536 new ids (a target of 0.55 would ask 2.3: the target
+ * is chosen for this as much as for memory). */
 
 #define SLOTS 12
 #define EMPTY_TAG 0

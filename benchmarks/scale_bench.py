@@ -5,8 +5,9 @@ Grows a table of dim 16 (row-wise Adagrad) through gRPC, as a trainer would (tra
 
 - lookup rows/s of stored ids (uniform over them, and Zipf 1.1) and update rows/s, 65,536-id requests, one at a time;
 - the worst latency of an inserting request so far (the table growing: chunk allocation, index growth), as the
-  client saw it, as the shard held the table's lock for it (what it cost the shard's other requests), and the CPU
-  time that took (the same on a machine of its own: wall times here include waiting for the shared cores);
+  client saw it (with the time the hypervisor stole from this machine's cores meanwhile, from ``/proc/stat``), as
+  the shard held the table's lock for it (what it cost the shard's other requests), and the CPU time that took (the
+  same on a machine of its own: wall times here include waiting for the shared cores);
 - the shard's resident memory (VmRSS), bytes per row and per parameter;
 - save and load seconds (``Save``/``Load`` RPCs of the whole shard; the load replaces the grown table) beside a
   plain write and read of as many bytes in the same folder, the extra peak memory of each over the shard's resident

@@ -332,7 +332,7 @@ def print_tables(results: dict) -> None:
         for e in run["sizes"]:
             saved = "save_s" in e
             print(f"| {e['rows']:,} | {_fmt_rate(e['lookup_rows_per_s'])} | {_fmt_rate(e['lookup_zipf_rows_per_s'])} "
-                  f"| {_fmt_rate(e['update_rows_per_s'])} | {e['worst_insert_s']:.3f} s [{e.get('worst_insert_host_steal_s', 0.0):.3f}] ({e['worst_insert_held_s']:.3f}; "
+                  f"| {_fmt_rate(e['update_rows_per_s'])} | {e['worst_insert_s']:.3f} s [{e['worst_insert_host_steal_s']:.3f}] ({e['worst_insert_held_s']:.3f}; "
                   f"{e['worst_insert_cpu_s']:.3f}, {e['worst_insert_runnable_s']:.3f}, {e['worst_insert_blocked_s']:.3f}) "
                   f"| {e['rss_bytes'] / _GB:.2f} GB "
                   f"| {e['bytes_per_row']:.1f} | {e['bytes_per_param']:.2f} "

@@ -2,7 +2,7 @@
 
 Python's cyclic garbage collector now and then runs a full collection, which visits every tracked object of
 the process: ~180k after importing torch, gRPC and the package, 35 to 45 ms on this 2-core machine. It runs inside
-whatever allocation crosses its threshold, so in a shard often inside a request that holds its table's lock,
+whatever allocation crosses its threshold, so in a shard sometimes inside a request that holds its table's lock,
 where it adds those ms to what the table's other requests wait. The objects of the start-up (modules, classes,
 functions) live as long as the process: :func:`freeze_startup_objects` moves them to the collector's permanent
 generation (``gc.freeze``), and a full collection visits only what the requests left since (a fraction of a ms).

@@ -40,8 +40,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from lightning_persia.ops import native, wire
 from lightning_persia.remote_ps.allocator import keep_freed_memory
-from lightning_persia.remote_ps.gc_freeze import freeze_startup_objects
 from lightning_persia.remote_ps.config import PSConfig
+from lightning_persia.remote_ps.gc_freeze import freeze_startup_objects
 from lightning_persia.remote_ps import metrics
 from lightning_persia.remote_ps.exactly_once import ConflictingDuplicateError, StaleSequenceError, UpdateDeduplicator
 from lightning_persia.remote_ps.protocol import SERVICE_NAME, persia_pb2, persia_pb2_grpc

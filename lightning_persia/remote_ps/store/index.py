@@ -1,10 +1,10 @@
 """Id -> row index of one table. The keys live in the table's rows (their ``ids`` field); the index holds row numbers.
 
 :func:`make_index` picks the native index when the kernels are loaded (``ops/native/kernels.c``: buckets of
-12 tagged slots in one cache line, 4,096 partitions grown one at a time and at most ~131k rows (and one partition) rehashed per
-insert, so a growing table never waits for a whole-index rebuild, and a lookup costs about one cache miss in the
-index), else :class:`TensorIdIndex`, a vectorised open-addressing table in tensor ops (same answers, slower, and
-it rebuilds whole when it grows).
+12 tagged slots in one cache line, 4,096 partitions grown one at a time, at most ~131k rows (and one partition)
+rehashed per insert, so a growing table never waits for a whole-index rebuild, and a lookup costs about one cache
+miss in the index), else :class:`TensorIdIndex`, a vectorised open-addressing table in tensor ops (same answers,
+slower, and it rebuilds whole when it grows).
 """
 from __future__ import annotations
 

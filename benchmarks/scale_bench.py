@@ -8,9 +8,13 @@ Grows a table of dim 16 (row-wise Adagrad) through gRPC, as a trainer would (tra
   client saw it (with the time the hypervisor stole from this machine's cores meanwhile, from ``/proc/stat``), as
   the shard held the table's lock for it (what it cost the shard's other requests), and the CPU time that took (the
   same on a machine of its own: wall times here include waiting for the shared cores);
+- beside it, the control: the worst latency of the requests that insert nothing (a training lookup of
+  ``--request-ids`` stored ids after every ``--control-every`` inserting requests), and how many requests of each kind
+  took over 0.1 s: a machine that stalls every process now and then shows as slow requests of both kinds;
 - the shard's resident memory (VmRSS), bytes per row and per parameter;
 - save and load seconds (``Save``/``Load`` RPCs of the whole shard; the load replaces the grown table) beside a
-  plain write and read of as many bytes in the same folder, the extra peak memory of each over the shard's resident
+  plain write and read of as many bytes in the same folder, the shard's CPU time in each (its own code's, and the
+  kernel's: page cache copies, and for a load committing the fresh memory of every row), the extra peak memory of each over the shard's resident
   memory before it (VmHWM, reset before each), and, from a second save while another client trains (lookup +
   update rounds of 65,536 ids), that client's worst round trip: how long the save stops training.
 
@@ -48,6 +52,8 @@ TABLE = "scale"
 DIM = 16
 _MULTIPLIER = 0x9E3779B1  # odd: the i-th stored id, i * M + 7, is distinct for every i
 _GB = 1e9
+_SLOW_S = 0.1
+"""A request slower than this counts as slow (the issue's bound on an inserting request)."""
 _HELD_PARTS = {"worst_insert_held_s": "worst_insert_s", "worst_insert_cpu_s": "worst_insert_cpu_s",
                "worst_insert_runnable_s": "worst_insert_runnable_s", "worst_insert_blocked_s": "worst_insert_blocked_s"}
 """This benchmark's figures of the longest an inserting request held its table, from the shard's table stats."""
@@ -83,6 +89,16 @@ class Shards:
 
     def rss(self) -> int:
         return sum(rss_bytes(pid) for pid in self.pids)
+
+    def cpu_s(self) -> tuple[float, float]:
+        """Seconds of CPU the shard processes have used so far: in their own code (user) and in the kernel."""
+        ticks = os.sysconf("SC_CLK_TCK")
+        user = kernel = 0.0
+        for pid in self.pids:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+            user, kernel = user + int(fields[11]) / ticks, kernel + int(fields[12]) / ticks
+        return user, kernel
 
     def reset_peaks(self) -> None:
         for pid in self.pids:
@@ -187,9 +203,10 @@ def save_and_load(shards: Shards, directory: str, rows: int, request_ids: int) -
     disk_write, disk_read = disk_speeds(directory, min(2 << 30, rows * 100))
     before = shards.rss()
     shards.reset_peaks()
-    started = time.perf_counter()
+    cpu, started = shards.cpu_s(), time.perf_counter()
     shards.client.save(directory)
     save_s = time.perf_counter() - started
+    save_cpu = [after - before for before, after in zip(cpu, shards.cpu_s())]
     save_peak = shards.peaks() - before
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(directory) for f in files)
     shutil.rmtree(directory, ignore_errors=True)
@@ -207,15 +224,17 @@ def save_and_load(shards: Shards, directory: str, rows: int, request_ids: int) -
     trained_save_peak = shards.peaks() - before
     before_load = shards.rss()
     shards.reset_peaks()
-    started = time.perf_counter()
+    cpu, started = shards.cpu_s(), time.perf_counter()
     shards.client.load(directory)
     load_s = time.perf_counter() - started
+    load_cpu = [after - before for before, after in zip(cpu, shards.cpu_s())]
     load_peak = shards.peaks()
     shutil.rmtree(directory, ignore_errors=True)
     return {"disk_write_gb_per_s": disk_write, "disk_read_gb_per_s": disk_read,
             "save_s": save_s, "save_peak_extra_bytes": max(save_peak, trained_save_peak), "checkpoint_bytes": size,
             "save_gb_per_s": size / save_s / _GB, "save_while_training_s": trained_save_s,
-            "load_s": load_s, "load_gb_per_s": size / load_s / _GB,
+            "save_user_cpu_s": save_cpu[0], "save_kernel_cpu_s": save_cpu[1],
+            "load_s": load_s, "load_gb_per_s": size / load_s / _GB, "load_user_cpu_s": load_cpu[0], "load_kernel_cpu_s": load_cpu[1],
             "load_peak_bytes": load_peak, "rss_before_load": before_load, "worst_train_round_during_save_s": trainer.worst,
             "train_rounds_during_save": trainer.rounds}
 
@@ -247,6 +266,8 @@ def grow(args, dtype: str) -> dict:
     worst_insert = worst_insert_steal = 0.0
     worst_parts = dict.fromkeys(_HELD_PARTS, 0.0)  # the table's own worst figures restart with each load
     inserts: list[float] = []
+    controls: list[float] = []  # training lookups of stored ids only, between the inserting requests
+    generator = torch.Generator().manual_seed(7)
     checkpoint_dir = tempfile.mkdtemp(prefix="scale-bench-", dir=args.checkpoint_dir)
     try:
         for size in args.sizes:
@@ -264,11 +285,19 @@ def grow(args, dtype: str) -> dict:
                 if inserts[-1] > worst_insert:
                     worst_insert, worst_insert_steal = inserts[-1], host_steal_s() - stolen
                 rows += count
+                if len(inserts) % args.control_every == 0:
+                    stored = unique_batch(torch.randint(0, rows, (args.request_ids,), generator=generator))
+                    started = time.perf_counter()
+                    shards.client.lookup({TABLE: stored}, train=True)
+                    controls.append(time.perf_counter() - started)
             stats = shards.client.stats()[0]["tables"][TABLE]
             rss = shards.rss()
             worst_parts = {key: max(worst_parts[key], stats[stat]) for key, stat in _HELD_PARTS.items()}
             entry = {"rows": rows, "worst_insert_s": worst_insert, "worst_insert_host_steal_s": worst_insert_steal, **worst_parts,
                      "insert_p99_s": sorted(inserts)[int(0.99 * (len(inserts) - 1))],
+                     "slow_inserts": sum(t > _SLOW_S for t in inserts), "inserts": len(inserts),
+                     "worst_control_s": max(controls, default=0.0), "slow_controls": sum(t > _SLOW_S for t in controls),
+                     "controls": len(controls),
                      "rss_bytes": rss, "bytes_per_row": rss / rows,
                      "bytes_per_param": rss / rows / DIM, "store_bytes_per_row": stats["bytes"] / rows,
                      "index_bytes_per_row": stats["index_bytes"] / rows}
@@ -278,6 +307,9 @@ def grow(args, dtype: str) -> dict:
                   f"(host steal in it {worst_insert_steal:5.3f} s; table held {entry['worst_insert_held_s']:5.3f} s: at most {entry['worst_insert_cpu_s']:5.3f} s of CPU, "
                   f"{entry['worst_insert_runnable_s']:5.3f} s waiting for a core, {entry['worst_insert_blocked_s']:5.3f} s blocked)  "
                   f"RSS {rss / _GB:5.2f} GB  {entry['bytes_per_param']:.2f} B/param", flush=True)
+            print(f"[{dtype}] {rows:>13,} rows  control: worst lookup of stored ids {entry['worst_control_s']:5.3f} s; over {_SLOW_S} s "
+                  f"so far: {entry['slow_inserts']} of {entry['inserts']} inserting requests, {entry['slow_controls']} of "
+                  f"{entry['controls']} lookups of stored ids", flush=True)
             if rows >= args.save_from:
                 try:
                     entry.update(save_and_load(shards, checkpoint_dir, rows, args.request_ids))
@@ -289,6 +321,8 @@ def grow(args, dtype: str) -> dict:
                       f"{entry['disk_write_gb_per_s']:.2f}; +{entry['save_peak_extra_bytes'] / _GB:.2f} GB peak, worst train round "
                       f"{entry['worst_train_round_during_save_s']:.3f} s)  load {entry['load_s']:.1f} s ({entry['load_gb_per_s']:.2f} GB/s; "
                       f"plain read {entry['disk_read_gb_per_s']:.2f})", flush=True)
+                print(f"[{dtype}] {rows:>13,} rows  shard CPU: save {entry['save_user_cpu_s']:.1f} s own code + {entry['save_kernel_cpu_s']:.1f} s kernel, "
+                      f"load {entry['load_user_cpu_s']:.1f} s own code + {entry['load_kernel_cpu_s']:.1f} s kernel", flush=True)
                 out["max_rows"] = rows
             out["sizes"].append(entry)
         return out
@@ -326,18 +360,19 @@ def print_tables(results: dict) -> None:
     for run in results["grow"]:
         print(f"\n### storage {run['dtype']}: one shard process, dim {DIM}, row-wise Adagrad"
               + (f" ({run['stopped']})" if run["stopped"] else ""))
-        print("| rows | lookup rows/s | zipf lookup rows/s | update rows/s | worst insert: client [host steal in it] (table held; at most: CPU, waiting for a core, blocked) | RSS | B/row | B/param "
-              "| save s (GB/s; plain write) | save extra peak | worst train round in save | load s (GB/s; plain read) | load peak |")
-        print("|" + "---|" * 13)
+        print("| rows | lookup rows/s | zipf lookup rows/s | update rows/s | worst insert: client [host steal in it] (table held; at most: CPU, waiting for a core, blocked) | control: worst stored-id lookup (over 0.1 s: inserts, lookups) | RSS | B/row | B/param "
+              "| save s (GB/s; plain write) | save extra peak | worst train round in save | load s (GB/s; plain read) [shard CPU s: own code + kernel] | load peak |")
+        print("|" + "---|" * 14)
         for e in run["sizes"]:
             saved = "save_s" in e
             print(f"| {e['rows']:,} | {_fmt_rate(e['lookup_rows_per_s'])} | {_fmt_rate(e['lookup_zipf_rows_per_s'])} "
                   f"| {_fmt_rate(e['update_rows_per_s'])} | {e['worst_insert_s']:.3f} s [{e['worst_insert_host_steal_s']:.3f}] ({e['worst_insert_held_s']:.3f}; "
                   f"{e['worst_insert_cpu_s']:.3f}, {e['worst_insert_runnable_s']:.3f}, {e['worst_insert_blocked_s']:.3f}) "
+                  f"| {e['worst_control_s']:.3f} s ({e['slow_inserts']}/{e['inserts']}, {e['slow_controls']}/{e['controls']}) "
                   f"| {e['rss_bytes'] / _GB:.2f} GB "
                   f"| {e['bytes_per_row']:.1f} | {e['bytes_per_param']:.2f} "
                   + (f"| {e['save_s']:.1f} ({e['save_gb_per_s']:.2f}; {e['disk_write_gb_per_s']:.2f}) | {e['save_peak_extra_bytes'] / _GB:.2f} GB "
-                     f"| {e['worst_train_round_during_save_s']:.3f} s | {e['load_s']:.1f} ({e['load_gb_per_s']:.2f}; {e['disk_read_gb_per_s']:.2f}) "
+                     f"| {e['worst_train_round_during_save_s']:.3f} s | {e['load_s']:.1f} ({e['load_gb_per_s']:.2f}; {e['disk_read_gb_per_s']:.2f}) [{e['load_user_cpu_s']:.1f} + {e['load_kernel_cpu_s']:.1f}] "
                      f"| {e['load_peak_bytes'] / _GB:.2f} GB |" if saved else "| - | - | - | - | - |"))
     if results["multi_shard"]:
         print("\n### one table over several shard processes on this machine (fp16 storage)")
@@ -360,6 +395,10 @@ def summary(results: dict) -> dict:
     worst = max(sizes, key=lambda e: e["worst_insert_s"], default=None)
     out["worst_insert_s"] = worst["worst_insert_s"] if worst else None
     out["worst_insert_host_steal_s"] = worst["worst_insert_host_steal_s"] if worst else None
+    out["worst_control_s"] = max((e["worst_control_s"] for e in sizes), default=None)
+    last = [run["sizes"][-1] for run in results["grow"] if run["sizes"]]  # the counts are cumulative over a run
+    for key in ("slow_inserts", "inserts", "slow_controls", "controls"):
+        out[key] = sum(e[key] for e in last)
     for key in _HELD_PARTS:
         out[key] = max((e[key] for e in sizes), default=None)
     out["save_peak_extra_bytes"] = max((e["save_peak_extra_bytes"] for e in sizes if "save_s" in e), default=None)
@@ -382,6 +421,7 @@ def main(argv=None) -> int:
     parser.add_argument("--save-from", type=float, default=1e6, help="save and load at every size from this one")
     parser.add_argument("--request-ids", type=int, default=65536)
     parser.add_argument("--repeats", type=int, default=20, help="requests per rate figure")
+    parser.add_argument("--control-every", type=int, default=4, help="a lookup of stored ids after this many inserting requests")
     parser.add_argument("--reserve-gb", type=float, default=1.5, help="stop growing when less memory than this would be left")
     parser.add_argument("--checkpoint-dir", default=None, help="where the checkpoints go (deleted after each load)")
     parser.add_argument("--multi-shard", default="1,2,4", help="shard counts for the multi-process figures ('' skips)")
@@ -398,6 +438,8 @@ def main(argv=None) -> int:
     dtypes = [d for d in args.dtypes.split(",") if d]
     if not args.sizes or any(d not in ("fp16", "fp32") for d in dtypes):
         parser.error("--sizes needs a size <= --max-rows and --dtypes only fp16, fp32")
+    if args.control_every < 1:
+        parser.error("--control-every must be at least 1")
     print(f"scale_bench: {os.cpu_count()} cores, {memory_available() / _GB:.1f} GB available, load average "
           f"{os.getloadavg()[0]:.1f}; sizes {args.sizes}", flush=True)
     results = {"grow": [grow(args, dtype) for dtype in dtypes], "multi_shard": multi_shard(args)}

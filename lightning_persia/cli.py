@@ -157,7 +157,7 @@ def _export_main(argv: Sequence[str]) -> int:
         prog="lightning-persia export",
         description="Write the serving bundle of a PersiaStrategy checkpoint: dense weights (safetensors), the module "
         "to rebuild, the tables (hard links or copies of the checkpoint's parameter-server files) and a manifest with "
-        "a version and the sha256 of every file. The bundle can be copied to another machine.",
+        "a version and the checksum of every file. The bundle can be copied to another machine.",
     )
     parser.add_argument("--ckpt", required=True, help="the .ckpt file (its tables are in CKPT.ps/ beside it)")
     parser.add_argument("--out", required=True, help="the bundle's folder (must not exist)")

@@ -2,7 +2,7 @@
 
 Layout (written by :func:`lightning_persia.serving.export_bundle`)::
 
-    BUNDLE/manifest.json        format, version, the module to rebuild, the twins' settings, sha256 of every file
+    BUNDLE/manifest.json        format, version, the module to rebuild, the twins' settings, checksum of every file
     BUNDLE/dense.safetensors    the LightningModule's state dict (dense weights, tables kept on the trainers)
     BUNDLE/tables/shard-*/...   the parameter-server checkpoint of the tables (any shard count can load it)
 
@@ -14,18 +14,21 @@ This module imports neither Lightning nor torch: parameter-server shards read bu
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Iterable, Iterator, Optional
 
+from lightning_persia import checksum
+
 MANIFEST = "manifest.json"
 DENSE_FILE = "dense.safetensors"
 TABLES_DIR = "tables"
 FORMAT = "lightning-persia-bundle"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Version 2 checksums files with XXH3-128 (:mod:`lightning_persia.checksum`); version 1 (sha256) still reads."""
+READABLE_VERSIONS = (1, 2)
 
 
 class BundleError(RuntimeError):
@@ -34,7 +37,7 @@ class BundleError(RuntimeError):
 
 @dataclass(frozen=True)
 class ChecksummedFolder:
-    """A folder whose ``manifest.json`` lists every file with its size and sha256 (a bundle, a serving delta):
+    """A folder whose ``manifest.json`` lists every file with its size and checksum (a bundle, a serving delta):
     ``dense.safetensors``, ``tables/shard-*/`` (the parameter-server files) and a model ``version``."""
 
     path: Path
@@ -60,7 +63,7 @@ class ChecksummedFolder:
         return int(self.manifest["num_shards"])
 
     def verify(self, names: Optional[Iterable[str]] = None) -> None:
-        """Checks that every file of the manifest is there with its size, and the sha256 of ``names`` (all if None).
+        """Checks that every file of the manifest is there with its size, and the checksum of ``names`` (all if None).
 
         Raises :class:`BundleError` naming the first file that is missing, truncated or corrupted.
         """
@@ -75,15 +78,20 @@ class ChecksummedFolder:
             entry = files.get(name)
             if entry is None:
                 raise BundleError(f"{self.path / MANIFEST} lists no file {name!r}")
-            if sha256_of(self._file(name)) != entry["sha256"]:
-                raise BundleError(f"{self.kind} file {self._file(name)} is corrupted: its sha256 differs from the manifest's")
+            try:
+                whole = checksum.matches(entry, self._file(name))
+            except ValueError as err:
+                raise BundleError(f"{self.path / MANIFEST}: the entry of {name}: {err}") from None
+            if not whole:
+                raise BundleError(f"{self.kind} file {self._file(name)} is corrupted: its checksum differs from the manifest's")
 
     def table_manifests(self) -> list[str]:
         """The manifest files of the tables' shard folders (names relative to the folder)."""
         return sorted(name for name in self.manifest["files"] if name.startswith(f"{TABLES_DIR}/") and name.endswith(f"/{MANIFEST}"))
 
     @classmethod
-    def _open(cls, path: str | os.PathLike, format: str, format_version: int, keys: Iterable[str], what: str, advice: str):
+    def _open(cls, path: str | os.PathLike, format: str, readable_versions: tuple[int, ...], keys: Iterable[str], what: str,
+              advice: str):
         path = Path(path).absolute()
         manifest_path = path / MANIFEST
         try:
@@ -94,10 +102,10 @@ class ChecksummedFolder:
             raise BundleError(f"cannot read {manifest_path}: {err}") from None
         if not isinstance(manifest, dict) or manifest.get("format") != format:
             raise BundleError(f"{manifest_path} is not the manifest of {what} (no \"format\": \"{format}\")")
-        if manifest.get("format_version") != format_version:
+        if manifest.get("format_version") not in readable_versions:
             raise BundleError(
                 f"{manifest_path} has format_version {manifest.get('format_version')!r}; this lightning-persia reads "
-                f"version {format_version}"
+                f"versions {readable_versions}"
             )
         for key in keys:
             if key not in manifest:
@@ -118,14 +126,14 @@ class Bundle(ChecksummedFolder):
     Example::
 
         bundle = Bundle.open("runs/dlrm/bundle")
-        bundle.verify([DENSE_FILE])        # sizes of every file, sha256 of the dense weights
+        bundle.verify([DENSE_FILE])        # sizes of every file, checksum of the dense weights
         print(bundle.version, bundle.module_class_path)
     """
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> "Bundle":
         """Reads the manifest of the bundle at ``path``; :class:`BundleError` if there is none or it is not one."""
-        return cls._open(path, FORMAT, FORMAT_VERSION, ("version", "module", "interception", "files"),
+        return cls._open(path, FORMAT, READABLE_VERSIONS, ("version", "module", "interception", "files"),
                          "a serving bundle", "make one with lightning-persia export")
 
     # ---- what the manifest says ------------------------------------------------------------------
@@ -162,18 +170,10 @@ def is_bundle(path: str | os.PathLike) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
 
-def sha256_of(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def file_references(node: Any) -> Iterator[dict]:
-    """Every ``{"file": ..., "sha256": ...}`` entry anywhere in a shard manifest (the files it checksums)."""
+    """Every ``{"file": ..., <checksum>: ...}`` entry anywhere in a shard manifest (the files it checksums)."""
     if isinstance(node, dict):
-        if isinstance(node.get("file"), str) and isinstance(node.get("sha256"), str):
+        if isinstance(node.get("file"), str) and checksum.algorithm_of(node) is not None:
             yield node
         for value in node.values():
             yield from file_references(value)

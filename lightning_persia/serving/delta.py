@@ -2,7 +2,7 @@
 
 Layout (one folder per model version, renamed into place once complete)::
 
-    DELTAS/v00000002/manifest.json       format, version, base_version, the training step, sha256 of every file
+    DELTAS/v00000002/manifest.json       format, version, base_version, the training step, checksum of every file
     DELTAS/v00000002/dense.safetensors   the LightningModule's state dict at that step (whole: dense nets are small)
     DELTAS/v00000002/tables/shard-*/...  per training shard, the rows written and the ids evicted since the base
                                          version (whole tables in the first delta of a training process)
@@ -34,7 +34,9 @@ from lightning_persia.serving.bundle import DENSE_FILE, MANIFEST, BundleError, C
 log = logging.getLogger(__name__)
 
 DELTA_FORMAT = "lightning-persia-delta"
-DELTA_FORMAT_VERSION = 1
+DELTA_FORMAT_VERSION = 2
+"""Version 2 checksums files with XXH3-128 (:mod:`lightning_persia.checksum`); version 1 (sha256) still reads."""
+READABLE_DELTA_VERSIONS = (1, 2)
 _FOLDER = re.compile(r"^v(\d{8})$")
 
 
@@ -58,7 +60,7 @@ class Delta(ChecksummedFolder):
     def open(cls, path: str | os.PathLike) -> "Delta":
         """Reads the manifest of the delta at ``path``; :class:`DeltaError` if there is none or it is not one."""
         try:
-            return cls._open(path, DELTA_FORMAT, DELTA_FORMAT_VERSION, ("version", "base_version", "num_shards", "files"),
+            return cls._open(path, DELTA_FORMAT, READABLE_DELTA_VERSIONS, ("version", "base_version", "num_shards", "files"),
                              "a serving delta", "PublishDeltas writes them")
         except BundleError as err:
             raise DeltaError(str(err)) from None
@@ -79,8 +81,8 @@ class Delta(ChecksummedFolder):
         return self.manifest.get("step_time")
 
     def verify_all(self) -> None:
-        """Sizes of every file, sha256 of the dense weights and of each shard's manifest (which holds the sha256
-        of that shard's files, checked by the shard that stages them). :class:`DeltaError` names the file."""
+        """Sizes of every file, checksums of the dense weights and of each shard's manifest (which holds the
+        checksums of that shard's files, checked by the shard that stages them). :class:`DeltaError` names the file."""
         try:
             self.verify([DENSE_FILE, *self.table_manifests()])
         except DeltaError:

@@ -13,8 +13,9 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
+from lightning_persia import checksum
 from lightning_persia.serving.bundle import (DENSE_FILE, FORMAT, FORMAT_VERSION, MANIFEST, TABLES_DIR, Bundle, BundleError,
-                                             file_references, sha256_of)
+                                             file_references)
 from lightning_persia.strategy.persia import CHECKPOINT_KEY
 
 _SHARD_FOLDER = re.compile(r"^shard-(\d+)-of-(\d+)$")
@@ -72,7 +73,7 @@ def export_bundle(
         # safetensors refuses tensors that share memory; a copy of each costs the dense weights once more
         save_file({name: tensor.detach().clone().contiguous() for name, tensor in state.items()}, str(temporary / DENSE_FILE))
         _link_tree(ps_dir, temporary / TABLES_DIR)
-        files = {name: {"sha256": sha256_of(temporary / name), "bytes": (temporary / name).stat().st_size} for name in _files_under(temporary)}
+        files = {name: {**checksum.of_file(temporary / name), "bytes": (temporary / name).stat().st_size} for name in _files_under(temporary)}
         _check_table_files(temporary / TABLES_DIR, files, ps_dir)
         manifest = {
             "format": FORMAT,
@@ -194,5 +195,10 @@ def _check_table_files(tables: Path, files: dict[str, dict], ps_dir: Path) -> No
             original = ps_dir / manifest_path.parent.name / reference["file"]
             if name not in files:
                 raise BundleError(f"checkpoint file {original} is missing")
-            if files[name]["sha256"] != reference["sha256"]:
-                raise BundleError(f"checkpoint file {original} is truncated or corrupted (its sha256 differs from its shard's manifest)")
+            algorithm = checksum.algorithm_of(reference)
+            if algorithm in files[name]:
+                whole = files[name][algorithm] == reference[algorithm]
+            else:  # a checkpoint of an older version: its own algorithm, once more
+                whole = checksum.matches(reference, tables / manifest_path.parent.name / reference["file"])
+            if not whole:
+                raise BundleError(f"checkpoint file {original} is truncated or corrupted (its checksum differs from its shard's manifest)")

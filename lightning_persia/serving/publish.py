@@ -15,8 +15,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from safetensors.torch import save_file
 
+from lightning_persia import checksum
 from lightning_persia.remote_ps.client import PSError
-from lightning_persia.serving.bundle import DENSE_FILE, MANIFEST, TABLES_DIR, BundleError, file_references, sha256_of
+from lightning_persia.serving.bundle import DENSE_FILE, MANIFEST, TABLES_DIR, BundleError, file_references
 from lightning_persia.serving.delta import DELTA_FORMAT, DELTA_FORMAT_VERSION, DeltaError, delta_path, published_versions
 from lightning_persia.strategy.persia import PersiaStrategy
 
@@ -29,7 +30,7 @@ class PublishDeltas(Callback):
     Version ``v + 1`` holds the rows the parameter-server shards changed since version ``v`` (ids and rows in
     the tables' storage dtype, fp16 or fp32, with their optimizer state; the ids evicted since), the dense
     weights (the LightningModule's state dict, safetensors) and a manifest with the version, its base version,
-    the training step and the sha256 of every file. It is written into a temporary folder and renamed into place,
+    the training step and the checksum of every file. It is written into a temporary folder and renamed into place,
     so a reader never sees half of one. In-flight embedding updates of every rank are drained first, as for a
     checkpoint, so a version is one consistent point of training; rank 0 writes it while the others wait.
 
@@ -185,7 +186,7 @@ def _table_summary(directory: Path) -> dict[str, dict]:
 
 
 def _files(root: Path) -> dict[str, dict]:
-    """Size and sha256 of every file under ``root``; a table file's sha256 is the one its shard computed while
+    """Size and checksum of every file under ``root``; a table file's checksum is the one its shard computed while
     writing it (its shard manifest's), checked here against the file's size, not hashed twice."""
     known = {}
     for manifest_path in root.glob(f"{TABLES_DIR}/*/{MANIFEST}"):
@@ -197,7 +198,12 @@ def _files(root: Path) -> dict[str, dict]:
         reference = known.get(path)
         if reference is not None and reference.get("bytes") != size:
             raise DeltaError(f"{path} has {size} bytes, its shard's manifest says {reference.get('bytes')}")
-        files[str(path.relative_to(root))] = {"sha256": reference["sha256"] if reference is not None else sha256_of(path), "bytes": size}
+        if reference is not None:
+            algorithm = checksum.algorithm_of(reference)
+            digest = {algorithm: reference[algorithm]}
+        else:
+            digest = checksum.of_file(path)
+        files[str(path.relative_to(root))] = {**digest, "bytes": size}
     return files
 
 

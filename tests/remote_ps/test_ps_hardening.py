@@ -2,7 +2,6 @@
 folders confined to ``checkpoint_root``, and checkpoint files that would unpickle code or escape their folder."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 
@@ -11,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from lightning_persia import checksum
 from lightning_persia.remote_ps.client import PSClient, PSRequestError
 from lightning_persia.remote_ps.server import LocalShards
 from lightning_persia.remote_ps.store import CheckpointError, ShardStore
@@ -68,8 +68,7 @@ def test_pickle_bearing_npy_is_refused_even_with_a_matching_checksum(tmp_path):
     array[0] = _Payload(str(marker))
     with open(folder / spec["file"], "wb") as f:
         np.save(f, array, allow_pickle=True)
-    data = (folder / spec["file"]).read_bytes()
-    spec["sha256"], spec["bytes"] = hashlib.sha256(data).hexdigest(), len(data)  # the attacker fixes the manifest too
+    spec.update(checksum.of_file(folder / spec["file"]), bytes=(folder / spec["file"]).stat().st_size)  # the attacker fixes the manifest too
     (folder / "manifest.json").write_text(json.dumps(manifest))
 
     target = ShardStore(0, 1, seed=1)

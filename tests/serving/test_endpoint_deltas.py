@@ -59,7 +59,7 @@ def test_a_refused_delta_leaves_the_last_good_version_serving_until_a_good_one_c
     def corrupt_a_table_file(folder: Path) -> None:
         table_file = next(folder.glob("tables/shard-00001-of-00002/*.weights.npy"))
         data = bytearray(table_file.read_bytes())
-        data[-1] ^= 0xFF  # same size: only its sha256 tells
+        data[-1] ^= 0xFF  # same size: only its checksum tells
         table_file.write_bytes(bytes(data))
 
     third = _publish(online, 3, root, corrupt_a_table_file)

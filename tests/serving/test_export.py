@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lightning_persia import cli
+from lightning_persia import checksum, cli
 from lightning_persia.serving import Bundle, BundleError, export_bundle
-from lightning_persia.serving.bundle import DENSE_FILE, MANIFEST, sha256_of
+from lightning_persia.serving.bundle import DENSE_FILE, MANIFEST, file_references
 from tiny_dlrm import MODEL_CLASS, serving_env
 
 
@@ -36,12 +36,40 @@ def test_bundle_holds_weights_module_tables_and_checksums_of_every_file(trained,
     files = sorted(str(p.relative_to(bundle.path)) for p in bundle.path.rglob("*") if p.is_file() and p != bundle.path / MANIFEST)
     assert sorted(manifest["files"]) == files
     for name, entry in manifest["files"].items():
-        assert sha256_of(bundle.path / name) == entry["sha256"], name
+        assert checksum.algorithm_of(entry) == "xxh3_128" and checksum.matches(entry, bundle.path / name), name
     checkpoint = torch.load(trained.ckpt, weights_only=True)
     dense = load_file(str(bundle.dense_path))
     assert dense.keys() == checkpoint["state_dict"].keys()
     assert all(torch.equal(dense[k], v) for k, v in checkpoint["state_dict"].items())
     assert "ebc.data_parallel.weight" in dense  # the kept table travels with the dense weights
+
+
+def test_a_bundle_and_a_checkpoint_of_the_sha256_versions_still_verify_and_export(trained, bundle, tmp_path):
+    old = tmp_path / "old-bundle"
+    shutil.copytree(bundle.path, old)
+    manifest = json.loads((old / MANIFEST).read_text())
+    manifest["format_version"] = 1
+    manifest["files"] = {name: {**checksum.of_file(old / name, "sha256"), "bytes": entry["bytes"]} for name, entry in manifest["files"].items()}
+    (old / MANIFEST).write_text(json.dumps(manifest))
+    Bundle.open(old).verify()
+
+    ckpt = _copy_checkpoint(trained, tmp_path / "sha256")
+    for path in ckpt.parent.glob("model.ckpt.ps/*/shard-*/manifest.json"):
+        shard = json.loads(path.read_text())
+        shard["format_version"] = 2
+        for reference in file_references(shard):
+            del reference["xxh3_128"]
+            reference.update(checksum.of_file(path.parent / reference["file"], "sha256"))
+        path.write_text(json.dumps(shard))
+    exported = export_bundle(ckpt, tmp_path / "from-sha256", model_class=MODEL_CLASS)
+    exported.verify()
+    assert {checksum.algorithm_of(entry) for entry in exported.manifest["files"].values()} == {"xxh3_128"}
+    victim = next(ckpt.parent.glob("model.ckpt.ps/*/shard-00000-of-00002/*.state.npy"))
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    message = _export_error(ckpt, tmp_path / "damaged-sha256", model_class=MODEL_CLASS)
+    assert str(victim) in message and "corrupted" in message
 
 
 def test_tables_are_hard_links_of_the_checkpoint_files(trained, bundle):

@@ -2,13 +2,13 @@
 
 Layout of a checkpoint written by N shards::
 
-    DIR/shard-00000-of-00002/manifest.json      tables, configs, row counts, sha256 of every file
+    DIR/shard-00000-of-00002/manifest.json      tables, configs, row counts, the checksum of every file
     DIR/shard-00000-of-00002/<table>.<array>.npy ids, weights, state, access (live rows only)
 
 Saving streams: each table hands out its rows one chunk at a time (``Table.begin_snapshot``: one consistent
 point for the whole shard, taken before the first chunk), each chunk is appended to the table's ``.npy`` files
-and to their running sha256, then dropped; the extra memory is a chunk, not the table. Loading streams too:
-the files are checked against the manifest (size and sha256) before any table is replaced, then read a block
+and to their running checksums (:mod:`lightning_persia.checksum`), then dropped; the extra memory is a chunk, not the table. Loading streams too:
+the files are checked against the manifest (size and checksum) before any table is replaced, then read a block
 of rows at a time. Weights are stored in the table's ``storage_dtype`` (fp16 or fp32); format version 1 (always
 fp32, written before chunked tables) still loads.
 
@@ -23,7 +23,6 @@ same number of shards, each shard reads only its own folder.
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -39,16 +38,18 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
+from lightning_persia import checksum
 from lightning_persia.ops.hashing import shard_of
 from lightning_persia.remote_ps.store.errors import CheckpointError, StoreError
 from lightning_persia.remote_ps.store.table import SAVED_FIELDS, TableSnapshot
 from lightning_persia.remote_ps.table_config import ConfigError, TableConfig
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+"""3: files checksummed with XXH3-128 (:mod:`lightning_persia.checksum`); 1 and 2 (sha256) still load."""
 BLOCK_ROWS = 1 << 20
 """Rows read at a time when loading (a block of every array of a table)."""
-_HASH_BLOCK = 1 << 24
+_SPOOL_BLOCK = 1 << 24
 _FOLDER = re.compile(r"^shard-(\d{5})-of-(\d{5})$")
 _DTYPES = {"ids": ("<i8",), "access": ("<i4",), "state": ("<f4",), "weights": ("<f2", "<f4")}
 
@@ -90,7 +91,7 @@ def _write_shard(final: Path, temporary: Path, shard_index: int, num_shards: int
         written = 0
         try:
             # One thread per file writes and hashes chunk i while the table copies chunk i + 1 (file writes,
-            # sha256 and the copy's tensor ops all release the GIL): at most two chunks in memory.
+            # the checksum and the copy's tensor ops all release the GIL): at most two chunks in memory.
             with ThreadPoolExecutor(len(writers), thread_name_prefix="persia-ps-save") as pool:
                 pending: list[Future] = []
                 for chunk in snapshot.chunks():
@@ -143,7 +144,7 @@ class _ArrayWriter:
         self.rows = 0
         self._dtype = torch.empty(0, dtype=dtype).numpy().dtype.newbyteorder("<")
         self._row_shape = row_shape
-        self._digest = hashlib.sha256()
+        self._digest = checksum.Digest()
         self._spool = path.with_name(path.name + ".rows") if rows is None else None
         self._file = open(self._spool or path, "wb")
         if rows is not None:
@@ -175,7 +176,7 @@ class _ArrayWriter:
             self._digest.update(header := self._header(self.rows))
             self._file.write(header)
             with open(self._spool, "rb") as spooled:
-                for block in iter(lambda: spooled.read(_HASH_BLOCK), b""):
+                for block in iter(lambda: spooled.read(_SPOOL_BLOCK), b""):
                     self._file.write(block)
                     self._digest.update(block)
             self._spool.unlink()
@@ -185,7 +186,7 @@ class _ArrayWriter:
         self._file.close()
 
     def entry(self) -> dict:
-        return {"file": self.path.name, "sha256": self._digest.hexdigest(), "bytes": self.path.stat().st_size}
+        return {"file": self.path.name, **self._digest.entry(), "bytes": self.path.stat().st_size}
 
 
 def _fsync_directory(path: Path) -> None:
@@ -314,7 +315,7 @@ class TableSource:
 def open_for_shard(directory: str | os.PathLike, shard_index: int, num_shards: int) -> list[TableSource]:
     """The tables of the checkpoint at ``directory``, as shard ``shard_index`` of ``num_shards`` reloads them.
 
-    Every file the shard will read is checked first (size and sha256 against the manifest), so a load can replace
+    Every file the shard will read is checked first (size and checksum against the manifest), so a load can replace
     the tables only once the checkpoint is known to be whole. Into as many shards as saved it, a shard reads its
     own folder (the hash puts no id of it anywhere else); otherwise it reads every folder and keeps its ids.
     Raises :class:`CheckpointError` naming the file when the checkpoint is incomplete or corrupted.
@@ -336,7 +337,7 @@ def open_for_shard(directory: str | os.PathLike, shard_index: int, num_shards: i
                 source.parts.append(_Part(folder, entry))
         except (KeyError, TypeError, AttributeError, ValueError) as err:
             raise CheckpointError(f"{folder / 'manifest.json'} is malformed: {type(err).__name__}: {err}") from None
-    # sha256 releases the GIL: the files are checked in parallel, at the speed of the disk or of every core
+    # the checksum releases the GIL: the files are checked in parallel, at the speed of the disk or of every core
     with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="persia-ps-verify") as pool:
         checks = [pool.submit(_verify, folder, spec) for folder, spec in files]
         for check in checks:
@@ -416,8 +417,12 @@ def _verify(folder: Path, spec: dict) -> None:
     path = _path(folder, spec)
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} is missing")
-    if path.stat().st_size != spec["bytes"] or _sha256(path) != spec["sha256"]:
-        raise CheckpointError(f"checkpoint file {path} is truncated or corrupted (size or sha256 differs from the manifest)")
+    try:
+        whole = path.stat().st_size == spec["bytes"] and checksum.matches(spec, path)
+    except ValueError as err:
+        raise CheckpointError(f"{folder / 'manifest.json'}: the entry of {path.name}: {err}") from None
+    if not whole:
+        raise CheckpointError(f"checkpoint file {path} is truncated or corrupted (size or checksum differs from the manifest)")
 
 
 class _ArrayReader:
@@ -462,10 +467,3 @@ class _ArrayReader:
     def close(self) -> None:
         self._file.close()
 
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(_HASH_BLOCK), b""):
-            digest.update(block)
-    return digest.hexdigest()

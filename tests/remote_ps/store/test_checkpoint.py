@@ -196,6 +196,22 @@ def test_a_damaged_streamed_checkpoint_is_refused_naming_the_file(tmp_path, smal
     assert target.stats()["t"]["rows"] == 3  # nothing replaced
 
 
+def test_files_are_checksummed_with_xxh3_and_an_entry_without_a_known_checksum_is_refused(tmp_path):
+    store = ShardStore(0, 1)
+    store.configure(TableConfig("t", 4))
+    store.lookup("t", torch.arange(100), train=True)
+    store.save(str(tmp_path))
+    path = next(tmp_path.glob("shard-*/manifest.json"))
+    manifest = json.loads(path.read_text())
+    assert manifest["format_version"] == checkpoint.FORMAT_VERSION == 3
+    entry = manifest["tables"]["t"]["files"]["ids"]
+    assert sorted(entry) == ["bytes", "file", "xxh3_128"] and len(entry["xxh3_128"]) == 32
+    entry["md5"] = entry.pop("xxh3_128")
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=rf"{path}: the entry of {entry['file']}: no checksum of a known algorithm"):
+        ShardStore(0, 1).load(str(tmp_path))
+
+
 # ---- fp16 storage ------------------------------------------------------------------------------------------
 
 

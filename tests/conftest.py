@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch.distributed as dist
@@ -11,6 +12,16 @@ from lightning_persia.remote_ps.server import LocalShards
 
 # What a Trainer leaves in the environment and the process; a later subprocess would take it for its own launch.
 _DDP_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "PL_GLOBAL_SEED")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def ctrl_c_reaches_subprocesses():
+    """The tests that press Ctrl-C on a run need it to take SIGINT as a terminal's foreground job does. A shell
+    that starts the suite in the background (``make test &``) has it ignore SIGINT, and every subprocess would
+    inherit that through exec; a handler here is reset to the default in them instead."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
 
 
 @pytest.fixture(autouse=True)

@@ -43,6 +43,14 @@ def algorithm_of(entry: dict) -> Optional[str]:
     return next((name for name in _ALGORITHMS if isinstance(entry.get(name), str)), None)
 
 
+def required_algorithm(entry: dict) -> str:
+    """:func:`algorithm_of` ``entry``; raises :class:`ValueError` when it holds no digest this version knows."""
+    algorithm = algorithm_of(entry)
+    if algorithm is None:
+        raise ValueError(f"no checksum of a known algorithm ({', '.join(_ALGORITHMS)}) in {sorted(entry)}")
+    return algorithm
+
+
 def of_file(path: str | os.PathLike, algorithm: str = ALGORITHM) -> dict[str, str]:
     """``{algorithm: digest}`` of the file at ``path``, read a block at a time into one buffer."""
     digest = Digest(algorithm)
@@ -59,7 +67,5 @@ def matches(entry: dict, path: str | os.PathLike) -> bool:
 
     Raises :class:`ValueError` when the entry holds no digest this version knows.
     """
-    algorithm = algorithm_of(entry)
-    if algorithm is None:
-        raise ValueError(f"no checksum of a known algorithm ({', '.join(_ALGORITHMS)}) in {sorted(entry)}")
+    algorithm = required_algorithm(entry)
     return of_file(path, algorithm)[algorithm] == entry[algorithm]

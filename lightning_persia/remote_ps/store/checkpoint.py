@@ -7,10 +7,12 @@ Layout of a checkpoint written by N shards::
 
 Saving streams: each table hands out its rows one chunk at a time (``Table.begin_snapshot``: one consistent
 point for the whole shard, taken before the first chunk), each chunk is appended to the table's ``.npy`` files
-and to their running checksums (:mod:`lightning_persia.checksum`), then dropped; the extra memory is a chunk, not the table. Loading streams too:
-the files are checked against the manifest (size and checksum) before any table is replaced, then read a block
-of rows at a time. Weights are stored in the table's ``storage_dtype`` (fp16 or fp32); format version 1 (always
-fp32, written before chunked tables) still loads.
+and to their running checksums (:mod:`lightning_persia.checksum`), then dropped; the extra memory is a chunk,
+not the table. Loading streams too: the files are checked against the manifest (size and checksum) before any
+table is replaced, then read a block of rows at a time, the next block's bytes asked of the disk while the
+current one is stored. A shard that holds no table has nothing a damaged checkpoint could cost it: it checks the
+checksums while it reads the rows, in one pass over the disk instead of two. Weights are stored in the table's
+``storage_dtype`` (fp16 or fp32); format version 1 (always fp32, written before chunked tables) still loads.
 
 A shard writes into a temporary folder and renames it into place, so a folder with the final name is
 always complete. Every manifest carries the ``save_id`` of the save that wrote it: a checkpoint whose shard
@@ -268,6 +270,7 @@ class TableSource:
     step: int
     parts: list[_Part]
     since: int = 0
+    checked: bool = True  # the files' checksums were checked when opened; else :meth:`blocks` checks them
 
     def removed(self, shard_index: int, num_shards: int) -> torch.Tensor:
         """The ids of this shard that the delta removes (none for a whole table)."""
@@ -294,11 +297,13 @@ class TableSource:
         block's tensors are valid until the block after the next one is asked for (two sets of read buffers are
         used in turn: a block can be indexed while the next one is read).
 
-        Raises :class:`CheckpointError` naming the file when one cannot be read as the manifest describes it.
+        Raises :class:`CheckpointError` naming the file when one cannot be read as the manifest describes it,
+        or, for files not :attr:`checked` when opened, once their last block is read and their checksum differs:
+        the blocks before it were damaged too, so whoever stored them must drop them.
         """
         block_rows = block_rows or BLOCK_ROWS
         for part in self.parts:
-            readers = {name: _ArrayReader(part.folder, part.entry, name) for name in SAVED_FIELDS}
+            readers = {name: _ArrayReader(part.folder, part.entry, name, check=not self.checked) for name in SAVED_FIELDS}
             try:
                 for start in range(0, part.entry["rows"], block_rows):
                     count = min(block_rows, part.entry["rows"] - start)
@@ -307,17 +312,21 @@ class TableSource:
                         keep = torch.nonzero(shard_of(block["ids"], num_shards) == shard_index).squeeze(1)
                         block = {name: values[keep] for name, values in block.items()}
                     yield block
+                for reader in readers.values():
+                    reader.check()
             finally:
                 for reader in readers.values():
                     reader.close()
 
 
-def open_for_shard(directory: str | os.PathLike, shard_index: int, num_shards: int) -> list[TableSource]:
+def open_for_shard(directory: str | os.PathLike, shard_index: int, num_shards: int, check_first: bool = True) -> list[TableSource]:
     """The tables of the checkpoint at ``directory``, as shard ``shard_index`` of ``num_shards`` reloads them.
 
     Every file the shard will read is checked first (size and checksum against the manifest), so a load can replace
-    the tables only once the checkpoint is known to be whole. Into as many shards as saved it, a shard reads its
-    own folder (the hash puts no id of it anywhere else); otherwise it reads every folder and keeps its ids.
+    the tables only once the checkpoint is known to be whole. With ``check_first=False`` (a shard that holds no
+    table) only the sizes are, and :meth:`TableSource.blocks` checks the checksums while it reads the rows.
+    Into as many shards as saved it, a shard reads its own folder (the hash puts no id of it anywhere else);
+    otherwise it reads every folder and keeps its ids.
     Raises :class:`CheckpointError` naming the file when the checkpoint is incomplete or corrupted.
     """
     manifests = _manifests(Path(directory))
@@ -332,14 +341,15 @@ def open_for_shard(directory: str | os.PathLike, shard_index: int, num_shards: i
                 files += [(folder, entry["files"][array]) for array in SAVED_FIELDS]
                 if "removed" in entry:
                     files.append((folder, entry["removed"]))
-                source = sources.setdefault(name, TableSource(name, config, int(entry["step"]), [], int(entry.get("since", 0))))
+                source = sources.setdefault(name, TableSource(name, config, int(entry["step"]), [], int(entry.get("since", 0)),
+                                                              checked=check_first))
                 source.step = max(source.step, int(entry["step"]))
                 source.parts.append(_Part(folder, entry))
         except (KeyError, TypeError, AttributeError, ValueError) as err:
             raise CheckpointError(f"{folder / 'manifest.json'} is malformed: {type(err).__name__}: {err}") from None
     # the checksum releases the GIL: the files are checked in parallel, at the speed of the disk or of every core
     with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="persia-ps-verify") as pool:
-        checks = [pool.submit(_verify, folder, spec) for folder, spec in files]
+        checks = [pool.submit(_verify, folder, spec, check_first) for folder, spec in files]
         for check in checks:
             try:
                 check.result()
@@ -413,23 +423,29 @@ def _path(folder: Path, spec: dict) -> Path:
     return path
 
 
-def _verify(folder: Path, spec: dict) -> None:
+def _verify(folder: Path, spec: dict, with_checksum: bool) -> None:
     path = _path(folder, spec)
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} is missing")
     try:
-        whole = path.stat().st_size == spec["bytes"] and checksum.matches(spec, path)
+        checksum.required_algorithm(spec)
     except ValueError as err:
         raise CheckpointError(f"{folder / 'manifest.json'}: the entry of {path.name}: {err}") from None
-    if not whole:
-        raise CheckpointError(f"checkpoint file {path} is truncated or corrupted (size or checksum differs from the manifest)")
+    if path.stat().st_size != spec["bytes"] or (with_checksum and not checksum.matches(spec, path)):
+        raise _damaged(path)
+
+
+def _damaged(path: Path) -> CheckpointError:
+    return CheckpointError(f"checkpoint file {path} is truncated or corrupted (size or checksum differs from the manifest)")
 
 
 class _ArrayReader:
-    """Rows of one ``.npy`` array of a table, read a block at a time after its header (never unpickled)."""
+    """Rows of one ``.npy`` array of a table, read a block at a time after its header (never unpickled); with
+    ``check``, hashed on the way for :meth:`check`."""
 
-    def __init__(self, folder: Path, entry: dict, name: str) -> None:
-        self.path = _path(folder, entry["files"][name])
+    def __init__(self, folder: Path, entry: dict, name: str, check: bool = False) -> None:
+        spec = entry["files"][name]
+        self.path = _path(folder, spec)
         self._file = open(self.path, "rb")
         try:
             major, _ = np.lib.format.read_magic(self._file)
@@ -448,6 +464,13 @@ class _ArrayReader:
         self._shape = shape[1:]
         self._buffers: list[Optional[np.ndarray]] = [None, None]
         self._reads = 0
+        self._expected: dict[str, str] = {}
+        self._digest: Optional[checksum.Digest] = None
+        if check:
+            algorithm = checksum.required_algorithm(spec)  # the files were opened knowing theirs (_verify)
+            self._expected = {algorithm: spec[algorithm]}
+            self._digest = checksum.Digest(algorithm)
+            self._digest.update(os.pread(self._file.fileno(), self._file.tell(), 0))  # the header
 
     def read(self, rows: int) -> torch.Tensor:
         """The next ``rows`` rows, in one of two buffers used in turn (no fresh memory per block): valid until the
@@ -460,9 +483,19 @@ class _ArrayReader:
         data = self._buffers[turn][:count]
         if self._file.readinto(memoryview(data).cast("B")) != data.nbytes:
             raise CheckpointError(f"checkpoint file {self.path} ends early")
+        if hasattr(os, "posix_fadvise"):  # the disk reads the next block while this one is stored
+            os.posix_fadvise(self._file.fileno(), self._file.tell(), data.nbytes, os.POSIX_FADV_WILLNEED)
+        if self._digest is not None:
+            self._digest.update(memoryview(data).cast("B"))
         if self._dtype.byteorder == ">" or (self._dtype.byteorder == "=" and sys.byteorder == "big"):
             data.byteswap(inplace=True)
         return torch.from_numpy(data.reshape((rows, *self._shape)))
+
+    def check(self) -> None:
+        """Raises :class:`CheckpointError` when the bytes read so far (every row, with ``check``) are not those
+        whose checksum the manifest holds."""
+        if self._digest is not None and self._digest.entry() != self._expected:
+            raise _damaged(self.path)
 
     def close(self) -> None:
         self._file.close()

@@ -192,9 +192,13 @@ class ShardStore:
         The checkpoint may come from any number of shards. Every file is checked before a table is replaced:
         nothing changes if the checkpoint is incomplete or corrupted. The tables are then read a block at a
         time, after the old ones are dropped (memory for one copy of the tables, not two); lookups in the
-        meantime find no table.
+        meantime find no table. A shard that holds no table (one that starts from the checkpoint) checks the
+        checksums while it reads the rows instead, one pass over the disk: a damaged file leaves it without
+        tables, as it was.
         """
-        sources = checkpoint.open_for_shard(directory, self.shard_index, self.num_shards)
+        with self._lock:
+            holds_tables = bool(self._tables)
+        sources = checkpoint.open_for_shard(directory, self.shard_index, self.num_shards, check_first=holds_tables)
         with self._save_lock:
             with self._lock:
                 self._tables = {}

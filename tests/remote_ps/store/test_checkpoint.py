@@ -2,6 +2,7 @@
 import contextlib
 import hashlib
 import json
+import os
 import shutil
 import threading
 import time
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from lightning_persia import checksum
 from lightning_persia.ops.hashing import shard_of
 from lightning_persia.remote_ps.store import CheckpointError, ShardStore, checkpoint, shard_store
 from lightning_persia.remote_ps.store.table import Table
@@ -45,9 +47,10 @@ def _train(stores):
     _call(stores, "update", "a", IDS, torch.randn(IDS.numel(), 4, generator=torch.Generator().manual_seed(1)))
 
 
+@pytest.mark.parametrize("into", ["shards with tables", "empty shards"])  # files checked first / while read
 @pytest.mark.parametrize("blocks", ["one block", "many blocks"])
 @pytest.mark.parametrize("saved_by,loaded_by", [(2, 2), (2, 3), (3, 1)])
-def test_save_load_round_trip_and_reshard(tmp_path, monkeypatch, request, saved_by, loaded_by, blocks):
+def test_save_load_round_trip_and_reshard(tmp_path, monkeypatch, request, saved_by, loaded_by, blocks, into):
     if blocks == "many blocks":  # a load indexes each block while it reads and writes the next one
         request.getfixturevalue("small_chunks")
         monkeypatch.setattr(checkpoint, "BLOCK_ROWS", 37)
@@ -55,7 +58,7 @@ def test_save_load_round_trip_and_reshard(tmp_path, monkeypatch, request, saved_
     _train(old)
     for s in old:
         s.save(str(tmp_path))
-    new = _cluster(loaded_by)
+    new = _cluster(loaded_by) if into == "shards with tables" else [ShardStore(i, loaded_by, seed=5) for i in range(loaded_by)]
     for s in new:
         s.load(str(tmp_path))
     for table, ids in (("a", IDS), ("b", IDS[:50])):
@@ -93,6 +96,33 @@ def test_corrupted_truncated_or_incomplete_checkpoint_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="no parameter-server checkpoint"):
         target.load(str(tmp_path / "absent"))
     assert torch.equal(target.lookup("a", IDS[:5], train=False), before)
+
+
+@pytest.mark.parametrize("loaded_by", [1, 2])  # another shard count reads every folder and keeps its ids
+def test_an_empty_shard_checks_the_checksums_while_it_reads_and_keeps_no_table_of_a_damaged_checkpoint(
+    tmp_path, monkeypatch, loaded_by
+):
+    monkeypatch.setattr(checkpoint, "BLOCK_ROWS", 64)  # the damage is found after the blocks before it were stored
+    old = _cluster(2)
+    _train(old)
+    for s in old:
+        s.save(str(tmp_path / "good"))
+    shutil.copytree(tmp_path / "good", tmp_path / "damaged")
+    victim = next((tmp_path / "damaged").glob("shard-00001-of-00002/t0000.weights.npy"))
+    data = bytearray(victim.read_bytes())
+    data[-5] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    for manifest in (tmp_path / "damaged").glob("*/manifest.json"):
+        os.utime(manifest, (time.time() + 60, time.time() + 60))  # the newest checkpoint under tmp_path
+    verified_first = []
+    monkeypatch.setattr(checksum, "matches", lambda *args: verified_first.append(args) or True)  # no pass before the load
+    empty = ShardStore(1, loaded_by, seed=5) if loaded_by == 2 else ShardStore(0, 1, seed=5)
+    with pytest.raises(CheckpointError, match=f"{victim} is truncated or corrupted"):
+        empty.load(str(tmp_path / "damaged"))
+    assert empty.tables() == [] and verified_first == []
+    assert empty.load_latest(str(tmp_path)) == str(tmp_path / "good")  # the damaged one is newer: refused, then the good one
+    assert torch.equal(empty.lookup("b", IDS[:50][shard_of(IDS[:50], loaded_by) == empty.shard_index], train=False),
+                       _call(old, "lookup", "b", IDS[:50], False)[shard_of(IDS[:50], loaded_by) == empty.shard_index])
 
 
 def test_save_replaces_previous_atomically(tmp_path):

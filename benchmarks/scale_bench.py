@@ -16,7 +16,10 @@ Grows a table of dim 16 (row-wise Adagrad) through gRPC, as a trainer would (tra
   plain write and read of as many bytes in the same folder, the shard's CPU time in each (its own code's, and the
   kernel's: page cache copies, and for a load committing the fresh memory of every row), the extra peak memory of each over the shard's resident
   memory before it (VmHWM, reset before each), and, from a second save while another client trains (lookup +
-  update rounds of 65,536 ids), that client's worst round trip: how long the save stops training.
+  update rounds of 65,536 ids), that client's worst round trip: how long the save stops training;
+- with ``--restart``, the load of the same checkpoint into a restarted shard process (which holds no table, so it
+  reads the checkpoint once, checking the checksums as it reads the rows), with ``--cold`` from the disk; the
+  table then grows on in that process.
 
 Then, with ``--multi-shard``, the same table spread over 1, 2 and 4 shard processes on this machine: memory and
 aggregate rows/s. Every size of one run is measured in the same shard process; the machine is shared with the
@@ -113,11 +116,13 @@ class Shards:
         self.shards.stop()
 
 
-def start(num_shards: int, dtype: str) -> Shards:
+def start(num_shards: int, dtype: str, configure: bool = True) -> Shards:
     shards = LocalShards(num_shards, overrides=["max_ids_per_request=4194304", "torch_threads=1"])
     client = PSClient(shards.addresses, timeout_s=600.0, checkpoint_timeout_s=7200.0)
     client.wait_healthy(120)
-    client.configure([TableConfig(TABLE, DIM, optimizer=Adagrad(lr=0.01, rowwise=True), capacity=(1 << 31) - 1, storage_dtype=dtype)])
+    if configure:
+        client.configure([TableConfig(TABLE, DIM, optimizer=Adagrad(lr=0.01, rowwise=True), capacity=(1 << 31) - 1,
+                                      storage_dtype=dtype)])
     return Shards(shards, client)
 
 
@@ -229,7 +234,6 @@ def save_and_load(shards: Shards, directory: str, rows: int, request_ids: int) -
     load_s = time.perf_counter() - started
     load_cpu = [after - before for before, after in zip(cpu, shards.cpu_s())]
     load_peak = shards.peaks()
-    shutil.rmtree(directory, ignore_errors=True)
     return {"disk_write_gb_per_s": disk_write, "disk_read_gb_per_s": disk_read,
             "save_s": save_s, "save_peak_extra_bytes": max(save_peak, trained_save_peak), "checkpoint_bytes": size,
             "save_gb_per_s": size / save_s / _GB, "save_while_training_s": trained_save_s,
@@ -237,6 +241,31 @@ def save_and_load(shards: Shards, directory: str, rows: int, request_ids: int) -
             "load_s": load_s, "load_gb_per_s": size / load_s / _GB, "load_user_cpu_s": load_cpu[0], "load_kernel_cpu_s": load_cpu[1],
             "load_peak_bytes": load_peak, "rss_before_load": before_load, "worst_train_round_during_save_s": trainer.worst,
             "train_rounds_during_save": trainer.rounds}
+
+
+def restart_and_load(shards: Shards, directory: str, dtype: str, cold: bool) -> tuple[Shards, dict]:
+    """Stops the shard process(es) and loads the checkpoint at ``directory`` into new ones, as a restarted
+    shard does (a shard that holds no table reads the checkpoint once: checksums as it reads the rows); with
+    ``cold``, from the disk (the page cache dropped first: root only). Returns the new shards and the figures."""
+    count = len(shards.pids)
+    shards.close()
+    dropped = False
+    if cold:
+        os.sync()
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3")
+            dropped = True
+        except OSError as error:
+            print(f"restart: the page cache stays ({error}): the load reads what it holds", flush=True)
+    shards = start(count, dtype, configure=False)
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(directory) for f in files)
+    cpu, started = shards.cpu_s(), time.perf_counter()
+    shards.client.load(directory)
+    seconds = time.perf_counter() - started
+    used = [after - before for before, after in zip(cpu, shards.cpu_s())]
+    return shards, {"restart_load_s": seconds, "restart_load_gb_per_s": size / seconds / _GB, "restart_load_cold": dropped,
+                    "restart_load_user_cpu_s": used[0], "restart_load_kernel_cpu_s": used[1]}
 
 
 def host_steal_s() -> float:
@@ -313,6 +342,9 @@ def grow(args, dtype: str) -> dict:
             if rows >= args.save_from:
                 try:
                     entry.update(save_and_load(shards, checkpoint_dir, rows, args.request_ids))
+                    if args.restart:
+                        shards, restarted = restart_and_load(shards, checkpoint_dir, dtype, args.cold)
+                        entry.update(restarted)
                 except (PSError, RuntimeError, OSError) as error:
                     out["stopped"] = f"save/load at {rows:,} rows failed: {error}"
                     out["sizes"].append(entry)
@@ -323,6 +355,12 @@ def grow(args, dtype: str) -> dict:
                       f"plain read {entry['disk_read_gb_per_s']:.2f})", flush=True)
                 print(f"[{dtype}] {rows:>13,} rows  shard CPU: save {entry['save_user_cpu_s']:.1f} s own code + {entry['save_kernel_cpu_s']:.1f} s kernel, "
                       f"load {entry['load_user_cpu_s']:.1f} s own code + {entry['load_kernel_cpu_s']:.1f} s kernel", flush=True)
+                if args.restart:
+                    print(f"[{dtype}] {rows:>13,} rows  restarted shard: load {entry['restart_load_s']:.1f} s "
+                          f"({entry['restart_load_gb_per_s']:.2f} GB/s, {'from the disk' if entry['restart_load_cold'] else 'page cache kept'}; "
+                          f"shard CPU {entry['restart_load_user_cpu_s']:.1f} s own code + {entry['restart_load_kernel_cpu_s']:.1f} s kernel)",
+                          flush=True)
+                shutil.rmtree(checkpoint_dir, ignore_errors=True)
                 out["max_rows"] = rows
             out["sizes"].append(entry)
         return out
@@ -422,6 +460,8 @@ def main(argv=None) -> int:
     parser.add_argument("--request-ids", type=int, default=65536)
     parser.add_argument("--repeats", type=int, default=20, help="requests per rate figure")
     parser.add_argument("--control-every", type=int, default=4, help="a lookup of stored ids after this many inserting requests")
+    parser.add_argument("--restart", action="store_true", help="after each load, also load the checkpoint into a restarted shard")
+    parser.add_argument("--cold", action="store_true", help="--restart from the disk: drop the page cache first (root)")
     parser.add_argument("--reserve-gb", type=float, default=1.5, help="stop growing when less memory than this would be left")
     parser.add_argument("--checkpoint-dir", default=None, help="where the checkpoints go (deleted after each load)")
     parser.add_argument("--multi-shard", default="1,2,4", help="shard counts for the multi-process figures ('' skips)")

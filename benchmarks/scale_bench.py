@@ -201,6 +201,11 @@ def disk_speeds(directory: str, nbytes: int, block: int = 8 << 20) -> tuple[floa
     return write, read
 
 
+def folder_bytes(directory: str) -> int:
+    """Bytes of every file under ``directory`` (a checkpoint's size)."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(directory) for f in files)
+
+
 def save_and_load(shards: Shards, directory: str, rows: int, request_ids: int) -> dict:
     """Saves the shard(s) twice, alone (its speed) and with a training client running (the client's worst round
     trip: how long the save stops training), then loads the checkpoint back in place."""
@@ -213,7 +218,7 @@ def save_and_load(shards: Shards, directory: str, rows: int, request_ids: int) -
     save_s = time.perf_counter() - started
     save_cpu = [after - before for before, after in zip(cpu, shards.cpu_s())]
     save_peak = shards.peaks() - before
-    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(directory) for f in files)
+    size = folder_bytes(directory)
     shutil.rmtree(directory, ignore_errors=True)
     trainer = _Trainer(shards.shards.addresses, rows, request_ids)
     shards.reset_peaks()
@@ -259,7 +264,7 @@ def restart_and_load(shards: Shards, directory: str, dtype: str, cold: bool) -> 
         except OSError as error:
             print(f"restart: the page cache stays ({error}): the load reads what it holds", flush=True)
     shards = start(count, dtype, configure=False)
-    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(directory) for f in files)
+    size = folder_bytes(directory)
     cpu, started = shards.cpu_s(), time.perf_counter()
     shards.client.load(directory)
     seconds = time.perf_counter() - started

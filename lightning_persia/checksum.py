@@ -25,17 +25,29 @@ _BLOCK = 1 << 24
 
 
 class Digest:
-    """A digest made block by block while a file is written; :meth:`entry` gives its manifest fields."""
+    """A digest made block by block while a file is written or read; :meth:`entry` gives its manifest fields."""
 
     def __init__(self, algorithm: str = ALGORITHM) -> None:
         self._algorithm = algorithm
         self._digest = _ALGORITHMS[algorithm]()
+
+    @classmethod
+    def like(cls, entry: dict) -> "Digest":
+        """A digest with the algorithm of a manifest ``entry``, to check its file as it is read (:meth:`matches`).
+
+        Raises :class:`ValueError` when the entry holds no digest this version knows.
+        """
+        return cls(required_algorithm(entry))
 
     def update(self, data) -> None:
         self._digest.update(data)
 
     def entry(self) -> dict[str, str]:
         return {self._algorithm: self._digest.hexdigest()}
+
+    def matches(self, entry: dict) -> bool:
+        """Whether the bytes so far have the digest that ``entry`` holds for this algorithm."""
+        return entry.get(self._algorithm) == self._digest.hexdigest()
 
 
 def algorithm_of(entry: dict) -> Optional[str]:
@@ -52,14 +64,8 @@ def required_algorithm(entry: dict) -> str:
 
 
 def of_file(path: str | os.PathLike, algorithm: str = ALGORITHM) -> dict[str, str]:
-    """``{algorithm: digest}`` of the file at ``path``, read a block at a time into one buffer."""
-    digest = Digest(algorithm)
-    buffer = bytearray(_BLOCK)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        while count := f.readinto(buffer):
-            digest.update(view[:count])
-    return digest.entry()
+    """``{algorithm: digest}`` of the file at ``path``."""
+    return _digest_of_file(path, Digest(algorithm)).entry()
 
 
 def matches(entry: dict, path: str | os.PathLike) -> bool:
@@ -67,5 +73,14 @@ def matches(entry: dict, path: str | os.PathLike) -> bool:
 
     Raises :class:`ValueError` when the entry holds no digest this version knows.
     """
-    algorithm = required_algorithm(entry)
-    return of_file(path, algorithm)[algorithm] == entry[algorithm]
+    return _digest_of_file(path, Digest.like(entry)).matches(entry)
+
+
+def _digest_of_file(path: str | os.PathLike, digest: Digest) -> Digest:
+    """``digest`` updated with the bytes of the file at ``path``, read a block at a time into one buffer."""
+    buffer = bytearray(_BLOCK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while count := f.readinto(buffer):
+            digest.update(view[:count])
+    return digest

@@ -181,6 +181,33 @@ class Index:
                          dim, weights_offset, state_offset, version[0], int(weights_dtype == torch.float16), RULES[rule],
                          version[1], int(bound is not None), lr, eps, weight_decay, bound or 0.0, 0, 0, 0)
 
+    def admit_job(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, chunks: Chunks, fresh: torch.Tensor,
+                  fields: AdmitFields, init_key: int, uniform: tuple[float, float]) -> AdmitJob:
+        """An :func:`admit` job: the ids of a training lookup whose ``rows`` are ``-1`` get rows of ``fresh``, in
+        order (see ``kernels.c``); the tensors must outlive the call."""
+        _check(ids, torch.int64, "ids")
+        _check(rows, torch.int64, "rows")
+        fresh = _rows(chunks, fresh, None, 0, 8)
+        weights_offset, weights_dtype = fields.weights
+        dim = out.shape[1] if out.dim() == 2 else -1
+        state = fields.state.contiguous()
+        if not (ids.is_contiguous() and rows.is_contiguous() and out.is_contiguous()) or rows.numel() != ids.numel() or \
+                out.shape[0] != ids.numel() or out.dtype != weights_dtype or weights_dtype not in (torch.float16, torch.float32) or \
+                dim < 1 or state.dtype != torch.float32 or out.device.type != "cpu":
+            raise ValueError(f"admit_job: contiguous CPU ids, rows and out [{ids.numel()}, dim] of the weights' dtype are needed")
+        _within(chunks, weights_offset, _row_bytes(out))
+        _within(chunks, fields.access[0], 4)
+        _within(chunks, fields.version[0], 4)
+        state_bytes = state.numel() * 4
+        if state_bytes:
+            _within(chunks, fields.state_offset, state_bytes)
+        address, shift, stride = _layout(chunks)
+        return AdmitJob(self._handle, address, shift, stride, ids.data_ptr(), ids.numel(), rows.data_ptr(), out.data_ptr(),
+                        dim, weights_offset, int(weights_dtype == torch.float16), fields.access[1], fields.access[0],
+                        fields.version[0], fields.version[1], 0, fields.state_offset, state_bytes, state.data_ptr(),
+                        init_key, float(uniform[0]), float(uniform[1]), fresh.data_ptr(), fresh.numel(), 0,
+                        _keep=(ids, rows, out, fresh, state))
+
     def insert(self, ids: torch.Tensor, rows: torch.Tensor, chunks: Chunks) -> None:
         """Adds ``ids`` (unique, absent, already written to their rows' records) pointing at ``rows``."""
         ids = _check(ids, torch.int64, "ids").contiguous()
@@ -222,6 +249,33 @@ class UpdateJob(ctypes.Structure):
                 ("bound", ctypes.c_float), ("applied", _I64), ("absent", _I64), ("not_unique", ctypes.c_int32)]
 
 
+@dataclass(frozen=True)
+class AdmitFields:
+    """Where :func:`admit` writes a new record: ``weights`` (offset, dtype), ``access`` and ``version`` (offset, value),
+    ``state``: one record's initial optimizer state (float32, possibly empty) at ``state_offset``."""
+
+    weights: tuple[int, torch.dtype]
+    access: tuple[int, int]
+    version: tuple[int, int]
+    state: torch.Tensor
+    state_offset: int
+
+
+class AdmitJob(ctypes.Structure):
+    """One table's :func:`admit` call (``kernels.c``'s ``admit_job_t``); keeps the tensors it points at alive."""
+
+    _fields_ = [("index", _P), ("chunks", _P), ("shift", _I64), ("stride", _I64), ("ids", _P), ("n", _I64), ("rows", _P),
+                ("out", _P), ("dim", _I64), ("weights_offset", _I64), ("weights_half", ctypes.c_int32),
+                ("access_value", ctypes.c_int32), ("access_offset", _I64), ("version_offset", _I64),
+                ("version", ctypes.c_int32), ("pad", ctypes.c_int32), ("state_offset", _I64), ("state_bytes", _I64),
+                ("state", _P), ("init_key", _I64), ("low", ctypes.c_double), ("high", ctypes.c_double), ("fresh", _P),
+                ("fresh_count", _I64), ("used", _I64)]
+
+    def __init__(self, *values, _keep: tuple = ()) -> None:
+        super().__init__(*values)
+        self._keep = _keep
+
+
 RULES = {"SGD": 0, "Adagrad": 1, "RowwiseAdagrad": 2}
 """The sparse rules :func:`update_many` runs in C (``remote_ps/store/optimizers.py`` names; Adam runs in torch)."""
 
@@ -244,6 +298,15 @@ def update_many(jobs: list[UpdateJob]) -> None:
     _require().lp_update_many(array, len(jobs))
     for job, done in zip(jobs, array):
         job.applied, job.absent, job.not_unique = done.applied, done.absent, done.not_unique
+
+
+def admit(job: AdmitJob) -> int:
+    """Runs an :meth:`Index.admit_job`; returns the rows of ``fresh`` it took (MemoryError when the index cannot
+    grow, or ``fresh`` runs out: the ids admitted until then stay). The caller holds the table's lock."""
+    failed = _require().lp_admit(ctypes.byref(job))
+    if failed:
+        raise MemoryError(f"out of memory while admitting new ids ({job.used} of {job.fresh_count} rows taken)")
+    return job.used
 
 
 def row_bits(ids: torch.Tensor, key: int, columns: int) -> torch.Tensor:
@@ -339,6 +402,7 @@ def _library() -> Optional[ctypes.CDLL]:
         ("lp_row_bits", [_P, _I64, _I64, _I64, _P], None),
         ("lp_uniform_rows", [_P, _I64, _I64, _I64, ctypes.c_double, ctypes.c_double, _P], None),
         ("lp_first_foreign", [_P, _I64, _I64, _I64], _I64),
+        ("lp_admit", [_P], _I64),
     ):
         function = getattr(library, name)
         function.argtypes, function.restype = arguments, result

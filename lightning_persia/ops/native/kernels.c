@@ -559,6 +559,26 @@ void lp_update_many(update_job_t *jobs, int64_t count) {
     }
 }
 
+/* Indexes one absent id (hash h, its record already holding it) at `row`. An insert call rehashes at most
+ * REBUILD_BUDGET live rows (`rehashed` counts them across the call). 0, or -1 out of memory. */
+static int insert_one(index_t *index, const rows_t *t, uint64_t h, int32_t row, int64_t *rehashed) {
+    const uint32_t part = part_of(h);
+    part_t *p = &index->parts[part];
+    if (p->used + 1 > p->limit) {
+        if (*rehashed < REBUILD_BUDGET || p->used + 1 > p->full) {
+            *rehashed += p->live;
+            if (rebuild(index, part, 1, t)) return -1;
+        } else if (p->used == p->limit) {
+            index->put_off += 1; /* counted as the partition passes its load */
+        }
+    }
+    const int reused = place(p, h, row);
+    p->live += 1;
+    p->used += !reused;
+    index->live += 1;
+    return 0;
+}
+
 /* Adds ids (unique, absent, their records already holding them) pointing at rows. 0, or -1 out of memory
  * (the ids placed before the failure stay; the caller removes them). */
 int64_t lp_index_insert(void *handle, const int64_t *chunks, int64_t shift, int64_t stride, const int64_t *ids,
@@ -574,22 +594,8 @@ int64_t lp_index_insert(void *handle, const int64_t *chunks, int64_t shift, int6
             const part_t *p = &index->parts[part_of(h)];
             PREFETCH_WRITE(&p->buckets[home_of(h, p->count)]);
         }
-        for (int i = 0; i < m; ++i) {
-            const uint32_t part = part_of(hashes[i]);
-            part_t *p = &index->parts[part];
-            if (p->used + 1 > p->limit) {
-                if (rehashed < REBUILD_BUDGET || p->used + 1 > p->full) {
-                    rehashed += p->live;
-                    if (rebuild(index, part, 1, &t)) return -1;
-                } else if (p->used == p->limit) {
-                    index->put_off += 1; /* counted as the partition passes its load */
-                }
-            }
-            const int reused = place(p, hashes[i], (int32_t)rows[start + i]);
-            p->live += 1;
-            p->used += !reused;
-            index->live += 1;
-        }
+        for (int i = 0; i < m; ++i)
+            if (insert_one(index, &t, hashes[i], (int32_t)rows[start + i], &rehashed)) return -1;
     }
     return 0;
 }
@@ -651,6 +657,80 @@ void lp_uniform_rows(const int64_t *ids, int64_t n, int64_t key, int64_t cols, d
             out[i * cols + c] = (float)(low + width * u);
         }
     }
+}
+
+/* ---- admitting the ids a training lookup did not find ------------------------------------------------------
+ * A training step brings ids a table has never seen (most of a growing table's requests). Admitting them in
+ * tensor ops took a dozen dispatches per table and request (unique, the initial rows, their fields, the index),
+ * more than the lookup itself; here it is one pass: each absent id gets the next row of `fresh`, its record
+ * (id, Uniform initial weights bit for bit as lp_uniform_rows, first access value, version, initial optimizer
+ * state) is written, the id indexed, and its weights copied to the lookup's output. An id that occurs twice is
+ * admitted once: the second occurrence finds the row of the first. */
+
+typedef struct {
+    void *index;
+    const int64_t *chunks;
+    int64_t shift, stride;
+    const int64_t *ids;
+    int64_t n;
+    int64_t *rows;             /* in: the find's rows (-1: absent); out: the rows admitted filled in */
+    char *out;                 /* [n, weights width]: the lookup's output, filled at the absent ids */
+    int64_t dim, weights_offset;
+    int32_t weights_half, access_value;
+    int64_t access_offset, version_offset;
+    int32_t version, pad;
+    int64_t state_offset, state_bytes; /* state_bytes 0: no state field */
+    const char *state;         /* the initial state of one record (state_bytes) */
+    int64_t init_key;
+    double low, high;          /* Uniform(low, high) initial weights */
+    const int64_t *fresh;      /* rows to take, in order */
+    int64_t fresh_count;
+    int64_t used;              /* out: rows taken */
+} admit_job_t;
+
+/* 0, or -1: out of memory, or `fresh` ran out (the ids admitted until then stay, indexed). */
+int64_t lp_admit(admit_job_t *job) {
+    index_t *index = job->index;
+    const rows_t t = {job->chunks, job->shift, job->stride};
+    const int64_t weight_bytes = job->dim * (job->weights_half ? 2 : 4);
+    const double width = job->high - job->low, scale = 1.0 / 9007199254740992.0;
+    int64_t rehashed = 0;
+    job->used = 0;
+    for (int64_t i = 0; i < job->n; ++i) {
+        if (job->rows[i] >= 0) continue;
+        const int64_t id = job->ids[i];
+        const uint64_t h = hash_of(id);
+        const part_t *p = &index->parts[part_of(h)];
+        const int64_t slot = probe(p, h, id, &t);
+        int64_t row;
+        if (slot >= 0) {
+            row = p->buckets[slot / SLOTS].rows[slot % SLOTS];
+        } else {
+            if (job->used == job->fresh_count) return -1;
+            row = job->fresh[job->used++];
+            char *r = record(&t, row);
+            memcpy(r, &id, 8);
+            char *weights = r + job->weights_offset;
+            const uint64_t row_key = mix64((uint64_t)id ^ (uint64_t)job->init_key);
+            for (int64_t c = 0; c < job->dim; ++c) {
+                const double u = ((double)(row_word(row_key, c) >> 11) + 0.5) * scale;
+                const float w = (float)(job->low + width * u);
+                if (job->weights_half) {
+                    const uint16_t half = f32_to_half(w);
+                    memcpy(weights + 2 * c, &half, 2);
+                } else {
+                    memcpy(weights + 4 * c, &w, 4);
+                }
+            }
+            memcpy(r + job->access_offset, &job->access_value, 4);
+            memcpy(r + job->version_offset, &job->version, 4);
+            if (job->state_bytes) memcpy(r + job->state_offset, job->state, (size_t)job->state_bytes);
+            if (insert_one(index, &t, h, (int32_t)row, &rehashed)) return -1;
+        }
+        job->rows[i] = row;
+        memcpy(job->out + i * weight_bytes, record(&t, row) + job->weights_offset, (size_t)weight_bytes);
+    }
+    return 0;
 }
 
 /* ---- shard ownership ------------------------------------------------------------------------------------ */

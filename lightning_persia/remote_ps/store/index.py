@@ -97,6 +97,10 @@ class NativeIdIndex:
         return self._index.update_job(ids, rows, grads, self._rows.layout, rule, (weights.offset, weights.spec.dtype),
                                       state_offset, (version[0].offset, version[1]), lr, eps, weight_decay, bound)
 
+    def admit_job(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, fresh: torch.Tensor, fields: native.AdmitFields,
+                  init_key: int, uniform: tuple[float, float]) -> native.AdmitJob:
+        return self._index.admit_job(ids, rows, out, self._rows.layout, fresh, fields, init_key, uniform)
+
     def insert(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         self._index.insert(ids, rows, self._rows.layout)
 

@@ -28,6 +28,11 @@ def _uniform01(ids: torch.Tensor, key: int, columns: int) -> torch.Tensor:
     return (((bits >> 11) & _MANTISSA).to(torch.float64) + 0.5) * (1.0 / (1 << 53))
 
 
+def table_key(seed: int, table: str) -> int:
+    """The key of ``table``'s counter-based generator under ``seed`` (the native admission draws with it too)."""
+    return mix64_int(seed ^ name_hash(table))
+
+
 def initial_rows(init: EmbeddingInit, seed: int, table: str, ids: torch.Tensor, dim: int) -> torch.Tensor:
     """Initial float32 rows ``[len(ids), dim]`` for ``ids`` of ``table``.
 
@@ -38,7 +43,7 @@ def initial_rows(init: EmbeddingInit, seed: int, table: str, ids: torch.Tensor, 
     n = ids.numel()
     if isinstance(init, Constant):
         return torch.full((n, dim), float(init.value), dtype=torch.float32)
-    key = mix64_int(seed ^ name_hash(table))
+    key = table_key(seed, table)
     ids = ids.reshape(-1).to(torch.int64)
     if isinstance(init, Uniform):
         if native.available():  # one C loop instead of a dozen passes over [n, dim] float64 tensors

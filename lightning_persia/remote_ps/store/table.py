@@ -29,10 +29,10 @@ from lightning_persia.remote_ps.store.chunked_rows import ChunkedRows, FieldSpec
 from lightning_persia.remote_ps.store.errors import StoreError
 from lightning_persia.ops import native
 from lightning_persia.remote_ps.store.index import NativeIdIndex, make_index
-from lightning_persia.remote_ps.store.initializers import initial_rows
+from lightning_persia.remote_ps.store.initializers import initial_rows, table_key
 from lightning_persia.remote_ps.store.optimizers import make_rule
 from lightning_persia.remote_ps.store.thread_clock import ThreadTimes, thread_times
-from lightning_persia.remote_ps.table_config import STORAGE_DTYPES, TableConfig
+from lightning_persia.remote_ps.table_config import STORAGE_DTYPES, TableConfig, Uniform
 
 SAVED_FIELDS = ("ids", "weights", "state", "access")
 """The fields a checkpoint keeps per row (versions restart with the process)."""
@@ -122,6 +122,10 @@ class Table:
         }
         self._rows = ChunkedRows({name: spec for name, spec in self.field_specs.items() if spec.row_bytes > 0})
         self._index = make_index(self._rows)
+        # What admitting an id in one native pass needs (see _admits_natively): the generator's key, one record's
+        # initial optimizer state.
+        self._init_key = table_key(seed, config.name)
+        self._initial_state = self.rule.initial_state(1).reshape(-1)
         self._admission = torch.Generator().manual_seed((seed ^ name_hash(config.name)) & ((1 << 63) - 1))
         self._eviction_sample = torch.Generator().manual_seed(seed)
         self._evict_from = 0  # the row where the next eviction's sweep starts (eviction.select_victims)
@@ -149,7 +153,7 @@ class Table:
         with self.lock:
             held = _Held.now(ids.numel(), train)
             rows = self._index.find(ids, copy=(self._rows["weights"], out), touch=self._touch(train))
-            self._finish_lookup(ids, rows, out, train, held, bool((rows < 0).any()))
+            self._finish_lookup(ids, rows, out, train, held, int((rows < 0).sum()))
         return out.to(dtype)
 
     @staticmethod
@@ -166,7 +170,7 @@ class Table:
                     for (table, ids), found, out in zip(requests, rows, outs)]
             native.find_many(jobs)
             for (table, ids), found, out, job in zip(requests, rows, outs, jobs):
-                table._finish_lookup(ids, found, out, train, held, job.missing > 0)
+                table._finish_lookup(ids, found, out, train, held, job.missing)
         return [out.to(dtype) for out in outs]
 
     def _touch(self, train: bool) -> Optional[tuple]:
@@ -177,14 +181,17 @@ class Table:
         return (self._rows["access"], *eviction.touch_value(self.config.eviction, self._step))
 
     def _finish_lookup(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, held: _Held,
-                       missing_any: bool) -> None:
-        """The rows of the ids the probe did not find (admitted when training), and the counters; lock held."""
+                       missing: int) -> None:
+        """The rows of the ``missing`` ids the probe did not find (admitted when training), and the counters; lock held."""
         self._counters["lookups"] += 1
         self._counters["lookup_rows"] += ids.numel()
-        if not missing_any:
+        if not missing:
             return
-        missing = rows < 0
-        out[missing] = self._fill_missing(ids[missing], train)
+        if train and self._admits_natively(missing):
+            self._admit_natively(ids, rows, out, missing)
+        else:
+            absent = rows < 0
+            out[absent] = self._fill_missing(ids[absent], train)
         if not train:
             return
         # The longest a lookup that inserted held the table: what growing costs the table's other requests. Split
@@ -450,6 +457,38 @@ class Table:
             )
 
     # ---- internals ---------------------------------------------------------------------------------
+
+    def _admits_natively(self, missing: int) -> bool:
+        """Whether the ``missing`` ids of a training lookup are admitted in one native pass: every one of them is
+        admitted (no admission draw, room for all), no save keeps pre-images, and their first rows are Uniform
+        (the initialiser the pass draws; a Normal or Constant one takes the tensor path)."""
+        return (isinstance(self._index, NativeIdIndex) and isinstance(self.config.init, Uniform) and self._snapshot is None
+                and self.config.admit_probability >= 1.0 and missing <= self.config.capacity)
+
+    def _admit_natively(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, missing: int) -> None:
+        """Admits the absent ids of a training lookup and fills their rows of ``out`` (``kernels.c``'s ``lp_admit``)."""
+        if missing > self.config.capacity - self._live:  # rows evicted for them: exactly one per new id, none more
+            missing = int(torch.unique(ids[rows < 0]).numel())
+        fresh = self._take_rows(missing)
+        weights, access, version = self._rows["weights"], self._rows["access"], self._rows["version"]
+        state = self._rows.fields.get("state")
+        fields = native.AdmitFields(
+            weights=(weights.offset, weights.spec.dtype),
+            access=(access.offset, eviction.first_access(self.config.eviction, self._step)),
+            version=(version.offset, self._version),
+            state=self._initial_state,
+            state_offset=state.offset if state is not None else 0,
+        )
+        job = self._index.admit_job(ids.contiguous(), rows, out, fresh, fields, self._init_key, (self.config.init.low, self.config.init.high))
+        try:
+            native.admit(job)
+        finally:  # what was admitted stays (also when the index could not grow); an id seen twice took one row
+            self._live += job.used
+            self._counters["inserted"] += job.used
+            unused = fresh[job.used :]
+            if unused.numel():
+                access.fill(unused, eviction.FREE)
+                self._free = torch.cat([self._free, unused])
 
     def _fill_missing(self, ids: torch.Tensor, train: bool) -> torch.Tensor:
         unique, inverse = torch.unique(ids, return_inverse=True)

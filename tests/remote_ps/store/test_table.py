@@ -4,6 +4,7 @@ import torch
 
 from lightning_persia.ops.hashing import shard_of
 from lightning_persia.remote_ps.store import InvalidRequestError, ShardStore, UnknownTableError, chunked_rows
+from lightning_persia.remote_ps.store.table import Table
 from lightning_persia.remote_ps.store.initializers import initial_rows
 from lightning_persia.remote_ps.table_config import SGD, Adagrad, Constant, Normal, TableConfig, Uniform
 
@@ -138,6 +139,96 @@ def test_one_request_of_several_tables_gives_what_table_by_table_requests_give(n
     for native_table, tensor_table in zip(native_rows, tensor_rows):
         torch.testing.assert_close(native_table, tensor_table, rtol=1e-5, atol=1e-6)
     assert tensor_store.stats()["sgd"]["dropped_update_rows"] == 5
+
+
+ADMITTED = [  # every field a new record gets: each rule's state, fp16 rows, LRU and LFU access values
+    TableConfig("ada16", 8, optimizer=Adagrad(lr=0.05, initial_accumulator_value=0.1), storage_dtype="fp16"),
+    TableConfig("row", 16, optimizer=Adagrad(lr=0.05, rowwise=True), eviction="lfu"),
+    TableConfig("sgd", 4, optimizer=SGD(lr=0.1), init=Uniform(-0.3, 0.7)),
+]
+
+
+def _admitting_steps(store: ShardStore, generator: torch.Generator) -> list[torch.Tensor]:
+    """Training lookups with new, known, repeated and unsorted ids, and updates in between; every lookup's rows."""
+    for config in ADMITTED:
+        store.configure(config)
+    seen = []
+    for step in range(6):
+        requests = []
+        for config in ADMITTED:
+            ids = torch.randint(0, 4000, (900,), generator=generator)
+            ids[:50] = ids[50:100]  # repeated ids, some of them new
+            requests.append((config.name, ids))
+        seen += store.lookup_many(requests, train=True)
+        store.update_many([(name, ids.unique(), torch.randn(ids.unique().numel(), c.dim, generator=generator))
+                           for (name, ids), c in zip(requests, ADMITTED)])
+        seen.append(store.lookup("sgd", torch.tensor([100_000 + step, 100_000 + step]), train=True))  # a single-table lookup
+    return seen
+
+
+def test_a_training_lookup_admits_new_ids_natively_as_the_tensor_path_does(native_kernels, small_chunks, monkeypatch):
+    """New ids are admitted in one native pass (no tensor op per field): the same rows, bit for bit, the same records
+    (state and version: the updates that follow agree) and counters as the tensor path, across chunk boundaries, with
+    ids repeated in a request (one row each). (With eviction the two paths may pick other victims among rows of equal
+    access values, as rows are numbered in another order: see the eviction tests, which run this pass.)"""
+    fallback = Table._fill_missing
+    tensor_admissions = []
+    monkeypatch.setattr(Table, "_fill_missing", lambda self, ids, train: tensor_admissions.append(train) or fallback(self, ids, train))
+    native_store = ShardStore(0, 1, seed=3)
+    native_rows = _admitting_steps(native_store, torch.Generator().manual_seed(0))
+    assert tensor_admissions == []  # every admission above ran natively
+
+    monkeypatch.setattr(chunked_rows.native, "available", lambda: False)
+    tensor_store = ShardStore(0, 1, seed=3)
+    tensor_rows = _admitting_steps(tensor_store, torch.Generator().manual_seed(0))
+    assert tensor_admissions and all(tensor_admissions)
+    # The first lookups admit only: bit for bit. Later ones read rows the rules changed (the native rules and the
+    # tensor ones agree to float32 rounding, which may flip the last bit of an fp16 row).
+    def close(config: TableConfig) -> dict:
+        return dict(rtol=1e-3, atol=1e-4) if config.storage_dtype == "fp16" else dict(rtol=1e-5, atol=1e-6)
+
+    configs = [*ADMITTED, ADMITTED[2]] * 6  # each step: one lookup of the three tables, one of "sgd" alone
+    for i, (config, native_table, tensor_table) in enumerate(zip(configs, native_rows, tensor_rows, strict=True)):
+        assert native_table.dtype == tensor_table.dtype
+        if i < len(ADMITTED):
+            assert torch.equal(native_table, tensor_table)
+        torch.testing.assert_close(native_table, tensor_table, **close(config))
+    everything = torch.arange(4000)
+    for config in ADMITTED:
+        torch.testing.assert_close(native_store.lookup(config.name, everything, train=False),
+                                   tensor_store.lookup(config.name, everything, train=False), **close(config))
+    counters = ("rows", "inserted", "lookup_rows")
+    native_stats, tensor_stats = native_store.stats(), tensor_store.stats()
+    for config in ADMITTED:
+        assert {k: native_stats[config.name][k] for k in counters} == {k: tensor_stats[config.name][k] for k in counters}
+    assert native_stats["sgd"]["rows_allocated"] > 1024  # the table spans chunks
+
+
+def test_an_id_repeated_in_a_training_lookup_is_admitted_once(native_kernels):
+    store = ShardStore(0, 1)
+    store.configure(TableConfig("t", 4))
+    rows = store.lookup("t", torch.tensor([7, 3, 7, 7, 3]), train=True)
+    assert torch.equal(rows[0], rows[2]) and torch.equal(rows[0], rows[3]) and torch.equal(rows[1], rows[4])
+    stats = store.stats()["t"]
+    assert stats["inserted"] == stats["rows"] == 2
+    assert stats["rows_allocated"] == 5  # taken for the 5 absent ids; the 3 not needed are free rows now
+    store.lookup("t", torch.arange(100, 103), train=True)
+    assert store.stats()["t"]["rows_allocated"] == 5  # ... which the next new ids reuse
+
+
+@pytest.mark.parametrize("config", [
+    TableConfig("t", 4, init=Normal(0.0, 0.1)),
+    TableConfig("t", 4, admit_probability=0.5),
+    TableConfig("t", 4, capacity=10),
+], ids=["normal-init", "admission-draw", "more-new-ids-than-capacity"])
+def test_tables_the_native_pass_does_not_cover_admit_in_tensor_ops(native_kernels, config):
+    store = ShardStore(0, 1, seed=1)
+    store.configure(config)
+    rows = store.lookup("t", torch.arange(20), train=True)
+    kept = store.stats()["t"]["rows"]
+    assert 0 < kept <= min(20, config.capacity)
+    expected = initial_rows(config.init, 1, "t", torch.arange(20), 4)
+    assert torch.equal(rows, expected)
 
 
 def test_the_longest_insert_is_split_into_cpu_waiting_for_a_core_and_blocked():

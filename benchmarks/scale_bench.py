@@ -305,6 +305,7 @@ def grow(args, dtype: str) -> dict:
     checkpoint_dir = tempfile.mkdtemp(prefix="scale-bench-", dir=args.checkpoint_dir)
     try:
         for size in args.sizes:
+            segment_ids, segment_s = 0, 0.0  # the inserting requests since the previous size
             while rows < size:
                 count = min(args.request_ids, size - rows)
                 per_row = shards.rss() / max(rows, 1) if rows > 1_000_000 else 0
@@ -316,6 +317,7 @@ def grow(args, dtype: str) -> dict:
                 stolen, started = host_steal_s(), time.perf_counter()
                 shards.client.lookup({TABLE: ids}, train=True)
                 inserts.append(time.perf_counter() - started)
+                segment_ids, segment_s = segment_ids + count, segment_s + inserts[-1]
                 if inserts[-1] > worst_insert:
                     worst_insert, worst_insert_steal = inserts[-1], host_steal_s() - stolen
                 rows += count
@@ -329,6 +331,7 @@ def grow(args, dtype: str) -> dict:
             worst_parts = {key: max(worst_parts[key], stats[stat]) for key, stat in _HELD_PARTS.items()}
             entry = {"rows": rows, "worst_insert_s": worst_insert, "worst_insert_host_steal_s": worst_insert_steal, **worst_parts,
                      "insert_p99_s": sorted(inserts)[int(0.99 * (len(inserts) - 1))],
+                     "insert_rows_per_s": segment_ids / segment_s if segment_s else None,
                      "slow_inserts": sum(t > _SLOW_S for t in inserts), "inserts": len(inserts),
                      "worst_control_s": max(controls, default=0.0), "slow_controls": sum(t > _SLOW_S for t in controls),
                      "controls": len(controls),
@@ -337,7 +340,7 @@ def grow(args, dtype: str) -> dict:
                      "index_bytes_per_row": stats["index_bytes"] / rows}
             entry.update(measure_rates(shards, rows, args.request_ids, args.repeats, seed=rows))
             print(f"[{dtype}] {rows:>13,} rows  lookup {entry['lookup_rows_per_s'] / 1e6:5.2f} M/s  "
-                  f"update {entry['update_rows_per_s'] / 1e6:5.2f} M/s  worst insert {worst_insert:5.3f} s "
+                  f"update {entry['update_rows_per_s'] / 1e6:5.2f} M/s  insert {_fmt_rate(entry['insert_rows_per_s'])}/s  worst insert {worst_insert:5.3f} s "
                   f"(host steal in it {worst_insert_steal:5.3f} s; table held {entry['worst_insert_held_s']:5.3f} s: at most {entry['worst_insert_cpu_s']:5.3f} s of CPU, "
                   f"{entry['worst_insert_runnable_s']:5.3f} s waiting for a core, {entry['worst_insert_blocked_s']:5.3f} s blocked)  "
                   f"RSS {rss / _GB:5.2f} GB  {entry['bytes_per_param']:.2f} B/param", flush=True)
@@ -403,13 +406,13 @@ def print_tables(results: dict) -> None:
     for run in results["grow"]:
         print(f"\n### storage {run['dtype']}: one shard process, dim {DIM}, row-wise Adagrad"
               + (f" ({run['stopped']})" if run["stopped"] else ""))
-        print("| rows | lookup rows/s | zipf lookup rows/s | update rows/s | worst insert: client [host steal in it] (table held; at most: CPU, waiting for a core, blocked) | control: worst stored-id lookup (over 0.1 s: inserts, lookups) | RSS | B/row | B/param "
+        print("| rows | lookup rows/s | zipf lookup rows/s | update rows/s | new ids/s | worst insert: client [host steal in it] (table held; at most: CPU, waiting for a core, blocked) | control: worst stored-id lookup (over 0.1 s: inserts, lookups) | RSS | B/row | B/param "
               "| save s (GB/s; plain write) | save extra peak | worst train round in save | load s (GB/s; plain read) [shard CPU s: own code + kernel] | load peak |")
-        print("|" + "---|" * 14)
+        print("|" + "---|" * 15)
         for e in run["sizes"]:
             saved = "save_s" in e
             print(f"| {e['rows']:,} | {_fmt_rate(e['lookup_rows_per_s'])} | {_fmt_rate(e['lookup_zipf_rows_per_s'])} "
-                  f"| {_fmt_rate(e['update_rows_per_s'])} | {e['worst_insert_s']:.3f} s [{e['worst_insert_host_steal_s']:.3f}] ({e['worst_insert_held_s']:.3f}; "
+                  f"| {_fmt_rate(e['update_rows_per_s'])} | {_fmt_rate(e['insert_rows_per_s'])} | {e['worst_insert_s']:.3f} s [{e['worst_insert_host_steal_s']:.3f}] ({e['worst_insert_held_s']:.3f}; "
                   f"{e['worst_insert_cpu_s']:.3f}, {e['worst_insert_runnable_s']:.3f}, {e['worst_insert_blocked_s']:.3f}) "
                   f"| {e['worst_control_s']:.3f} s ({e['slow_inserts']}/{e['inserts']}, {e['slow_controls']}/{e['controls']}) "
                   f"| {e['rss_bytes'] / _GB:.2f} GB "

@@ -19,6 +19,7 @@ tables at run time with ``PSClient.configure``.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Sequence
 
@@ -27,6 +28,9 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lightning_persia.remote_ps.table_config import ConfigError, TableConfig
+
+SCHEDULING = ("normal", "idle")
+"""The values of :attr:`PSConfig.scheduling`."""
 
 
 @dataclass
@@ -53,6 +57,12 @@ class PSConfig:
     """Added to the shard process's nice value at start (0..19). Shards sharing cores with trainers (the
     embedded cluster) run at a lower priority: a trainer's parallel regions stall on any core taken from
     them, while a prefetched lookup has a whole step to come back."""
+    scheduling: str = "normal"
+    """The shard's CPU scheduling: ``"normal"``, or ``"idle"`` (Linux ``SCHED_IDLE``: its threads take a core only
+    when no other thread wants it, and never preempt one). For shards that share cores with trainers (the
+    embedded cluster): a woken shard thread at any nice value may still preempt a trainer thread, whose parallel
+    region then stalls (measured: ``strategy/local_cluster.py``'s ``EMBEDDED_SCHEDULING``). A shard on a machine of
+    its own gains nothing from it."""
     dedup_window: int = 4096
     """Recently applied update seqs remembered per client, for exactly-once retries."""
     dedup_max_clients: int = 4096
@@ -92,6 +102,10 @@ class PSConfig:
             raise ConfigError(f"PS config: torch_threads must be >= 0, got {self.torch_threads}")
         if not 0 <= self.nice <= 19:
             raise ConfigError(f"PS config: nice must be in [0, 19], got {self.nice}")
+        if self.scheduling not in SCHEDULING:
+            raise ConfigError(f"PS config: scheduling must be one of {', '.join(SCHEDULING)}, got {self.scheduling!r}")
+        if self.scheduling == "idle" and not hasattr(os, "SCHED_IDLE"):
+            raise ConfigError("PS config: scheduling 'idle' needs Linux's SCHED_IDLE, which this platform does not have")
         if self.malloc_trim_interval_s < 0:
             raise ConfigError(f"PS config: malloc_trim_interval_s must be >= 0, got {self.malloc_trim_interval_s}")
         for name in ("fault_delay_s", "fault_save_delay_s"):

@@ -684,6 +684,15 @@ def _trim_memory_every(interval_s: float, stop: threading.Event) -> None:
     threading.Thread(target=loop, name="persia-ps-malloc-trim", daemon=True).start()
 
 
+def _schedule_idle() -> None:
+    """``SCHED_IDLE`` for every thread of this process (a thread started later inherits its creator's policy)."""
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setscheduler(int(task), os.SCHED_IDLE, os.sched_param(0))
+        except ProcessLookupError:  # the thread ended in between
+            pass
+
+
 def run_shard(
     *,
     shard_index: int,
@@ -710,6 +719,8 @@ def run_shard(
         torch.set_num_threads(config.torch_threads)
     if config.nice:
         os.nice(config.nice)
+    if config.scheduling == "idle":
+        _schedule_idle()
     native.available()  # loads the kernels (or warns that it cannot) now, not inside the first request
     # Before the tables: a frozen object is never collected, and a table a load replaces must be freed.
     freeze_startup_objects()

@@ -7,6 +7,7 @@ tables; they stop when the strategy closes, when the trainer raises, at interpre
 from __future__ import annotations
 
 import atexit
+import os
 from typing import Optional
 
 from omegaconf import OmegaConf
@@ -15,11 +16,13 @@ from lightning_persia.remote_ps.config import load_ps_config
 from lightning_persia.remote_ps.server import LocalShards
 
 EMBEDDED_NICE = 10
-"""The embedded shards' nice value (``PSConfig.nice``) unless the PS config sets one. They share the trainers'
-cores: a trainer's parallel regions (two intra-op threads on a 2-core machine) stall on any core a shard takes
-from them, while a prefetched lookup has steps to come back. ``train_bench.py --ranks 1 --staleness 4 --steps 150``
-on 2 cores: hybrid at 0.88-1.00x local's samples/s with nice 10 (median of 7 runs 0.96), 0.91-0.96x without
-(median of 4 runs 0.935; BENCHMARKS.md)."""
+EMBEDDED_SCHEDULING = "idle" if hasattr(os, "SCHED_IDLE") else "normal"
+"""The embedded shards' priority (``PSConfig.nice`` and ``PSConfig.scheduling``) unless the PS config sets either.
+They share the trainers' cores: a trainer's parallel regions (two intra-op threads on a 2-core machine) stall on
+any core a shard takes from them, while a prefetched lookup has steps to come back. ``train_bench.py --ranks 1
+--staleness 4 --steps 150`` on 2 cores (BENCHMARKS.md): hybrid at 0.91-0.96x local's samples/s at nice 0 (median
+of 4 runs 0.935), 0.88-1.00x at nice 10 (median of 7 runs 0.96), and with ``SCHED_IDLE`` (where the platform has
+it; nice then does not matter) 1.00-1.08x (median of 5 runs 1.06) against 0.95-1.02x at nice 10 in the same rounds."""
 
 
 class LocalCluster:
@@ -37,8 +40,8 @@ class LocalCluster:
         self, num_shards: int, seed: int = 0, config_path: Optional[str] = None, *, restart: bool = False, max_restarts: int = 3,
     ) -> None:
         overrides = [f"seed={seed}"]
-        if not _sets_nice(config_path):
-            overrides.append(f"nice={EMBEDDED_NICE}")
+        if not _sets_priority(config_path):
+            overrides += [f"nice={EMBEDDED_NICE}", f"scheduling={EMBEDDED_SCHEDULING}"]
         self._shards = LocalShards(num_shards, config_path=config_path, overrides=overrides, restart=restart, max_restarts=max_restarts)
         self.addresses = list(self._shards.addresses)
         atexit.register(self.stop)
@@ -66,10 +69,11 @@ class LocalCluster:
         self._shards.stop()
 
 
-def _sets_nice(config_path: Optional[str]) -> bool:
-    """Whether the PS config at ``config_path`` sets ``nice`` (a file that cannot be read or holds a bad value raises
-    the :class:`~lightning_persia.remote_ps.config.ConfigError` naming it, as the shards would)."""
+def _sets_priority(config_path: Optional[str]) -> bool:
+    """Whether the PS config at ``config_path`` sets ``nice`` or ``scheduling`` (a file that cannot be read or holds a
+    bad value raises the :class:`~lightning_persia.remote_ps.config.ConfigError` naming it, as the shards would)."""
     if config_path is None:
         return False
     load_ps_config(config_path)
-    return "nice" in OmegaConf.load(config_path)
+    config = OmegaConf.load(config_path)
+    return "nice" in config or "scheduling" in config

@@ -11,17 +11,24 @@ def _nice(pid: int) -> int:
         return int(stat.read().rsplit(")", 1)[1].split()[16])  # field 19 of the whole line
 
 
-@pytest.mark.parametrize("configured", [None, 3])
-def test_embedded_shards_run_niced_unless_the_ps_config_says_otherwise(configured, tmp_path):
+def _policies(pid: int) -> set[int]:
+    """The scheduling policy of every thread of process ``pid``."""
+    return {os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+@pytest.mark.parametrize("configured", [None, "nice: 3", "scheduling: normal"])
+def test_embedded_shards_run_at_idle_priority_unless_the_ps_config_says_otherwise(configured, tmp_path):
     config = None
     if configured is not None:
         config = tmp_path / "ps.yaml"
-        config.write_text(f"nice: {configured}\n")
+        config.write_text(f"{configured}\n")
     cluster = LocalCluster(1, config_path=None if config is None else str(config))
     try:
         (shard,) = cluster.shards.processes
-        expected = EMBEDDED_NICE if configured is None else configured
-        assert _nice(shard.pid) == _nice(os.getpid()) + expected
+        expected_nice = {None: EMBEDDED_NICE, "nice: 3": 3, "scheduling: normal": 0}[configured]
+        assert _nice(shard.pid) == _nice(os.getpid()) + expected_nice
+        # every thread of a serving shard (gRPC's, the handlers', the watchdogs') runs under the policy
+        assert _policies(shard.pid) == {os.SCHED_IDLE if configured is None else os.SCHED_OTHER}
     finally:
         cluster.stop()
 

@@ -685,12 +685,19 @@ def _trim_memory_every(interval_s: float, stop: threading.Event) -> None:
 
 
 def _schedule_idle() -> None:
-    """``SCHED_IDLE`` for every thread of this process (a thread started later inherits its creator's policy)."""
-    for task in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setscheduler(int(task), os.SCHED_IDLE, os.sched_param(0))
-        except ProcessLookupError:  # the thread ended in between
-            pass
+    """``SCHED_IDLE`` for every thread of this process (a thread started later inherits its creator's policy).
+
+    A system that refuses it (a sandbox without ``sched_setscheduler``) leaves the shard at its normal priority, with
+    a warning: the policy is a courtesy to the processes it shares cores with, not a condition of serving.
+    """
+    try:
+        for task in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setscheduler(int(task), os.SCHED_IDLE, os.sched_param(0))
+            except ProcessLookupError:  # the thread ended in between
+                pass
+    except OSError as err:
+        log.warning("scheduling 'idle' refused by the system (%s); the shard runs at its normal priority", err)
 
 
 def run_shard(

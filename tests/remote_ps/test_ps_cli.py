@@ -117,6 +117,18 @@ def test_console_script_is_installed():
     assert result.returncode == 0 and "PERSIA_PS_LISTENING" in result.stdout
 
 
+def test_idle_scheduling_refused_by_the_system_leaves_the_shard_serving_at_normal_priority(monkeypatch, caplog):
+    from lightning_persia.remote_ps import server
+
+    def refuse(*args):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(server.os, "sched_setscheduler", refuse)
+    with caplog.at_level("WARNING", logger="lightning_persia.ps"):
+        server._schedule_idle()
+    assert "scheduling 'idle' refused by the system" in caplog.text and "Operation not permitted" in caplog.text
+
+
 def test_nice_lowers_the_shard_process_priority(start_ps_cluster):
     shards = start_ps_cluster(1, overrides=["nice=5"])
     assert os.getpriority(os.PRIO_PROCESS, shards.processes[0].pid) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + 5)

@@ -301,11 +301,14 @@ def update_many(jobs: list[UpdateJob]) -> None:
 
 
 def admit(job: AdmitJob) -> int:
-    """Runs an :meth:`Index.admit_job`; returns the rows of ``fresh`` it took (MemoryError when the index cannot
-    grow, or ``fresh`` runs out: the ids admitted until then stay). The caller holds the table's lock."""
+    """Runs an :meth:`Index.admit_job`; returns the rows of ``fresh`` it took. MemoryError when the index cannot grow,
+    ValueError when ``fresh`` runs out; the ids admitted until then stay, and ``job.used`` counts them. The caller
+    holds the table's lock."""
     failed = _require().lp_admit(ctypes.byref(job))
+    if failed == -2:
+        raise ValueError(f"admit: {job.fresh_count} fresh rows were too few for the absent ids")
     if failed:
-        raise MemoryError(f"out of memory while admitting new ids ({job.used} of {job.fresh_count} rows taken)")
+        raise MemoryError(f"out of memory while indexing new ids ({job.used} admitted before)")
     return job.used
 
 

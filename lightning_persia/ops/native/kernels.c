@@ -648,14 +648,15 @@ void lp_row_bits(const int64_t *ids, int64_t n, int64_t key, int64_t cols, int64
 
 /* out[i * cols + c] = (float)(low + (high - low) * u), u = (53 bits of the word + 0.5) / 2^53: a Uniform initial
  * row, in the operations and order of initializers.py (built without fused multiply-adds, so bit for bit). */
+static inline float uniform_at(uint64_t row_key, int64_t c, double low, double high) {
+    const double u = ((double)(row_word(row_key, c) >> 11) + 0.5) * (1.0 / 9007199254740992.0);
+    return (float)(low + (high - low) * u);
+}
+
 void lp_uniform_rows(const int64_t *ids, int64_t n, int64_t key, int64_t cols, double low, double high, float *out) {
-    const double width = high - low, scale = 1.0 / 9007199254740992.0;
     for (int64_t i = 0; i < n; ++i) {
         const uint64_t row_key = mix64((uint64_t)ids[i] ^ (uint64_t)key);
-        for (int64_t c = 0; c < cols; ++c) {
-            const double u = ((double)(row_word(row_key, c) >> 11) + 0.5) * scale;
-            out[i * cols + c] = (float)(low + width * u);
-        }
+        for (int64_t c = 0; c < cols; ++c) out[i * cols + c] = uniform_at(row_key, c, low, high);
     }
 }
 
@@ -688,12 +689,12 @@ typedef struct {
     int64_t used;              /* out: rows taken */
 } admit_job_t;
 
-/* 0, or -1: out of memory, or `fresh` ran out (the ids admitted until then stay, indexed). */
+/* 0; -1 out of memory (the index could not grow), -2 `fresh` ran out. Either way the ids admitted until then stay,
+ * indexed, and job->used counts their rows only. */
 int64_t lp_admit(admit_job_t *job) {
     index_t *index = job->index;
     const rows_t t = {job->chunks, job->shift, job->stride};
     const int64_t weight_bytes = job->dim * (job->weights_half ? 2 : 4);
-    const double width = job->high - job->low, scale = 1.0 / 9007199254740992.0;
     int64_t rehashed = 0;
     job->used = 0;
     for (int64_t i = 0; i < job->n; ++i) {
@@ -706,15 +707,14 @@ int64_t lp_admit(admit_job_t *job) {
         if (slot >= 0) {
             row = p->buckets[slot / SLOTS].rows[slot % SLOTS];
         } else {
-            if (job->used == job->fresh_count) return -1;
+            if (job->used == job->fresh_count) return -2;
             row = job->fresh[job->used++];
             char *r = record(&t, row);
             memcpy(r, &id, 8);
             char *weights = r + job->weights_offset;
             const uint64_t row_key = mix64((uint64_t)id ^ (uint64_t)job->init_key);
             for (int64_t c = 0; c < job->dim; ++c) {
-                const double u = ((double)(row_word(row_key, c) >> 11) + 0.5) * scale;
-                const float w = (float)(job->low + width * u);
+                const float w = uniform_at(row_key, c, job->low, job->high);
                 if (job->weights_half) {
                     const uint16_t half = f32_to_half(w);
                     memcpy(weights + 2 * c, &half, 2);
@@ -725,7 +725,10 @@ int64_t lp_admit(admit_job_t *job) {
             memcpy(r + job->access_offset, &job->access_value, 4);
             memcpy(r + job->version_offset, &job->version, 4);
             if (job->state_bytes) memcpy(r + job->state_offset, job->state, (size_t)job->state_bytes);
-            if (insert_one(index, &t, h, (int32_t)row, &rehashed)) return -1;
+            if (insert_one(index, &t, h, (int32_t)row, &rehashed)) {
+                job->used -= 1; /* not indexed: the caller frees the row with the unused ones */
+                return -1;
+            }
         }
         job->rows[i] = row;
         memcpy(job->out + i * weight_bytes, record(&t, row) + job->weights_offset, (size_t)weight_bytes);

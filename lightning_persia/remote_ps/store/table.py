@@ -466,7 +466,11 @@ class Table:
                 and self.config.admit_probability >= 1.0 and missing <= self.config.capacity)
 
     def _admit_natively(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, missing: int) -> None:
-        """Admits the absent ids of a training lookup and fills their rows of ``out`` (``kernels.c``'s ``lp_admit``)."""
+        """Admits the absent ids of a training lookup and fills their rows of ``out`` (``kernels.c``'s ``lp_admit``).
+
+        Rows are taken for every absent occurrence (a client sends each id once; an id repeated in a request takes
+        one row and hands the others back to the free list), except where rows must be evicted for them.
+        """
         if missing > self.config.capacity - self._live:  # rows evicted for them: exactly one per new id, none more
             missing = int(torch.unique(ids[rows < 0]).numel())
         fresh = self._take_rows(missing)
@@ -479,13 +483,15 @@ class Table:
             state=self._initial_state,
             state_offset=state.offset if state is not None else 0,
         )
-        job = self._index.admit_job(ids.contiguous(), rows, out, fresh, fields, self._init_key, (self.config.init.low, self.config.init.high))
+        job: Optional[native.AdmitJob] = None
         try:
+            job = self._index.admit_job(ids.contiguous(), rows, out, fresh, fields, self._init_key, (self.config.init.low, self.config.init.high))
             native.admit(job)
-        finally:  # what was admitted stays (also when the index could not grow); an id seen twice took one row
-            self._live += job.used
-            self._counters["inserted"] += job.used
-            unused = fresh[job.used :]
+        finally:  # what was admitted stays (also when the index could not grow); the rest of `fresh` is freed
+            used = job.used if job is not None else 0
+            self._live += used
+            self._counters["inserted"] += used
+            unused = fresh[used:]
             if unused.numel():
                 access.fill(unused, eviction.FREE)
                 self._free = torch.cat([self._free, unused])

@@ -216,15 +216,43 @@ def test_an_id_repeated_in_a_training_lookup_is_admitted_once(native_kernels):
     assert store.stats()["t"]["rows_allocated"] == 5  # ... which the next new ids reuse
 
 
+def test_an_admission_cut_short_keeps_what_it_admitted_and_frees_the_other_rows(native_kernels, monkeypatch):
+    """The native pass stops where it fails (the index cannot grow, or too few rows were given): the ids admitted
+    until then stay and are counted, the rows it did not use go back to the free list, and nothing leaks."""
+    from lightning_persia.ops import native
+
+    admit = native.admit
+
+    def cut_short(job):
+        job.fresh_count = 3  # the pass runs out of rows after 3 ids
+        return admit(job)
+
+    store = ShardStore(0, 1)
+    store.configure(TableConfig("t", 4))
+    monkeypatch.setattr(native, "admit", cut_short)
+    with pytest.raises(ValueError, match="too few"):
+        store.lookup("t", torch.arange(10), train=True)
+    stats = store.stats()["t"]
+    assert (stats["rows"], stats["inserted"], stats["rows_allocated"]) == (3, 3, 10)
+    monkeypatch.setattr(native, "admit", admit)
+    rows = store.lookup("t", torch.arange(10), train=True)
+    assert torch.equal(rows, initial_rows(TableConfig("t", 4).init, 0, "t", torch.arange(10), 4))
+    stats = store.stats()["t"]
+    assert (stats["rows"], stats["inserted"], stats["rows_allocated"]) == (10, 10, 10)  # the 7 freed rows reused
+
+
 @pytest.mark.parametrize("config", [
     TableConfig("t", 4, init=Normal(0.0, 0.1)),
     TableConfig("t", 4, admit_probability=0.5),
     TableConfig("t", 4, capacity=10),
 ], ids=["normal-init", "admission-draw", "more-new-ids-than-capacity"])
-def test_tables_the_native_pass_does_not_cover_admit_in_tensor_ops(native_kernels, config):
+def test_tables_the_native_pass_does_not_cover_admit_in_tensor_ops(native_kernels, config, monkeypatch):
+    native_admissions = []
+    monkeypatch.setattr(Table, "_admit_natively", lambda *args: native_admissions.append(args))
     store = ShardStore(0, 1, seed=1)
     store.configure(config)
     rows = store.lookup("t", torch.arange(20), train=True)
+    assert native_admissions == []
     kept = store.stats()["t"]["rows"]
     assert 0 < kept <= min(20, config.capacity)
     expected = initial_rows(config.init, 1, "t", torch.arange(20), 4)

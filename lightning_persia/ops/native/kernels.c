@@ -697,41 +697,51 @@ int64_t lp_admit(admit_job_t *job) {
     const int64_t weight_bytes = job->dim * (job->weights_half ? 2 : 4);
     int64_t rehashed = 0;
     job->used = 0;
-    for (int64_t i = 0; i < job->n; ++i) {
-        if (job->rows[i] >= 0) continue;
-        const int64_t id = job->ids[i];
-        const uint64_t h = hash_of(id);
-        const part_t *p = &index->parts[part_of(h)];
-        const int64_t slot = probe(p, h, id, &t);
-        int64_t row;
-        if (slot >= 0) {
-            row = p->buckets[slot / SLOTS].rows[slot % SLOTS];
-        } else {
-            if (job->used == job->fresh_count) return -2;
-            row = job->fresh[job->used++];
-            char *r = record(&t, row);
-            memcpy(r, &id, 8);
-            char *weights = r + job->weights_offset;
-            const uint64_t row_key = mix64((uint64_t)id ^ (uint64_t)job->init_key);
-            for (int64_t c = 0; c < job->dim; ++c) {
-                const float w = uniform_at(row_key, c, job->low, job->high);
-                if (job->weights_half) {
-                    const uint16_t half = f32_to_half(w);
-                    memcpy(weights + 2 * c, &half, 2);
-                } else {
-                    memcpy(weights + 4 * c, &w, 4);
+    for (int64_t start = 0; start < job->n; start += BLOCK) {
+        const int64_t end = start + BLOCK < job->n ? start + BLOCK : job->n;
+        uint64_t hashes[BLOCK];
+        for (int64_t i = start; i < end; ++i) { /* a block's home buckets on their way before any is read */
+            if (job->rows[i] >= 0) continue;
+            const uint64_t h = hashes[i - start] = hash_of(job->ids[i]);
+            const part_t *p = &index->parts[part_of(h)];
+            PREFETCH_WRITE(&p->buckets[home_of(h, p->count)]);
+        }
+        for (int64_t i = start; i < end; ++i) {
+            if (job->rows[i] >= 0) continue;
+            const int64_t id = job->ids[i];
+            const uint64_t h = hashes[i - start];
+            const part_t *p = &index->parts[part_of(h)];
+            const int64_t slot = probe(p, h, id, &t);
+            int64_t row;
+            if (slot >= 0) {
+                row = p->buckets[slot / SLOTS].rows[slot % SLOTS];
+            } else {
+                if (job->used == job->fresh_count) return -2;
+                row = job->fresh[job->used++];
+                char *r = record(&t, row);
+                memcpy(r, &id, 8);
+                char *weights = r + job->weights_offset;
+                const uint64_t row_key = mix64((uint64_t)id ^ (uint64_t)job->init_key);
+                for (int64_t c = 0; c < job->dim; ++c) {
+                    const float w = uniform_at(row_key, c, job->low, job->high);
+                    if (job->weights_half) {
+                        const uint16_t half = f32_to_half(w);
+                        memcpy(weights + 2 * c, &half, 2);
+                    } else {
+                        memcpy(weights + 4 * c, &w, 4);
+                    }
+                }
+                memcpy(r + job->access_offset, &job->access_value, 4);
+                memcpy(r + job->version_offset, &job->version, 4);
+                if (job->state_bytes) memcpy(r + job->state_offset, job->state, (size_t)job->state_bytes);
+                if (insert_one(index, &t, h, (int32_t)row, &rehashed)) {
+                    job->used -= 1; /* not indexed: the caller frees the row with the unused ones */
+                    return -1;
                 }
             }
-            memcpy(r + job->access_offset, &job->access_value, 4);
-            memcpy(r + job->version_offset, &job->version, 4);
-            if (job->state_bytes) memcpy(r + job->state_offset, job->state, (size_t)job->state_bytes);
-            if (insert_one(index, &t, h, (int32_t)row, &rehashed)) {
-                job->used -= 1; /* not indexed: the caller frees the row with the unused ones */
-                return -1;
-            }
+            job->rows[i] = row;
+            memcpy(job->out + i * weight_bytes, record(&t, row) + job->weights_offset, (size_t)weight_bytes);
         }
-        job->rows[i] = row;
-        memcpy(job->out + i * weight_bytes, record(&t, row) + job->weights_offset, (size_t)weight_bytes);
     }
     return 0;
 }

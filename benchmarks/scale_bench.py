@@ -40,7 +40,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -116,8 +116,8 @@ class Shards:
         self.shards.stop()
 
 
-def start(num_shards: int, dtype: str, configure: bool = True) -> Shards:
-    shards = LocalShards(num_shards, overrides=["max_ids_per_request=4194304", "torch_threads=1"])
+def start(num_shards: int, dtype: str, overrides: Sequence[str], configure: bool = True) -> Shards:
+    shards = LocalShards(num_shards, overrides=["max_ids_per_request=4194304", "torch_threads=1", *overrides])
     client = PSClient(shards.addresses, timeout_s=600.0, checkpoint_timeout_s=7200.0)
     client.wait_healthy(120)
     if configure:
@@ -248,7 +248,7 @@ def save_and_load(shards: Shards, directory: str, rows: int, request_ids: int) -
             "train_rounds_during_save": trainer.rounds}
 
 
-def restart_and_load(shards: Shards, directory: str, dtype: str, cold: bool) -> tuple[Shards, dict]:
+def restart_and_load(shards: Shards, directory: str, dtype: str, cold: bool, overrides: Sequence[str]) -> tuple[Shards, dict]:
     """Stops the shard process(es) and loads the checkpoint at ``directory`` into new ones, as a restarted
     shard does (a shard that holds no table reads the checkpoint once: checksums as it reads the rows); with
     ``cold``, from the disk (the page cache dropped first: root only). Returns the new shards and the figures."""
@@ -263,7 +263,7 @@ def restart_and_load(shards: Shards, directory: str, dtype: str, cold: bool) -> 
             dropped = True
         except OSError as error:
             print(f"restart: the page cache stays ({error}): the load reads what it holds", flush=True)
-    shards = start(count, dtype, configure=False)
+    shards = start(count, dtype, overrides, configure=False)
     size = folder_bytes(directory)
     cpu, started = shards.cpu_s(), time.perf_counter()
     shards.client.load(directory)
@@ -294,7 +294,7 @@ def memory_available() -> int:
 
 def grow(args, dtype: str) -> dict:
     """Grows one shard's table through ``args.sizes``; returns what was measured at each size."""
-    shards = start(1, dtype)
+    shards = start(1, dtype, args.ps_override)
     out = {"dtype": dtype, "sizes": [], "max_rows": 0, "stopped": ""}
     rows = 0
     worst_insert = worst_insert_steal = 0.0
@@ -351,7 +351,7 @@ def grow(args, dtype: str) -> dict:
                 try:
                     entry.update(save_and_load(shards, checkpoint_dir, rows, args.request_ids))
                     if args.restart:
-                        shards, restarted = restart_and_load(shards, checkpoint_dir, dtype, args.cold)
+                        shards, restarted = restart_and_load(shards, checkpoint_dir, dtype, args.cold, args.ps_override)
                         entry.update(restarted)
                 except (PSError, RuntimeError, OSError) as error:
                     out["stopped"] = f"save/load at {rows:,} rows failed: {error}"
@@ -381,7 +381,7 @@ def multi_shard(args) -> list[dict]:
     """The same table over 1, 2 and 4 shard processes: memory and aggregate rows/s."""
     out = []
     for count in args.multi_shard:
-        shards = start(count, "fp16")
+        shards = start(count, "fp16", args.ps_override)
         try:
             rows = 0
             while rows < args.multi_rows:
@@ -476,6 +476,8 @@ def main(argv=None) -> int:
     parser.add_argument("--multi-rows", type=float, default=2e7, help="rows of the multi-process figures")
     parser.add_argument("--quick", action="store_true", help="2M rows, 1 and 2 shards of 1M rows: a smoke run")
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    parser.add_argument("--ps-override", action="append", default=[], metavar="KEY=VALUE",
+                        help="a PS config setting of the shard processes, e.g. malloc_trim_interval_s=0 (repeatable)")
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes, args.max_rows, args.multi_rows, args.multi_shard, args.repeats = "1e6,2e6", 2e6, 1e6, "1,2", 5
@@ -489,7 +491,7 @@ def main(argv=None) -> int:
     if args.control_every < 1:
         parser.error("--control-every must be at least 1")
     print(f"scale_bench: {os.cpu_count()} cores, {memory_available() / _GB:.1f} GB available, load average "
-          f"{os.getloadavg()[0]:.1f}; sizes {args.sizes}", flush=True)
+          f"{os.getloadavg()[0]:.1f}; sizes {args.sizes}" + (f"; shards with {' '.join(args.ps_override)}" if args.ps_override else ""), flush=True)
     results = {"grow": [grow(args, dtype) for dtype in dtypes], "multi_shard": multi_shard(args)}
     for run in results["grow"]:
         if run["stopped"]:

@@ -303,12 +303,16 @@ class TableSource:
         """
         block_rows = block_rows or BLOCK_ROWS
         for part in self.parts:
-            readers = {name: _ArrayReader(part.folder, part.entry, name, check=not self.checked) for name in SAVED_FIELDS}
+            # a folder that only this shard reads leaves the page cache as it is read: a table's own memory then
+            # does not compete with a copy of its checkpoint, and the next block reuses the pages just freed
+            own = len(self.parts) == 1 and num_shards == _saved_shards(part)
+            readers = {name: _ArrayReader(part.folder, part.entry, name, check=not self.checked, drop_behind=own)
+                       for name in SAVED_FIELDS}
             try:
                 for start in range(0, part.entry["rows"], block_rows):
                     count = min(block_rows, part.entry["rows"] - start)
                     block = {name: reader.read(count) for name, reader in readers.items()}
-                    if len(self.parts) > 1 or num_shards != _saved_shards(part):
+                    if not own:
                         keep = torch.nonzero(shard_of(block["ids"], num_shards) == shard_index).squeeze(1)
                         block = {name: values[keep] for name, values in block.items()}
                     yield block
@@ -441,9 +445,10 @@ def _damaged(path: Path) -> CheckpointError:
 
 class _ArrayReader:
     """Rows of one ``.npy`` array of a table, read a block at a time after its header (never unpickled); with
-    ``check``, hashed on the way for :meth:`check`."""
+    ``check``, hashed on the way for :meth:`check`; with ``drop_behind``, each block's pages leave the page cache
+    once read."""
 
-    def __init__(self, folder: Path, entry: dict, name: str, check: bool = False) -> None:
+    def __init__(self, folder: Path, entry: dict, name: str, check: bool = False, drop_behind: bool = False) -> None:
         spec = entry["files"][name]
         self.path = _path(folder, spec)
         self._file = open(self.path, "rb")
@@ -465,6 +470,7 @@ class _ArrayReader:
         self._buffers: list[Optional[np.ndarray]] = [None, None]
         self._reads = 0
         self._spec = spec
+        self._drop_behind = drop_behind and hasattr(os, "posix_fadvise")
         self._digest: Optional[checksum.Digest] = None
         if check:
             self._digest = checksum.Digest.like(spec)  # an algorithm this version knows: _verify saw to it
@@ -482,7 +488,10 @@ class _ArrayReader:
         if self._file.readinto(memoryview(data).cast("B")) != data.nbytes:
             raise CheckpointError(f"checkpoint file {self.path} ends early")
         if hasattr(os, "posix_fadvise"):  # the disk reads the next block while this one is stored
-            os.posix_fadvise(self._file.fileno(), self._file.tell(), data.nbytes, os.POSIX_FADV_WILLNEED)
+            end = self._file.tell()
+            os.posix_fadvise(self._file.fileno(), end, data.nbytes, os.POSIX_FADV_WILLNEED)
+            if self._drop_behind:
+                os.posix_fadvise(self._file.fileno(), end - data.nbytes, data.nbytes, os.POSIX_FADV_DONTNEED)
         if self._digest is not None:
             self._digest.update(memoryview(data).cast("B"))
         if self._dtype.byteorder == ">" or (self._dtype.byteorder == "=" and sys.byteorder == "big"):

@@ -71,6 +71,40 @@ def test_save_load_round_trip_and_reshard(tmp_path, monkeypatch, request, saved_
     assert torch.equal(_call(new, "lookup", "a", IDS, False), _call(old, "lookup", "a", IDS, False))
 
 
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise on this platform")
+@pytest.mark.parametrize("loaded_by", [2, 3])
+def test_a_folder_only_its_shard_reads_leaves_the_page_cache_behind_the_load(tmp_path, monkeypatch, small_chunks, loaded_by):
+    """Into as many shards as saved it, each shard drops every row it read from the page cache (its checkpoint
+    does not compete with its table for memory); re-sharded, every shard reads every folder, and drops nothing."""
+    monkeypatch.setattr(checkpoint, "BLOCK_ROWS", 37)
+    old = _cluster(2)
+    _train(old)
+    for s in old:
+        s.save(str(tmp_path))
+    dropped: dict[str, int] = {}
+    real = os.posix_fadvise
+
+    def spy(fd, offset, length, advice):
+        if advice == os.POSIX_FADV_DONTNEED:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+            dropped[path] = dropped.get(path, 0) + length
+        return real(fd, offset, length, advice)
+
+    monkeypatch.setattr(checkpoint.os, "posix_fadvise", spy)
+    new = [ShardStore(i, loaded_by, seed=5) for i in range(loaded_by)]
+    for s in new:
+        s.load(str(tmp_path))
+    assert torch.equal(_call(new, "lookup", "a", IDS, False), _call(old, "lookup", "a", IDS, False))
+    if loaded_by == 3:
+        assert dropped == {}
+        return
+    files = [str(p.resolve()) for p in tmp_path.rglob("*.npy")]
+    assert files and sorted(dropped) == sorted(files)
+    for path in files:
+        rows = np.load(path, mmap_mode="r")
+        assert dropped[path] == rows.nbytes  # every row, once; the header stays
+
+
 def test_corrupted_truncated_or_incomplete_checkpoint_is_refused(tmp_path):
     old = _cluster(2)
     _train(old)

@@ -61,7 +61,9 @@ def fresh_memory(nbytes: int, settle_s: float) -> dict:
     return out
 
 
-def _drop_page_cache() -> bool:
+def drop_page_cache() -> bool:
+    """Writes the dirty pages out and drops the page cache (root only): the next read of a file comes from the disk.
+    False where it may not."""
     os.sync()
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
@@ -96,7 +98,7 @@ def cold_reads(directory: str, nbytes: int, settle_s: float) -> dict:
     try:
         out = {}
         for name, direct in (("direct", True), ("page_cache", False)):
-            if not _drop_page_cache():
+            if not drop_page_cache():
                 return {"cold_reads": "skipped: dropping the page cache needs root"}
             time.sleep(settle_s)  # the dropped cache's memory goes back to the host meanwhile, as on a restart
             out[f"cold_read_{name}_gb_per_s"] = _read_gb_per_s(path, direct)

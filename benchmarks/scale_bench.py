@@ -50,6 +50,7 @@ from lightning_persia.remote_ps.server import LocalShards
 from lightning_persia.remote_ps.table_config import Adagrad, TableConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from host_probe import drop_page_cache  # noqa: E402
 from ps_bench import rss_bytes  # noqa: E402
 
 TABLE = "scale"
@@ -258,13 +259,15 @@ def restart_and_load(shards: Shards, directory: str, dtype: str, cold: bool, ove
     size = folder_bytes(directory)
     dropped, plain_read = False, None
     if cold:
-        dropped = _drop_page_cache()
-        if dropped:
+        dropped = drop_page_cache()
+        if not dropped:
+            print("restart: the page cache stays (dropping it needs root): the load reads what it holds", flush=True)
+        else:
             # the baseline of a load from the disk: the same files read plainly, from the disk, the same minute
             started = time.perf_counter()
             _read_folder(directory)
             plain_read = size / (time.perf_counter() - started) / _GB
-            _drop_page_cache()
+            drop_page_cache()
     shards = start(count, dtype, overrides, configure=False)
     cpu, started = shards.cpu_s(), time.perf_counter()
     shards.client.load(directory)
@@ -273,18 +276,6 @@ def restart_and_load(shards: Shards, directory: str, dtype: str, cold: bool, ove
     return shards, {"restart_load_s": seconds, "restart_load_gb_per_s": size / seconds / _GB, "restart_load_cold": dropped,
                     "restart_plain_read_gb_per_s": plain_read,
                     "restart_load_user_cpu_s": used[0], "restart_load_kernel_cpu_s": used[1]}
-
-
-def _drop_page_cache() -> bool:
-    """Writes the dirty pages out and drops the page cache (root only): the next read of a file comes from the disk."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-    except OSError as error:
-        print(f"restart: the page cache stays ({error}): the load reads what it holds", flush=True)
-        return False
-    return True
 
 
 def _read_folder(directory: str, block: int = 8 << 20) -> None:

@@ -470,7 +470,7 @@ class _ArrayReader:
         self._buffers: list[Optional[np.ndarray]] = [None, None]
         self._reads = 0
         self._spec = spec
-        self._drop_behind = drop_behind and hasattr(os, "posix_fadvise")
+        self._drop_behind = drop_behind
         self._digest: Optional[checksum.Digest] = None
         if check:
             self._digest = checksum.Digest.like(spec)  # an algorithm this version knows: _verify saw to it

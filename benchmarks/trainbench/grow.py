@@ -158,7 +158,7 @@ def run_grow(args: Any) -> int:
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=args.grow_max_steps, max_epochs=1, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        limit_val_batches=0, use_distributed_sampler=False, callbacks=[Watch()],
+        limit_val_batches=0, callbacks=[Watch()],
     )
     data = GrowingCriteo(CRITEO_TB_CARDINALITIES, batch, args.grow_zipf, seed=args.seed)
     print(f"grow: DLRM dim {args.dim}, batch {batch}, Criteo-Terabyte cardinalities ({sum(CRITEO_TB_CARDINALITIES):,} ids, "

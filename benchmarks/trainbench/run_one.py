@@ -120,7 +120,7 @@ def run(config: Dict[str, Any]) -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        use_distributed_sampler=False,
+        use_distributed_sampler=False,  # RankSlices deals the data to the ranks itself
         num_sanity_val_steps=0,
         inference_mode=False,  # FBGEMM's CPU TBE has no inference-mode kernel; no_grad evaluation everywhere
         limit_val_batches=0,

@@ -6,9 +6,15 @@ The batch itself is handed to the trainer at once; only the forward waits for th
 
 When the loader is a ``DataLoader`` with worker processes, the planning runs in them instead (its
 ``collate_fn`` is wrapped for the epoch, see ``planning.py``): the trainer's interpreter only issues the lookups.
+
+A stateful loader (one with ``state_dict``/``load_state_dict``, such as torchdata's ``StatefulDataLoader``) has
+read ahead of the trainer by the batches waiting here: its state is taken as each batch is read, and the
+wrapper's ``state_dict()`` is the one taken with the last batch handed to the trainer, so a checkpoint saved
+mid-epoch resumes at the next batch the trainer had not run, as it does without the strategy.
 """
 from __future__ import annotations
 
+import copy
 import threading
 from collections import deque
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -43,7 +49,8 @@ class PrefetchingLoader:
             # With the paths learned so far: a worker forked now plans what the pipeline knows now.
             self._collate = loader.collate_fn
             loader.collate_fn = PlanningCollate(loader.collate_fn, self.pipeline.batch_planner())
-        self._active = _PrefetchIterator(iter(loader), self.pipeline, depth=self.pipeline.staleness + 1)
+        snapshot = getattr(loader, "state_dict", None)
+        self._active = _PrefetchIterator(iter(loader), self.pipeline, depth=self.pipeline.staleness + 1, snapshot=snapshot)
         return self._active
 
     def __len__(self) -> int:
@@ -52,7 +59,15 @@ class PrefetchingLoader:
     def __getattr__(self, name: str) -> Any:
         if name in ("loader", "pipeline", "_active"):
             raise AttributeError(name)
+        if name == "state_dict" and hasattr(self.loader, "state_dict"):  # stateful only if the wrapped loader is
+            return self._state_dict
         return getattr(self.loader, name)
+
+    def _state_dict(self) -> Any:
+        """The wrapped loader's state as of the last batch the trainer took (not of the batches read ahead)."""
+        if self._active is not None and self._active.handed_state is not None:
+            return self._active.handed_state
+        return self.loader.state_dict()  # type: ignore[attr-defined]
 
     def close(self) -> None:
         """Stops the running epoch's thread and releases the batches it planned but the trainer never ran."""
@@ -65,10 +80,13 @@ class PrefetchingLoader:
 
 
 class _PrefetchIterator:
-    def __init__(self, batches: Iterator[Any], pipeline: EmbeddingPipeline, depth: int) -> None:
+    def __init__(self, batches: Iterator[Any], pipeline: EmbeddingPipeline, depth: int,
+                 snapshot: Optional[Callable[[], Any]] = None) -> None:
         self._batches = batches
         self._pipeline = pipeline
         self._depth = depth
+        self._snapshot = snapshot
+        self.handed_state: Any = None  # the loader's state taken with the last batch handed out
         self._items: deque[Any] = deque()
         self._changed = threading.Condition()  # an item put or taken, or the iterator stopped
         self._stopped = False
@@ -91,8 +109,10 @@ class _PrefetchIterator:
             self._changed.notify_all()
         if isinstance(item, BaseException):
             raise item
-        batch, step = item
+        batch, step, state = item
         self._pipeline.enqueue(step)
+        if self._snapshot is not None:
+            self.handed_state = state
         return batch
 
     def _is_stopped(self) -> bool:
@@ -107,7 +127,8 @@ class _PrefetchIterator:
                     batch, step = item.batch, self._pipeline.adopt(item)
                 else:
                     batch, step = item, self._pipeline.plan(item)
-                if not self._put((batch, step)):
+                state = copy.deepcopy(self._snapshot()) if self._snapshot is not None else None
+                if not self._put((batch, step, state)):
                     self._pipeline.abandon([step])
                     return
                 try:

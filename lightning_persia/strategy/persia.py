@@ -279,6 +279,8 @@ class PersiaStrategy(DDPStrategy):
             self._swap_embedding_modules()
         self.data_parallel_tables = [m for m in self.model.modules() if isinstance(m, DataParallelTables)]
         self._announce()
+        if self.world_size == 1:
+            _keep_the_users_samplers(trainer)
         super().setup(trainer)
 
     def _announce(self) -> None:
@@ -564,6 +566,17 @@ def _report_wait(wait: ShardWait) -> None:
         f"PersiaStrategy: waiting for parameter-server shard {wait.shard} at {wait.address}: {wait.waited_s:.0f} s of "
         f"ps_timeout_s={wait.timeout_s:g} so far ({wait.last_error})"
     )
+
+
+def _keep_the_users_samplers(trainer: "pl.Trainer") -> None:
+    """With one process the loaders keep the samplers their user made, as under Lightning's single-device strategy.
+
+    Lightning counts every ``DDPStrategy`` as distributed, whatever the world size, and then replaces each
+    loader's sampler by a ``DistributedSampler`` (a shuffling one for training): with one process that only
+    reorders the user's data, and with it their results. Lightning reads no strategy hook for this, only the
+    trainer's ``use_distributed_sampler`` flag, so the flag is what is set.
+    """
+    trainer._accelerator_connector.use_distributed_sampler = False
 
 
 def _names(names: list[str]) -> str:

@@ -34,6 +34,7 @@ def main() -> None:
     model, strategy = make_model(), make_strategy()
     publish = PublishDeltas(args.deltas, every_n_train_steps=args.every)
     start = torch.load(args.ckpt, weights_only=True)["global_step"]
+    # Every rank trains every batch (no distributed sampler): the published deltas do not depend on the rank count.
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, max_steps=start + args.every, strategy=strategy, callbacks=[publish],
                         use_distributed_sampler=False, logger=False, enable_progress_bar=False, enable_checkpointing=False,
                         enable_model_summary=False)

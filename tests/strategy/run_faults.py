@@ -104,6 +104,8 @@ def main() -> None:
         recovery=RecoveryConfig(wait_for_shards_s=60, client_max_retries=2, client_backoff_s=0.05, client_max_backoff_s=0.2),
     )
     faults = _Faults(args)
+    # Every rank trains every batch in order (no distributed sampler): a resumed run meets the batches of the
+    # uninterrupted one it is compared with, whatever epoch position the faults left it at.
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, max_steps=args.steps, max_epochs=-1, strategy=strategy,
         use_distributed_sampler=False, logger=False, enable_progress_bar=False, enable_model_summary=False,

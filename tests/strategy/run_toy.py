@@ -2,7 +2,7 @@
 
     python run_toy.py --out DIR [--devices 2] [--steps 50] [--staleness 0] [--shards 2]
                       [--epoch-batches N] [--checkpoint-every N] [--resume CKPT]
-                      [--slow-after N] [--adagrad] [--no-merge] [--metrics-port P]
+                      [--slow-after N] [--adagrad] [--no-merge] [--metrics-port P] [--lightning-sampler]
 
 Every rank writes ``DIR/rank<R>.pt`` (dense state, losses); rank 0 also writes the tables fetched back from
 the shards. ``--slow-after N`` writes ``DIR/started`` after N steps and then slows down (for Ctrl-C tests).
@@ -28,10 +28,11 @@ from lightning_persia import SGD, Adagrad, PersiaStrategy  # noqa: E402
 
 class _Record(L.Callback):
     def __init__(self, out: str, slow_after: int) -> None:
-        self.out, self.slow_after, self.losses = out, slow_after, []
+        self.out, self.slow_after, self.losses, self.batches = out, slow_after, [], []
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
+        self.batches.append(int(batch["index"]))
         if self.slow_after and trainer.global_step >= self.slow_after:
             if trainer.is_global_zero:
                 open(os.path.join(self.out, "started"), "w").close()
@@ -55,9 +56,13 @@ def main() -> None:
     parser.add_argument("--adagrad", action="store_true", help="row-wise Adagrad on the tables (default SGD)")
     parser.add_argument("--no-merge", action="store_true", help="merge_rank_gradients=False")
     parser.add_argument("--metrics-port", type=int)
+    parser.add_argument("--lightning-sampler", action="store_true",
+                        help="let Lightning deal the batches to the ranks (default: every rank trains every batch)")
     args = parser.parse_args()
 
     batches = make_batches(args.epoch_batches or args.steps)  # the same batches in the same order every epoch
+    for index, batch in enumerate(batches):
+        batch["index"] = torch.tensor([index])
     torch.manual_seed(0)
     model = ToyRecommender(device="meta", t1_rows=args.t1_rows)
     strategy = PersiaStrategy(
@@ -69,13 +74,15 @@ def main() -> None:
     callbacks: list[L.Callback] = [record]
     if args.checkpoint_every:
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=os.path.join(args.out, "ckpt"), every_n_train_steps=args.checkpoint_every, save_top_k=1, monitor="step", mode="max"))
+    # By default every rank trains every batch, in order: the tests compare the ranks' result with references
+    # computed from the whole batch list (Lightning's sampler would deal each rank a shuffled share instead).
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, max_steps=args.steps, max_epochs=-1, strategy=strategy,
-        use_distributed_sampler=False, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=args.lightning_sampler, logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=bool(args.checkpoint_every), callbacks=callbacks, accumulate_grad_batches=args.accumulate,
     )
     trainer.fit(model, loader(batches), ckpt_path=args.resume)
-    state = {"dense": {k: v.clone() for k, v in model.state_dict().items()}, "losses": record.losses}
+    state = {"dense": {k: v.clone() for k, v in model.state_dict().items()}, "losses": record.losses, "batches": record.batches}
     if trainer.is_global_zero:
         remote = [t.name for t in model.ebc.remote_tables]
         state["tables"] = strategy.client.lookup({name: torch.arange(NUM_IDS) for name in remote}, train=False, wire_dtype="fp32")

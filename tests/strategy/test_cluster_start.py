@@ -17,7 +17,7 @@ from toy import ToyRecommender, loader, make_batches
 def _fit(addresses: list[str], timeout_s: float = 10.0) -> None:
     strategy = PersiaStrategy(ps_addresses=addresses, ps_timeout_s=timeout_s)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, strategy=strategy, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, enable_checkpointing=False, use_distributed_sampler=False)
+                        enable_model_summary=False, enable_checkpointing=False)
     trainer.fit(ToyRecommender(), loader(make_batches(2)))
 
 

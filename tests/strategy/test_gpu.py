@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def _fit(model, steps, strategy=None, precision="32-true"):
-    extra = dict(strategy=strategy, use_distributed_sampler=False) if strategy else {}
+    extra = dict(strategy=strategy) if strategy else {}
     L.Trainer(accelerator="gpu", devices=1, max_steps=steps, precision=precision, logger=False, enable_checkpointing=False,
               enable_progress_bar=False, **extra).fit(model, loader(make_batches(steps)))
 

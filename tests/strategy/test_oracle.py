@@ -12,7 +12,7 @@ STEPS = 25
 
 
 def _trainer(strategy=None, steps: int = STEPS, **kwargs) -> L.Trainer:
-    extra = dict(strategy=strategy, use_distributed_sampler=False) if strategy is not None else {}
+    extra = dict(strategy=strategy) if strategy is not None else {}
     return L.Trainer(
         accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, **extra, **kwargs,

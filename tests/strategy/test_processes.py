@@ -42,9 +42,13 @@ KEEP_T0 = ("--data-parallel-max-rows", "40", "--t1-rows", "80")  # t0 (40 rows) 
 
 @pytest.mark.parametrize("kept", [(), KEEP_T0, (*KEEP_T0, "--accumulate", "2")], ids=["all-remote", "t0-kept", "t0-kept-accumulating"])
 def test_two_ranks_two_shards_identical_dense_weights_and_falling_loss(tmp_path, kept):
-    _run(tmp_path, "--devices", "2", "--shards", "2", "--steps", "40", "--epoch-batches", "8", "--staleness", "2", *kept)
+    _run(tmp_path, "--devices", "2", "--shards", "2", "--steps", "40", "--epoch-batches", "8", "--staleness", "2", "--lightning-sampler", *kept)
     rank0 = torch.load(tmp_path / "rank0.pt")
     rank1 = torch.load(tmp_path / "rank1.pt")
+    # With several processes Lightning's distributed sampler deals every epoch's 8 batches out, 4 to each rank.
+    for epoch in range(0, 40, 4):
+        shares = rank0["batches"][epoch:epoch + 4], rank1["batches"][epoch:epoch + 4]
+        assert sorted(shares[0] + shares[1]) == list(range(8)), f"epoch {epoch // 4}: the ranks trained {shares}"
     for name, value in rank0["dense"].items():  # with t0 kept: its weight and optimizer state too
         assert torch.equal(value, rank1["dense"][name]), f"dense weight {name} differs between ranks"
     losses = rank0["losses"]

@@ -38,7 +38,7 @@ def _trainer(strategy, steps: int, callbacks=(), checkpoint_dir=None, every: int
     return L.Trainer(
         accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=checkpoint_dir is not None, callbacks=callbacks,
-        strategy=strategy, use_distributed_sampler=False, **kwargs,
+        strategy=strategy, **kwargs,
     )
 
 

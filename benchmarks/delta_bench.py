@@ -55,7 +55,7 @@ def _in_chunks(ids: torch.Tensor, size: int = 1 << 19):
 
 def measure_delta(rows: int, storage_dtype: str, scratch: Path) -> dict:
     from lightning_persia.remote_ps.client import PSClient
-    from lightning_persia.remote_ps.server import LocalShards
+    from lightning_persia.remote_ps.launcher import LocalShards
     from lightning_persia.remote_ps.table_config import Adagrad, TableConfig
 
     table = TableConfig("t", 16, optimizer=Adagrad(lr=0.1, rowwise=True), capacity=4 * rows, storage_dtype=storage_dtype)

@@ -26,7 +26,7 @@ import grpc
 from hypothesis import HealthCheck, given, settings
 
 from lightning_persia.remote_ps.protocol import persia_pb2 as pb
-from lightning_persia.remote_ps.server import LocalShards
+from lightning_persia.remote_ps.launcher import LocalShards
 from lightning_persia.testing.fuzz import METHODS, FuzzTarget, fuzz_cases
 
 

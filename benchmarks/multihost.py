@@ -49,7 +49,7 @@ for _path in (str(_ROOT), str(_HERE)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from lightning_persia.remote_ps.server import LISTENING_PREFIX  # noqa: E402
+from lightning_persia.remote_ps.protocol import LISTENING_PREFIX  # noqa: E402
 from trainbench.netem import HostNetwork, NetemError  # noqa: E402
 
 PS_HOSTS = ("ps-0", "ps-1")

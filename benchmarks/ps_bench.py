@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from lightning_persia.remote_ps.client import PSClient
-from lightning_persia.remote_ps.server import LocalShards
+from lightning_persia.remote_ps.launcher import LocalShards
 from lightning_persia.remote_ps.store import ShardStore
 from lightning_persia.remote_ps.table_config import Adagrad, TableConfig
 

@@ -26,7 +26,7 @@ import time
 import torch
 
 from lightning_persia.remote_ps.client import PSClient
-from lightning_persia.remote_ps.server import LocalShards
+from lightning_persia.remote_ps.launcher import LocalShards
 from lightning_persia.remote_ps.table_config import SGD, Adagrad, Constant, TableConfig
 from lightning_persia.testing import hammer
 

@@ -46,7 +46,7 @@ from typing import Optional, Sequence
 import torch
 
 from lightning_persia.remote_ps.client import PSClient, PSError
-from lightning_persia.remote_ps.server import LocalShards
+from lightning_persia.remote_ps.launcher import LocalShards
 from lightning_persia.remote_ps.table_config import Adagrad, TableConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -97,13 +97,14 @@ def _ps_main(argv: Sequence[str]) -> int:
         format=f"%(asctime)s persia-ps[{args.shard_index}/{args.num_shards}] %(levelname)s %(message)s",
     )
 
-    from lightning_persia.remote_ps import server
+    from lightning_persia.remote_ps.security import BindSecurityError, TLSFiles
+    from lightning_persia.remote_ps.server import run_shard
     from lightning_persia.remote_ps.config import load_ps_config
     from lightning_persia.remote_ps.store import CheckpointError
     from lightning_persia.remote_ps.table_config import ConfigError
     from lightning_persia.serving.bundle import Bundle, BundleError, is_bundle
 
-    tls = server.TLSFiles(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+    tls = TLSFiles(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
     model_version = 0
     try:
         config = load_ps_config(args.config, args.overrides)
@@ -125,7 +126,7 @@ def _ps_main(argv: Sequence[str]) -> int:
         if args.watch_deltas:
             watch = functools.partial(_watch_deltas, root=os.path.abspath(args.watch_deltas), up_to=args.version,
                                       interval_s=args.watch_interval, name=f"shard {args.shard_index}/{args.num_shards}")
-        return server.run_shard(
+        return run_shard(
             shard_index=args.shard_index, num_shards=args.num_shards, config=config, host=args.host,
             port=args.port, token=args.token, tls=tls, insecure=args.insecure, parent_pid=args.parent_pid,
             model_version=model_version, before_serving=watch,
@@ -133,7 +134,7 @@ def _ps_main(argv: Sequence[str]) -> int:
     except (CheckpointError, BundleError) as err:
         print(f"lightning-persia ps serve: error: cannot restore: {err}", file=sys.stderr, flush=True)
         return 2
-    except (server.BindSecurityError, ConfigError, OSError) as err:
+    except (BindSecurityError, ConfigError, OSError) as err:
         print(f"lightning-persia ps serve: error: {err}", file=sys.stderr, flush=True)
         return 2
 

@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 
 from lightning_persia.ops import native
-from lightning_persia.remote_ps.server import LocalShards
+from lightning_persia.remote_ps.launcher import LocalShards
 
 # What a Trainer leaves in the environment and the process; a later subprocess would take it for its own launch.
 _DDP_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "PL_GLOBAL_SEED")

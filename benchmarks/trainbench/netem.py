@@ -40,7 +40,7 @@ import threading
 import time
 from typing import Deque, Dict, List, Optional, Sequence
 
-from lightning_persia.remote_ps.server import read_listening_address, stop_processes
+from lightning_persia.remote_ps.launcher import read_listening_address, stop_processes
 
 
 class NetemError(RuntimeError):
@@ -264,7 +264,7 @@ class EmulatedNetwork:
 class NamespaceShards:
     """``lightning-persia ps serve`` shards bound to the PS namespace's address, protected by a token.
 
-    Like :class:`lightning_persia.remote_ps.server.LocalShards`: each shard gets
+    Like :class:`lightning_persia.remote_ps.launcher.LocalShards`: each shard gets
     ``cpu_count // (num_shards + 1)`` torch threads and passive OpenMP waits, and exits with this process.
     """
 

@@ -9,7 +9,7 @@ compact memory for a huge page first). A request thread that waits there holds i
 freed memory on the heap takes those calls off the request path; what it keeps is bounded (the heaps of two
 arenas, each trimmed past :data:`TRIM_THRESHOLD_BYTES` of free memory at its top).
 
-Only the shard server process sets this (``remote_ps/server.py``); a trainer or a test that holds a store in
+Only the shard server process sets this (``remote_ps/process.py``); a trainer or a test that holds a store in
 its own process keeps its allocator as it is.
 """
 from __future__ import annotations

@@ -32,7 +32,7 @@ from prometheus_client.exposition import start_http_server
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
-    from lightning_persia.remote_ps.server import PSServicer
+    from lightning_persia.remote_ps.servicer import PSServicer
 
 # Request latencies from a loopback lookup (well under a millisecond) to a save of a large table.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)

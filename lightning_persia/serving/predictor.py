@@ -17,7 +17,7 @@ from lightning.pytorch.cli import instantiate_module
 from safetensors.torch import load_file
 
 from lightning_persia.remote_ps.client import PSClient, PSError
-from lightning_persia.remote_ps.server import LocalShards
+from lightning_persia.remote_ps.launcher import LocalShards
 from lightning_persia.remote_ps.table_config import TableConfig
 from lightning_persia.serving.bundle import DENSE_FILE, Bundle, BundleError
 from lightning_persia.serving.delta import Delta, DeltaError, DeltaWatcher, delta_path

@@ -13,7 +13,7 @@ from typing import Optional
 from omegaconf import OmegaConf
 
 from lightning_persia.remote_ps.config import load_ps_config
-from lightning_persia.remote_ps.server import LocalShards
+from lightning_persia.remote_ps.launcher import LocalShards
 
 EMBEDDED_NICE = 10
 EMBEDDED_SCHEDULING = "idle" if hasattr(os, "SCHED_IDLE") else "normal"

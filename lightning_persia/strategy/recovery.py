@@ -172,10 +172,9 @@ class Recovery:
 
     def attach(self, client: Any, embeddings: Optional[RecoverableEmbeddings], shards: Optional[RestartableShards]) -> None:
         """Applies the client's retry settings and makes failed updates wait for the next check."""
-        client.max_retries = self.config.client_max_retries
-        client.retry_for_s = self.config.wait_for_shards_s
-        client.backoff_s = self.config.client_backoff_s
-        client.max_backoff_s = self.config.client_max_backoff_s
+        retry = client.retry
+        retry.max_retries, retry.retry_for_s = self.config.client_max_retries, self.config.wait_for_shards_s
+        retry.backoff_s, retry.max_backoff_s = self.config.client_backoff_s, self.config.client_max_backoff_s
         self._client, self._embeddings, self._shards = client, embeddings, shards
         if embeddings is not None and self.config.enabled:
             embeddings.set_update_error_handler(self._on_update_error)

@@ -12,7 +12,7 @@ import torch
 
 from lightning_persia import cli
 from lightning_persia.remote_ps.client import PSClient
-from lightning_persia.remote_ps.server import LISTENING_PREFIX
+from lightning_persia.remote_ps.protocol import LISTENING_PREFIX
 from lightning_persia.remote_ps.store import ShardStore
 from lightning_persia.remote_ps.table_config import Adagrad, Normal, SGD, TableConfig
 
@@ -118,14 +118,14 @@ def test_console_script_is_installed():
 
 
 def test_idle_scheduling_refused_by_the_system_leaves_the_shard_serving_at_normal_priority(monkeypatch, caplog):
-    from lightning_persia.remote_ps import server
+    from lightning_persia.remote_ps import process
 
     def refuse(*args):
         raise PermissionError(1, "Operation not permitted")
 
-    monkeypatch.setattr(server.os, "sched_setscheduler", refuse)
+    monkeypatch.setattr(process.os, "sched_setscheduler", refuse)
     with caplog.at_level("WARNING", logger="lightning_persia.ps"):
-        server._schedule_idle()
+        process.schedule_idle()
     assert "scheduling 'idle' refused by the system" in caplog.text and "Operation not permitted" in caplog.text
 
 

@@ -15,7 +15,7 @@ import torch
 
 from lightning_persia.ops.hashing import shard_of
 from lightning_persia.remote_ps.client import PSError, PSRequestError, ShardUnavailableError, ShardWait
-from lightning_persia.remote_ps.server import LocalShards
+from lightning_persia.remote_ps.launcher import LocalShards
 from lightning_persia.remote_ps.store import ShardStore
 from lightning_persia.remote_ps.table_config import SGD, Adagrad, Adam, Constant, Normal, TableConfig, Uniform
 
@@ -263,29 +263,22 @@ def test_clients_sending_one_update_under_a_shared_sender_apply_it_once(ps_clust
 
 
 def test_retried_update_is_applied_once(ps_cluster, make_client):
-    """The first attempt reaches the shard but its answer is lost: the client resends the same seq."""
-    client = make_client(ps_cluster.addresses, backoff_s=0.01)
+    """The first attempts reach the shard but their answers are lost: the client resends the same seq."""
+    lost = {"count": 0}
+
+    class LoseFirstAnswers(grpc.aio.UnaryUnaryClientInterceptor):
+        async def intercept_unary_unary(self, continuation, details, request):
+            call = await continuation(details, request)
+            if details.method == b"/persia.ParameterServer/Update" and lost["count"] < 2:
+                await call  # the shard applied it; its answer is lost on the way back
+                lost["count"] += 1
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "answer lost")
+            return call
+
+    client = make_client(ps_cluster.addresses, backoff_s=0.01, interceptors=[LoseFirstAnswers()])
     client.configure([TableConfig("retry", 2, optimizer=SGD(lr=1.0), init=Constant(0.0))])
     ids = torch.arange(100)
     client.lookup({"retry": ids}, train=True)
-    lost = {"count": 0}
-    real_stubs = list(client._stubs)
-
-    class LoseFirstAnswer:
-        def __init__(self, stub):
-            self._stub = stub
-
-        def __getattr__(self, name):
-            return getattr(self._stub, name)
-
-        async def Update(self, request, **kwargs):
-            response = await self._stub.Update(request, **kwargs)
-            if lost["count"] < 2:
-                lost["count"] += 1
-                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "answer lost")
-            return response
-
-    client._stubs = [LoseFirstAnswer(s) for s in real_stubs]
     dups = sum(s["server"].get("dedup_duplicates", 0) for s in client.stats())
     client.update({"retry": (ids, torch.ones(100, 2))}, wire_dtype="fp32")
     assert lost["count"] == 2
@@ -317,7 +310,7 @@ def test_a_call_keeps_retrying_for_retry_for_s_and_answers_once_the_shard_is_bac
     assert client.call_budget_s == pytest.approx(1.0 + 0.05 + 2)
 
     # A shard that starts on that port while the call retries (as a restarted one does) answers it.
-    client.retry_for_s = 60.0
+    client.retry.retry_for_s = 60.0
     with ThreadPoolExecutor(1) as pool:
         call = pool.submit(client.stats)
         time.sleep(0.5)

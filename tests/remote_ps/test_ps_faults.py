@@ -17,7 +17,7 @@ import torch
 from lightning_persia import cli
 from lightning_persia.ops.hashing import shard_of
 from lightning_persia.remote_ps.client import PSRequestError, ShardRestartedError, ShardUnavailableError
-from lightning_persia.remote_ps.server import LocalShards
+from lightning_persia.remote_ps.launcher import LocalShards
 from lightning_persia.remote_ps.store import CheckpointError, ShardStore
 from lightning_persia.remote_ps.table_config import SGD, Constant, TableConfig
 from lightning_persia.testing.chaos_proxy import ChaosProxy

@@ -12,7 +12,7 @@ import torch
 
 from lightning_persia import checksum
 from lightning_persia.remote_ps.client import PSClient, PSRequestError
-from lightning_persia.remote_ps.server import LocalShards
+from lightning_persia.remote_ps.launcher import LocalShards
 from lightning_persia.remote_ps.store import CheckpointError, ShardStore
 from lightning_persia.remote_ps.table_config import SGD, Constant, TableConfig
 

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lightning_persia.remote_ps.client import PSClient, PSRequestError, ShardUnavailableError
 from lightning_persia.remote_ps.metrics import ClientRpcMetrics
-from lightning_persia.remote_ps.server import LISTENING_PREFIX, METRICS_PREFIX
+from lightning_persia.remote_ps.protocol import LISTENING_PREFIX, METRICS_PREFIX
 from lightning_persia.remote_ps.table_config import SGD, TableConfig
 
 TOKEN = "metrics-token"

@@ -19,7 +19,7 @@ from cryptography.x509.oid import NameOID
 
 from lightning_persia import cli
 from lightning_persia.remote_ps.client import PSRequestError, ShardUnavailableError
-from lightning_persia.remote_ps.server import BindSecurityError, check_bind_security
+from lightning_persia.remote_ps.security import BindSecurityError, check_bind_security
 from lightning_persia.remote_ps.table_config import SGD, Constant, TableConfig
 
 TOKEN = "s3cret-token"

@@ -1,0 +1,254 @@
+"""The ``persia.ParameterServer`` service of one shard, over a :class:`ShardStore`.
+
+Every RPC reads its request (``messages.py`` checks it before anything touches the rows), calls the store and
+answers. A refusal or failure becomes a gRPC status whose message names the shard and the problem; the shard
+keeps serving and its data is unchanged. Calls of :data:`FENCED_METHODS` that name another incarnation of
+the shard than this process are refused with ABORTED.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import json
+import logging
+import threading
+import time
+import uuid
+from typing import Callable, Optional
+
+import grpc
+
+from lightning_persia.ops import wire
+from lightning_persia.remote_ps import messages
+from lightning_persia.remote_ps.config import PSConfig
+from lightning_persia.remote_ps.exactly_once import UpdateDeduplicator
+from lightning_persia.remote_ps.messages import RpcRefusal, invalid, read_only
+from lightning_persia.remote_ps.protocol import FENCED_METHODS, INCARNATION_METADATA_KEY, SERVICE_NAME, persia_pb2, persia_pb2_grpc
+from lightning_persia.remote_ps.served_version import ServedVersion
+from lightning_persia.remote_ps.store import ShardStore, UnknownTableError
+
+log = logging.getLogger("lightning_persia.ps")
+
+_DELAYED_METHODS = frozenset({"Lookup", "Update"})
+
+
+def _rpc(method: Callable) -> Callable:
+    """Counts the call and turns every refusal or failure into a gRPC status with its message."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def wrapper(self: "PSServicer", request, context: grpc.ServicerContext):
+        self._count(name)
+        try:
+            if self.config.fault_delay_s and name in _DELAYED_METHODS:
+                time.sleep(self.config.fault_delay_s)
+            if name in FENCED_METHODS:
+                self._check_incarnation(context)
+            if isinstance(request, messages.Undecodable):
+                raise invalid(f"request bytes are not a valid {request.message_type} message ({request.error})")
+            return method(self, request, context)
+        except Exception as err:
+            code = messages.status_of(err)
+            if code is None:  # a bug: keep serving, tell the caller, keep the traceback in the log
+                log.exception("%s failed", name)
+                code, message = grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}"
+            else:
+                message = str(err)
+        self._count(f"{name}_errors")
+        context.abort(code, f"shard {self.store.shard_index}/{self.store.num_shards}: {message}")
+
+    return wrapper
+
+
+class PSServicer(persia_pb2_grpc.ParameterServerServicer):
+    """The ``persia.ParameterServer`` service of one shard."""
+
+    def __init__(self, store: ShardStore, config: PSConfig, model_version: int = 0) -> None:
+        self.store = store
+        self.config = config
+        self.served = ServedVersion(store, model_version)
+        self.watching_deltas: Optional[str] = None  # the folder of deltas this shard applies on its own, if any
+        self.max_message_bytes = config.max_message_mb << 20
+        self.dedup = UpdateDeduplicator(config.dedup_window, config.dedup_max_clients)
+        self._decoder = messages.RequestDecoder(store, config.max_ids_per_request)
+        self._counters: collections.Counter[str] = collections.Counter()
+        self._counter_lock = threading.Lock()
+        # New in every process (and every servicer): a client that saw another one talks to a restarted shard.
+        self.incarnation = uuid.uuid4().hex[:16]
+        self.started_at = time.time()
+        self.restored_from: Optional[str] = None
+
+    def add_to_server(self, server: grpc.Server) -> None:
+        """Registers every RPC of the service, like the generated ``add_ParameterServerServicer_to_server``,
+        but with request parsing that answers undecodable bytes with INVALID_ARGUMENT instead of INTERNAL."""
+        handlers = {}
+        for method in persia_pb2.DESCRIPTOR.services_by_name["ParameterServer"].methods:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                getattr(self, method.name),
+                request_deserializer=messages.tolerant_parser(getattr(persia_pb2, method.input_type.name)),
+                response_serializer=getattr(persia_pb2, method.output_type.name).SerializeToString,
+            )
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+        server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+    # ---- rows ----------------------------------------------------------------------------------------
+
+    @_rpc
+    def Lookup(self, request: persia_pb2.LookupRequest, context) -> persia_pb2.LookupResponse:
+        dtype = messages.lookup_dtype(request.dtype)
+        items = self._decoder.tables(request, with_grads=False)
+        response_bytes = sum(item.ids.numel() * item.dim for item in items) * wire.WIRE_DTYPES[dtype].itemsize
+        if response_bytes > self.max_message_bytes - (1 << 20):
+            raise RpcRefusal(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the rows asked for would take {response_bytes} bytes, over the {self.max_message_bytes}-byte "
+                "message limit (max_message_mb); ask for fewer ids per request",
+            )
+        # A read-only shard answers a training lookup like an evaluation one: nothing is inserted or touched.
+        train = request.train and not self.config.read_only
+        found = self.store.lookup_many([(item.name, item.ids) for item in items], train=train, dtype=wire.WIRE_DTYPES[dtype])
+        self._count("lookup_rows", sum(item.ids.numel() for item in items))
+        return messages.lookup_response(request, items, found, dtype)
+
+    @_rpc
+    def Update(self, request: persia_pb2.UpdateRequest, context) -> persia_pb2.UpdateResponse:
+        if self.config.read_only:
+            raise read_only("Update")
+        if not request.client_id:
+            raise invalid("update without a client_id; exactly-once delivery needs (client_id, seq)")
+        if request.seq < 1:
+            raise invalid("update seq must be >= 1")
+
+        def apply() -> int:
+            # Decoded here, not before: a duplicate (a retry, or the same merged update from another rank)
+            # is answered without decoding its gradients again.
+            items = self._decoder.tables(request, with_grads=True)
+            return self.store.update_many([(item.name, item.ids, item.grads) for item in items])
+
+        rows, duplicate = self.dedup.run(request.client_id, request.seq, apply, digest=messages.update_digest(request))
+        self._count("update_duplicates" if duplicate else "update_rows", 1 if duplicate else rows)
+        return persia_pb2.UpdateResponse(rows_applied=rows, duplicate=duplicate)
+
+    # ---- tables --------------------------------------------------------------------------------------
+
+    @_rpc
+    def Configure(self, request: persia_pb2.ConfigureRequest, context) -> persia_pb2.ConfigureResponse:
+        configs = [messages.table_config_from_json(text) for text in request.tables_json]
+        if self.config.read_only:
+            for config in configs:  # confirming a table as it is stays allowed
+                try:
+                    existing = self.store.describe(config.name)
+                except UnknownTableError:
+                    raise read_only(f"Configure of the new table {config.name!r}") from None
+                if existing != config:
+                    raise read_only(f"Configure of table {config.name!r} with another configuration")
+        names = [c.name for c in configs]
+        if len(set(names)) != len(names):
+            raise invalid(f"a table appears more than once in one configure request: {names}")
+        for config in configs:  # refuse the whole request if any table clashes with an existing one
+            try:
+                existing = self.store.describe(config.name)
+            except UnknownTableError:
+                continue
+            if existing.dim != config.dim:
+                raise invalid(f"table {config.name!r} exists with dim {existing.dim}, asked for dim {config.dim}")
+        existing_count = self.store.table_count()
+        new_tables = [c.name for c in configs if c.name not in self.store.tables()]
+        if existing_count + len(new_tables) > self.config.max_tables:
+            raise RpcRefusal(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"creating {len(new_tables)} more tables would exceed max_tables={self.config.max_tables} "
+                f"(the shard holds {existing_count})",
+            )
+        applied = [self.store.configure(config) for config in configs]
+        return persia_pb2.ConfigureResponse(tables_json=[json.dumps(c.to_dict()) for c in applied])
+
+    @_rpc
+    def Describe(self, request: persia_pb2.DescribeRequest, context) -> persia_pb2.DescribeResponse:
+        names = list(request.names) or self.store.tables()
+        return persia_pb2.DescribeResponse(tables_json=[json.dumps(self.store.describe(n).to_dict()) for n in names])
+
+    # ---- checkpoints and deltas ----------------------------------------------------------------------
+
+    @_rpc
+    def Save(self, request: persia_pb2.SaveRequest, context) -> persia_pb2.SaveResponse:
+        if self.config.read_only:
+            raise read_only("Save")
+        self.store.save(self._checkpoint_directory(request.directory), save_id=request.save_id)
+        return persia_pb2.SaveResponse()
+
+    @_rpc
+    def Load(self, request: persia_pb2.LoadRequest, context) -> persia_pb2.LoadResponse:
+        if self.config.read_only:
+            raise read_only("Load")
+        self.store.load(self._checkpoint_directory(request.directory))
+        return persia_pb2.LoadResponse()
+
+    @_rpc
+    def SaveDelta(self, request: persia_pb2.SaveDeltaRequest, context) -> persia_pb2.SaveDeltaResponse:
+        if self.config.read_only:
+            raise read_only("SaveDelta")
+        if not request.save_id:
+            raise invalid("a delta needs a save_id (the next delta names it as its base_id)")
+        self.store.save_delta(self._checkpoint_directory(request.directory), request.save_id, request.base_id)
+        return persia_pb2.SaveDeltaResponse()
+
+    @_rpc
+    def StageDelta(self, request: persia_pb2.StageDeltaRequest, context) -> persia_pb2.StageDeltaResponse:
+        self._check_serving("StageDelta")
+        rows = self.served.stage(self._checkpoint_directory(request.directory), request.version, request.base_version)
+        return persia_pb2.StageDeltaResponse(rows=rows)
+
+    @_rpc
+    def CommitDelta(self, request: persia_pb2.CommitDeltaRequest, context) -> persia_pb2.CommitDeltaResponse:
+        self._check_serving("CommitDelta")
+        self.served.commit(request.version)
+        return persia_pb2.CommitDeltaResponse()
+
+    # ---- stats ---------------------------------------------------------------------------------------
+
+    @_rpc
+    def Stats(self, request: persia_pb2.StatsRequest, context) -> persia_pb2.StatsResponse:
+        with self._counter_lock:
+            server = dict(self._counters)
+        server["dedup_duplicates"] = self.dedup.duplicates
+        server.update(incarnation=self.incarnation, started_at=self.started_at, restored_from=self.restored_from,
+                      model_version=self.served.version, staged_version=self.served.staged_version,
+                      watching_deltas=self.watching_deltas)
+        body = {"tables": self.store.stats(), "server": server}
+        return persia_pb2.StatsResponse(
+            shard_index=self.store.shard_index, num_shards=self.store.num_shards, json=json.dumps(body),
+            incarnation=self.incarnation,
+        )
+
+    # ---- helpers -------------------------------------------------------------------------------------
+
+    def _count(self, key: str, amount: int = 1) -> None:
+        with self._counter_lock:
+            self._counters[key] += amount
+
+    def _check_incarnation(self, context) -> None:
+        for key, value in context.invocation_metadata() or ():
+            if key == INCARNATION_METADATA_KEY:
+                expected = value.decode(errors="replace") if isinstance(value, bytes) else value
+                if expected != self.incarnation:
+                    restored = f", restored from {self.restored_from}" if self.restored_from else ", with empty tables"
+                    raise RpcRefusal(
+                        grpc.StatusCode.ABORTED,
+                        f"shard restarted: the caller knew incarnation {expected!r}, this process is incarnation "
+                        f"{self.incarnation!r} (started {time.time() - self.started_at:.1f} s ago{restored}); rows "
+                        "written since the last checkpoint may be lost. Roll back to a checkpoint, then refresh the "
+                        "client's incarnations (PSClient.wait_healthy)",
+                    )
+                return
+
+    def _check_serving(self, what: str) -> None:
+        if not self.config.read_only:
+            raise RpcRefusal(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"{what} refused: only read-only (inference) shards apply deltas; this is a training shard")
+        if self.watching_deltas is not None:
+            raise RpcRefusal(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"{what} refused: this shard applies the deltas of {self.watching_deltas} on its own (--watch-deltas)")
+
+    def _checkpoint_directory(self, directory: str) -> str:
+        return messages.checkpoint_directory(directory, self.config.checkpoint_root)

@@ -55,6 +55,7 @@ def make_configs(args: argparse.Namespace, meta: Dict[str, Any]) -> List[Dict[st
         data_path=meta["path"], cardinalities=meta["cardinalities"], dim=args.dim, seed=args.seed, ps_seed=args.seed,
         emb_lr=0.05, emb_eps=1e-8, dense_lr=1e-3, wire_dtype=args.wire_dtype, shards=args.shards,
         data_parallel_max_rows=0, profile=args.profile, loader_workers=args.loader_workers,
+        accelerator=args.accelerator, data=args.data,
     )
     if args.threads:
         common["torch_threads"] = args.threads
@@ -150,6 +151,12 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--loader-workers", type=int, default=0, metavar="N",
                         help="worker processes of every run's train DataLoader (PersiaStrategy then plans each batch's lookup "
                              "in them; default 0: in the trainer process)")
+    parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"],
+                        help="where the trainer runs, and the local baseline's tables with it (gpu: the first CUDA device)")
+    parser.add_argument("--data", default="memory", choices=["memory", "loader"],
+                        help="memory (default): every run's batches built before its fit (pinned on a GPU) and read from a list, "
+                             "the same for the local baseline and PersiaStrategy; loader: built from the cache as the "
+                             "DataLoader asks (in --loader-workers processes)")
     parser.add_argument("--profile", action="store_true",
                         help="profile the runs (torch.profiler spans of the embedding path, CPU per thread) and print where a step's time goes")
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
@@ -206,7 +213,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     load_after = os.getloadavg()
     print(f"\npipeline_bench: {args.steps} steps per run (samples/s: median of windows of {args.window} steps after {args.warmup}; "
           f"CPU per step over the same steps), {args.repeat} round(s), {args.wire_dtype} on the wire, "
-          f"{args.loader_workers} DataLoader worker(s)")
+          f"{args.loader_workers} DataLoader worker(s), batches from {args.data}")
+    print(f"device: {results[0].get('device')} ({args.accelerator})")
     print(f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after (other work on the machine lowers every figure)\n")
     print_table(results)
     head = headline(results, args.staleness)
@@ -216,7 +224,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.json:
         summary = dict(head, runs=results, steps=args.steps, dim=args.dim, shards=args.shards, wire_dtype=args.wire_dtype,
                        loader_workers=args.loader_workers,
-                       cpu_count=os.cpu_count(), load_average=[load_before[0], load_after[0]])
+                       cpu_count=os.cpu_count(), load_average=[load_before[0], load_after[0]],
+                       accelerator=args.accelerator, data=args.data, device=results[0].get("device"))
         print(json.dumps(summary))
     return 0
 

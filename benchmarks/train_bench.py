@@ -64,6 +64,7 @@ def make_configs(args: argparse.Namespace, meta: Dict[str, Any]) -> List[Dict[st
         dim=args.dim, seed=args.seed, ps_seed=args.seed, emb_lr=args.emb_lr, emb_eps=1e-8, dense_lr=args.dense_lr,
         wire_dtype=args.wire_dtype, shards=args.shards, profile=args.profile, data_parallel_max_rows=args.data_parallel_max_rows,
         merge_rank_gradients=not args.per_rank_updates, storage_dtype=args.storage_dtype,
+        accelerator=args.accelerator, data=args.data, loader_workers=args.loader_workers,
     )
     if args.threads:
         common["torch_threads"] = args.threads
@@ -221,8 +222,8 @@ def print_profile(results: List[Dict[str, Any]]) -> None:
         line += "".join(f"{_fmt(p.get(k), '.1f'):>9}" for k in BACKGROUND_PARTS)
         line += f"{_fmt(p.get('staleness_mean'), '.1f'):>6}{_fmt(p.get('wire_mb_per_step'), '.2f'):>9}"
         print(line)
-    print("wait, pooled, push, plan, merge: the embedding path's profiler spans (lightning_persia.embedding.phases); plan and\n"
-          "merge run on their own threads, overlapping the trainer's parts; lookup, update: latencies (moving averages);\n"
+    print("wait, pooled, push, plan, encode, merge: the embedding path's profiler spans (lightning_persia.embedding.phases); plan,\n"
+          "encode and merge run on their own threads, overlapping the trainer's parts; lookup, update: latencies (moving averages);\n"
           "lag: earlier steps' updates a step's lookup missed (mean)")
     from trainbench.probe import CPU_PARTS
 
@@ -305,6 +306,13 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--cache-dir", type=Path, default=None, help="where the generated data is cached")
     parser.add_argument("--repeat", type=int, default=None, help="rounds of every run; medians are reported (default 2; --quick 1)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one configuration may take")
+    parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"],
+                        help="where the trainer runs, and the local baseline's tables with it (gpu: the first CUDA device)")
+    parser.add_argument("--data", default="memory", choices=["memory", "loader"],
+                        help="memory (default): every run's batches built before its fit (pinned on a GPU) and read from a list, "
+                             "the same for the local baseline and PersiaStrategy; loader: built from the cache as the "
+                             "DataLoader asks (in --loader-workers processes)")
+    parser.add_argument("--loader-workers", type=int, default=0, metavar="N", help="worker processes of every run's train DataLoader")
     parser.add_argument("--storage-dtype", default="fp32", choices=["fp32", "fp16"], help="how the shards store the rows")
     parser.add_argument("--grow", action="store_true",
                         help="instead of the table: train while the tables grow (Criteo-Terabyte cardinalities) to --grow-rows")
@@ -391,6 +399,8 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"{args.test_batches * args.batch_size:,} rows (ceiling {meta['ground_truth_auc']:.4f}), {args.shards} shards, "
           f"{args.wire_dtype} on the wire{', per-rank updates' if args.per_rank_updates else ''}"
           f"{'; ' + net.describe() if net else ', loopback'}")
+    print(f"device: {results[0].get('device') if results else '-'} ({args.accelerator}); batches from {args.data}"
+          f"{f', {args.loader_workers} DataLoader worker(s)' if args.loader_workers else ''}")
     print(f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after (other work on the machine lowers every figure)")
     head = headline(results, args)
     print_table(results, head)
@@ -401,7 +411,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         summary.update(
             runs=results, netem=args.netem, batch_size=args.batch_size, steps=args.steps, dim=args.dim, shards=args.shards,
             wire_dtype=args.wire_dtype, ground_truth_auc=meta["ground_truth_auc"], cpu_count=os.cpu_count(),
-            load_average=[load_before[0], load_after[0]],
+            load_average=[load_before[0], load_after[0]], accelerator=args.accelerator, data=args.data,
+            loader_workers=args.loader_workers, device=results[0].get("device") if results else None,
         )
         print(json.dumps(summary))
     return 0

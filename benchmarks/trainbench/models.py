@@ -8,7 +8,7 @@ Every configuration builds the model with its ``EmbeddingBagCollection`` on the 
 ``torch.manual_seed(seed)``, so the dense layers start from the same weights everywhere. Then:
 
 * remote runs hand the meta collection to ``PersiaStrategy``, which swaps it for its remote twin;
-* the local baseline replaces it by a TorchRec ``FusedEmbeddingBagCollection`` (FBGEMM's CPU
+* the local baseline replaces it by a TorchRec ``FusedEmbeddingBagCollection`` on the run's device (FBGEMM's
   ``SplitTableBatchedEmbeddingBagsCodegen``, one batched kernel for all 26 tables, with the optimizer fused
   into the backward: ``EXACT_ROWWISE_ADAGRAD``) whose rows start from exactly the values the parameter
   server gives the same ids (its deterministic ``(seed, table, id)`` initialiser), so local and remote runs
@@ -83,11 +83,13 @@ def ps_init(num_embeddings: int) -> Uniform:
     return Uniform(-bound, bound)
 
 
-def make_local_fused(model: _FusedAware, *, lr: float, eps: float, ps_seed: int, chunk_rows: int = 1 << 18) -> None:
-    """Replaces ``model.ebc`` (meta) by a fused CPU collection initialised as the parameter server would."""
+def make_local_fused(model: _FusedAware, *, lr: float, eps: float, ps_seed: int, chunk_rows: int = 1 << 18,
+                     device: torch.device = torch.device("cpu")) -> None:
+    """Replaces ``model.ebc`` (meta) by a fused collection on ``device`` (FBGEMM's CPU or CUDA kernels) initialised
+    as the parameter server would."""
     configs = model.ebc.embedding_bag_configs()
     fused = FusedEmbeddingBagCollection(
-        tables=configs, optimizer_type=RowWiseAdagrad, optimizer_kwargs={"lr": lr, "eps": eps}, device=torch.device("cpu"),
+        tables=configs, optimizer_type=RowWiseAdagrad, optimizer_kwargs={"lr": lr, "eps": eps}, device=device,
     )
     weights = dict(fused.named_parameters())
     with torch.no_grad():
@@ -96,7 +98,8 @@ def make_local_fused(model: _FusedAware, *, lr: float, eps: float, ps_seed: int,
             init = ps_init(config.num_embeddings)
             for first in range(0, config.num_embeddings, chunk_rows):
                 ids = torch.arange(first, min(first + chunk_rows, config.num_embeddings))
-                weight[first : first + ids.numel()] = initial_rows(init, ps_seed, f"{EBC_PATH}.{config.name}", ids, config.embedding_dim)
+                rows = initial_rows(init, ps_seed, f"{EBC_PATH}.{config.name}", ids, config.embedding_dim)
+                weight[first : first + ids.numel()] = rows.to(weight.device)
     model.ebc = fused
 
 

@@ -12,7 +12,7 @@ trainer thread (they add up to the step time)
              moving them to the device
   pooled     the ``persia.pooled_lookup`` spans: the twins' fused lookups over the batch-local rows
   backward   ``loss.backward()``
-  push       the ``persia.gradient_push`` span: the step's gradient checked, encoded and handed to the shards
+  push       the ``persia.gradient_push`` span: the step's gradient started on its way to the host and queued
   optimizer  dense optimizer step, Lightning bookkeeping
 
 CPU time (ms of CPU per step, from the end of the warm-up to the profiled steps; 2 cores give at most 2 x the
@@ -20,6 +20,7 @@ step time)
   cpu_main      the trainer thread (Python, Lightning, and its share of every torch op)
   cpu_pool      torch's other intra-op (OpenMP) threads
   cpu_prefetch  the prefetch thread (planning: dedup, bucketing and encoding of lookups)
+  cpu_push      the pusher's thread (gradients checked, encoded and sent)
   cpu_client    the PS client's event-loop thread (gRPC calls, decoding rows)
   cpu_other     every other thread of the trainer process (gRPC core, Lightning, the rank merge)
   cpu_ranks     the other trainer ranks (rank 0 launched them) and DataLoader workers, whole processes
@@ -27,6 +28,7 @@ step time)
 
 in the background (overlapping the above)
   plan       the ``persia.plan`` spans (prefetch thread), per step
+  encode     the ``persia.gradient_encode`` spans (push thread): a gradient checked, encoded and sent
   merge      the ``persia.merge`` spans (rank-merge thread), per step
   lookup     a prefetched lookup's latency: issue -> rows decoded (the pipeline scheduler's moving average)
   update     an update's latency: push -> acknowledged by every shard (the same)
@@ -49,11 +51,32 @@ from typing import Any, Dict, List, Optional
 import lightning as L
 from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile
 
-from lightning_persia.embedding.phases import GRADIENT_PUSH, LOOKUP_WAIT, MERGE, PHASES, PLAN, POOLED_LOOKUP
+from lightning_persia.embedding.phases import GRADIENT_ENCODE, GRADIENT_PUSH, LOOKUP_WAIT, MERGE, PHASES, PLAN, POOLED_LOOKUP
 
 _TICK_MS = 1000.0 / os.sysconf("SC_CLK_TCK")
 SHARD_PIDS: List[int] = []  # shard processes that are not children of this one (--netem)
-CPU_PARTS = ("cpu_main", "cpu_pool", "cpu_prefetch", "cpu_client", "cpu_other", "cpu_ranks", "cpu_shards")
+CPU_PARTS = ("cpu_main", "cpu_pool", "cpu_prefetch", "cpu_push", "cpu_client", "cpu_other", "cpu_ranks", "cpu_shards")
+
+
+def device_name(accelerator: str) -> str:
+    """What a run trained on: the GPU's name, or the CPU's model and core count."""
+    import torch
+
+    if accelerator == "gpu":
+        return torch.cuda.get_device_name(torch.cuda.current_device())
+    model = platform_cpu_model()
+    return f"{model}, {os.cpu_count()} cores" if model else f"{os.cpu_count()} CPU cores"
+
+
+def platform_cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def _stat_cpu_ms(path: str) -> float:
@@ -97,6 +120,8 @@ def _role(tid: int, names: Dict[int, str], main_tid: int) -> str:
         return "cpu_pool" if comm.startswith(("python", "pt_")) else "cpu_other"
     if name.startswith("persia-prefetch"):
         return "cpu_prefetch"
+    if name.startswith("persia-push"):
+        return "cpu_push"
     if name.startswith("persia-ps-client"):
         return "cpu_client"
     return "cpu_other"
@@ -181,9 +206,9 @@ class CpuMeter(L.Callback):
 
 
 TRAINER_PARTS = ("data", "forward", "wait", "pooled", "backward", "push", "optimizer")
-BACKGROUND_PARTS = ("plan", "merge", "lookup", "update")
+BACKGROUND_PARTS = ("plan", "encode", "merge", "lookup", "update")
 PROFILED_STEPS = 12
-_SPAN_PARTS = {"wait": LOOKUP_WAIT, "pooled": POOLED_LOOKUP, "push": GRADIENT_PUSH, "plan": PLAN, "merge": MERGE}
+_SPAN_PARTS = {"wait": LOOKUP_WAIT, "pooled": POOLED_LOOKUP, "push": GRADIENT_PUSH, "plan": PLAN, "encode": GRADIENT_ENCODE, "merge": MERGE}
 
 
 class StepProbe(L.Callback):
@@ -272,7 +297,7 @@ class StepProbe(L.Callback):
         for part in ("data", "forward", "backward", "optimizer"):
             values = [s.get(part, 0.0) for s in steps]
             out[part] = statistics.mean(values) if values else 0.0
-        for part in ("wait", "pooled", "push", "plan", "merge"):
+        for part in ("wait", "pooled", "push", "plan", "encode", "merge"):
             out[part] = self.spans.get(part, 0.0)
         out["forward"] -= out["wait"] + out["pooled"]
         out["optimizer"] -= out["push"]

@@ -3,7 +3,15 @@
 ``config`` (a JSON object on the command line) says everything: the model (``dlrm``, the default, or
 ``linear``), the mode (``local`` or ``persia``), ranks, staleness, sizes, the data cache, and where rank 0
 writes its result JSON. ``test_batches: 0`` skips the evaluation after training (no AUC); ``loader_workers``: the
-train DataLoader's worker processes (default 0).
+train DataLoader's worker processes (default 0); ``accelerator``: ``cpu`` (default) or ``gpu`` (the trainer, and
+the local baseline's tables, on the first CUDA device).
+
+``data`` says where the training batches come from, the same way for the local baseline and PersiaStrategy:
+
+* ``memory`` (default): every batch of the run built before ``fit`` (in pinned memory on a GPU) and handed out
+  by a ``DataLoader`` over the list, so that a step costs what training costs, not what making its batch costs;
+* ``loader``: each batch built from the memory-mapped cache when the ``DataLoader`` asks for it (in its workers
+  with ``loader_workers``, pinned on a GPU).
 """
 from __future__ import annotations
 
@@ -26,9 +34,15 @@ def _quiet() -> None:
 
 
 class _StepClock:
-    """Timestamps of every training step's end (rank 0), for samples/s over windows of steps."""
+    """Timestamps of every training step's end (rank 0), for samples/s over windows of steps.
 
-    def __init__(self) -> None:
+    On a GPU a step's end on the host is not the end of its kernels: the device is synchronised at the edges of
+    the windows (the end of the warm-up, then every ``window`` steps), and only there, so that a window's time
+    is the device's and the steps inside it run as they would without the clock. The losses are read at the
+    same edges (reading one is a synchronisation too).
+    """
+
+    def __init__(self, warmup: int, window: int, synchronize=None) -> None:
         import lightning as L
 
         clock = self
@@ -38,8 +52,12 @@ class _StepClock:
                 clock.start = time.perf_counter()
 
             def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+                count = len(clock.ends) + 1
+                edge = count >= warmup and (count - warmup) % window == 0
+                if edge and synchronize is not None:
+                    synchronize()
                 clock.ends.append(time.perf_counter())
-                if isinstance(outputs, dict) and "loss" in outputs:
+                if (edge or synchronize is None) and isinstance(outputs, dict) and "loss" in outputs:
                     clock.losses.append(float(outputs["loss"]))
 
         self.start = 0.0
@@ -70,11 +88,15 @@ def run(config: Dict[str, Any]) -> None:
     from lightning_persia import Adagrad, PersiaStrategy
     from trainbench.data import RankSlices
     from trainbench.models import build_model, make_local_fused
-    from trainbench.probe import CpuMeter, StepProbe
+    from trainbench.probe import CpuMeter, StepProbe, device_name
 
     world = int(config["world"])
     batch = int(config["batch_size"])
     rank = int(os.environ.get("LOCAL_RANK", "0"))  # one node: local rank == global rank
+    accelerator = config.get("accelerator", "cpu")
+    gpu = accelerator == "gpu"
+    if gpu and not torch.cuda.is_available():
+        raise RuntimeError("--accelerator gpu: torch sees no CUDA device on this machine")
     setup_start = time.perf_counter()
 
     model = build_model(config["cardinalities"], dim=config["dim"], seed=config["seed"], dense_lr=config["dense_lr"],
@@ -82,7 +104,8 @@ def run(config: Dict[str, Any]) -> None:
     if config["mode"] == "local":
         if world != 1:
             raise ValueError("the local baseline runs on one rank (its tables are not sharded across ranks)")
-        make_local_fused(model, lr=config["emb_lr"], eps=config["emb_eps"], ps_seed=config["ps_seed"])
+        make_local_fused(model, lr=config["emb_lr"], eps=config["emb_eps"], ps_seed=config["ps_seed"],
+                         device=torch.device("cuda", rank) if gpu else torch.device("cpu"))
         strategy: Any = "auto"
     else:
         strategy = PersiaStrategy(
@@ -102,7 +125,7 @@ def run(config: Dict[str, Any]) -> None:
     import trainbench.probe as probe_module
 
     probe_module.SHARD_PIDS[:] = config.get("shard_pids", [])
-    clock = _StepClock()
+    clock = _StepClock(config["warmup"], config["window"], torch.cuda.synchronize if gpu else None)
     cpu = CpuMeter(config["warmup"])
     callbacks = [clock.callback, cpu]
     probe = None
@@ -111,7 +134,7 @@ def run(config: Dict[str, Any]) -> None:
         callbacks.append(probe)
 
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=world,
         strategy=strategy,
         max_steps=config["steps"],
@@ -129,11 +152,17 @@ def run(config: Dict[str, Any]) -> None:
     # A few batches more than the steps when the data has them: the prefetcher still runs at the last step (its
     # thread's CPU is then counted as its own by the profile).
     available = len(RankSlices(config["data_path"], "train", batch, None, rank, world))
-    train = RankSlices(config["data_path"], "train", batch, min(available, config["steps"] + 16), rank, world)
+    train: Any = RankSlices(config["data_path"], "train", batch, min(available, config["steps"] + 16), rank, world)
     workers = int(config.get("loader_workers", 0))
+    data = config.get("data", "memory")
+    if data == "memory":
+        train = [train[i].pin_memory() if gpu else train[i] for i in range(len(train))]
+    elif data != "loader":
+        raise ValueError(f"data must be 'memory' or 'loader', got {data!r}")
+    loader = DataLoader(train, batch_size=None, shuffle=False, num_workers=workers, persistent_workers=workers > 0,
+                        pin_memory=gpu and data == "loader")
     fit_start = time.perf_counter()
-    trainer.fit(model, train_dataloaders=DataLoader(train, batch_size=None, shuffle=False, num_workers=workers,
-                                                    persistent_workers=workers > 0))
+    trainer.fit(model, train_dataloaders=loader)
     fit_s = time.perf_counter() - fit_start
     test_start = time.perf_counter()
     metrics = [{}]
@@ -161,6 +190,8 @@ def run(config: Dict[str, Any]) -> None:
         "setup_s": fit_start - setup_start,
         "first_step_s": (clock.ends[0] - clock.start) if clock.ends else None,
         "torch_threads": torch.get_num_threads(),
+        "device": device_name(accelerator),
+        "data": data,
         **cpu.summary(),
     }
     if probe is not None:

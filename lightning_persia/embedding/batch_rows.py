@@ -18,8 +18,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from lightning_persia.embedding.transfer import DeviceTransfer, Download, Upload
 from lightning_persia.ops.keyed_ids import KeyedIds, RowLayout
-from lightning_persia.ops.pooled_lookup import FlatLayout
+from lightning_persia.ops.pooled_lookup import FlatLayout, FusedArguments
 from lightning_persia.remote_ps.table_config import TableConfig
 
 
@@ -50,6 +51,7 @@ class RowPlan:
     dims: tuple[int, ...]
     inverse: torch.Tensor
     source: tuple[torch.Tensor, ...]
+    feature_tables: Optional[tuple[int, ...]] = None  # a pooled collection's table of each feature (its fused lookup)
 
     @property
     def num_ids(self) -> int:
@@ -71,15 +73,21 @@ class RowPlan:
 
 @dataclass(frozen=True)
 class ModuleRows:
-    """What one module's forward reads: the flat leaf of its lookup, where its tables are in it, its plan."""
+    """What one module's forward reads: the flat leaf of its lookup, where its tables are in it, its plan.
+
+    ``device_inverse`` and ``fused``: the plan's inverse indices and its fused lookup's arguments, already on the
+    leaf's device when the pipeline moved them there ahead of the forward.
+    """
 
     plan: RowPlan
     weights: torch.Tensor
     base: int  # offset of the module's first table in ``weights``
+    device_inverse: Optional[torch.Tensor] = None
+    fused: Optional[FusedArguments] = None
 
     @property
     def inverse(self) -> torch.Tensor:
-        return self.plan.inverse
+        return self.device_inverse if self.device_inverse is not None else self.plan.inverse
 
     def layout(self, feature_tables: tuple[int, ...]) -> FlatLayout:
         """The layout of the module's tables in :attr:`weights`, for a fused lookup of its features."""
@@ -108,15 +116,32 @@ class BatchRows:
         self.sharded: Any = None  # the ids bucketed by shard, ready to send (ShardClient.shard)
         self.weights: Optional[torch.Tensor] = None
         self.wait_ms = 0.0
-        self._rows: Optional[Future] = None
+        self._rows: Optional[Future] = None  # the flat rows on the host, or (on a GPU) their Upload
         self._issued = threading.Event()
         self._taken: set[str] = set()
+        self._inverses: dict[str, Upload] = {}
+        self._fused: dict[str, tuple[FusedArguments, Upload]] = {}
 
     # ---- the lookup ----------------------------------------------------------------------------------
 
-    def attach(self, sharded: Any, rows: "Future[torch.Tensor]") -> None:
-        """Hands over the lookup of these rows (flat, in :attr:`keyed` order) and the ids' sharding."""
+    def prepare(self, transfer: DeviceTransfer, fused_lookup: bool) -> None:
+        """Starts moving what the forwards read besides the rows to the device (on a GPU; nothing on the CPU): every
+        plan's inverse indices and, with ``fused_lookup``, each pooled plan's fused-lookup arguments."""
+        if not transfer.on_gpu:
+            return
+        for key, plan in self.plans.items():
+            self._inverses[key] = transfer.upload(plan.inverse)
+            if fused_lookup and plan.feature_tables is not None:
+                layout = FlatLayout(rows=plan.unique.counts, dims=plan.dims, feature_tables=plan.feature_tables, base=self._bases[key])
+                arguments = FusedArguments.of(layout)
+                self._fused[key] = (arguments, transfer.upload(arguments.packed))
+
+    def attach(self, sharded: Any, rows: "Future[torch.Tensor]", transfer: Optional[DeviceTransfer] = None) -> None:
+        """Hands over the lookup of these rows (flat, in :attr:`keyed` order) and the ids' sharding; with a GPU
+        ``transfer``, the rows start their way to the device as soon as they arrive."""
         self.sharded = sharded
+        if transfer is not None and transfer.on_gpu:
+            rows = _then(rows, transfer.upload)
         self._rows = rows
         self._issued.set()
 
@@ -157,7 +182,8 @@ class BatchRows:
         except FutureTimeout:
             raise TimeoutError(f"the embedding lookup of tables {list(self.keyed.tables)} got no answer within {timeout_s:.0f} s") from None
         self.wait_ms = (time.perf_counter() - start) * 1e3
-        self.weights = fetched.to(device, non_blocking=True).requires_grad_(requires_grad)
+        on_device = fetched.get() if isinstance(fetched, Upload) else fetched.to(device)
+        self.weights = on_device.requires_grad_(requires_grad)
         return self.weights
 
     def stand_in(self, device: torch.device, requires_grad: bool) -> torch.Tensor:
@@ -169,7 +195,12 @@ class BatchRows:
         """Module ``key``'s rows (after :meth:`materialize`); its gradient is part of this lookup's update."""
         assert self.weights is not None
         self._taken.add(key)
-        return ModuleRows(self.plans[key], self.weights, self._bases[key])
+        inverse = self._inverses[key].get() if key in self._inverses else None
+        fused = None
+        if key in self._fused:
+            arguments, packed = self._fused[key]
+            fused = arguments.with_packed(packed.get())
+        return ModuleRows(self.plans[key], self.weights, self._bases[key], inverse, fused)
 
     # ---- the update ----------------------------------------------------------------------------------
 
@@ -178,12 +209,13 @@ class BatchRows:
         """Whether every planned module read its rows (else only the ones that did are updated)."""
         return len(self._taken) == len(self.plans)
 
-    def gradient(self, scale: float) -> Optional[torch.Tensor]:
-        """The leaf's gradient on the CPU as float32, times ``scale``; None without one."""
+    def download_gradient(self, transfer: DeviceTransfer, scale: Optional[torch.Tensor] = None) -> Optional[Download]:
+        """Starts the leaf's gradient (times ``scale``, on its device) on its way to the host as float32 (returns at
+        once); None without one."""
         if self.weights is None or self.weights.grad is None:
             return None
-        flat = self.weights.grad.detach().to("cpu", torch.float32)
-        return flat * scale if scale != 1.0 else flat
+        grad = self.weights.grad if scale is None else self.weights.grad.float() * scale
+        return transfer.download(grad, torch.float32)
 
     def taken_part(self, gradient: torch.Tensor) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
         """``(tables, ids, gradient rows)`` of the modules that read their rows, one entry per table."""
@@ -209,3 +241,17 @@ class BatchRows:
     def wire_bytes(self, element_size: int) -> int:
         """Bytes of one lookup and one update of these rows on the wire (ids twice, rows twice)."""
         return 2 * (8 * self.layout.rows + element_size * self.layout.numel)
+
+
+def _then(future: Future, function: Any) -> Future:
+    """A future of ``function(result)``, run by whichever thread completes ``future`` (its error passes through)."""
+    chained: Future = Future()
+
+    def done(source: Future) -> None:
+        try:
+            chained.set_result(function(source.result()))
+        except BaseException as error:  # noqa: BLE001 - handed to whoever waits on the chained future
+            chained.set_exception(error)
+
+    future.add_done_callback(done)
+    return chained

@@ -62,6 +62,8 @@ class _KJTModule(RemoteModule):
     module's output order, which the forward restores when some tables are kept on the trainer.
     """
 
+    _pooled = True
+
     def __init__(
         self, key: str, tables: list[RemoteTable], data_parallel: Optional[DataParallelTables] = None,
         output_features: Optional[list[str]] = None,
@@ -69,7 +71,8 @@ class _KJTModule(RemoteModule):
         super().__init__(key, tables)
         self.features = [f for t in tables for f in t.features]
         self.feature_tables = tuple(i for i, t in enumerate(tables) for _ in t.features)
-        self.planner = CollectionPlanner(key, tuple(t.name for t in tables), tuple(t.dim for t in tables), tuple(self.features), self.feature_tables)
+        self.planner = CollectionPlanner(key, tuple(t.name for t in tables), tuple(t.dim for t in tables), tuple(self.features),
+                                         self.feature_tables, self._pooled)
         self.data_parallel = data_parallel
         self.output_features = list(output_features) if output_features is not None else self._computed_features()
         if sorted(self.output_features) != sorted(self._computed_features()):
@@ -132,10 +135,11 @@ class RemoteEmbeddingBagCollection(_KJTModule, EmbeddingBagCollectionInterface):
                 parts.append(pooled_lookup(
                     rows.weights,
                     rows.layout(self.feature_tables),
-                    rows.inverse.to(device, non_blocking=True),
+                    rows.inverse.to(device),
                     mine.offsets().to(device),
                     self.pooling,
                     mine.weights().to(device) if self._is_weighted else None,
+                    rows.fused,
                 ))
         if self.data_parallel is not None:
             local, rows_local = self._select_local(features)
@@ -152,6 +156,8 @@ class RemoteEmbeddingBagCollection(_KJTModule, EmbeddingBagCollectionInterface):
 
 class RemoteEmbeddingCollection(_KJTModule, EmbeddingCollectionInterface):
     """Twin of ``torchrec.EmbeddingCollection``: KeyedJaggedTensor in, ``dict[str, JaggedTensor]`` of per-id embeddings out."""
+
+    _pooled = False
 
     def __init__(
         self, key: str, tables: list[RemoteTable], data_parallel: Optional[DataParallelTables] = None,
@@ -200,7 +206,7 @@ class RemoteEmbeddingCollection(_KJTModule, EmbeddingCollectionInterface):
         per_table = torch.repeat_interleave(self._feature_table_index.to(device), torch.tensor(mine.length_per_key(), device=device),
                                             output_size=mine.values().numel())
         block = rows.weights[rows.base : offsets[-1]].view(-1, dim)
-        return block.index_select(0, table_rows.index_select(0, per_table) + rows.inverse.to(device, non_blocking=True))
+        return block.index_select(0, table_rows.index_select(0, per_table) + rows.inverse.to(device))
 
     def _per_id(self, kjt: KeyedJaggedTensor, features: list[str], embeddings: torch.Tensor) -> dict[str, JaggedTensor]:
         """``{feature: JaggedTensor of the embeddings of its ids}`` from every id's embedding, feature after feature."""

@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 from torch.profiler import record_function
@@ -34,7 +34,9 @@ from lightning_persia.embedding.planning import BatchPlanner, PlannedBatch
 from lightning_persia.embedding.pusher import GradientPusher
 from lightning_persia.embedding.row_source import Planner
 from lightning_persia.embedding.scheduler import LookupScheduler
+from lightning_persia.embedding.transfer import DeviceTransfer
 from lightning_persia.ops import wire
+from lightning_persia.ops.pooled_lookup import fbgemm_available
 from lightning_persia.ops.keyed_ids import KeyedIds
 
 if TYPE_CHECKING:
@@ -75,7 +77,9 @@ class EmbeddingPipeline:
         self.device = device
         self.timeout_s = timeout_s
         self.scheduler = LookupScheduler(staleness)
-        self.pusher = GradientPusher(client, self.scheduler, wire_dtype)
+        self.transfer = DeviceTransfer(device)
+        self._fused_lookup = fbgemm_available(self.transfer.device.type)
+        self.pusher = GradientPusher(client, self.scheduler, wire_dtype, self.transfer)
         self.pusher.rank_merge = rank_merge
         self.prefetch_misses = 0  # forwards whose input differed from the one their lookup was planned from
         self._planners: dict[str, Planner] = {}
@@ -88,6 +92,10 @@ class EmbeddingPipeline:
         self._current: Optional[StepContext] = None
         self._reported_misses: set[str] = set()
         self._on_lookup_error: Optional[Callable[[int, BaseException], bool]] = None
+        # Whether the trainer runs each planned batch as the loader gave it, moved to its device as a whole and
+        # changed by nothing else (no user hook between the loader and the forward): then a module's input is
+        # recognised by where it sits in the batch (see _is_planned_input). Whoever runs the pipeline says so.
+        self.batches_arrive_unchanged = False
 
     # ---- set-up --------------------------------------------------------------------------------------
 
@@ -229,7 +237,7 @@ class EmbeddingPipeline:
             self._located.add(key)
         rows = step.prefetched
         if rows is not None and key in rows.plans:
-            if not rows.plans[key].matches(planner.sources(features)):
+            if not (self._is_planned_input(planner, step.batch, features) or rows.plans[key].matches(planner.sources(features))):
                 self._prefetch_missed(key)
                 rows = None
         else:
@@ -265,7 +273,7 @@ class EmbeddingPipeline:
             "staleness": float(step.lag),
         }
 
-    def finish_step(self, scale: float) -> None:
+    def finish_step(self, scale: Union[float, torch.Tensor]) -> None:
         """Pushes the open step's gradients (times ``scale``) without waiting, and closes the step.
 
         Every step the trainer opens is closed once, by whichever call comes first (after its backward, or
@@ -301,21 +309,38 @@ class EmbeddingPipeline:
             return step.prefetched.lookup_error(timeout_s)
 
     def close(self) -> None:
-        """Ends the rank merge's thread (after the steps submitted so far)."""
+        """Ends the pusher's and the rank merge's threads (after the steps submitted so far)."""
+        self.pusher.close()
         if self.pusher.rank_merge is not None:
             self.pusher.rank_merge.close()
 
     # ---- internals -----------------------------------------------------------------------------------
 
     def _fetch(self, rows: BatchRows, train: bool, observe: bool = False) -> None:
-        """Issues the lookup of ``rows`` (sharding their ids unless the plan did); ``observe``: its latency
-        feeds the scheduler's lookahead (prefetched lookups only: a forward's own lookup is not ahead of anything)."""
+        """Issues the lookup of ``rows`` (sharding their ids unless the plan did) and, on a GPU, starts what the
+        forward reads on its way to the device; ``observe``: its latency feeds the scheduler's lookahead
+        (prefetched lookups only: a forward's own lookup is not ahead of anything)."""
         sharded = rows.sharded or self.client.shard(rows.keyed)
+        rows.prepare(self.transfer, self._fused_lookup)
         issued = time.perf_counter()
         future = self.client.lookup_sharded_async(sharded, train=train, wire_dtype=self.wire_dtype)
         if observe:
             future.add_done_callback(lambda f: self.scheduler.observe("lookup", time.perf_counter() - issued))
-        rows.attach(sharded, future)
+        rows.attach(sharded, future, self.transfer)
+
+    def _is_planned_input(self, planner: Planner, batch: Any, features: Any) -> bool:
+        """Whether ``features`` is the very object at the place of ``batch`` that the step's plan was made from.
+
+        The trainer runs the batch the prefetcher planned, moved to its device as a whole: the module's input is
+        then the device copy of the planned one, and recognising it by identity costs no comparison of ids (on
+        a GPU, a comparison would wait for the device).
+        """
+        if batch is None or not self.batches_arrive_unchanged:
+            return False
+        with self._lock:
+            path = self._paths.get(planner.key)
+        found = at_path(batch, path) if path is not None else planner.find(batch)
+        return found is features
 
     def _prefetch_missed(self, key: str) -> None:
         self.prefetch_misses += 1

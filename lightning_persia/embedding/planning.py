@@ -20,9 +20,9 @@ from lightning_persia.ops.keyed_ids import KeyedIds
 
 
 def _plan_ids(key: str, tables: tuple[str, ...], dims: tuple[int, ...], counts: tuple[int, ...], ids: torch.Tensor,
-              source: tuple[torch.Tensor, ...]) -> RowPlan:
+              source: tuple[torch.Tensor, ...], feature_tables: Optional[tuple[int, ...]] = None) -> RowPlan:
     unique, inverse = keyed_unique(KeyedIds(tables, counts, ids.reshape(-1).to(device="cpu", dtype=torch.int64)))
-    return RowPlan(key, unique, dims, inverse, source)
+    return RowPlan(key, unique, dims, inverse, source, feature_tables)
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,8 @@ class CollectionPlanner:
     """Plans the lookup of a TorchRec collection twin: the features of its remote tables, in a KeyedJaggedTensor.
 
     ``feature_tables[f]`` is the table (an index into ``tables``) of ``features[f]``; each table's features are
-    consecutive.
+    consecutive. ``pooled``: the module pools its features (an ``EmbeddingBagCollection``: its plans carry what
+    its fused lookup needs).
     """
 
     key: str
@@ -38,6 +39,7 @@ class CollectionPlanner:
     dims: tuple[int, ...]
     features: tuple[str, ...]
     feature_tables: tuple[int, ...]
+    pooled: bool = True
 
     def find(self, batch: Any) -> Optional[KeyedJaggedTensor]:
         """The first KeyedJaggedTensor of ``batch`` that holds every feature of the module."""
@@ -68,7 +70,8 @@ class CollectionPlanner:
         mine = self.select(kjt)
         per_feature = torch.tensor(mine.length_per_key(), dtype=torch.int64)
         counts = torch.zeros(len(self.tables), dtype=torch.int64).index_add_(0, torch.tensor(self.feature_tables, dtype=torch.int64), per_feature)
-        return _plan_ids(self.key, self.tables, self.dims, tuple(counts.tolist()), mine.values(), self.sources(kjt))
+        return _plan_ids(self.key, self.tables, self.dims, tuple(counts.tolist()), mine.values(), self.sources(kjt),
+                         self.feature_tables if self.pooled else None)
 
 
 @dataclass(frozen=True)

@@ -4,21 +4,28 @@ The gradient of a step's rows is one flat tensor in the order of the ids the ste
 case (every prefetched module read its rows once) the update reuses the lookup's bucketing and encoded ids:
 one finiteness check, one conversion and one message per shard. Each update's acknowledgement opens the
 staleness window for a later lookup.
+
+The trainer's thread only starts each gradient's way to the host (on a GPU: a copy on a side stream once the
+backward's kernels are done, ``embedding/transfer.py``) and queues the step; the pusher's own thread waits for
+that copy, checks, encodes and sends, step after step in order, so the dense optimizer step never waits for a
+push.
 """
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch.profiler import record_function
 
 from lightning_persia.embedding.batch_rows import BatchRows
-from lightning_persia.embedding.phases import GRADIENT_PUSH
+from lightning_persia.embedding.phases import GRADIENT_ENCODE, GRADIENT_PUSH
 from lightning_persia.embedding.scheduler import LookupScheduler
+from lightning_persia.embedding.transfer import DeviceTransfer, Download
 from lightning_persia.ops.keyed_ids import KeyedIds
 
 if TYPE_CHECKING:
@@ -46,12 +53,15 @@ class GradientPusher:
         client: connection to the shards.
         scheduler: whose staleness window each acknowledgement advances.
         wire_dtype: ``"fp16"`` or ``"fp32"`` for gradients on the wire.
+        transfer: how gradients come back from the trainer's device.
     """
 
-    def __init__(self, client: "ShardClient", scheduler: LookupScheduler, wire_dtype: str) -> None:
+    def __init__(self, client: "ShardClient", scheduler: LookupScheduler, wire_dtype: str,
+                 transfer: Optional[DeviceTransfer] = None) -> None:
         self.client = client
         self.scheduler = scheduler
         self.wire_dtype = wire_dtype
+        self.transfer = transfer if transfer is not None else DeviceTransfer(torch.device("cpu"))
         self.dropped_nonfinite_rows = 0
         # With more than one rank: the ranks' gradients of a step are summed and pushed as one update.
         self.rank_merge: Optional["RankMerge"] = None
@@ -60,13 +70,43 @@ class GradientPusher:
         self.on_update_error: Optional[Callable[[int, BaseException], bool]] = None
         self._lock = threading.Lock()
         self._pushed_through = 0  # steps 0 .. _pushed_through - 1 are pushed or skipped
+        self._queue: "queue.SimpleQueue[Optional[tuple[int, list[tuple[BatchRows, Download]], float]]]" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
 
-    def push(self, step: int, rows: Sequence[BatchRows], scale: float) -> None:
-        """Pushes the gradients of ``rows`` (times ``scale``) as ``step``'s update, without waiting for it."""
+    def push(self, step: int, rows: Sequence[BatchRows], scale: Union[float, torch.Tensor]) -> None:
+        """Queues the gradients of ``rows`` (times ``scale``: a tensor on the device multiplies them there) as
+        ``step``'s update and returns at once: the pusher's thread sends it."""
         with record_function(GRADIENT_PUSH):
-            update = self._update(rows, scale)
+            on_device = scale if isinstance(scale, torch.Tensor) else None
+            downloads = [(r, d) for r in rows if (d := r.download_gradient(self.transfer, on_device)) is not None]
+            scale = 1.0 if on_device is not None else scale
             with self._lock:
                 self._pushed_through = max(self._pushed_through, step + 1)
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="persia-push", daemon=True)
+                    self._thread.start()
+            self._queue.put((step, downloads, scale))
+
+    def close(self) -> None:
+        """Ends the pusher's thread after the steps queued so far."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            step, downloads, scale = item
+            try:
+                self._send_step(step, downloads, scale)
+            except BaseException as error:  # noqa: BLE001 - every later lookup hears of it through the window
+                self._failed(step, error)
+
+    def _send_step(self, step: int, downloads: list[tuple[BatchRows, Download]], scale: float) -> None:
+        with record_function(GRADIENT_ENCODE):
+            grads = [(rows, download.get()) for rows, download in downloads]
+            update = self._update([(rows, grad * scale if scale != 1.0 else grad) for rows, grad in grads])
             pushed = time.perf_counter()
             if self.rank_merge is not None:
                 sender = self.rank_merge.sender
@@ -94,9 +134,8 @@ class GradientPusher:
         sharded = update.sharded or self.client.shard(update.keyed)
         return self.client.update_sharded_async(sharded, update.grads, update.dims, wire_dtype=self.wire_dtype, sender=sender)
 
-    def _update(self, rows: Sequence[BatchRows], scale: float) -> Optional[SparseUpdate]:
-        """The step's update: every lookup's gradient rows, without the non-finite ones (counted)."""
-        with_grads = [(r, g) for r in rows if (g := r.gradient(scale)) is not None]
+    def _update(self, with_grads: list[tuple[BatchRows, torch.Tensor]]) -> Optional[SparseUpdate]:
+        """The step's update from every lookup's (scaled, float32, host) gradient, without the non-finite rows (counted)."""
         if not with_grads:
             return None
         if len(with_grads) == 1 and with_grads[0][0].all_taken:  # the usual case: one lookup, read by all
@@ -134,7 +173,11 @@ class GradientPusher:
         if error is None:
             self.scheduler.observe("update", seconds)
             self.scheduler.window.acknowledge(step)
-        elif self.on_update_error is not None and self.on_update_error(step, error):
+        else:
+            self._failed(step, error)
+
+    def _failed(self, step: int, error: BaseException) -> None:
+        if self.on_update_error is not None and self.on_update_error(step, error):
             self.scheduler.window.acknowledge(step)
         elif isinstance(error, CancelledError):
             self.scheduler.window.fail(RuntimeError(

@@ -19,6 +19,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -29,6 +30,7 @@ from lightning_persia.embedding.modules import RemoteModule
 from lightning_persia.embedding.pipeline import EmbeddingPipeline
 from lightning_persia.embedding.prefetch import PrefetchingLoader
 from lightning_persia.embedding.rank_merge import RankMerge
+from lightning_persia.ops.pooled_lookup import kernel_in_use
 from lightning_persia.remote_ps.client import PSClient, ShardWait
 from lightning_persia.remote_ps.table_config import DEFAULT_CAPACITY, InitLike, OptimizerLike
 from lightning_persia.strategy.interception import MODULE_KINDS, TableDefaults, TableOverride, intercept
@@ -294,7 +296,8 @@ class PersiaStrategy(DDPStrategy):
         rank_zero_info(
             f"PersiaStrategy: {mode}: {shards}\n"
             f"PersiaStrategy: {len(remote)} tables on the shards ({_names(remote)}); {len(kept)} kept on the trainers "
-            f"({_names(kept)}){excluded}; staleness {self.staleness}"
+            f"({_names(kept)}){excluded}; staleness {self.staleness}\n"
+            f"PersiaStrategy: pooled lookups on {self.root_device}: {kernel_in_use(self.root_device.type)}"
         )
 
     def _swap_embedding_modules(self) -> None:
@@ -313,6 +316,10 @@ class PersiaStrategy(DDPStrategy):
         # (RecoveryConfig.wait_for_shards_s): a shard coming back in that time costs a pause, not the run.
         self._pipeline = EmbeddingPipeline(
             self.client, self.staleness, self.wire_dtype, self.root_device, timeout_s=self.client.call_budget_s, rank_merge=rank_merge,
+        )
+        # Lightning moves each batch to the device as a whole; a module that overrides one of these hooks may change it.
+        self._pipeline.batches_arrive_unchanged = not any(
+            is_overridden(hook, self.lightning_module) for hook in ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
         )
         for module in self.remote_modules:
             self._pipeline.register(module.planner)
@@ -384,13 +391,20 @@ class PersiaStrategy(DDPStrategy):
         if isinstance(self.model, DistributedDataParallel) and not self.model.require_backward_grad_sync:
             return
         for tables in self.data_parallel_tables:  # DDP has averaged their gradients over the ranks already
-            tables.apply_gradients(scale * self.world_size)
+            tables.apply_gradients(float(scale) * self.world_size)
 
-    def _embedding_gradient_scale(self) -> float:
+    def _embedding_gradient_scale(self) -> Union[float, Tensor]:
+        """What each rank's embedding gradient is multiplied by before it leaves: ``1 / world_size`` (averaged
+        gradients) over the AMP loss scale. The loss scale stays a tensor on the device when it is one there:
+        ``GradScaler.get_scale()`` would wait for the device in every step, so its tensor is read
+        (``_get_scale_async``, torch's own name for this value) and the gradient is divided on the device."""
         scale = 1.0 / self.world_size if self.average_embedding_gradients else 1.0
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None and scaler.is_enabled():
-            scale /= float(scaler.get_scale())  # gradients leave the trainer unscaled
+            on_device = scaler._get_scale_async()
+            if on_device is not None and on_device.device.type != "cpu":
+                return scale / on_device  # gradients leave the trainer unscaled
+            scale /= float(scaler.get_scale())
         return scale
 
     def _drain(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_persia.ops import dedup, native
 from lightning_persia.ops.dedup import keyed_unique, unique_by_table
 from lightning_persia.ops.keyed_ids import KeyedIds
 
@@ -17,9 +18,20 @@ def _per_table(keyed: KeyedIds) -> tuple[list[torch.Tensor], torch.Tensor]:
     return uniques, torch.cat(inverses)
 
 
+@pytest.fixture(params=["native", "tensor"])
+def implementation(request, monkeypatch):
+    """keyed_unique through the C kernel (where it is built) and through the tensor ops."""
+    if request.param == "native":
+        if not native.available():
+            pytest.skip("the native kernels are not built here (no C compiler at install time)")
+    else:
+        monkeypatch.setattr(dedup.native, "available", lambda: False)
+    return request.param
+
+
 @pytest.mark.parametrize("low, high", [(0, 50), (-(2**40), 2**40), (-(2**63), 2**63 - 1)], ids=["small", "wide", "full-int64"])
-@pytest.mark.parametrize("counts", [(7,), (30, 0, 12, 45), (0, 0)])
-def test_keyed_unique_equals_torch_unique_per_table(low, high, counts):
+@pytest.mark.parametrize("counts", [(7,), (30, 0, 12, 45), (0, 0), (5000, 3)])
+def test_keyed_unique_equals_torch_unique_per_table(low, high, counts, implementation):
     gen = torch.Generator().manual_seed(sum(counts))
     pool = torch.randint(low, high, (40,), generator=gen, dtype=torch.int64)
     ids = pool[torch.randint(0, 40, (sum(counts),), generator=gen)]  # repeats within and across tables
@@ -48,3 +60,10 @@ def test_keyed_ids_check_their_shape():
         KeyedIds(("a",), (3,), torch.arange(3).float())
     with pytest.raises(ValueError, match="table 'x': ids must be a 1-d int64 tensor"):
         KeyedIds.from_dict({"x": torch.zeros(2, 2, dtype=torch.int64)})
+
+
+def test_the_native_dedup_refuses_counts_that_do_not_add_up():
+    if not native.available():
+        pytest.skip("the native kernels are not built here (no C compiler at install time)")
+    with pytest.raises(ValueError, match="counts add up to 2 for 3 ids"):
+        native.unique_by_table(torch.arange(3), (2,))

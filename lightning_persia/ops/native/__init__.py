@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import importlib.machinery
 import math
 import os
@@ -372,6 +373,21 @@ def _rows(chunks: Chunks, rows: torch.Tensor, data: Optional[torch.Tensor], offs
     return rows
 
 
+def unique_by_table(ids: torch.Tensor, counts: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each table's unique ids (ascending), how many per table, and each id's position among its table's unique ids,
+    for ``ids`` held table after table (``counts[t]`` ids of table ``t``): ``lightning_persia.ops.dedup``'s result."""
+    ids = _check(ids, torch.int64, "ids").contiguous()
+    if sum(counts) != ids.numel():
+        raise ValueError(f"unique_by_table: counts add up to {sum(counts)} for {ids.numel()} ids")
+    starts = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int64)
+    unique = torch.empty_like(ids)
+    found = torch.empty(len(counts), dtype=torch.int64)
+    inverse = torch.empty_like(ids)
+    if _require().lp_unique_by_table(ids.data_ptr(), starts.data_ptr(), len(counts), unique.data_ptr(), found.data_ptr(), inverse.data_ptr()):
+        raise MemoryError(f"out of memory while deduplicating {ids.numel()} ids")
+    return unique[: int(found.sum())], found, inverse
+
+
 def _require() -> ctypes.CDLL:
     library = _library()
     if library is None:
@@ -406,6 +422,7 @@ def _library() -> Optional[ctypes.CDLL]:
         ("lp_uniform_rows", [_P, _I64, _I64, _I64, ctypes.c_double, ctypes.c_double, _P], None),
         ("lp_first_foreign", [_P, _I64, _I64, _I64], _I64),
         ("lp_admit", [_P], _I64),
+        ("lp_unique_by_table", [_P, _P, _I64, _P, _P, _P], _I64),
     ):
         function = getattr(library, name)
         function.argtypes, function.restype = arguments, result

@@ -52,6 +52,14 @@ class RowPlan:
     inverse: torch.Tensor
     source: tuple[torch.Tensor, ...]
     feature_tables: Optional[tuple[int, ...]] = None  # a pooled collection's table of each feature (its fused lookup)
+    id_counts: tuple[int, ...] = ()  # ids of the input per table (they come table after table)
+
+    def block_rows(self) -> torch.Tensor:
+        """For every id of the input, its row among all the module's unique ids (its tables' rows one after another)."""
+        if len(self.dims) == 1:
+            return self.inverse
+        starts = torch.tensor([0, *accumulate(self.unique.counts)][:-1], dtype=torch.int64)
+        return self.inverse + torch.repeat_interleave(starts, torch.tensor(self.id_counts, dtype=torch.int64), output_size=self.inverse.numel())
 
     @property
     def num_ids(self) -> int:
@@ -75,8 +83,9 @@ class RowPlan:
 class ModuleRows:
     """What one module's forward reads: the flat leaf of its lookup, where its tables are in it, its plan.
 
-    ``device_inverse`` and ``fused``: the plan's inverse indices and its fused lookup's arguments, already on the
-    leaf's device when the pipeline moved them there ahead of the forward.
+    ``device_inverse``, ``device_block_rows`` and ``fused``: the plan's inverse indices, its ids' rows in the
+    module's block (:meth:`RowPlan.block_rows`) and its fused lookup's arguments, already on the leaf's device
+    when the pipeline moved them there ahead of the forward.
     """
 
     plan: RowPlan
@@ -84,6 +93,14 @@ class ModuleRows:
     base: int  # offset of the module's first table in ``weights``
     device_inverse: Optional[torch.Tensor] = None
     fused: Optional[FusedArguments] = None
+    device_block_rows: Optional[torch.Tensor] = None
+
+    @property
+    def block_rows(self) -> torch.Tensor:
+        """Every id's row among the module's unique ids (``RowPlan.block_rows``), on the leaf's device."""
+        if self.device_block_rows is not None:
+            return self.device_block_rows
+        return self.plan.block_rows().to(self.weights.device)
 
     @property
     def inverse(self) -> torch.Tensor:
@@ -120,17 +137,21 @@ class BatchRows:
         self._issued = threading.Event()
         self._taken: set[str] = set()
         self._inverses: dict[str, Upload] = {}
+        self._block_rows: dict[str, Upload] = {}
         self._fused: dict[str, tuple[FusedArguments, Upload]] = {}
 
     # ---- the lookup ----------------------------------------------------------------------------------
 
     def prepare(self, transfer: DeviceTransfer, fused_lookup: bool) -> None:
         """Starts moving what the forwards read besides the rows to the device (on a GPU; nothing on the CPU): every
-        plan's inverse indices and, with ``fused_lookup``, each pooled plan's fused-lookup arguments."""
+        plan's inverse indices, each sequence collection's rows in its block and, with ``fused_lookup``, each pooled
+        plan's fused-lookup arguments."""
         if not transfer.on_gpu:
             return
         for key, plan in self.plans.items():
             self._inverses[key] = transfer.upload(plan.inverse)
+            if plan.feature_tables is None and len(plan.dims) > 1:
+                self._block_rows[key] = transfer.upload(plan.block_rows())
             if fused_lookup and plan.feature_tables is not None:
                 layout = FlatLayout(rows=plan.unique.counts, dims=plan.dims, feature_tables=plan.feature_tables, base=self._bases[key])
                 arguments = FusedArguments.of(layout)
@@ -196,11 +217,12 @@ class BatchRows:
         assert self.weights is not None
         self._taken.add(key)
         inverse = self._inverses[key].get() if key in self._inverses else None
+        block_rows = self._block_rows[key].get() if key in self._block_rows else None
         fused = None
         if key in self._fused:
             arguments, packed = self._fused[key]
             fused = arguments.with_packed(packed.get())
-        return ModuleRows(self.plans[key], self.weights, self._bases[key], inverse, fused)
+        return ModuleRows(self.plans[key], self.weights, self._bases[key], inverse, fused, block_rows)
 
     # ---- the update ----------------------------------------------------------------------------------
 

@@ -20,12 +20,13 @@ id; see :meth:`DataParallelTables.rows_of`).
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import nn
 
-from lightning_persia.ops.pooled_lookup import FlatLayout, pooled_lookup
+from lightning_persia.embedding.transfer import small_tensor
+from lightning_persia.ops.pooled_lookup import FlatLayout, FusedArguments, pooled_lookup
 from lightning_persia.remote_ps.store.initializers import initial_rows
 from lightning_persia.remote_ps.store.optimizers import SparseRule, make_rule
 from lightning_persia.remote_ps.table_config import TableConfig
@@ -79,8 +80,16 @@ class DataParallelTables(nn.Module):
         self.register_buffer("optimizer_state", torch.cat([
             rule.initial_state(sum(self.num_embeddings[first:stop])).flatten() for first, stop, rule, _ in self._segments
         ]))
-        self.dropped_nonfinite_rows = 0
+        self._dropped = 0
+        self._dropped_on_device: Optional[torch.Tensor] = None  # counted on a GPU without reading the count back
+        self._fused: Optional[FusedArguments] = None  # the layout's fused-lookup arguments on the weight's device
         self.register_buffer("_rows_per_feature", torch.tensor([self.num_embeddings[t] for t in self.feature_tables]), persistent=False)
+
+    @property
+    def dropped_nonfinite_rows(self) -> int:
+        """Gradient rows left alone because they were not finite, so far."""
+        on_device = int(self._dropped_on_device) if self._dropped_on_device is not None else 0
+        return self._dropped + on_device
 
     def table_view(self, table: int) -> torch.Tensor:
         """Rows of table ``table`` as ``[num_embeddings, dim]`` (a view of the parameter)."""
@@ -93,42 +102,67 @@ class DataParallelTables(nn.Module):
         A remote table takes any int64 id; a kept one has ``num_embeddings`` rows, so ids are folded into
         them, as the examples' local models do (ids already in ``[0, num_embeddings)`` map to themselves).
         """
-        counts = torch.tensor(lengths_per_feature, device=self._rows_per_feature.device)
+        counts = small_tensor(lengths_per_feature, self._rows_per_feature.device)
         modulus = torch.repeat_interleave(self._rows_per_feature, counts, output_size=ids.numel())
         return torch.remainder(ids.to(modulus.device), modulus)
 
     def pooled(self, ids: torch.Tensor, offsets: torch.Tensor, pooling: str, per_sample_weights: Optional[torch.Tensor]) -> torch.Tensor:
         """Pooled embeddings ``[B, sum of feature dims]`` of this module's features (bags feature-major)."""
-        return pooled_lookup(self.weight, self.layout, ids, offsets, pooling, per_sample_weights)
+        if self._fused is None or self._fused.packed.device != self.weight.device:
+            self._fused = FusedArguments.of(self.layout, self.weight.device)
+        return pooled_lookup(self.weight, self.layout, ids, offsets, pooling, per_sample_weights, self._fused)
 
     @torch.no_grad()
-    def apply_gradients(self, scale: float) -> None:
+    def apply_gradients(self, scale: Union[float, torch.Tensor], masked: Optional[bool] = None) -> None:
         """Runs each table's rule on the rows with a non-zero gradient (times ``scale``), then drops the gradient.
 
         Rows whose gradient is not finite (an AMP overflow) are left alone and counted in
         ``dropped_nonfinite_rows``, as the remote path drops them. A row touched with an exactly zero gradient
         is not updated (a shard would still run its rule on it: it differs only with weight decay or Adam).
+
+        On the CPU the rule runs on the touched rows only (found with ``nonzero``). On a GPU finding them would read
+        a count back from the device, a wait in every step: there (``masked``, the default off the CPU) the rule
+        runs on every row and only the touched, finite ones take the result, which for tables this small costs
+        the device little and the host nothing. Both give the same rows.
         """
         grad = self.weight.grad
         if grad is None:
             return
+        masked = grad.device.type != "cpu" if masked is None else masked
         offsets = self.layout.table_offsets
         for first, stop, rule, bound in self._segments:
             rows = sum(self.num_embeddings[first:stop])
             weights = self.weight[offsets[first] : offsets[stop]].view(rows, rule.dim)
             grads = grad[offsets[first] : offsets[stop]].view(rows, rule.dim)
             state = self.optimizer_state[self._state_offsets[first] : self._state_offsets[stop]].view(rows, rule.state_width)
+            if masked:
+                self._apply_masked(rule, weights, state, grads, scale, bound)
+                continue
             # A batch touches a small part of the rows: the rule runs on those only (NaN != 0, so a non-finite
             # row counts as touched, and is then dropped).
             touched = torch.nonzero(grads.ne(0).any(dim=1)).squeeze(1)
             finite = torch.isfinite(grads.index_select(0, touched)).all(dim=1)
             if not bool(finite.all()):
-                self.dropped_nonfinite_rows += int((~finite).sum())
+                self._dropped += int((~finite).sum())
                 touched = touched[finite]
             if not touched.numel():
                 continue
-            _apply_rule(rule, weights, state, grads, touched, scale, bound)
+            _apply_rule(rule, weights, state, grads, touched, float(scale), bound)
         self.weight.grad = None
+
+    def _apply_masked(self, rule: SparseRule, weights: torch.Tensor, state: torch.Tensor, grads: torch.Tensor,
+                      scale: Union[float, torch.Tensor], bound: Optional[float]) -> None:
+        touched = grads.ne(0).any(dim=1)
+        finite = torch.isfinite(grads).all(dim=1)
+        dropped = (touched & ~finite).sum()
+        self._dropped_on_device = dropped if self._dropped_on_device is None else self._dropped_on_device + dropped
+        take = (touched & finite).unsqueeze(1)
+        new_weights, new_state = weights.to(torch.float32, copy=True), state.clone()
+        rule.apply(new_weights, new_state, torch.where(finite.unsqueeze(1), grads.float(), 0.0) * scale)
+        if bound is not None:
+            new_weights.clamp_(-bound, bound)
+        weights.copy_(torch.where(take, new_weights.to(weights.dtype), weights))
+        state.copy_(torch.where(take, new_state, state))
 
     def _apply(self, fn, recurse: bool = True):
         # ``.to(dtype)`` / ``.half()`` of the model (Lightning's "*-true" precisions) must not round the rule's

@@ -28,6 +28,7 @@ from lightning_persia.embedding.data_parallel import DataParallelTables
 from lightning_persia.embedding.phases import POOLED_LOOKUP
 from lightning_persia.embedding.planning import CollectionPlanner, TensorPlanner
 from lightning_persia.embedding.row_source import Planner, RowSource
+from lightning_persia.embedding.transfer import small_tensor
 from lightning_persia.ops.pooled_lookup import pooled_lookup
 
 
@@ -77,7 +78,6 @@ class _KJTModule(RemoteModule):
         self.output_features = list(output_features) if output_features is not None else self._computed_features()
         if sorted(self.output_features) != sorted(self._computed_features()):
             raise ValueError(f"{key}: output features {self.output_features} are not those of its tables {self._computed_features()}")
-        self.register_buffer("_feature_table_index", torch.tensor(self.feature_tables, dtype=torch.int64), persistent=False)
 
     def _computed_features(self) -> list[str]:
         """Features in the order the forward computes them: remote ones, then kept-local ones."""
@@ -186,27 +186,22 @@ class RemoteEmbeddingCollection(_KJTModule, EmbeddingCollectionInterface):
             rows = self._rows(features)
             mine = self._select(features)
             with record_function(POOLED_LOOKUP):
-                out.update(self._per_id(mine, self.features, self._gathered(rows, mine)))
+                out.update(self._per_id(mine, self.features, self._gathered(rows)))
         if self.data_parallel is not None:
             local, rows_local = self._select_local(features)
             kept = self.data_parallel
-            table_rows = torch.tensor([0, *accumulate(kept.num_embeddings)], device=rows_local.device)
-            starts = table_rows.index_select(0, torch.tensor(kept.feature_tables, device=rows_local.device))
-            rows_all = rows_local + torch.repeat_interleave(starts, torch.tensor(local.length_per_key(), device=rows_local.device),
+            table_rows = [0, *accumulate(kept.num_embeddings)]
+            starts = small_tensor([table_rows[t] for t in kept.feature_tables], rows_local.device)
+            rows_all = rows_local + torch.repeat_interleave(starts, small_tensor(local.length_per_key(), rows_local.device),
                                                             output_size=rows_local.numel())
             out.update(self._per_id(local, kept.features, kept.weight.view(-1, self.embedding_dim()).index_select(0, rows_all)))
         return {feature: out[feature] for feature in self.output_features}
 
-    def _gathered(self, rows: ModuleRows, mine: KeyedJaggedTensor) -> torch.Tensor:
-        """The embedding of every id of ``mine``, in order (one gather over the module's tables)."""
-        device = rows.weights.device
-        dim = self.embedding_dim()
+    def _gathered(self, rows: ModuleRows) -> torch.Tensor:
+        """The embedding of every id of the module's input, in order (one gather over the module's tables)."""
         offsets = rows.layout(()).table_offsets
-        table_rows = torch.tensor([(o - rows.base) // dim for o in offsets[:-1]], dtype=torch.int64, device=device)
-        per_table = torch.repeat_interleave(self._feature_table_index.to(device), torch.tensor(mine.length_per_key(), device=device),
-                                            output_size=mine.values().numel())
-        block = rows.weights[rows.base : offsets[-1]].view(-1, dim)
-        return block.index_select(0, table_rows.index_select(0, per_table) + rows.inverse.to(device))
+        block = rows.weights[rows.base : offsets[-1]].view(-1, self.embedding_dim())
+        return block.index_select(0, rows.block_rows)
 
     def _per_id(self, kjt: KeyedJaggedTensor, features: list[str], embeddings: torch.Tensor) -> dict[str, JaggedTensor]:
         """``{feature: JaggedTensor of the embeddings of its ids}`` from every id's embedding, feature after feature."""

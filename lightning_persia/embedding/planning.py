@@ -22,7 +22,7 @@ from lightning_persia.ops.keyed_ids import KeyedIds
 def _plan_ids(key: str, tables: tuple[str, ...], dims: tuple[int, ...], counts: tuple[int, ...], ids: torch.Tensor,
               source: tuple[torch.Tensor, ...], feature_tables: Optional[tuple[int, ...]] = None) -> RowPlan:
     unique, inverse = keyed_unique(KeyedIds(tables, counts, ids.reshape(-1).to(device="cpu", dtype=torch.int64)))
-    return RowPlan(key, unique, dims, inverse, source, feature_tables)
+    return RowPlan(key, unique, dims, inverse, source, feature_tables, counts)
 
 
 @dataclass(frozen=True)

@@ -110,3 +110,12 @@ def _pinned_copy(host: torch.Tensor) -> torch.Tensor:
     pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
     pinned.copy_(host)
     return pinned
+
+
+def small_tensor(values: list[int], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """``torch.tensor(values)`` on ``device`` without waiting for it: from pinned memory, asynchronously, on the
+    current stream (``torch.tensor(values, device=...)`` on a GPU is a synchronous copy, a wait for the device)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

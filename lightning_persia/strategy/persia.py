@@ -391,7 +391,7 @@ class PersiaStrategy(DDPStrategy):
         if isinstance(self.model, DistributedDataParallel) and not self.model.require_backward_grad_sync:
             return
         for tables in self.data_parallel_tables:  # DDP has averaged their gradients over the ranks already
-            tables.apply_gradients(float(scale) * self.world_size)
+            tables.apply_gradients(scale * self.world_size)
 
     def _embedding_gradient_scale(self) -> Union[float, Tensor]:
         """What each rank's embedding gradient is multiplied by before it leaves: ``1 / world_size`` (averaged

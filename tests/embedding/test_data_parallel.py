@@ -9,7 +9,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_persia.embedding.data_parallel import DataParallelTables
 from lightning_persia.remote_ps.store import ShardStore
-from lightning_persia.remote_ps.table_config import SGD, Adagrad, TableConfig, Uniform
+from lightning_persia.remote_ps.table_config import SGD, Adagrad, Adam, TableConfig, Uniform
 from lightning_persia.strategy.interception import TableDefaults, intercept
 
 N = 30
@@ -110,3 +110,24 @@ def test_non_finite_rows_are_dropped_and_the_state_stays_float32_in_a_bf16_model
     assert kept.optimizer_state[7] == pytest.approx(1.1) and not torch.equal(again[7], after[7])
     unchanged = torch.arange(N) != 7
     assert torch.equal(again[unchanged], after[unchanged]) and kept.optimizer_state[3] == pytest.approx(1.1)
+
+
+@pytest.mark.parametrize("optimizer", [SGD(lr=0.3), Adagrad(lr=0.2, rowwise=True), Adagrad(lr=0.2), Adam(lr=0.1)], ids=["sgd", "rowwise-adagrad", "adagrad", "adam"])
+def test_the_masked_update_of_a_gpu_gives_the_rows_of_the_touched_row_update(optimizer):
+    """The GPU's form (every row computed, the touched finite ones kept: no count read back) against the CPU's."""
+    configs = [TableConfig("ebc.a", dim=4, optimizer=optimizer, init=Uniform(-0.1, 0.1), weight_bound=0.5),
+               TableConfig("ebc.b", dim=4, optimizer=optimizer, init=Uniform(-0.1, 0.1), weight_bound=0.5)]
+    indexed, masked = (DataParallelTables(configs, [6, 5], [("f0",), ("f1",)], seed=3) for _ in range(2))
+    gen = torch.Generator().manual_seed(0)
+    for step in range(3):
+        grad = torch.randn(indexed.weight.numel(), generator=gen).view(11, 4)
+        grad[[1, 7]] = 0.0  # untouched rows
+        if step == 1:
+            grad[2, 1], grad[9, 0] = float("nan"), float("inf")  # an AMP overflow: dropped and counted
+        for tables, is_masked in ((indexed, False), (masked, True)):
+            tables.weight.grad = grad.flatten().clone()
+            tables.apply_gradients(0.5, masked=is_masked)
+    torch.testing.assert_close(masked.weight, indexed.weight, rtol=0, atol=1e-6)
+    torch.testing.assert_close(masked.optimizer_state, indexed.optimizer_state, rtol=0, atol=1e-6)
+    assert masked.dropped_nonfinite_rows == indexed.dropped_nonfinite_rows == 2
+    assert masked.weight.grad is None

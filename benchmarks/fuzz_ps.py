@@ -25,6 +25,7 @@ import time
 import grpc
 from hypothesis import HealthCheck, given, settings
 
+from lightning_persia.remote_ps.protocol import bearer_metadata
 from lightning_persia.remote_ps.protocol import persia_pb2 as pb
 from lightning_persia.remote_ps.launcher import LocalShards
 from lightning_persia.testing.fuzz import METHODS, FuzzTarget, fuzz_cases
@@ -79,14 +80,14 @@ def main() -> int:
 
         # ---- fixed cases ----------------------------------------------------------------------------
         fixed: list[tuple[str, str, str]] = []
-        big = pb.LookupRequest(tables=[pb.TableIds(table="fuzz_t4", ids=b"\0" * (5 << 20))]).SerializeToString()
+        big = pb.LookupRequest(packed=pb.PackedIds(tables=["fuzz_t4"], counts=[5 << 17], ids=b"\0" * (5 << 20))).SerializeToString()
         code = target.send("Lookup", big, "over_message_limit")
         fixed.append(("Lookup of 5 MB (limit 4 MB)", code.name, "RESOURCE_EXHAUSTED"))
         protected = FuzzTarget(token_shard.addresses[0], token="fuzz-token")
         protected.prepare()
         for token in (None, "wrong"):
             raw = grpc.insecure_channel(token_shard.addresses[0])
-            metadata = (("authorization", f"Bearer {token}"),) if token else None
+            metadata = bearer_metadata(token) or None
             for method in METHODS:
                 request = {"Save": pb.SaveRequest(directory=f"{scratch}/intruder"), "Load": pb.LoadRequest(directory=f"{scratch}/x"),
                            "Configure": pb.ConfigureRequest(tables_json=['{"name": "intruder", "dim": 4}'])}.get(method)

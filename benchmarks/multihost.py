@@ -49,7 +49,7 @@ for _path in (str(_ROOT), str(_HERE)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from lightning_persia.remote_ps.protocol import LISTENING_PREFIX  # noqa: E402
+from lightning_persia.remote_ps.protocol import LISTENING_PREFIX, TOKEN_ENV  # noqa: E402
 from trainbench.netem import HostNetwork, NetemError  # noqa: E402
 
 PS_HOSTS = ("ps-0", "ps-1")
@@ -212,7 +212,7 @@ def run_multihost(args: argparse.Namespace, out: Path, token: str, kill: bool) -
     """The four-host run (``kill``: shard 3 SIGKILLed after the first checkpoint); its figures and what ran where."""
     hosts = [*PS_HOSTS, *TRAINER_HOSTS]
     base_env = {**os.environ, "PYTHONPATH": str(_ROOT), "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
-                "PERSIA_PS_TOKEN": token, "GLOO_SOCKET_IFNAME": HostNetwork.INTERFACE}
+                TOKEN_ENV: token, "GLOO_SOCKET_IFNAME": HostNetwork.INTERFACE}
     processes: List[_Process] = []
     result: Dict[str, object] = {}
     with HostNetwork(hosts) as net:

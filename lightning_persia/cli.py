@@ -24,13 +24,15 @@ from typing import Callable, Optional, Sequence
 
 
 def _ps_parser() -> argparse.ArgumentParser:
+    from lightning_persia.remote_ps.protocol import AUTH_METADATA_KEY, LISTENING_PREFIX, TOKEN_ENV
+
     parser = argparse.ArgumentParser(prog="lightning-persia ps", description="Parameter-server shards.")
     sub = parser.add_subparsers(dest="ps_command", required=True, metavar="{serve}")
     serve = sub.add_parser(
         "serve",
         help="serve one shard of the parameter server",
         description="Serve one parameter-server shard over gRPC until SIGTERM. With --port 0 a free port is "
-        "picked; the bound address is printed as 'PERSIA_PS_LISTENING host:port' on a line of its own.",
+        f"picked; the bound address is printed as '{LISTENING_PREFIX} host:port' on a line of its own.",
     )
     serve.add_argument("--port", type=int, required=True, help="TCP port; 0 picks a free one")
     serve.add_argument("--shard-index", type=int, required=True, help="index of this shard, in [0, num-shards)")
@@ -38,9 +40,9 @@ def _ps_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="PS YAML config (seed, limits, table defaults); OmegaConf syntax")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind (default 127.0.0.1); any non-loopback address needs --token, TLS or --insecure")
-    serve.add_argument("--token", default=os.environ.get("PERSIA_PS_TOKEN"),
-                       help="shared secret every call must carry as 'authorization: Bearer TOKEN' "
-                       "(default: $PERSIA_PS_TOKEN); without TLS it crosses the network in the clear")
+    serve.add_argument("--token", default=os.environ.get(TOKEN_ENV),
+                       help=f"shared secret every call must carry as '{AUTH_METADATA_KEY}: Bearer TOKEN' "
+                       f"(default: ${TOKEN_ENV}); without TLS it crosses the network in the clear")
     serve.add_argument("--tls-cert", help="PEM certificate chain of this shard (enables TLS, with --tls-key)")
     serve.add_argument("--tls-key", help="PEM private key of this shard")
     serve.add_argument("--tls-client-ca", help="PEM CA bundle; clients must then present a certificate it signed")
@@ -184,6 +186,8 @@ def _export_main(argv: Sequence[str]) -> int:
 
 
 def _serve_main(argv: Sequence[str]) -> int:
+    from lightning_persia.remote_ps.protocol import TOKEN_ENV
+
     parser = argparse.ArgumentParser(
         prog="lightning-persia serve",
         description="Serve a bundle over HTTP (LitServe): POST /predict with {\"sparse\": {\"<feature>\": [ids, ...]}, "
@@ -203,7 +207,7 @@ def _serve_main(argv: Sequence[str]) -> int:
     parser.add_argument("--torch-threads", type=int, default=1, help="intra-op threads of the inference worker (default 1; 0: torch's default)")
     parser.add_argument("--decoder", metavar="MODULE.CALLABLE",
                         help="f(predictor) -> RequestDecoder for this model's requests (default: CriteoRequestDecoder)")
-    parser.add_argument("--token", default=os.environ.get("PERSIA_PS_TOKEN"), help="token of the shards (default: $PERSIA_PS_TOKEN)")
+    parser.add_argument("--token", default=os.environ.get(TOKEN_ENV), help=f"token of the shards (default: ${TOKEN_ENV})")
     parser.add_argument("--deltas", metavar="DIR",
                         help="apply the versioned deltas published under DIR (PublishDeltas), in order: those there now "
                         "before serving, then each new one between two batches; a refused delta is logged and the last "

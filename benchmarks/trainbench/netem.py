@@ -41,6 +41,7 @@ import time
 from typing import Deque, Dict, List, Optional, Sequence
 
 from lightning_persia.remote_ps.launcher import read_listening_address, stop_processes
+from lightning_persia.remote_ps.protocol import TOKEN_ENV
 
 
 class NetemError(RuntimeError):
@@ -273,7 +274,7 @@ class NamespaceShards:
         self.addresses: List[str] = []
         self._logs: List[Deque[str]] = []
         threads = threads or max(1, (os.cpu_count() or 1) // (num_shards + 1))
-        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PERSIA_PS_TOKEN": token}  # token via env, not argv
+        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, TOKEN_ENV: token}  # token via env, not argv
         started = threading.Event()
         self._keeper_done = threading.Event()
         errors: list = []

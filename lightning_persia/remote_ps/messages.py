@@ -2,8 +2,8 @@
 
 - :class:`RpcRefusal` is a request refused with a gRPC status and a message (:func:`invalid`, :func:`read_only`);
   :func:`status_of` maps the store's and the codecs' errors to theirs.
-- :class:`RequestDecoder` turns a Lookup's or an Update's tables (one entry per table, or packed) into
-  :class:`TableRequest` s, with every size, dim and dtype checked against the store.
+- :class:`RequestDecoder` turns a Lookup's or an Update's packed tables into :class:`TableRequest` s, with every
+  size, dim and dtype checked against the store.
 - :func:`lookup_response` encodes the rows found; :func:`update_digest` fingerprints an update for the
   exactly-once check; :func:`table_config_from_json` and :func:`checkpoint_directory` read the table and
   checkpoint RPCs' arguments.
@@ -107,47 +107,9 @@ class RequestDecoder:
         self._max_ids = max_ids_per_request
 
     def tables(self, request, with_grads: bool) -> list[TableRequest]:
-        """The tables of a Lookup or Update request, given one entry per table or packed."""
+        """The tables of a Lookup or Update request (its ``packed`` ids, and an Update's ``packed_grads``)."""
         if not request.HasField("packed"):
-            return self._entries(request.tables, with_grads)
-        if len(request.tables):
-            raise invalid("a request carries its tables either as entries (`tables`) or packed (`packed`), not both")
-        return self._packed(request, with_grads)
-
-    def _dim(self, name: str) -> int:
-        if not name:
-            raise invalid("a table entry has an empty table name")
-        return self._store.describe(name).dim  # UnknownTableError -> NOT_FOUND
-
-    def _check_total(self, total: int) -> None:
-        if total > self._max_ids:
-            raise RpcRefusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                             f"request carries more than {self._max_ids} ids (max_ids_per_request); split it")
-
-    def _entries(self, entries, with_grads: bool) -> list[TableRequest]:
-        parsed: list[TableRequest] = []
-        seen: set[str] = set()
-        total = 0
-        for entry in entries:
-            name = entry.table
-            if name in seen:
-                raise invalid(f"table {name!r} appears more than once in one request")
-            seen.add(name)
-            dim = self._dim(name)
-            ids = wire.decode_ids(entry.ids, what=f"table {name!r}: ids")
-            total += ids.numel()
-            self._check_total(total)
-            item = TableRequest(name, dim, ids)
-            if with_grads:
-                dtype = grads_dtype(f"table {name!r}", entry.dtype)
-                grads = wire.rows_view(entry.grads, dtype, dim, what=f"table {name!r} (dim {dim}): grads")
-                if grads.shape[0] != ids.numel():
-                    raise invalid(f"table {name!r}: {ids.numel()} ids but {grads.shape[0]} rows of grads (dim {dim})")
-                item.grads = grads.float()
-            parsed.append(item)
-        return parsed
-
-    def _packed(self, request, with_grads: bool) -> list[TableRequest]:
+            raise invalid("the request names no tables: its ids travel in `packed` (one buffer and a count per table)")
         packed = request.packed
         names, counts = list(packed.tables), [int(c) for c in packed.counts]
         if len(counts) != len(names):
@@ -173,6 +135,16 @@ class RequestDecoder:
             grads = [g.view(c, d) for g, c, d in zip(torch.split(flat.float(), sizes), counts, dims)]
         return [TableRequest(name, dim, table_ids, table_grads) for name, dim, table_ids, table_grads in zip(names, dims, per_table, grads)]
 
+    def _dim(self, name: str) -> int:
+        if not name:
+            raise invalid("a request names a table with an empty name")
+        return self._store.describe(name).dim  # UnknownTableError -> NOT_FOUND
+
+    def _check_total(self, total: int) -> None:
+        if total > self._max_ids:
+            raise RpcRefusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"request carries more than {self._max_ids} ids (max_ids_per_request); split it")
+
 
 def lookup_dtype(value: int) -> str:
     """The codec name of a Lookup's rows (``WIRE_DTYPE_UNSPECIFIED``: fp16)."""
@@ -192,34 +164,24 @@ def grads_dtype(name: str, value: int) -> str:
 
 def lookup_response(request: persia_pb2.LookupRequest, items: Sequence[TableRequest], found: Sequence[torch.Tensor],
                     dtype: str) -> persia_pb2.LookupResponse:
-    """The rows ``found`` for ``items``, encoded in the layout of ``request`` (packed, or one entry per table)."""
-    response = persia_pb2.LookupResponse(dtype=request.dtype or persia_pb2.FP16)
-    if request.HasField("packed"):
-        # One buffer, converted to the wire dtype as it is filled: one encode for every table.
-        packed = torch.empty(sum(rows.numel() for rows in found), dtype=wire.WIRE_DTYPES[dtype])
-        offset = 0
-        for rows in found:
-            packed[offset : offset + rows.numel()].copy_(rows.reshape(-1))
-            offset += rows.numel()
-        response.packed_rows = wire.encode_rows(packed, dtype)
-        response.packed_dims.extend(item.dim for item in items)
-    else:
-        for item, rows in zip(items, found):
-            response.tables.add(table=item.name, dim=item.dim, rows=wire.encode_rows(rows, dtype))
+    """The rows ``found`` for ``items``, table after table in one buffer of the wire dtype ``dtype``."""
+    # One buffer, converted to the wire dtype as it is filled: one encode for every table.
+    packed = torch.empty(sum(rows.numel() for rows in found), dtype=wire.WIRE_DTYPES[dtype])
+    offset = 0
+    for rows in found:
+        packed[offset : offset + rows.numel()].copy_(rows.reshape(-1))
+        offset += rows.numel()
+    response = persia_pb2.LookupResponse(dtype=request.dtype or persia_pb2.FP16, packed_rows=wire.encode_rows(packed, dtype))
+    response.packed_dims.extend(item.dim for item in items)
     return response
 
 
 def update_digest(request: persia_pb2.UpdateRequest) -> int:
     """CRC32 of an update's tables: cheap (no decoding), and the same for every copy of the same update."""
-    crc = 0
-    for entry in request.tables:
-        for part in (entry.table.encode(), entry.ids, entry.grads, str(entry.dtype).encode()):
-            crc = zlib.crc32(part, crc)
-    if request.HasField("packed"):
-        packed = request.packed
-        for part in ("\0".join(packed.tables).encode(), str(list(packed.counts)).encode(), packed.ids, request.packed_grads,
-                     str(request.packed_dtype).encode()):
-            crc = zlib.crc32(part, crc)
+    crc, packed = 0, request.packed
+    for part in ("\0".join(packed.tables).encode(), str(list(packed.counts)).encode(), packed.ids, request.packed_grads,
+                 str(request.packed_dtype).encode()):
+        crc = zlib.crc32(part, crc)
     return crc
 
 

@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from lightning_persia.remote_ps import metrics
 from lightning_persia.remote_ps.config import PSConfig
+from lightning_persia.remote_ps.faults import DelayInterceptor
 from lightning_persia.remote_ps.process import exit_with_parent, prepare_shard_process, trim_memory_every
 from lightning_persia.remote_ps.protocol import LISTENING_PREFIX, METRICS_PREFIX, SERVICE_NAME
 from lightning_persia.remote_ps.security import TLSFiles, TokenInterceptor, check_bind_security, is_loopback_host
@@ -59,9 +60,10 @@ class ShardServer:
         self.metrics_registry = None if config.metrics_port is None else metrics.shard_registry(self.servicer)
         self.metrics_url: Optional[str] = None
         self._metrics_server = None
-        # The metrics interceptor comes first, so it also counts the calls the token interceptor refuses.
+        # The metrics interceptor comes first, so it also counts the calls the token interceptor refuses; an
+        # injected delay last, so that it slows only the calls that get through.
         interceptors = ([metrics.ServerRpcMetrics(self.metrics_registry)] if self.metrics_registry is not None else []) + (
-            [TokenInterceptor(token)] if token else [])
+            [TokenInterceptor(token)] if token else []) + ([DelayInterceptor(config.fault_delay_s)] if config.fault_delay_s else [])
         max_bytes = config.max_message_mb << 20
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.server_threads, thread_name_prefix="persia-ps"),

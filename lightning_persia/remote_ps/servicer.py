@@ -23,14 +23,11 @@ from lightning_persia.remote_ps import messages
 from lightning_persia.remote_ps.config import PSConfig
 from lightning_persia.remote_ps.exactly_once import UpdateDeduplicator
 from lightning_persia.remote_ps.messages import RpcRefusal, invalid, read_only
-from lightning_persia.remote_ps.protocol import FENCED_METHODS, INCARNATION_METADATA_KEY, SERVICE_NAME, persia_pb2, persia_pb2_grpc
+from lightning_persia.remote_ps.protocol import FENCED_METHODS, INCARNATION_METADATA_KEY, SERVICE, SERVICE_NAME, persia_pb2, persia_pb2_grpc
 from lightning_persia.remote_ps.served_version import ServedVersion
 from lightning_persia.remote_ps.store import ShardStore, UnknownTableError
 
 log = logging.getLogger("lightning_persia.ps")
-
-_DELAYED_METHODS = frozenset({"Lookup", "Update"})
-
 
 def _rpc(method: Callable) -> Callable:
     """Counts the call and turns every refusal or failure into a gRPC status with its message."""
@@ -40,8 +37,6 @@ def _rpc(method: Callable) -> Callable:
     def wrapper(self: "PSServicer", request, context: grpc.ServicerContext):
         self._count(name)
         try:
-            if self.config.fault_delay_s and name in _DELAYED_METHODS:
-                time.sleep(self.config.fault_delay_s)
             if name in FENCED_METHODS:
                 self._check_incarnation(context)
             if isinstance(request, messages.Undecodable):
@@ -82,7 +77,7 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         """Registers every RPC of the service, like the generated ``add_ParameterServerServicer_to_server``,
         but with request parsing that answers undecodable bytes with INVALID_ARGUMENT instead of INTERNAL."""
         handlers = {}
-        for method in persia_pb2.DESCRIPTOR.services_by_name["ParameterServer"].methods:
+        for method in SERVICE.methods:
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(
                 getattr(self, method.name),
                 request_deserializer=messages.tolerant_parser(getattr(persia_pb2, method.input_type.name)),

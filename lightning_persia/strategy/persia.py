@@ -32,6 +32,7 @@ from lightning_persia.embedding.prefetch import PrefetchingLoader
 from lightning_persia.embedding.rank_merge import RankMerge
 from lightning_persia.ops.pooled_lookup import kernel_in_use
 from lightning_persia.remote_ps.client import PSClient, ShardWait
+from lightning_persia.remote_ps.protocol import ADDRESSES_ENV, TOKEN_ENV
 from lightning_persia.remote_ps.table_config import DEFAULT_CAPACITY, InitLike, OptimizerLike
 from lightning_persia.strategy.interception import MODULE_KINDS, TableDefaults, TableOverride, intercept
 from lightning_persia.strategy.local_cluster import LocalCluster
@@ -42,8 +43,6 @@ from lightning_persia.strategy.recovery import (
 
 log = logging.getLogger(__name__)
 
-ADDRESSES_ENV = "PERSIA_PS_ADDRESSES"
-TOKEN_ENV = "PERSIA_PS_TOKEN"
 CHECKPOINT_KEY = "persia"
 WAIT_REPORT_INTERVAL_S = 2.0  # a line every this many seconds while a shard has not answered yet
 

@@ -55,8 +55,8 @@ import torch
 
 from lightning_persia.embedding.pipeline import EmbeddingLookupError
 from lightning_persia.remote_ps.client import PSError, ShardRestartedError, ShardUnavailableError
+from lightning_persia.remote_ps.protocol import COMMIT_MARKER
 
-COMMIT_MARKER = "COMMITTED"  # = remote_ps.store.checkpoint.COMMIT_MARKER (the strategy does not import the store)
 
 if TYPE_CHECKING:
     from lightning_persia.strategy.persia import PersiaStrategy

@@ -5,6 +5,9 @@ raw (no client-side validation) and checks each answer: a clear status (never IN
 a hang), a message for every refusal, and at the end the *sentinel* table's rows unchanged and the shard
 alive. Used by ``tests/remote_ps/test_ps_fuzz.py`` (a fast subset) and ``benchmarks/fuzz_ps.py``.
 
+Hypothesis comes with the ``test`` extra only: :func:`fuzz_cases` imports it when called, so this module
+imports without it. Each strategy below is a function of ``(draw, st)``, made a Hypothesis strategy there.
+
 Cases never name the sentinel table and never Load a real checkpoint (Load replaces every table by design);
 Save only writes under the given scratch folder.
 """
@@ -18,15 +21,14 @@ from typing import Optional
 
 import grpc
 import torch
-from hypothesis import strategies as st
 
 from lightning_persia.ops import wire
+from lightning_persia.remote_ps.protocol import SERVICE, SERVICE_NAME, bearer_metadata
 from lightning_persia.remote_ps.protocol import persia_pb2 as pb
-from lightning_persia.remote_ps.protocol import SERVICE_NAME
 
 SENTINEL = "fuzz_sentinel"
 FUZZ_TABLES = ["fuzz_t4", "fuzz_t16"]  # created before fuzzing, dims 4 and 16
-METHODS = ["Lookup", "Update", "Configure", "Describe", "Save", "Load", "Stats", "SaveDelta", "StageDelta", "CommitDelta"]
+METHODS = [method.name for method in SERVICE.methods]
 # What a refusal may answer; anything else (INTERNAL, UNKNOWN, DEADLINE_EXCEEDED = a hang) is a finding.
 ACCEPTED = {
     grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
@@ -34,96 +36,144 @@ ACCEPTED = {
     grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
 }
 
-_names = st.one_of(
-    st.sampled_from(FUZZ_TABLES + ["", "nope", "x" * 300, "fuzz_\x00nul", "fuzz_\u00e9\u4e2d", "../etc/passwd"]),
-    st.text(alphabet="abc_", min_size=1, max_size=6).map(lambda s: "fz_" + s),  # few distinct new tables
-)
-_int64 = st.integers(-(1 << 63), (1 << 63) - 1)
-_id_bytes = st.one_of(
-    st.lists(_int64, max_size=64).map(lambda xs: struct.pack(f"<{len(xs)}q", *xs)),
-    st.binary(max_size=200),  # often not a multiple of 8
-    st.one_of(st.sampled_from([4096, 4097, 5000]), st.integers(0, 5000)).map(lambda n: struct.pack("<q", 7) * n),  # > max_ids_per_request
-)
-_dtypes = st.one_of(st.sampled_from([0, 1, 2]), st.integers(-(1 << 31), (1 << 31) - 1))
-_floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True, width=32), st.sampled_from([0.0, 1.0, -1e30]))
+
+def fuzz_cases(scratch: str):
+    """Strategy of ``(method, request bytes, label)``; Save only writes under ``scratch`` (an absolute path)."""
+    try:
+        from hypothesis import strategies as st
+    except ImportError as err:
+        raise ImportError("fuzz_cases needs hypothesis, which the test extra installs: pip install 'lightning-persia[test]'") from err
+
+    def case(function, *args):
+        return st.composite(function)(st, *args)
+
+    versions = _versions(st)
+    return st.one_of(
+        st.tuples(st.sampled_from(METHODS), st.binary(max_size=512), st.just("random_bytes")),
+        case(_mutated).map(lambda mb: (mb[0], mb[1], "mutated")),
+        case(_lookup).map(lambda b: ("Lookup", b, "lookup")),
+        case(_update).map(lambda b: ("Update", b, "update")),
+        case(_configure).map(lambda b: ("Configure", b, "configure")),
+        case(_describe).map(lambda b: ("Describe", b, "describe")),
+        case(_save, scratch).map(lambda b: ("Save", b, "save")),
+        case(_load, scratch).map(lambda b: ("Load", b, "load")),
+        case(_save_delta, scratch).map(lambda b: ("SaveDelta", b, "save_delta")),
+        case(_stage_delta, scratch).map(lambda b: ("StageDelta", b, "stage_delta")),
+        versions.map(lambda v: ("CommitDelta", pb.CommitDeltaRequest(version=v).SerializeToString(), "commit_delta")),
+    )
 
 
-@st.composite
-def _grad_bytes(draw, n_ids: int) -> bytes:
+# ---- the pieces of requests ------------------------------------------------------------------------------
+
+
+def _names(st):
+    return st.one_of(
+        st.sampled_from(FUZZ_TABLES + ["", "nope", "x" * 300, "fuzz_\x00nul", "fuzz_\u00e9\u4e2d", "../etc/passwd"]),
+        st.text(alphabet="abc_", min_size=1, max_size=6).map(lambda s: "fz_" + s),  # few distinct new tables
+    )
+
+
+def _id_bytes(st):
+    int64 = st.integers(-(1 << 63), (1 << 63) - 1)
+    return st.one_of(
+        st.lists(int64, max_size=64).map(lambda xs: struct.pack(f"<{len(xs)}q", *xs)),
+        st.binary(max_size=200),  # often not a multiple of 8
+        st.one_of(st.sampled_from([4096, 4097, 5000]), st.integers(0, 5000)).map(lambda n: struct.pack("<q", 7) * n),  # > max_ids_per_request
+    )
+
+
+def _dtypes(st):
+    return st.one_of(st.sampled_from([0, 1, 2]), st.integers(-(1 << 31), (1 << 31) - 1))
+
+
+def _versions(st):
+    return st.one_of(st.integers(0, 3), st.integers(0, (1 << 64) - 1))
+
+
+def _packed(draw, st) -> Optional[pb.PackedIds]:
+    """The packed ids of a request: counts that match the ids or not, as many as the tables or not; or none."""
+    if draw(st.integers(0, 9)) == 0:
+        return None
+    tables = draw(st.lists(_names(st), max_size=4))
+    data = draw(_id_bytes(st))
+    if draw(st.booleans()):  # counts that add up to the ids there are
+        n = len(data) // 8
+        cuts = sorted(draw(st.lists(st.integers(0, n), min_size=max(0, len(tables) - 1), max_size=max(0, len(tables) - 1))))
+        counts = [b - a for a, b in zip([0, *cuts], [*cuts, n])] if tables else []
+    else:
+        counts = draw(st.lists(st.one_of(st.integers(0, 70), st.integers(0, (1 << 64) - 1)), max_size=5))
+    return pb.PackedIds(tables=tables, counts=counts, ids=data)
+
+
+def _grad_bytes(draw, st, values: int) -> bytes:
     kind = draw(st.sampled_from(["fp32_rows", "fp16_rows", "random", "empty"]))
     if kind == "random":
         return draw(st.binary(max_size=400))
     if kind == "empty":
         return b""
     dim = draw(st.sampled_from([1, 4, 5, 16]))
-    value = draw(_floats)
-    rows = torch.full((n_ids, dim), value)
-    return wire.encode_rows(rows, "fp32" if kind == "fp32_rows" else "fp16")
+    value = draw(st.one_of(st.floats(allow_nan=True, allow_infinity=True, width=32), st.sampled_from([0.0, 1.0, -1e30])))
+    return wire.encode_rows(torch.full((min(values, 1 << 16), dim), value), "fp32" if kind == "fp32_rows" else "fp16")
 
 
-@st.composite
-def _lookup(draw) -> bytes:
-    request = pb.LookupRequest(train=draw(st.booleans()), dtype=draw(_dtypes))
-    for _ in range(draw(st.integers(0, 4))):
-        request.tables.add(table=draw(_names), ids=draw(_id_bytes))
+def _lookup(draw, st) -> bytes:
+    request = pb.LookupRequest(train=draw(st.booleans()), dtype=draw(_dtypes(st)))
+    packed = _packed(draw, st)
+    if packed is not None:
+        request.packed.CopyFrom(packed)
     return request.SerializeToString()
 
 
-@st.composite
-def _update(draw) -> bytes:
+def _update(draw, st) -> bytes:
     request = pb.UpdateRequest(
         client_id=draw(st.one_of(st.sampled_from(["fuzz", ""]), st.text(max_size=2000))),
         seq=draw(st.one_of(st.integers(0, 3), st.integers(0, (1 << 64) - 1))),
+        packed_dtype=draw(_dtypes(st)),
     )
-    for _ in range(draw(st.integers(0, 4))):
-        ids = draw(_id_bytes)
-        n = len(ids) // 8 if draw(st.booleans()) else draw(st.integers(0, 70))
-        request.tables.add(table=draw(_names), ids=ids, grads=draw(_grad_bytes(n)), dtype=draw(_dtypes))
+    packed = _packed(draw, st)
+    if packed is not None:
+        request.packed.CopyFrom(packed)
+        ids = len(packed.ids) // 8 if draw(st.booleans()) else draw(st.integers(0, 70))
+        request.packed_grads = _grad_bytes(draw, st, ids)
     return request.SerializeToString()
 
 
-_json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(1 << 70), 1 << 70), st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=20))
-
-
-@st.composite
-def _table_json(draw) -> str:
+def _table_json(draw, st) -> str:
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-(1 << 70), 1 << 70), st.floats(allow_nan=False, allow_infinity=False),
+                        st.text(max_size=20))
     kind = draw(st.sampled_from(["config", "junk", "not_json", "not_object"]))
     if kind == "not_json":
         return draw(st.text(max_size=100))
     if kind == "not_object":
-        return json.dumps(draw(st.lists(_json_scalars, max_size=3)))
+        return json.dumps(draw(st.lists(scalars, max_size=3)))
     if kind == "junk":
-        return json.dumps(draw(st.dictionaries(st.text(max_size=12), _json_scalars, max_size=6)))
-    config = {"name": draw(_names), "dim": draw(st.one_of(st.sampled_from([4, 16, 0, -1, 65536, 65537, 1 << 40]), _json_scalars))}
+        return json.dumps(draw(st.dictionaries(st.text(max_size=12), scalars, max_size=6)))
+    config = {"name": draw(_names(st)), "dim": draw(st.one_of(st.sampled_from([4, 16, 0, -1, 65536, 65537, 1 << 40]), scalars))}
     for key, values in (
-        ("capacity", st.one_of(st.sampled_from([1, 1000, 0, -5, (1 << 31), 1 << 62]), _json_scalars)),
+        ("capacity", st.one_of(st.sampled_from([1, 1000, 0, -5, (1 << 31), 1 << 62]), scalars)),
         ("eviction", st.sampled_from(["lru", "lfu", "fifo", 3])),
-        ("admit_probability", st.one_of(st.sampled_from([0.0, 0.5, 1.0, 2.0, -1.0]), _json_scalars)),
+        ("admit_probability", st.one_of(st.sampled_from([0.0, 0.5, 1.0, 2.0, -1.0]), scalars)),
         ("weight_bound", st.one_of(st.none(), st.sampled_from([1.0, 0.0, -1.0]))),
         ("optimizer", st.one_of(
-            st.fixed_dictionaries({"kind": st.sampled_from(["SGD", "Adagrad", "Adam", "Lion"]), "lr": _json_scalars}),
-            _json_scalars)),
+            st.fixed_dictionaries({"kind": st.sampled_from(["SGD", "Adagrad", "Adam", "Lion"]), "lr": scalars}), scalars)),
         ("init", st.one_of(
-            st.fixed_dictionaries({"kind": st.sampled_from(["Uniform", "Normal", "Constant", "Eval"]),
-                                   "low": _json_scalars}), _json_scalars)),
-        ("extra_field", _json_scalars),
+            st.fixed_dictionaries({"kind": st.sampled_from(["Uniform", "Normal", "Constant", "Eval"]), "low": scalars}), scalars)),
+        ("extra_field", scalars),
     ):
         if draw(st.booleans()):
             config[key] = draw(values)
     return json.dumps(config)
 
 
-@st.composite
-def _configure(draw) -> bytes:
-    return pb.ConfigureRequest(tables_json=draw(st.lists(_table_json(), max_size=3))).SerializeToString()
+def _configure(draw, st) -> bytes:
+    return pb.ConfigureRequest(tables_json=[_table_json(draw, st) for _ in range(draw(st.integers(0, 3)))]).SerializeToString()
 
 
-@st.composite
-def _describe(draw) -> bytes:
-    return pb.DescribeRequest(names=draw(st.lists(_names, max_size=3))).SerializeToString()
+def _describe(draw, st) -> bytes:
+    return pb.DescribeRequest(names=draw(st.lists(_names(st), max_size=3))).SerializeToString()
 
 
-def _paths(scratch: str):
+def _paths(st, scratch: str):
     return st.one_of(
         st.sampled_from(["", "relative/dir", ".", f"{scratch}/nonexistent", "/dev/null", "/proc/self", "/"]),
         st.text(max_size=40),  # Load only: an absolute one that exists holds no checkpoint
@@ -131,7 +181,7 @@ def _paths(scratch: str):
     )
 
 
-def _save_directories(scratch: str):
+def _save_directories(st, scratch: str):
     # never an arbitrary absolute path: a Save there would really write (and a later Load would succeed)
     return st.one_of(
         st.sampled_from(["", "relative/dir", ".", "/dev/null", "/proc/self"]),
@@ -140,36 +190,28 @@ def _save_directories(scratch: str):
     )
 
 
-@st.composite
-def _save(draw, scratch: str) -> bytes:
-    return pb.SaveRequest(directory=draw(_save_directories(scratch)), save_id=draw(st.text(max_size=20))).SerializeToString()
+def _save(draw, st, scratch: str) -> bytes:
+    return pb.SaveRequest(directory=draw(_save_directories(st, scratch)), save_id=draw(st.text(max_size=20))).SerializeToString()
 
 
-_versions = st.one_of(st.integers(0, 3), st.integers(0, (1 << 64) - 1))
-
-
-@st.composite
-def _save_delta(draw, scratch: str) -> bytes:
-    return pb.SaveDeltaRequest(directory=draw(_save_directories(scratch)), save_id=draw(st.text(max_size=20)),
+def _save_delta(draw, st, scratch: str) -> bytes:
+    return pb.SaveDeltaRequest(directory=draw(_save_directories(st, scratch)), save_id=draw(st.text(max_size=20)),
                                base_id=draw(st.text(max_size=20))).SerializeToString()
 
 
-@st.composite
-def _stage_delta(draw, scratch: str) -> bytes:
-    return pb.StageDeltaRequest(directory=draw(_paths(scratch)), version=draw(_versions), base_version=draw(_versions)).SerializeToString()
+def _stage_delta(draw, st, scratch: str) -> bytes:
+    return pb.StageDeltaRequest(directory=draw(_paths(st, scratch)), version=draw(_versions(st)),
+                                base_version=draw(_versions(st))).SerializeToString()
 
 
-@st.composite
-def _load(draw, scratch: str) -> bytes:
-    return pb.LoadRequest(directory=draw(_paths(scratch))).SerializeToString()
+def _load(draw, st, scratch: str) -> bytes:
+    return pb.LoadRequest(directory=draw(_paths(st, scratch))).SerializeToString()
 
 
-@st.composite
-def _mutated(draw, scratch: str) -> tuple[str, bytes]:
-    method = draw(st.sampled_from(["Lookup", "Update", "Configure", "Describe", "Stats"]))
-    base = draw({"Lookup": _lookup(), "Update": _update(), "Configure": _configure(), "Describe": _describe(),
-                 "Stats": st.just(b"")}[method])
-    data = bytearray(base)
+def _mutated(draw, st) -> tuple[str, bytes]:
+    builders = {"Lookup": _lookup, "Update": _update, "Configure": _configure, "Describe": _describe}
+    method = draw(st.sampled_from([*builders, "Stats"]))
+    data = bytearray(builders[method](draw, st) if method in builders else b"")
     for _ in range(draw(st.integers(1, 4))):
         op = draw(st.sampled_from(["flip", "insert", "delete", "truncate", "varint"]))
         position = draw(st.integers(0, max(0, len(data))))
@@ -186,30 +228,14 @@ def _mutated(draw, scratch: str) -> tuple[str, bytes]:
     return method, bytes(data)
 
 
-def fuzz_cases(scratch: str):
-    """Strategy of ``(method, request bytes, label)``; Save only writes under ``scratch`` (an absolute path)."""
-    return st.one_of(
-        st.tuples(st.sampled_from(METHODS), st.binary(max_size=512), st.just("random_bytes")),
-        _mutated(scratch).map(lambda mb: (mb[0], mb[1], "mutated")),
-        _lookup().map(lambda b: ("Lookup", b, "lookup")),
-        _update().map(lambda b: ("Update", b, "update")),
-        _configure().map(lambda b: ("Configure", b, "configure")),
-        _describe().map(lambda b: ("Describe", b, "describe")),
-        _save(scratch).map(lambda b: ("Save", b, "save")),
-        _load(scratch).map(lambda b: ("Load", b, "load")),
-        _save_delta(scratch).map(lambda b: ("SaveDelta", b, "save_delta")),
-        _stage_delta(scratch).map(lambda b: ("StageDelta", b, "stage_delta")),
-        _versions.map(lambda v: ("CommitDelta", pb.CommitDeltaRequest(version=v).SerializeToString(), "commit_delta")),
-    )
-
-
 class FuzzTarget:
     """Sends raw request bytes to one shard and keeps the tally; :meth:`check_intact` compares the sentinel."""
 
     def __init__(self, address: str, timeout_s: float = 10.0, token: Optional[str] = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self.metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self.token = token
+        self.metadata = bearer_metadata(token) or None
         self.channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20),
                                                                ("grpc.max_receive_message_length", 64 << 20)])
         self.calls = {m: self.channel.unary_unary(f"/{SERVICE_NAME}/{m}") for m in METHODS}
@@ -226,16 +252,13 @@ class FuzzTarget:
         from lightning_persia.remote_ps.client import PSClient
         from lightning_persia.remote_ps.table_config import Adam, Normal, SGD, TableConfig
 
-        with PSClient([self.address], token=self._token()) as client:
+        with PSClient([self.address], token=self.token) as client:
             client.configure([TableConfig(SENTINEL, 8, optimizer=Adam(lr=0.01), init=Normal(std=0.1)),
                               TableConfig(FUZZ_TABLES[0], 4, optimizer=SGD(lr=0.1)),
                               TableConfig(FUZZ_TABLES[1], 16, optimizer=Adam(lr=0.1), capacity=5000)])
             client.lookup({SENTINEL: self.sentinel_ids}, train=True)
             client.update({SENTINEL: (self.sentinel_ids, torch.randn(self.sentinel_ids.numel(), 8))}, wire_dtype="fp32")
             self._sentinel_rows, self._sentinel_stats = self._sentinel(client)
-
-    def _token(self) -> Optional[str]:
-        return self.metadata[0][1].split(" ", 1)[1] if self.metadata else None
 
     def _sentinel(self, client) -> tuple[torch.Tensor, dict]:
         rows = client.lookup({SENTINEL: self.sentinel_ids}, train=False, wire_dtype="fp32")[SENTINEL]
@@ -267,7 +290,7 @@ class FuzzTarget:
 
         status = health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=10)
         assert status.status == health_pb2.HealthCheckResponse.SERVING, status
-        with PSClient([self.address], token=self._token()) as client:
+        with PSClient([self.address], token=self.token) as client:
             rows, stats = self._sentinel(client)
         assert self._sentinel_rows is not None
         assert torch.equal(rows, self._sentinel_rows), "the sentinel table's rows changed"

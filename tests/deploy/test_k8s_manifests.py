@@ -13,7 +13,7 @@ import yaml
 
 from lightning_persia import cli
 from lightning_persia.remote_ps.config import load_ps_config
-from lightning_persia.remote_ps.protocol import SERVICE_NAME
+from lightning_persia.remote_ps.protocol import SERVICE_NAME, TOKEN_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = sorted((ROOT / "deploy" / "k8s").glob("*.yaml"))
@@ -78,7 +78,7 @@ def test_shard_pods_know_their_index_and_count_carry_the_token_and_probe_grpc_he
     assert args[args.index("--shard-index") + 1] == "$(SHARD_INDEX)"
     env = _env(container)
     assert env["SHARD_INDEX"] == {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
-    assert env["PERSIA_PS_TOKEN"] == {"secretKeyRef": TOKEN_SECRET}
+    assert env[TOKEN_ENV] == {"secretKeyRef": TOKEN_SECRET}
     grpc_port = int(args[args.index("--port") + 1])
     assert {"name": "grpc", "containerPort": grpc_port} in container["ports"]
     assert container["readinessProbe"]["grpc"] == {"port": grpc_port, "service": SERVICE_NAME}
@@ -116,7 +116,7 @@ def test_the_trainers_name_every_shard_in_order_and_rendezvous_on_node_0():
     assert args[args.index("--node-rank") + 1] == "$(NODE_RANK)"
     env = _env(container)
     assert env["NODE_RANK"] == {"fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}
-    assert env["PERSIA_PS_TOKEN"] == {"secretKeyRef": TOKEN_SECRET}
+    assert env[TOKEN_ENV] == {"secretKeyRef": TOKEN_SECRET}
     service = _find("Service", pod["subdomain"])
     assert args[args.index("--master-addr") + 1] == f"{job['metadata']['name']}-0.{service['metadata']['name']}"
     assert args[args.index("--master-port") + 1] == str(service["spec"]["ports"][0]["port"])
@@ -143,7 +143,7 @@ def test_serving_reads_the_inference_shards_and_is_ready_on_health():
     port = int(args[args.index("--port") + 1])
     assert {"name": "http", "containerPort": port} in container["ports"]
     assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
-    assert _env(container)["PERSIA_PS_TOKEN"] == {"secretKeyRef": TOKEN_SECRET}
+    assert _env(container)[TOKEN_ENV] == {"secretKeyRef": TOKEN_SECRET}
     shard = _container(_find("StatefulSet", "persia-inference-ps"))
     assert shard["args"][shard["args"].index("--restore-from") + 1] == "/bundle" and "--read-only" in shard["args"]
     assert [m["subPath"] for m in (shard["volumeMounts"][0], container["volumeMounts"][0])] == ["bundles/dlrm"] * 2

@@ -1,6 +1,7 @@
 """Every malformed request gets the right gRPC status and a message naming the problem; nothing changes.
 
-Requests are built by hand with the raw stub (the client would refuse most of them before sending).
+Requests are built by hand in the client's encoding (every table's ids packed in one buffer) and sent with the
+raw stub (the client would refuse most of them before sending).
 """
 from __future__ import annotations
 
@@ -34,16 +35,24 @@ def grads(n: int, dim: int = DIM, dtype: str = "fp32", value: float = 1.0) -> by
     return wire.encode_rows(torch.full((n, dim), value), dtype)
 
 
+def packed_tables(tables) -> pb.PackedIds:
+    """``[(table, id bytes), ...]`` packed as the client packs them (a count per table: its whole ids)."""
+    return pb.PackedIds(tables=[t for t, _ in tables], counts=[len(i) // 8 for _, i in tables], ids=b"".join(i for _, i in tables))
+
+
 def lookup(*tables, train=True, dtype=pb.FP32):
-    return "Lookup", pb.LookupRequest(tables=[pb.TableIds(table=t, ids=i) for t, i in tables], train=train, dtype=dtype)
+    return "Lookup", pb.LookupRequest(packed=packed_tables(tables), train=train, dtype=dtype)
 
 
 _SEQ = itertools.count(1)
 
 
 def update(*tables, client_id="bad-input-test", seq=None):
-    entries = [pb.TableGrads(table=t, ids=i, grads=g, dtype=d) for t, i, g, d in tables]
-    return "Update", pb.UpdateRequest(client_id=client_id, seq=next(_SEQ) if seq is None else seq, tables=entries)
+    """``[(table, id bytes, grad bytes, dtype), ...]`` with one dtype for all, packed as the client packs them."""
+    return "Update", pb.UpdateRequest(
+        client_id=client_id, seq=next(_SEQ) if seq is None else seq, packed=packed_tables([(t, i) for t, i, _, _ in tables]),
+        packed_grads=b"".join(g for _, _, g, _ in tables), packed_dtype=tables[0][3])
+
 
 def packed(tables, counts, values) -> pb.PackedIds:
     return pb.PackedIds(tables=tables, counts=counts, ids=ids(values))
@@ -66,21 +75,22 @@ CASES = {
     "lookup_too_many_ids_over_tables": (
         lookup((TABLE, ids(range(3000))), (OTHER, ids(range(1100)))), RESOURCE_EXHAUSTED, "more than 4096 ids"),
     "lookup_unknown_dtype": (lookup((TABLE, ids([1])), dtype=7), INVALID, "lookup dtype 7 (unknown) is not one of FP16, FP32"),
-    "lookup_table_twice": (lookup((TABLE, ids([1])), (TABLE, ids([2]))), INVALID, "'bad_input' appears more than once"),
-    "lookup_empty_table_name": (lookup(("", ids([1]))), INVALID, "empty table name"),
+    "lookup_table_twice": (lookup((TABLE, ids([1])), (TABLE, ids([2]))), INVALID, "a table appears more than once in one request: ['bad_input']"),
+    "lookup_empty_table_name": (lookup(("", ids([1]))), INVALID, "a request names a table with an empty name"),
     "lookup_second_table_unknown": (lookup((TABLE, ids(FRESH)), ("nope", ids([1]))), NOT_FOUND, "unknown table 'nope'"),
     "update_unknown_table": (update(("nope", ids([1]), grads(1), pb.FP32)), NOT_FOUND, "unknown table 'nope'"),
     "update_wrong_dim": (update((TABLE, ids([1, 2, 3]), grads(3, dim=5), pb.FP32)), INVALID,
-                         "15 fp32 values, not a whole number of rows of dim 4"),
+                         "packed grads hold 15 fp32 values, the ids' counts times their tables' dims ([('bad_input', 3, 4)]) make 12"),
     "update_grads_not_multiple_of_element": (update((TABLE, ids([1]), b"\x00" * 7, pb.FP16)), INVALID,
                                              "grads is 7 bytes, not a multiple of 2 (fp16)"),
-    "update_fewer_grads_than_ids": (update((TABLE, ids([1, 2, 3]), grads(2), pb.FP32)), INVALID, "3 ids but 2 rows of grads"),
+    "update_fewer_grads_than_ids": (update((TABLE, ids([1, 2, 3]), grads(2), pb.FP32)), INVALID,
+                                    "packed grads hold 8 fp32 values, the ids' counts times their tables' dims ([('bad_input', 3, 4)]) make 12"),
     "update_ids_not_multiple_of_8": (update((TABLE, b"\x01" * 12, grads(1), pb.FP32)), INVALID, "ids is 12 bytes, not a multiple of 8"),
     "update_dtype_unspecified": (update((TABLE, ids([1]), grads(1), pb.WIRE_DTYPE_UNSPECIFIED)), INVALID,
                                  "grads dtype WIRE_DTYPE_UNSPECIFIED is not one of FP16, FP32"),
     "update_unknown_dtype": (update((TABLE, ids([1]), grads(1), 9)), INVALID, "grads dtype 9 (unknown)"),
     "update_fp16_bytes_declared_fp32": (update((TABLE, ids([1, 2]), grads(2, dtype="fp16"), pb.FP32)), INVALID,
-                                        "2 ids but 1 rows of grads"),
+                                        "packed grads hold 4 fp32 values, the ids' counts times their tables' dims ([('bad_input', 2, 4)]) make 8"),
     "update_too_many_ids": (update((TABLE, ids(range(5000)), grads(5000), pb.FP32)), RESOURCE_EXHAUSTED, "more than 4096 ids"),
     "update_nan": (update((TABLE, ids([1, 2]), grads(2, value=math.nan), pb.FP32)), INVALID, "NaN or infinity"),
     "update_without_client_id": (update((TABLE, ids([1]), grads(1), pb.FP32), client_id=""), INVALID, "without a client_id"),
@@ -89,7 +99,7 @@ CASES = {
                            "appears more than once"),
     "update_second_table_bad_grads": (
         update((TABLE, ids([1, 2]), grads(2), pb.FP32), (OTHER, ids([1]), grads(1, dim=3), pb.FP32)), INVALID,
-        "not a whole number of rows of dim 2"),
+        "packed grads hold 11 fp32 values, the ids' counts times their tables' dims ([('bad_input', 2, 4), ('bad_input_other', 1, 2)]) make 10"),
     "update_second_table_nan": (
         update((TABLE, ids([1, 2]), grads(2), pb.FP32), (OTHER, ids([1]), grads(1, dim=2, value=math.inf), pb.FP32)),
         INVALID, "'bad_input_other': gradients contain NaN or infinity"),
@@ -100,9 +110,9 @@ CASES = {
     "packed_lookup_table_twice": (packed_lookup([TABLE, TABLE], [1, 1], FRESH[:2]), INVALID, "appears more than once"),
     "packed_lookup_unknown_table": (packed_lookup([TABLE, "nope"], [1, 1], FRESH[:2]), NOT_FOUND, "unknown table 'nope'"),
     "packed_lookup_too_many_ids": (packed_lookup([TABLE], [4097], range(4097)), RESOURCE_EXHAUSTED, "more than 4096 ids"),
-    "packed_lookup_and_entries": (
-        ("Lookup", pb.LookupRequest(tables=[pb.TableIds(table=TABLE, ids=ids([1]))], packed=packed([OTHER], [1], [1]), train=True)),
-        INVALID, "either as entries (`tables`) or packed (`packed`), not both"),
+    "lookup_without_packed_ids": (("Lookup", pb.LookupRequest(train=True)), INVALID, "the request names no tables"),
+    "update_without_packed_ids": (("Update", pb.UpdateRequest(client_id="bad-input-test", seq=10**6, packed_dtype=pb.FP32)),
+                                  INVALID, "the request names no tables"),
     "packed_update_grads_of_other_dims": (packed_update([TABLE, OTHER], [2, 1], [1, 2, 3], grads(3, dim=4)), INVALID,
                                           "packed grads hold 12 fp32 values, the ids' counts times their tables' dims"),
     "packed_update_dtype_unspecified": (packed_update([TABLE], [1], [1], grads(1), dtype=pb.WIRE_DTYPE_UNSPECIFIED), INVALID,
@@ -196,7 +206,7 @@ def test_id_of_another_shard_is_refused(ps_cluster, make_client):
     with grpc.insecure_channel(ps_cluster.addresses[0]) as channel:
         stub = persia_pb2_grpc.ParameterServerStub(channel)
         with pytest.raises(grpc.RpcError) as info:
-            stub.Lookup(pb.LookupRequest(tables=[pb.TableIds(table="ownership", ids=ids(torch.cat([mine, foreign])))], train=True))
+            stub.Lookup(pb.LookupRequest(packed=packed(["ownership"], [4], torch.cat([mine, foreign])), train=True))
     assert info.value.code() == INVALID
     assert f"id {int(foreign[0])} belongs to shard 1" in info.value.details()
     assert client.stats()[0]["tables"]["ownership"]["rows"] == before
@@ -206,12 +216,13 @@ def test_same_update_sent_twice_is_applied_once(ps_cluster1, make_client):
     client = make_client(ps_cluster1.addresses)
     client.configure([TableConfig("twice", 2, optimizer=SGD(lr=1.0), init=Constant(0.0))])
     client.lookup({"twice": torch.tensor([1, 2, 3])}, train=True)
-    request = pb.UpdateRequest(client_id="twice-client", seq=7, tables=[
-        pb.TableGrads(table="twice", ids=ids([1, 2, 3]), grads=grads(3, dim=2), dtype=pb.FP32)])
+    request = pb.UpdateRequest(client_id="twice-client", seq=7, packed=packed(["twice"], [3], [1, 2, 3]),
+                               packed_grads=grads(3, dim=2), packed_dtype=pb.FP32)
     with grpc.insecure_channel(ps_cluster1.addresses[0]) as channel:
         stub = persia_pb2_grpc.ParameterServerStub(channel)
         first, second = stub.Update(request), stub.Update(request)
-        other_client = stub.Update(pb.UpdateRequest(client_id="another-client", seq=7, tables=request.tables))
+        other_client = stub.Update(pb.UpdateRequest(client_id="another-client", seq=7, packed=request.packed,
+                                                    packed_grads=request.packed_grads, packed_dtype=request.packed_dtype))
     assert (first.rows_applied, first.duplicate) == (3, False)
     assert (second.rows_applied, second.duplicate) == (3, True)
     assert not other_client.duplicate

@@ -114,7 +114,7 @@ def test_top_level_usage(capsys):
 def test_console_script_is_installed():
     script = os.path.join(os.path.dirname(sys.executable), "lightning-persia")
     result = subprocess.run([script, "ps", "serve", "--help"], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0 and "PERSIA_PS_LISTENING" in result.stdout
+    assert result.returncode == 0 and LISTENING_PREFIX in result.stdout
 
 
 def test_idle_scheduling_refused_by_the_system_leaves_the_shard_serving_at_normal_priority(monkeypatch, caplog):

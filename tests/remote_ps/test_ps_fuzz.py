@@ -4,6 +4,8 @@ status with a message, nothing hangs, the shard keeps serving and the sentinel t
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -36,3 +38,12 @@ def test_fuzzed_requests_get_clear_statuses_and_change_nothing(target):
     assert target.cases >= EXAMPLES
     assert not target.findings, "\n".join(target.findings[:20])
     target.check_intact()
+
+
+def test_the_fuzzer_imports_without_hypothesis_and_names_the_extra_when_asked_for_cases():
+    script = ("import sys; sys.modules['hypothesis'] = None\n"
+              "from lightning_persia.testing.fuzz import FuzzTarget, fuzz_cases\n"
+              "try:\n    fuzz_cases('/tmp')\nexcept ImportError as err:\n    print(err)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "fuzz_cases needs hypothesis, which the test extra installs: pip install 'lightning-persia[test]'" in done.stdout

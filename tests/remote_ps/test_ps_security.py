@@ -19,6 +19,7 @@ from cryptography.x509.oid import NameOID
 
 from lightning_persia import cli
 from lightning_persia.remote_ps.client import PSRequestError, ShardUnavailableError
+from lightning_persia.remote_ps.protocol import AUTH_METADATA_KEY, SERVICE, bearer_metadata
 from lightning_persia.remote_ps.security import BindSecurityError, check_bind_security
 from lightning_persia.remote_ps.table_config import SGD, Constant, TableConfig
 
@@ -149,8 +150,9 @@ def test_every_rpc_without_or_with_a_wrong_token_is_refused_and_writes_nothing(s
     from lightning_persia.remote_ps.protocol import persia_pb2 as pb
 
     requests = {
-        "Lookup": pb.LookupRequest(tables=[pb.TableIds(table="token_table", ids=b"\0" * 8)], train=True),
-        "Update": pb.UpdateRequest(client_id="intruder", seq=1, tables=[pb.TableGrads(table="token_table", ids=b"\0" * 8, grads=b"\0" * 12, dtype=pb.FP32)]),
+        "Lookup": pb.LookupRequest(packed=pb.PackedIds(tables=["token_table"], counts=[1], ids=b"\0" * 8), train=True),
+        "Update": pb.UpdateRequest(client_id="intruder", seq=1, packed=pb.PackedIds(tables=["token_table"], counts=[1], ids=b"\0" * 8),
+                                   packed_grads=b"\0" * 12, packed_dtype=pb.FP32),
         "Configure": pb.ConfigureRequest(tables_json=['{"name": "token_intruder2", "dim": 2}']),
         "Describe": pb.DescribeRequest(),
         "Save": pb.SaveRequest(directory=str(tmp_path / "stolen")),
@@ -160,9 +162,9 @@ def test_every_rpc_without_or_with_a_wrong_token_is_refused_and_writes_nothing(s
         "StageDelta": pb.StageDeltaRequest(directory=str(tmp_path / "planted"), version=1),
         "CommitDelta": pb.CommitDeltaRequest(version=1),
     }
-    assert sorted(requests) == sorted(m.name for m in pb.DESCRIPTOR.services_by_name["ParameterServer"].methods)
+    assert sorted(requests) == sorted(m.name for m in SERVICE.methods)
     with grpc.insecure_channel(secured["token_address"]) as channel:
-        for metadata in (None, (("authorization", "Bearer wrong"),), (("authorization", TOKEN),)):  # last: no "Bearer "
+        for metadata in (None, bearer_metadata("wrong"), ((AUTH_METADATA_KEY, TOKEN),)):  # last: no "Bearer "
             for method, request in requests.items():
                 with pytest.raises(grpc.RpcError) as info:
                     channel.unary_unary(f"/persia.ParameterServer/{method}")(request.SerializeToString(), timeout=10, metadata=metadata)

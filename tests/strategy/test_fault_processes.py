@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_persia.remote_ps.protocol import COMMIT_MARKER
 from lightning_persia.remote_ps.store import ShardStore
 from lightning_persia.remote_ps.store.checkpoint import candidate_checkpoints
 
@@ -47,7 +48,7 @@ def test_rank_killed_in_the_middle_of_a_save_fails_cleanly_and_the_run_resumes(t
     assert sorted(p.name for p in ckpt.glob("*.ckpt")) == ["epoch=0-step=4.ckpt"]  # step 8's never written
     entry = torch.load(ckpt / "epoch=0-step=4.ckpt", weights_only=True)["persia"]
     good = ckpt / entry["ps_dir"]
-    assert (good / "COMMITTED").is_file()
+    assert (good / COMMIT_MARKER).is_file()
     store = ShardStore(0, 1)
     store.load(str(good))  # complete, checksums verified
     assert sorted(store.tables()) == ["ebc.t0", "ebc.t1"]

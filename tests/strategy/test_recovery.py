@@ -24,6 +24,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_persia import SGD, PersiaStrategy
 from lightning_persia.embedding.pipeline import EmbeddingLookupError
+from lightning_persia.remote_ps.protocol import COMMIT_MARKER
 from lightning_persia.strategy.recovery import PersiaRecoveryError, RecoveryConfig
 from toy import INIT, NUM_IDS, ToyRecommender, loader, make_batches
 
@@ -221,7 +222,7 @@ def test_a_shard_killed_in_a_checkpoint_save_rolls_back_and_the_save_completes(t
         assert sorted(p.name for p in ckpt.glob("*.ckpt")) == ["epoch=0-step=20.ckpt"]
         folders = list((ckpt / "epoch=0-step=20.ckpt.ps").iterdir())
         entry = torch.load(ckpt / "epoch=0-step=20.ckpt", weights_only=True)["persia"]
-        assert [ckpt / entry["ps_dir"]] == folders and (folders[0] / "COMMITTED").is_file()
+        assert [ckpt / entry["ps_dir"]] == folders and (folders[0] / COMMIT_MARKER).is_file()
         assert sorted(p.name for p in folders[0].iterdir() if p.is_dir()) == ["shard-00000-of-00002", "shard-00001-of-00002"]
         # the checkpoint of step 10 holds the restored state of step 5: the batches in between are lost
         _assert_equals_plain_training(strategy, remote, local, batches[:5] + batches[10:])

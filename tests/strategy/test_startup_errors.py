@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from lightning_persia.remote_ps.config import load_ps_config
+from lightning_persia.remote_ps.protocol import ADDRESSES_ENV, TOKEN_ENV
 from lightning_persia.remote_ps.server import ShardServer
 from lightning_persia.remote_ps.store import ShardStore
 
@@ -117,8 +118,8 @@ def _shards_of(pid: int, within_s: float) -> list[int]:
 
 @pytest.fixture(autouse=True)
 def _no_addresses_from_the_environment(monkeypatch):
-    monkeypatch.delenv("PERSIA_PS_ADDRESSES", raising=False)
-    monkeypatch.delenv("PERSIA_PS_TOKEN", raising=False)
+    monkeypatch.delenv(ADDRESSES_ENV, raising=False)
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
 
 
 def test_a_failing_cleanup_is_reported_and_the_start_s_error_still_raised(monkeypatch, caplog):

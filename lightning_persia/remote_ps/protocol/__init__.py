@@ -11,7 +11,10 @@ from lightning_persia.remote_ps.protocol.constants import (
     METRICS_PREFIX, TOKEN_ENV, bearer_metadata,
 )
 
-SERVICE_NAME = persia_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+SERVICE = persia_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
+"""The descriptor of the ``persia.ParameterServer`` service (its ``methods``: every RPC)."""
+
+SERVICE_NAME = SERVICE.full_name
 
 WIRE_DTYPE_ENUMS = {"fp16": persia_pb2.FP16, "fp32": persia_pb2.FP32}
 """Codec name (``ops.wire.WIRE_DTYPES``) -> ``WireDType`` of the wire."""
@@ -21,6 +24,6 @@ WIRE_DTYPE_NAMES = {enum: name for name, enum in WIRE_DTYPE_ENUMS.items()}
 
 __all__ = [
     "ADDRESSES_ENV", "AUTH_METADATA_KEY", "BEARER_PREFIX", "COMMIT_MARKER", "FENCED_METHODS", "INCARNATION_METADATA_KEY", "LISTENING_PREFIX",
-    "METRICS_PREFIX", "SERVICE_NAME", "TOKEN_ENV", "WIRE_DTYPE_ENUMS", "WIRE_DTYPE_NAMES", "bearer_metadata", "persia_pb2",
+    "METRICS_PREFIX", "SERVICE", "SERVICE_NAME", "TOKEN_ENV", "WIRE_DTYPE_ENUMS", "WIRE_DTYPE_NAMES", "bearer_metadata", "persia_pb2",
     "persia_pb2_grpc",
 ]

@@ -16,14 +16,6 @@ WIRE_DTYPE_UNSPECIFIED: WireDType
 FP16: WireDType
 FP32: WireDType
 
-class TableIds(_message.Message):
-    __slots__ = ("table", "ids")
-    TABLE_FIELD_NUMBER: _ClassVar[int]
-    IDS_FIELD_NUMBER: _ClassVar[int]
-    table: str
-    ids: bytes
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
-
 class PackedIds(_message.Message):
     __slots__ = ("tables", "counts", "ids")
     TABLES_FIELD_NUMBER: _ClassVar[int]
@@ -35,66 +27,38 @@ class PackedIds(_message.Message):
     def __init__(self, tables: _Optional[_Iterable[str]] = ..., counts: _Optional[_Iterable[int]] = ..., ids: _Optional[bytes] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("tables", "train", "dtype", "packed")
-    TABLES_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("train", "dtype", "packed")
     TRAIN_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
-    tables: _containers.RepeatedCompositeFieldContainer[TableIds]
     train: bool
     dtype: WireDType
     packed: PackedIds
-    def __init__(self, tables: _Optional[_Iterable[_Union[TableIds, _Mapping]]] = ..., train: _Optional[bool] = ..., dtype: _Optional[_Union[WireDType, str]] = ..., packed: _Optional[_Union[PackedIds, _Mapping]] = ...) -> None: ...
-
-class TableRows(_message.Message):
-    __slots__ = ("table", "dim", "rows")
-    TABLE_FIELD_NUMBER: _ClassVar[int]
-    DIM_FIELD_NUMBER: _ClassVar[int]
-    ROWS_FIELD_NUMBER: _ClassVar[int]
-    table: str
-    dim: int
-    rows: bytes
-    def __init__(self, table: _Optional[str] = ..., dim: _Optional[int] = ..., rows: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, train: _Optional[bool] = ..., dtype: _Optional[_Union[WireDType, str]] = ..., packed: _Optional[_Union[PackedIds, _Mapping]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("tables", "dtype", "packed_rows", "packed_dims")
-    TABLES_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("dtype", "packed_rows", "packed_dims")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     PACKED_ROWS_FIELD_NUMBER: _ClassVar[int]
     PACKED_DIMS_FIELD_NUMBER: _ClassVar[int]
-    tables: _containers.RepeatedCompositeFieldContainer[TableRows]
     dtype: WireDType
     packed_rows: bytes
     packed_dims: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, tables: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ..., dtype: _Optional[_Union[WireDType, str]] = ..., packed_rows: _Optional[bytes] = ..., packed_dims: _Optional[_Iterable[int]] = ...) -> None: ...
-
-class TableGrads(_message.Message):
-    __slots__ = ("table", "ids", "grads", "dtype")
-    TABLE_FIELD_NUMBER: _ClassVar[int]
-    IDS_FIELD_NUMBER: _ClassVar[int]
-    GRADS_FIELD_NUMBER: _ClassVar[int]
-    DTYPE_FIELD_NUMBER: _ClassVar[int]
-    table: str
-    ids: bytes
-    grads: bytes
-    dtype: WireDType
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., dtype: _Optional[_Union[WireDType, str]] = ...) -> None: ...
+    def __init__(self, dtype: _Optional[_Union[WireDType, str]] = ..., packed_rows: _Optional[bytes] = ..., packed_dims: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class UpdateRequest(_message.Message):
-    __slots__ = ("client_id", "seq", "tables", "packed", "packed_grads", "packed_dtype")
+    __slots__ = ("client_id", "seq", "packed", "packed_grads", "packed_dtype")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
-    TABLES_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
     PACKED_GRADS_FIELD_NUMBER: _ClassVar[int]
     PACKED_DTYPE_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     seq: int
-    tables: _containers.RepeatedCompositeFieldContainer[TableGrads]
     packed: PackedIds
     packed_grads: bytes
     packed_dtype: WireDType
-    def __init__(self, client_id: _Optional[str] = ..., seq: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableGrads, _Mapping]]] = ..., packed: _Optional[_Union[PackedIds, _Mapping]] = ..., packed_grads: _Optional[bytes] = ..., packed_dtype: _Optional[_Union[WireDType, str]] = ...) -> None: ...
+    def __init__(self, client_id: _Optional[str] = ..., seq: _Optional[int] = ..., packed: _Optional[_Union[PackedIds, _Mapping]] = ..., packed_grads: _Optional[bytes] = ..., packed_dtype: _Optional[_Union[WireDType, str]] = ...) -> None: ...
 
 class UpdateResponse(_message.Message):
     __slots__ = ("rows_applied", "duplicate")

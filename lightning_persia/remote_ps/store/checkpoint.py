@@ -22,6 +22,9 @@ is written, save into a new directory (PersiaStrategy does: ``<ckpt>.ps/<save_id
 Arrays are read with their header parsed by numpy and never unpickled: loading never runs code from the file.
 Loading into M shards reads every folder of the checkpoint and keeps the ids that hash to the shard; into the
 same number of shards, each shard reads only its own folder.
+
+Over 500 lines on purpose: the writer and the reader of one file format stay in one module, so that a change
+to one is read beside the other.
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ import torch
 
 from lightning_persia import checksum
 from lightning_persia.ops.hashing import shard_of
+from lightning_persia.remote_ps.protocol import COMMIT_MARKER
 from lightning_persia.remote_ps.store.errors import CheckpointError, StoreError
 from lightning_persia.remote_ps.store.table import SAVED_FIELDS, TableSnapshot
 from lightning_persia.remote_ps.table_config import ConfigError, TableConfig
@@ -202,12 +206,6 @@ def _fsync_directory(path: Path) -> None:
         pass
     finally:
         os.close(fd)
-
-
-COMMIT_MARKER = "COMMITTED"
-"""A file that a trainer writes into a checkpoint folder once the rest of its checkpoint (the dense ``.ckpt``)
-is written too. Where some candidates carry it, :func:`candidate_checkpoints` offers only those: a PS
-checkpoint whose trainer died before its ``.ckpt`` was written is complete but belongs to no checkpoint."""
 
 
 def is_checkpoint(directory: str | os.PathLike) -> bool:

@@ -11,6 +11,9 @@ copies one chunk at a time under the lock while training goes on; a write to a r
 first keeps the row's pre-image (its value at the point), so the checkpoint holds every row as it was at the
 point. Only the access statistics (LRU step / LFU count) may be newer than the point. A snapshot *since* an
 earlier point holds only the rows changed after it, and the ids evicted after it: a delta for serving.
+
+Over 500 lines on purpose: lookups, updates, admission, eviction and snapshots all run under the table's one
+lock on the same records, and that discipline is read in one place.
 """
 from __future__ import annotations
 

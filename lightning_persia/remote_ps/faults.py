@@ -1,0 +1,39 @@
+"""Faults a shard injects on request, for tests and fault benchmarks (``fault_delay_s`` of the PS config).
+
+:class:`DelayInterceptor` slows every Lookup and Update; :class:`~lightning_persia.remote_ps.server.ShardServer`
+installs it only when a delay is configured, so a shard without faults checks nothing per call.
+"""
+from __future__ import annotations
+
+import time
+from typing import Collection
+
+import grpc
+
+from lightning_persia.remote_ps.protocol import SERVICE_NAME
+
+DELAYED_METHODS = frozenset({"Lookup", "Update"})
+
+
+class DelayInterceptor(grpc.ServerInterceptor):
+    """Sleeps ``delay_s`` on the handler thread before each call of ``methods`` of the PS service."""
+
+    def __init__(self, delay_s: float, methods: Collection[str] = DELAYED_METHODS) -> None:
+        if delay_s <= 0:
+            raise ValueError(f"a fault delay must be > 0 s, got {delay_s}")
+        self._delay_s = delay_s
+        self._paths = frozenset(f"/{SERVICE_NAME}/{method}" for method in methods)
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method not in self._paths:
+            return handler
+        behaviour, delay_s = handler.unary_unary, self._delay_s
+
+        def delayed(request, context):
+            time.sleep(delay_s)
+            return behaviour(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            delayed, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer,
+        )

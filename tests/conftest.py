@@ -52,7 +52,7 @@ def native_kernels() -> None:
     CI machines have a compiler, and ``make test`` builds the library first.
     """
     if not native.available():
-        why = ("LIGHTNING_PERSIA_NATIVE=0 switches them off for this run" if os.environ.get("LIGHTNING_PERSIA_NATIVE") == "0"
+        why = (f"{native.NATIVE_ENV}=0 switches them off for this run" if os.environ.get(native.NATIVE_ENV) == "0"
                else "the library is not built from this kernels.c (`make native`; a build without a working C "
                "compiler skips it; the warning above says more)")
         pytest.skip(f"the native kernels are not in use: {why}. The library then runs its tensor implementation, "

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def fresh_loader(monkeypatch):
     """The loader with no library loaded and not switched off; ``use(directory)`` makes it look there."""
-    monkeypatch.delenv("LIGHTNING_PERSIA_NATIVE", raising=False)
+    monkeypatch.delenv(native.NATIVE_ENV, raising=False)
     native._library.cache_clear()
 
     def use(directory: Path) -> None:
@@ -76,7 +76,7 @@ def test_a_library_built_from_another_version_of_the_source_is_not_loaded(fresh_
 
 
 def test_switched_off_by_the_environment(fresh_loader, monkeypatch):
-    monkeypatch.setenv("LIGHTNING_PERSIA_NATIVE", "0")
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
     assert not native.available()
 
 

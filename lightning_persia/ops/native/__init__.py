@@ -33,6 +33,9 @@ import torch
 
 from lightning_persia.ops.native._source import library_name
 
+NATIVE_ENV = "LIGHTNING_PERSIA_NATIVE"
+"""``LIGHTNING_PERSIA_NATIVE=0`` keeps the tensor implementation even where the library is built."""
+
 _DIRECTORY = Path(__file__).parent
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -281,6 +284,30 @@ RULES = {"SGD": 0, "Adagrad": 1, "RowwiseAdagrad": 2}
 """The sparse rules :func:`update_many` runs in C (``remote_ps/store/optimizers.py`` names; Adam runs in torch)."""
 
 
+SIGNATURES = {
+    "lp_gather": ([_P, _I64, _I64, _I64, _I64, _P, _I64, _P], None),
+    "lp_scatter": ([_P, _I64, _I64, _I64, _I64, _P, _I64, _P], None),
+    "lp_set_i32": ([_P, _I64, _I64, _I64, _P, _I64, ctypes.c_int32, ctypes.c_int32], None),
+    "lp_fields": ([_P, _I64, _I64, _P, _I64, _I64, _P, _P, _P, ctypes.c_int32], None),
+    "lp_index_new": ([], _P),
+    "lp_index_free": ([_P], None),
+    "lp_index_info": ([_P, _P], None),
+    "lp_index_find": ([_P, _P, _I64, _I64, _P, _I64, _P, _I64, _I64, _P, _I64, ctypes.c_int32, ctypes.c_int32], None),
+    "lp_index_insert": ([_P, _P, _I64, _I64, _P, _P, _I64], _I64),
+    "lp_index_remove": ([_P, _P, _I64, _I64, _P, _I64], _I64),
+    "lp_index_reserve": ([_P, _P, _I64, _I64, _I64], _I64),
+    "lp_find_many": ([_P, _I64], None),
+    "lp_update_many": ([_P, _I64], None),
+    "lp_row_bits": ([_P, _I64, _I64, _I64, _P], None),
+    "lp_uniform_rows": ([_P, _I64, _I64, _I64, ctypes.c_double, ctypes.c_double, _P], None),
+    "lp_first_foreign": ([_P, _I64, _I64, _I64], _I64),
+    "lp_admit": ([_P], _I64),
+    "lp_unique_by_table": ([_P, _P, _I64, _P, _P, _P], _I64),
+}
+"""Argument and result types of every function of ``kernels.c`` called here (``tests/ops/test_native_interface.py``
+checks them, and the job structs above, against the C source)."""
+
+
 def find_many(jobs: list[FindJob]) -> None:
     """Lookups of several tables in one call (each job: :meth:`Index.find` with a copy and a touch); sets ``missing``.
 
@@ -397,33 +424,14 @@ def _require() -> ctypes.CDLL:
 
 @functools.lru_cache(maxsize=None)
 def _library() -> Optional[ctypes.CDLL]:
-    if os.environ.get("LIGHTNING_PERSIA_NATIVE", "1") == "0":
+    if os.environ.get(NATIVE_ENV, "1") == "0":
         return None
     try:
         library = ctypes.CDLL(str(_built_library()))
     except OSError as err:
         warnings.warn(f"lightning_persia: native kernels unavailable ({err}); using the slower tensor implementation")
         return None
-    for name, arguments, result in (
-        ("lp_gather", [_P, _I64, _I64, _I64, _I64, _P, _I64, _P], None),
-        ("lp_scatter", [_P, _I64, _I64, _I64, _I64, _P, _I64, _P], None),
-        ("lp_set_i32", [_P, _I64, _I64, _I64, _P, _I64, ctypes.c_int32, ctypes.c_int32], None),
-        ("lp_fields", [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _P, ctypes.c_int32], None),
-        ("lp_index_new", [], _P),
-        ("lp_index_free", [_P], None),
-        ("lp_index_info", [_P, _P], None),
-        ("lp_index_find", [_P, _P, _I64, _I64, _P, _I64, _P, _I64, _I64, _P, _I64, ctypes.c_int32, ctypes.c_int32], None),
-        ("lp_index_insert", [_P, _P, _I64, _I64, _P, _P, _I64], _I64),
-        ("lp_index_remove", [_P, _P, _I64, _I64, _P, _I64], _I64),
-        ("lp_index_reserve", [_P, _P, _I64, _I64, _I64], _I64),
-        ("lp_find_many", [_P, _I64], None),
-        ("lp_update_many", [_P, _I64], None),
-        ("lp_row_bits", [_P, _I64, _I64, _I64, _P], None),
-        ("lp_uniform_rows", [_P, _I64, _I64, _I64, ctypes.c_double, ctypes.c_double, _P], None),
-        ("lp_first_foreign", [_P, _I64, _I64, _I64], _I64),
-        ("lp_admit", [_P], _I64),
-        ("lp_unique_by_table", [_P, _P, _I64, _P, _P, _P], _I64),
-    ):
+    for name, (arguments, result) in SIGNATURES.items():
         function = getattr(library, name)
         function.argtypes, function.restype = arguments, result
     return library

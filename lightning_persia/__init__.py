@@ -8,50 +8,29 @@ Example::
     trainer = L.Trainer(strategy=PersiaStrategy(staleness=4, embedding_optimizer=Adagrad(lr=0.01)), devices=2)
     trainer.fit(model, datamodule)
 
-Importing this package registers ``strategy="persia"`` with Lightning. The strategy (and with it Lightning and
-TorchRec) is imported only once Lightning is, so a parameter-server shard process stays free of both.
+Importing this package imports the strategy, which registers ``strategy="persia"`` with Lightning (once, in
+``lightning_persia/strategy/persia.py``). A parameter-server shard process (``LIGHTNING_PERSIA_SHARD_PROCESS=1``,
+set by the launcher of local shards and the Kubernetes manifests) leaves the strategy out, and with it Lightning
+and TorchRec; its names are still there on first use.
 """
 import importlib
-import importlib.abc
-import importlib.util
-import sys
+import os
 
+from lightning_persia.remote_ps.protocol.constants import SHARD_PROCESS_ENV
 from lightning_persia.remote_ps.table_config import SGD, Adagrad, Adam, Constant, Normal, TableConfig, Uniform
 
 __all__ = ["PersiaStrategy", "SGD", "Adagrad", "Adam", "Uniform", "Normal", "Constant", "TableOverride", "TableConfig", "RecoveryConfig",
            "PublishDeltas"]
 
-_STRATEGY_NAMES = {"PersiaStrategy": "lightning_persia.strategy", "TableOverride": "lightning_persia.strategy.interception",
-                   "RecoveryConfig": "lightning_persia.strategy.recovery", "PublishDeltas": "lightning_persia.serving.publish"}
+_LAZY_NAMES = {"PersiaStrategy": "lightning_persia.strategy", "TableOverride": "lightning_persia.strategy.interception",
+               "RecoveryConfig": "lightning_persia.strategy.recovery", "PublishDeltas": "lightning_persia.serving.publish"}
 
 
 def __getattr__(name: str):
-    if name in _STRATEGY_NAMES:
-        return getattr(importlib.import_module(_STRATEGY_NAMES[name]), name)
+    if name in _LAZY_NAMES:
+        return getattr(importlib.import_module(_LAZY_NAMES[name]), name)
     raise AttributeError(f"module 'lightning_persia' has no attribute {name!r}")
 
 
-class _RegisterWithLightning(importlib.abc.MetaPathFinder):
-    """Imports the strategy (which registers "persia") right after ``lightning.pytorch`` finishes importing."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != "lightning.pytorch":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            importlib.import_module("lightning_persia.strategy")
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-if "lightning.pytorch" in sys.modules:
+if os.environ.get(SHARD_PROCESS_ENV) != "1":
     importlib.import_module("lightning_persia.strategy")
-else:
-    sys.meta_path.insert(0, _RegisterWithLightning())

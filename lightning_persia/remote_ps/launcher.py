@@ -18,7 +18,7 @@ from concurrent import futures
 from dataclasses import dataclass
 from typing import MutableSequence, Optional, Sequence
 
-from lightning_persia.remote_ps.protocol import LISTENING_PREFIX
+from lightning_persia.remote_ps.protocol import LISTENING_PREFIX, SHARD_PROCESS_ENV
 
 log = logging.getLogger("lightning_persia.ps")
 
@@ -153,7 +153,7 @@ class LocalShards:
         threads = max(1, (os.cpu_count() or 1) // (num_shards + 1))
         self._command = dict(host=host, parent_pid=os.getpid(), config_path=config_path, extra_args=tuple(extra_args),
                              overrides=(f"torch_threads={threads}", *overrides))  # a later override of the caller's wins
-        self._env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, **(env or {})}
+        self._env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, SHARD_PROCESS_ENV: "1", **(env or {})}
         # The kernel's parent-death signal follows the *thread* that forked a shard, so the shards are forked
         # by a thread of their own that lives until stop(), whatever thread creates this object. The same
         # thread restarts dead shards.

@@ -228,11 +228,6 @@ class PersiaStrategy(DDPStrategy):
         # The checkpoint's PS files are loaded through the client, which exists only after setup.
         return True
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:  # type: ignore[override]
-        strategy_registry.register(cls.strategy_name, cls, description="PERSIA hybrid training: embeddings on PS shards, dense with DDP", override=True)
-
     # ---- connection to the parameter server ---------------------------------------------------------
 
     @override
@@ -604,6 +599,7 @@ def _ps_dir(filepath: _PATH) -> Path:
     return Path(str(filepath) + ".ps")
 
 
+# The one registration of "persia" (Lightning calls ``register_strategies`` of its own strategies only).
 StrategyRegistry.register(
     PersiaStrategy.strategy_name, PersiaStrategy, description="PERSIA hybrid training: embeddings on PS shards, dense with DDP", override=True
 )

@@ -44,6 +44,10 @@ TOKEN_ENV = "PERSIA_PS_TOKEN"
 ADDRESSES_ENV = "PERSIA_PS_ADDRESSES"
 """Comma-separated ``host:port`` of the shards, in shard order, read by the strategy when none are given."""
 
+SHARD_PROCESS_ENV = "LIGHTNING_PERSIA_SHARD_PROCESS"
+"""``1`` in a shard process: ``import lightning_persia`` then leaves the strategy, and Lightning with it, out (the
+launcher of local shards and the Kubernetes manifests set it; a shard without it works, with Lightning loaded)."""
+
 # ---- checkpoints ---------------------------------------------------------------------------------------
 
 COMMIT_MARKER = "COMMITTED"

@@ -80,6 +80,8 @@ class ShardStore:
         tables = [self._table(name) for name, _ in requests]
         for name, ids in requests:
             self._check_ids(name, ids)
+        if not requests:  # a lookup of no table (the native path's batch of zero jobs needs the kernels)
+            return []
         if len(requests) == 1:
             return [tables[0].lookup(requests[0][1], train, dtype)]
         return Table.lookup_together([(table, ids) for table, (_, ids) in zip(tables, requests)], train, dtype)

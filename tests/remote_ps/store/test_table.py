@@ -287,3 +287,10 @@ def test_a_large_table_at_capacity_evicts_cold_rows_a_slice_at_a_time_and_keeps_
     assert all(10_000 <= n <= 10_000 + 4_000 for n in evicted), evicted  # what the wave needs (5% of 80k at least)
     assert store.stats()["t"]["rows"] <= 80_000
     torch.testing.assert_close(store.lookup("t", hot, train=False), initial_rows(Uniform(0, 1), 0, "t", hot, 2) - 8)
+
+
+def test_a_request_of_no_table_answers_nothing_with_either_kernels(store_kernels):
+    store = ShardStore(shard_index=0, num_shards=1, seed=0)
+    store.configure(TableConfig("t", dim=4))
+    assert store.lookup_many([], train=True) == []
+    assert store.update_many([]) == 0

@@ -1,12 +1,22 @@
 """DataLoaders that fit the trainer they feed: batches made in worker processes, pinned when it trains on a GPU."""
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, Optional
 
 from lightning.pytorch import LightningDataModule, Trainer
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 SPLITS = ("train", "val", "test")
+MAX_AUTO_WORKERS = 8
+
+
+def auto_workers(trainer: Optional[Trainer]) -> int:
+    """DataLoader workers per rank when none are asked for: half of the rank's share of the cores, less one (the
+    training process and the embedded shards use the rest), at most :data:`MAX_AUTO_WORKERS`: 0 on 2 cores, 3 on
+    8, 7 on 16 (one rank per machine)."""
+    ranks_here = trainer.num_devices if trainer is not None else 1
+    return max(0, min(MAX_AUTO_WORKERS, (os.cpu_count() or 1) // ranks_here // 2 - 1))
 
 
 def on_gpu(trainer: Optional[Trainer]) -> bool:
@@ -15,10 +25,12 @@ def on_gpu(trainer: Optional[Trainer]) -> bool:
 
 
 def batch_loader(
-    dataset: Dataset, num_workers: int, pin_memory: Optional[bool], trainer: Optional[Trainer], sampler: Optional[Sampler] = None,
+    dataset: Dataset, num_workers: Optional[int], pin_memory: Optional[bool], trainer: Optional[Trainer],
+    sampler: Optional[Sampler] = None,
 ) -> DataLoader:
-    """A loader of a dataset whose items are whole batches: ``num_workers`` processes make them (kept across epochs),
-    pinned when ``pin_memory``, or, when it is ``None``, when ``trainer`` is on a GPU."""
+    """A loader of a dataset whose items are whole batches: ``num_workers`` processes make them (kept across epochs;
+    ``None``: :func:`auto_workers`), pinned when ``pin_memory``, or, when it is ``None``, when ``trainer`` is on a GPU."""
+    num_workers = auto_workers(trainer) if num_workers is None else num_workers
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
     return DataLoader(
@@ -35,11 +47,11 @@ class SplitDataModule(LightningDataModule):
     """A data module of streaming datasets, one per split (:meth:`make_dataset`), each read by this rank's share.
 
     Args:
-        num_workers: DataLoader worker processes per rank.
+        num_workers: DataLoader worker processes per rank; ``None``: :func:`auto_workers`.
         pin_memory: pin batches in host memory; ``None``: when the trainer runs on a GPU.
     """
 
-    def __init__(self, num_workers: int = 2, pin_memory: Optional[bool] = None) -> None:
+    def __init__(self, num_workers: Optional[int] = None, pin_memory: Optional[bool] = None) -> None:
         super().__init__()
         self.num_workers = num_workers
         self.pin_memory = pin_memory

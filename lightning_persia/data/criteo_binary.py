@@ -190,7 +190,8 @@ class CriteoBinaryDataModule(SplitDataModule):
         test_files: prefixes of test; none means ``trainer.test`` has nothing to run.
         batch_size: rows per training batch.
         eval_batch_size: rows per validation/test batch (default: ``batch_size``).
-        num_workers: DataLoader worker processes per rank, each reading its share of the batches.
+        num_workers: DataLoader worker processes per rank, each reading its share of the batches; ``None``: half
+            the rank's share of the cores less one, at most 8 (0 on 2 cores).
         drop_last: drop the last incomplete training batch of a pass.
         pin_memory: pin batches in host memory; ``None``: when the trainer runs on a GPU.
     """
@@ -202,7 +203,7 @@ class CriteoBinaryDataModule(SplitDataModule):
         test_files: Optional[List[str]] = None,
         batch_size: int = 4096,
         eval_batch_size: Optional[int] = None,
-        num_workers: int = 2,
+        num_workers: Optional[int] = None,
         drop_last: bool = False,
         pin_memory: Optional[bool] = None,
     ) -> None:

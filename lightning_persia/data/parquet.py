@@ -200,7 +200,8 @@ class ParquetDataModule(SplitDataModule):
         dense_transform: ``log1p`` (the Criteo transform) or ``none``.
         batch_size: rows per training batch.
         eval_batch_size: rows per validation/test batch (default: ``batch_size``).
-        num_workers: DataLoader worker processes per rank, each reading its share of the row groups.
+        num_workers: DataLoader worker processes per rank, each reading its share of the row groups; ``None``:
+            half the rank's share of the cores less one, at most 8 (0 on 2 cores).
         drop_last: drop each reader's last incomplete training batch.
         pin_memory: pin batches in host memory; ``None``: when the trainer runs on a GPU.
     """
@@ -216,7 +217,7 @@ class ParquetDataModule(SplitDataModule):
         dense_transform: str = "log1p",
         batch_size: int = 4096,
         eval_batch_size: Optional[int] = None,
-        num_workers: int = 2,
+        num_workers: Optional[int] = None,
         drop_last: bool = False,
         pin_memory: Optional[bool] = None,
     ) -> None:

@@ -287,8 +287,9 @@ class CriteoDataModule(LightningDataModule):
         test_files: test files; none means ``trainer.test`` has nothing to run.
         batch_size: rows per training batch.
         eval_batch_size: rows per validation/test batch (default: ``batch_size``).
-        num_workers: DataLoader worker processes per rank (each parses its own share of the lines); ``None``: half
-            the rank's share of the cores less one, at most 8 (0 on 2 cores).
+        num_workers: DataLoader worker processes per rank (each parses its own share of the lines, but reads, and
+            decompresses, every file: more workers parse faster and read more); ``None``: half the rank's share of
+            the cores less one, at most 8. Batches hold other rows with another worker count.
         skip_malformed: skip and count malformed lines instead of raising ``ValueError``.
         drop_last: drop the last incomplete training batch of each pass.
         pin_memory: pin batches in host memory; ``None``: when the trainer runs on a GPU.
@@ -301,7 +302,7 @@ class CriteoDataModule(LightningDataModule):
         test_files: Optional[List[str]] = None,
         batch_size: int = 4096,
         eval_batch_size: Optional[int] = None,
-        num_workers: Optional[int] = None,
+        num_workers: Optional[int] = 0,
         skip_malformed: bool = False,
         drop_last: bool = False,
         pin_memory: Optional[bool] = None,

@@ -201,7 +201,8 @@ class ParquetDataModule(SplitDataModule):
         batch_size: rows per training batch.
         eval_batch_size: rows per validation/test batch (default: ``batch_size``).
         num_workers: DataLoader worker processes per rank, each reading its share of the row groups; ``None``:
-            half the rank's share of the cores less one, at most 8 (0 on 2 cores).
+            half the rank's share of the cores less one, at most 8 (0 on 2 cores). Each worker cuts its own row
+            groups into batches, so batches hold other rows with another worker count: set it to compare runs.
         drop_last: drop each reader's last incomplete training batch.
         pin_memory: pin batches in host memory; ``None``: when the trainer runs on a GPU.
     """

@@ -74,7 +74,8 @@ def write_shard(
 ) -> Path:
     """Writes one shard's tables under ``directory`` atomically, a chunk of rows at a time; returns the folder.
 
-    ``progress`` follows each table's save (a "save" job per table). ``pause_s`` (testing only) sleeps after each chunk, so that a test can kill the writer or change the table half-way.
+    ``progress`` follows each table's save (a "save" job per table). ``pause_s`` (testing only) sleeps after each
+    chunk, so that a test can kill the writer or change the table half-way.
     Raises :class:`CheckpointError` (naming the path) when the files cannot be written; nothing is left behind.
     """
     final = shard_folder(directory, shard_index, num_shards)

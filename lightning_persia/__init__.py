@@ -8,13 +8,18 @@ Example::
     trainer = L.Trainer(strategy=PersiaStrategy(staleness=4, embedding_optimizer=Adagrad(lr=0.01)), devices=2)
     trainer.fit(model, datamodule)
 
-Importing this package imports the strategy, which registers ``strategy="persia"`` with Lightning (once, in
-``lightning_persia/strategy/persia.py``). A parameter-server shard process (``LIGHTNING_PERSIA_SHARD_PROCESS=1``,
-set by the launcher of local shards and the Kubernetes manifests) leaves the strategy out, and with it Lightning
-and TorchRec; its names are still there on first use.
+Importing this package checks that torch, FBGEMM, TorchRec and Lightning are releases it supports
+(:mod:`lightning_persia._versions`), then imports the strategy, which registers ``strategy="persia"`` with
+Lightning (once, in ``lightning_persia/strategy/persia.py``). A parameter-server shard process
+(``LIGHTNING_PERSIA_SHARD_PROCESS=1``, set by the launcher of local shards and the Kubernetes manifests) leaves the
+strategy out, and with it Lightning and TorchRec; its names are still there on first use.
 """
 import importlib
 import os
+
+from lightning_persia import _versions
+
+_versions.check()  # before anything imports FBGEMM: a mismatched build fails deep inside it
 
 from lightning_persia.remote_ps.protocol.constants import SHARD_PROCESS_ENV
 from lightning_persia.remote_ps.table_config import SGD, Adagrad, Adam, Constant, Normal, TableConfig, Uniform

@@ -63,9 +63,9 @@ def required_algorithm(entry: dict) -> str:
     return algorithm
 
 
-def of_file(path: str | os.PathLike, algorithm: str = ALGORITHM) -> dict[str, str]:
-    """``{algorithm: digest}`` of the file at ``path``."""
-    return _digest_of_file(path, Digest(algorithm)).entry()
+def of_file(path: str | os.PathLike, algorithm: str = ALGORITHM, on_bytes: Optional[Callable[[int], object]] = None) -> dict[str, str]:
+    """``{algorithm: digest}`` of the file at ``path``; ``on_bytes(n)`` after each block of ``n`` bytes (a progress bar)."""
+    return _digest_of_file(path, Digest(algorithm), on_bytes).entry()
 
 
 def matches(entry: dict, path: str | os.PathLike) -> bool:
@@ -76,11 +76,13 @@ def matches(entry: dict, path: str | os.PathLike) -> bool:
     return _digest_of_file(path, Digest.like(entry)).matches(entry)
 
 
-def _digest_of_file(path: str | os.PathLike, digest: Digest) -> Digest:
+def _digest_of_file(path: str | os.PathLike, digest: Digest, on_bytes: Optional[Callable[[int], object]] = None) -> Digest:
     """``digest`` updated with the bytes of the file at ``path``, read a block at a time into one buffer."""
     buffer = bytearray(_BLOCK)
     view = memoryview(buffer)
     with open(path, "rb", buffering=0) as f:
         while count := f.readinto(buffer):
             digest.update(view[:count])
+            if on_bytes is not None:
+                on_bytes(count)
     return digest

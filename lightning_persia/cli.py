@@ -171,13 +171,15 @@ def _export_main(argv: Sequence[str]) -> int:
     parser.add_argument("--version", type=int, default=1, help="model version the bundle's answers carry (default 1)")
     parser.add_argument("--ps-seed", type=int, help="seed of the shards that trained the tables (default: the "
                         "strategy's ps_seed recorded in the checkpoint)")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, help="a progress bar of the bytes copied "
+                        "and checksummed, on stderr (default: when stderr is a terminal)")
     args = parser.parse_args(argv)
     _import_from_working_directory()
     from lightning_persia.serving import BundleError, export_bundle
 
     try:
         bundle = export_bundle(args.ckpt, args.out, config=args.config, model_class=args.model_class, version=args.version,
-                               ps_seed=args.ps_seed)
+                               ps_seed=args.ps_seed, progress=sys.stderr.isatty() if args.progress is None else args.progress)
     except BundleError as err:
         print(f"lightning-persia export: error: {err}", file=sys.stderr, flush=True)
         return 2

@@ -1,6 +1,8 @@
 """Data modules yielding :class:`CriteoBatch` es (sparse KJT, dense features, labels).
 
 * :class:`CriteoDataModule`: streaming reader of Criteo Kaggle/Terabyte TSV files (plain or gzip);
+* :class:`CriteoBinaryDataModule`: TorchRec's preprocessed binary Criteo (``.npy`` per day), memory-mapped;
+* :class:`ParquetDataModule`: Parquet files, columns named in the config (needs ``pyarrow``: the ``parquet`` extra);
 * :class:`SyntheticCriteoDataModule`: a generated Criteo-shaped stream with a known ground-truth AUC ceiling;
 * :class:`AdultDataModule`: UCI Adult census income, shipped with the package.
 """
@@ -25,6 +27,8 @@ from lightning_persia.data.criteo import (
     CriteoIterableDataset,
     parse_criteo_lines,
 )
+from lightning_persia.data.criteo_binary import CriteoBinaryDataModule, CriteoBinaryDataset
+from lightning_persia.data.parquet import ParquetDataModule, ParquetDataset
 from lightning_persia.data.synthetic import (
     SyntheticCriteo,
     SyntheticCriteoDataModule,
@@ -52,8 +56,12 @@ __all__ = [
     "CRITEO_NUM_SPARSE",
     "CRITEO_SPARSE_FEATURES",
     "CriteoBatch",
+    "CriteoBinaryDataModule",
+    "CriteoBinaryDataset",
     "CriteoDataModule",
     "CriteoIterableDataset",
+    "ParquetDataModule",
+    "ParquetDataset",
     "SYNTHETIC_DEFAULT_CARDINALITIES",
     "SyntheticCriteo",
     "SyntheticCriteoDataModule",

@@ -1,8 +1,9 @@
 """Which part of a stream this process reads: the (rank, world size) of the trainer and the DataLoader worker."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch.distributed as dist
 from torch.utils.data import get_worker_info
 
@@ -30,3 +31,31 @@ def reader_shard(rank: Optional[int] = None, world_size: Optional[int] = None) -
     rank, world_size = process_rank(rank, world_size)
     worker, num_workers = worker_rank()
     return rank * num_workers + worker, world_size * num_workers
+
+
+def deal_pieces(
+    piece_rows: Sequence[int], batch_size: int, drop_last: bool, rank: Optional[int] = None, world_size: Optional[int] = None
+) -> Tuple[List[int], int]:
+    """This reader's pieces of a stream cut into pieces (row groups, batches), and how many batches it yields.
+
+    Piece ``k`` goes to rank ``k % world_size``; the rank's ``j``-th piece to DataLoader worker ``j % num_workers``.
+    A reader cuts its pieces' rows into batches of ``batch_size`` (the last one short unless ``drop_last``). With
+    several ranks every rank yields as many batches as the rank with the fewest (a DDP step is collective): the
+    readers of a rank with more stop early, its last workers first. Returns ``(piece indices, batch limit)``.
+    """
+    rank, world_size = process_rank(rank, world_size)
+    worker, num_workers = worker_rank()
+    pieces = np.arange(len(piece_rows))
+    reader = (pieces % world_size) * num_workers + (pieces // world_size) % num_workers  # rank-major
+    rows = np.bincount(reader, weights=np.asarray(piece_rows, dtype=np.float64), minlength=world_size * num_workers)
+    rows = rows.astype(np.int64).reshape(world_size, num_workers)
+    batches = rows // batch_size if drop_last else -(-rows // batch_size)
+    limit = int(batches[rank, worker])
+    if world_size > 1:
+        surplus = int(batches[rank].sum() - batches.sum(1).min())
+        for w in reversed(range(num_workers)):  # the rank's surplus comes off its last workers
+            cut = min(surplus, int(batches[rank, w]))
+            surplus -= cut
+            if w == worker:
+                limit -= cut
+    return pieces[reader == rank * num_workers + worker].tolist(), limit

@@ -26,6 +26,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_persia.data._loader import on_gpu
 from lightning_persia.data.batch import CriteoBatch, make_batch
 
 ADULT_CSV = os.path.join(os.path.dirname(os.path.abspath(__file__)), "adult.csv")
@@ -152,7 +153,7 @@ class AdultDataModule(LightningDataModule):
         shuffle: shuffle the training rows each epoch.
         num_workers: DataLoader workers.
         csv_path: the CSV file (default: the copy shipped with the package).
-        pin_memory: pin batches in host memory.
+        pin_memory: pin batches in host memory; ``None``: when the trainer runs on a GPU.
     """
 
     def __init__(
@@ -162,7 +163,7 @@ class AdultDataModule(LightningDataModule):
         shuffle: bool = True,
         num_workers: int = 0,
         csv_path: Optional[str] = None,
-        pin_memory: bool = False,
+        pin_memory: Optional[bool] = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -204,7 +205,8 @@ class AdultDataModule(LightningDataModule):
             shuffle=self.shuffle and train,
             collate_fn=dataset.collate,
             num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
+            pin_memory=on_gpu(self.trainer) if self.pin_memory is None else self.pin_memory,
+            persistent_workers=self.num_workers > 0,
         )
 
     def train_dataloader(self) -> DataLoader:

@@ -27,6 +27,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from lightning_persia.data._loader import batch_loader
 from lightning_persia.data._sharding import reader_shard
 from lightning_persia.data.batch import CriteoBatch, hash_categorical, make_batch, transform_dense
 
@@ -286,10 +287,12 @@ class CriteoDataModule(LightningDataModule):
         test_files: test files; none means ``trainer.test`` has nothing to run.
         batch_size: rows per training batch.
         eval_batch_size: rows per validation/test batch (default: ``batch_size``).
-        num_workers: DataLoader worker processes per rank (each parses its own share of the lines).
+        num_workers: DataLoader worker processes per rank (each parses its own share of the lines, but reads, and
+            decompresses, every file: more workers parse faster and read more); ``None``: half the rank's share of
+            the cores less one, at most 8. Batches hold other rows with another worker count.
         skip_malformed: skip and count malformed lines instead of raising ``ValueError``.
         drop_last: drop the last incomplete training batch of each pass.
-        pin_memory: pin batches in host memory (useful with a GPU).
+        pin_memory: pin batches in host memory; ``None``: when the trainer runs on a GPU.
     """
 
     def __init__(
@@ -299,10 +302,10 @@ class CriteoDataModule(LightningDataModule):
         test_files: Optional[List[str]] = None,
         batch_size: int = 4096,
         eval_batch_size: Optional[int] = None,
-        num_workers: int = 0,
+        num_workers: Optional[int] = 0,
         skip_malformed: bool = False,
         drop_last: bool = False,
-        pin_memory: bool = False,
+        pin_memory: Optional[bool] = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -341,13 +344,7 @@ class CriteoDataModule(LightningDataModule):
         return dataset
 
     def _loader(self, split: str) -> DataLoader:
-        return DataLoader(
-            self._dataset(split),
-            batch_size=None,
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
-            persistent_workers=False,
-        )
+        return batch_loader(self._dataset(split), self.num_workers, self.pin_memory, self.trainer)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train")

@@ -31,6 +31,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from lightning_persia.data._loader import batch_loader
 from lightning_persia.data._sharding import process_rank
 from lightning_persia.data.batch import CriteoBatch, hash_categorical, make_batch, transform_dense
 from lightning_persia.data.criteo import (
@@ -383,8 +384,10 @@ class SyntheticCriteoDataModule(LightningDataModule):
         zipf_alpha: Zipf exponent of the id frequencies.
         positive_rate: share of positive labels.
         signal_scale: strength of the hidden ground truth (larger: higher AUC ceiling).
-        num_workers: DataLoader workers per rank.
-        pin_memory: pin batches in host memory.
+        num_workers: DataLoader worker processes per rank, each generating its share of the batches (0: the
+            training process generates them, which bounds a fast trainer); ``None``: half the rank's share of the
+            cores less one, at most 8 (0 on 2 cores).
+        pin_memory: pin batches in host memory; ``None``: when the trainer runs on a GPU.
     """
 
     def __init__(
@@ -399,8 +402,8 @@ class SyntheticCriteoDataModule(LightningDataModule):
         zipf_alpha: float = 1.1,
         positive_rate: float = 0.25,
         signal_scale: float = 1.0,
-        num_workers: int = 0,
-        pin_memory: bool = False,
+        num_workers: Optional[int] = None,
+        pin_memory: Optional[bool] = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -445,7 +448,7 @@ class SyntheticCriteoDataModule(LightningDataModule):
         dataset = self.dataset(split)
         # A DistributedSampler of its own: Lightning keeps it, and the data is this module's to deal.
         sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
-        return DataLoader(dataset, batch_size=None, sampler=sampler, num_workers=self.num_workers, pin_memory=self.pin_memory)
+        return batch_loader(dataset, self.num_workers, self.pin_memory, self.trainer, sampler=sampler)
 
     def train_dataloader(self) -> DataLoader:
         return self.dataloader("train")

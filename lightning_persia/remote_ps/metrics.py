@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
     from lightning_persia.remote_ps.servicer import PSServicer
+    from lightning_persia.remote_ps.store.progress import JobFigures
 
 # Request latencies from a loopback lookup (well under a millisecond) to a save of a large table.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
@@ -155,8 +156,30 @@ class ShardCollector:
         yield GaugeMetricFamily("persia_ps_shard_start_time_seconds", "Start of this shard's incarnation (Unix time).",
                                 value=servicer.started_at)
         yield GaugeMetricFamily("persia_ps_tables", "Tables this shard holds.", value=len(stats))
+        yield from _job_families(servicer.store.progress.figures())
         yield CounterMetricFamily("persia_ps_update_duplicates", "Updates answered without applying them again "
                                   "(a retry, or another rank's copy of a merged update).", value=servicer.dedup.duplicates)
+
+
+def _job_families(jobs: Iterable["JobFigures"]) -> Iterable[Metric]:
+    """The figures of the shard's last save, load and re-shard of each table (running or finished)."""
+    labels = ["job", "table"]
+    done = GaugeMetricFamily("persia_ps_job_done_rows", "Rows done by the table's last save, load or re-shard.", labels=labels)
+    total = GaugeMetricFamily("persia_ps_job_total_rows", "Rows the table's last save, load or re-shard has to do.", labels=labels)
+    rate = GaugeMetricFamily("persia_ps_job_rows_per_second", "Rows per second of the table's last save, load or re-shard.", labels=labels)
+    left = GaugeMetricFamily("persia_ps_job_seconds_left", "Seconds the table's running save, load or re-shard has left "
+                             "at its rate so far (0 once done).", labels=labels)
+    running = GaugeMetricFamily("persia_ps_job_running", "1 while the table's save, load or re-shard runs.", labels=labels)
+    for job in jobs:
+        key = [job.job, job.table]
+        done.add_metric(key, job.done_rows)
+        rate.add_metric(key, job.rows_per_second)
+        running.add_metric(key, 0.0 if job.finished else 1.0)
+        if job.total_rows is not None:
+            total.add_metric(key, job.total_rows)
+        if job.seconds_left is not None:
+            left.add_metric(key, job.seconds_left)
+    yield from (done, total, rate, left, running)
 
 
 def shard_registry(servicer: "PSServicer") -> CollectorRegistry:

@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 import yaml
 from safetensors.torch import save_file
+from tqdm import tqdm
 
 from lightning_persia import checksum
 from lightning_persia.serving.bundle import (DENSE_FILE, FORMAT, FORMAT_VERSION, MANIFEST, TABLES_DIR, Bundle, BundleError,
@@ -29,6 +30,7 @@ def export_bundle(
     model_class: Optional[str] = None,
     version: int = 1,
     ps_seed: Optional[int] = None,
+    progress: bool = False,
 ) -> Bundle:
     """Writes the serving bundle of checkpoint ``ckpt`` into the new folder ``out`` and returns it.
 
@@ -43,6 +45,7 @@ def export_bundle(
         ps_seed: seed of the shards that trained the tables (their unseen ids' rows); default the strategy's
             ``ps_seed`` recorded in the checkpoint. Give it when the tables lived on shards started by hand
             with another ``seed``.
+        progress: show a progress bar (tqdm, on stderr) of the bytes copied and checksummed.
 
     Raises:
         BundleError: the checkpoint is missing, damaged or has no parameter-server state, the module cannot be
@@ -72,8 +75,8 @@ def export_bundle(
         state = checkpoint.get("state_dict") or {}
         # safetensors refuses tensors that share memory; a copy of each costs the dense weights once more
         save_file({name: tensor.detach().clone().contiguous() for name, tensor in state.items()}, str(temporary / DENSE_FILE))
-        _link_tree(ps_dir, temporary / TABLES_DIR)
-        files = {name: {**checksum.of_file(temporary / name), "bytes": (temporary / name).stat().st_size} for name in _files_under(temporary)}
+        _link_tree(ps_dir, temporary / TABLES_DIR, progress)
+        files = _checksums(temporary, progress)
         _check_table_files(temporary / TABLES_DIR, files, ps_dir)
         manifest = {
             "format": FORMAT,
@@ -166,17 +169,27 @@ def _config_model_section(path: Path) -> Any:
     return section
 
 
-def _link_tree(source: Path, target: Path) -> None:
-    """``target`` as a copy of ``source`` made of hard links where the file system allows, else of copies."""
-    for folder, dirs, names in os.walk(source):
-        dirs[:] = [d for d in dirs if not d.startswith(".")]  # a save's temporary folders
-        relative = Path(folder).relative_to(source)
-        (target / relative).mkdir(parents=True, exist_ok=True)
-        for name in names:
-            try:
-                os.link(Path(folder) / name, target / relative / name)
-            except OSError:  # another file system, or links not allowed there
-                shutil.copy2(Path(folder) / name, target / relative / name)
+def _link_tree(source: Path, target: Path, progress: bool = False) -> None:
+    """``target`` as a copy of ``source`` made of hard links where the file system allows, else of copies (a progress
+    bar of the bytes copied, if any)."""
+    with tqdm(desc="export: copying tables", unit="B", unit_scale=True, disable=not progress, delay=1.0) as bar:
+        for folder, dirs, names in os.walk(source):
+            dirs[:] = [d for d in dirs if not d.startswith(".")]  # a save's temporary folders
+            relative = Path(folder).relative_to(source)
+            (target / relative).mkdir(parents=True, exist_ok=True)
+            for name in names:
+                try:
+                    os.link(Path(folder) / name, target / relative / name)
+                except OSError:  # another file system, or links not allowed there
+                    shutil.copy2(Path(folder) / name, target / relative / name)
+                    bar.update((target / relative / name).stat().st_size)
+
+
+def _checksums(root: Path, progress: bool) -> dict[str, dict]:
+    """``{name: {checksum, bytes}}`` of every file under ``root``, with a progress bar of the bytes read."""
+    sizes = {name: (root / name).stat().st_size for name in _files_under(root)}
+    with tqdm(total=sum(sizes.values()), desc="export: checksums", unit="B", unit_scale=True, disable=not progress) as bar:
+        return {name: {**checksum.of_file(root / name, on_bytes=bar.update), "bytes": size} for name, size in sizes.items()}
 
 
 def _files_under(root: Path) -> list[str]:

@@ -81,3 +81,36 @@ def test_the_dlrm_online_config_publishes_versions(tmp_path):
     )
     assert sorted(p.name for p in (tmp_path / "deltas").iterdir()) == ["v00000002", "v00000003"]
     cli.trainer.strategy.close()
+
+
+@pytest.mark.parametrize("name", ["criteo_binary", "parquet"])
+def test_the_dlrm_data_configs_read_their_files(name, tmp_path, caplog):
+    """examples/dlrm/<name>.yaml over config.yaml: the DLRM example takes the batches of files in that layout."""
+    from tests.data.click_files import synthetic_rows, write_parquet, write_torchrec_day
+
+    if name == "criteo_binary":
+        train = write_torchrec_day(str(tmp_path / "day_0"), synthetic_rows(512))
+        val = write_torchrec_day(str(tmp_path / "day_1"), synthetic_rows(256, start=512))
+    else:
+        train = write_parquet(str(tmp_path / "train.parquet"), synthetic_rows(512), row_group_size=128)
+        val = write_parquet(str(tmp_path / "val.parquet"), synthetic_rows(256, start=512), row_group_size=128)
+    cli = lightning_cli(
+        [
+            "fit",
+            "--config", os.path.join(_EXAMPLES, "dlrm", "config.yaml"),
+            "--config", os.path.join(_EXAMPLES, "dlrm", f"{name}.yaml"),
+            "--model.init_args.num_embeddings=" + str(scaled_cardinalities(0.01)),
+            f"--data.init_args.train_files=[{train}]",
+            f"--data.init_args.val_files=[{val}]",
+            "--data.init_args.batch_size=128",
+            "--data.init_args.num_workers=1",
+            "--trainer.max_steps=4",
+            "--trainer.devices=1",
+            "--trainer.enable_progress_bar=false",
+            f"--trainer.default_root_dir={tmp_path}",
+        ]
+    )
+    assert type(cli.datamodule).__name__ == {"criteo_binary": "CriteoBinaryDataModule", "parquet": "ParquetDataModule"}[name]
+    assert cli.trainer.global_step == 4
+    assert re.search(r"end of fit: val_auc 0\.\d{4} \(step 4\)$", caplog.records[-1].getMessage())
+    cli.trainer.strategy.close()

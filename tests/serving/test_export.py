@@ -153,6 +153,15 @@ def test_cli_export_prints_the_bundle_and_reports_errors_with_status_2(trained, 
     assert "lightning-persia export: error: checkpoint" in capsys.readouterr().err
 
 
+def test_cli_export_shows_a_progress_bar_of_the_bytes_checksummed(trained, tmp_path, capsys):
+    assert cli.main(["export", "--ckpt", str(trained.ckpt), "--out", str(tmp_path / "b"), "--model-class", MODEL_CLASS, "--progress"]) == 0
+    total = sum(entry["bytes"] for entry in Bundle.open(tmp_path / "b").manifest["files"].values())
+    bar = capsys.readouterr().err.rsplit("\r", 1)[-1]
+    assert bar.startswith("export: checksums: 100%") and f"{total / 1000:.1f}k/{total / 1000:.1f}k" in bar
+    assert cli.main(["export", "--ckpt", str(trained.ckpt), "--out", str(tmp_path / "c"), "--model-class", MODEL_CLASS]) == 0
+    assert "export: checksums" not in capsys.readouterr().err  # stderr is no terminal here
+
+
 def test_damaged_bundle_is_refused_by_the_predictor_and_by_inference_shards(bundle, tmp_path):
     from lightning_persia.serving import Predictor
 

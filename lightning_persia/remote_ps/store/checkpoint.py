@@ -47,6 +47,7 @@ from lightning_persia import checksum
 from lightning_persia.ops.hashing import shard_of
 from lightning_persia.remote_ps.protocol import COMMIT_MARKER
 from lightning_persia.remote_ps.store.errors import CheckpointError, StoreError
+from lightning_persia.remote_ps.store.progress import Progress, begin
 from lightning_persia.remote_ps.store.table import SAVED_FIELDS, TableSnapshot
 from lightning_persia.remote_ps.table_config import ConfigError, TableConfig
 
@@ -69,17 +70,18 @@ def shard_folder(directory: str | os.PathLike, shard_index: int, num_shards: int
 
 def write_shard(
     directory: str | os.PathLike, shard_index: int, num_shards: int, snapshots: list[TableSnapshot], save_id: str = "",
-    pause_s: float = 0.0,
+    pause_s: float = 0.0, progress: Optional[Progress] = None,
 ) -> Path:
     """Writes one shard's tables under ``directory`` atomically, a chunk of rows at a time; returns the folder.
 
-    ``pause_s`` (testing only) sleeps after each chunk, so that a test can kill the writer or change the table half-way.
+    ``progress`` follows each table's save (a "save" job per table). ``pause_s`` (testing only) sleeps after each
+    chunk, so that a test can kill the writer or change the table half-way.
     Raises :class:`CheckpointError` (naming the path) when the files cannot be written; nothing is left behind.
     """
     final = shard_folder(directory, shard_index, num_shards)
     temporary = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     try:
-        return _write_shard(final, temporary, shard_index, num_shards, snapshots, save_id, pause_s)
+        return _write_shard(final, temporary, shard_index, num_shards, snapshots, save_id, pause_s, progress)
     except OSError as err:
         raise CheckpointError(f"cannot write the checkpoint of shard {shard_index} under {directory}: {err}") from None
     finally:
@@ -87,7 +89,7 @@ def write_shard(
 
 
 def _write_shard(final: Path, temporary: Path, shard_index: int, num_shards: int, snapshots: list[TableSnapshot],
-                 save_id: str, pause_s: float) -> Path:
+                 save_id: str, pause_s: float, progress: Optional[Progress]) -> Path:
     shutil.rmtree(temporary, ignore_errors=True)
     temporary.mkdir(parents=True)
     tables = {}
@@ -95,6 +97,7 @@ def _write_shard(final: Path, temporary: Path, shard_index: int, num_shards: int
         writers = {name: _ArrayWriter(temporary / f"t{position:04d}.{name}.npy", spec.dtype, spec.shape(0)[1:], snapshot.rows)
                    for name, spec in snapshot.field_specs.items()}
         written = 0
+        job = begin(progress, "save", snapshot.config.name, snapshot.rows)
         try:
             # One thread per file writes and hashes chunk i while the table copies chunk i + 1 (file writes,
             # the checksum and the copy's tensor ops all release the GIL): at most two chunks in memory.
@@ -105,10 +108,12 @@ def _write_shard(final: Path, temporary: Path, shard_index: int, num_shards: int
                         future.result()
                     pending = [pool.submit(writer.append, chunk[name]) for name, writer in writers.items()]
                     written += chunk["ids"].numel()
+                    job.advance(chunk["ids"].numel())
                     if pause_s:
                         time.sleep(pause_s)
                 for future in pending:
                     future.result()
+            job.finish()
         finally:
             for writer in writers.values():
                 writer.close()
@@ -290,16 +295,20 @@ class TableSource:
         total = sum(part.entry["rows"] for part in self.parts)
         return total if len(self.parts) == 1 and num_shards == _saved_shards(self.parts[0]) else total // num_shards + 1
 
-    def blocks(self, shard_index: int, num_shards: int, block_rows: Optional[int] = None) -> Iterator[dict[str, torch.Tensor]]:
+    def blocks(self, shard_index: int, num_shards: int, block_rows: Optional[int] = None,
+               progress: Optional[Progress] = None) -> Iterator[dict[str, torch.Tensor]]:
         """``{field: rows}`` of the rows that belong to shard ``shard_index`` of ``num_shards``, block by block; a
         block's tensors are valid until the block after the next one is asked for (two sets of read buffers are
         used in turn: a block can be indexed while the next one is read).
 
         Raises :class:`CheckpointError` naming the file when one cannot be read as the manifest describes it,
         or, for files not :attr:`checked` when opened, once their last block is read and their checksum differs:
-        the blocks before it were damaged too, so whoever stored them must drop them.
+        the blocks before it were damaged too, so whoever stored them must drop them. ``progress`` follows the rows
+        read (a "load" job, or "re-shard" when the rows come from another shard count and are sifted).
         """
         block_rows = block_rows or BLOCK_ROWS
+        resharding = not (len(self.parts) == 1 and num_shards == _saved_shards(self.parts[0]))
+        job = begin(progress, "re-shard" if resharding else "load", self.name, sum(part.entry["rows"] for part in self.parts))
         for part in self.parts:
             # a folder that only this shard reads leaves the page cache as it is read: a table's own memory then
             # does not compete with a copy of its checkpoint, and the next block reuses the pages just freed
@@ -310,6 +319,7 @@ class TableSource:
                 for start in range(0, part.entry["rows"], block_rows):
                     count = min(block_rows, part.entry["rows"] - start)
                     block = {name: reader.read(count) for name, reader in readers.items()}
+                    job.advance(count)
                     if not own:
                         keep = torch.nonzero(shard_of(block["ids"], num_shards) == shard_index).squeeze(1)
                         block = {name: values[keep] for name, values in block.items()}
@@ -319,6 +329,7 @@ class TableSource:
             finally:
                 for reader in readers.values():
                     reader.close()
+        job.finish()
 
 
 def open_for_shard(directory: str | os.PathLike, shard_index: int, num_shards: int, check_first: bool = True) -> list[TableSource]:

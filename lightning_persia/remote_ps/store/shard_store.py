@@ -10,6 +10,7 @@ import torch
 from lightning_persia.ops.hashing import first_foreign, shard_of
 from lightning_persia.remote_ps.store import checkpoint
 from lightning_persia.remote_ps.store.errors import CheckpointError, InvalidRequestError, StoreError, UnknownTableError
+from lightning_persia.remote_ps.store.progress import Progress
 from lightning_persia.remote_ps.store.table import Table, TableSnapshot
 from lightning_persia.remote_ps.table_config import TableConfig
 
@@ -47,6 +48,8 @@ class ShardStore:
         self._lock = threading.Lock()
         self._save_lock = threading.Lock()  # one save or load at a time
         self._delta_points: dict[str, dict[str, int]] = {}  # save id of a recent delta -> each table's point
+        #: how far each table's last save, load or re-shard is (logged, and read by the metrics)
+        self.progress = Progress(f"shard {shard_index}/{num_shards}")
 
     def configure(self, config: TableConfig) -> TableConfig:
         """Creates the table, or returns the existing one's config when the dims agree."""
@@ -145,7 +148,7 @@ class ShardStore:
                 snapshots = [self._begin(table, (since or {}).get(table.config.name, 0)) for table in tables]
             try:
                 checkpoint.write_shard(directory, self.shard_index, self.num_shards, snapshots, save_id=save_id,
-                                       pause_s=self.fault_save_delay_s)
+                                       pause_s=self.fault_save_delay_s, progress=self.progress)
             finally:
                 for snapshot in snapshots:
                     snapshot.close()
@@ -167,7 +170,7 @@ class ShardStore:
         staged = []
         for source in sources:
             blocks = [{name: values.clone() for name, values in block.items()}  # a block's buffers are reused
-                      for block in source.blocks(self.shard_index, self.num_shards)]
+                      for block in source.blocks(self.shard_index, self.num_shards, progress=self.progress)]
             rows = {name: torch.cat([b[name] for b in blocks]) for name in blocks[0]} if blocks else None
             staged.append((source, rows, source.removed(self.shard_index, self.num_shards)))
         return StagedDelta(self, staged)
@@ -209,7 +212,8 @@ class ShardStore:
             for source in sources:
                 table = Table(source.config, self.seed)
                 table.restore_step(source.step)
-                table.load(source.blocks(self.shard_index, self.num_shards), expected_rows=source.rows_for(self.num_shards))
+                table.load(source.blocks(self.shard_index, self.num_shards, progress=self.progress),
+                           expected_rows=source.rows_for(self.num_shards))
                 tables[source.name] = table
             with self._lock:
                 self._tables = tables

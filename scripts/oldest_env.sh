@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Installs the oldest supported releases (scripts/constraints/oldest.txt: torch 2.11, FBGEMM 1.6.0, TorchRec 1.6.1,
+# Lightning 2.6.0) into a second virtualenv the way scripts/setup.sh installs the known-good set, and runs the fast
+# subset of the tests listed in scripts/oldest_subset.txt there. CI runs it after `make test`.
+#
+# PyPI has no CPU build of torch 2.11, only its CUDA 13 build: about 3.5 GB downloaded (pip's cache keeps it for the
+# next run) and 4.8 GB installed, which runs on a machine without a GPU. The virtualenv goes under $TMPDIR (or /tmp)
+# and is removed at the end unless OLDEST_VENV names one to keep; each stage prints its time.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${OLDEST_VENV:-${TMPDIR:-/tmp}/lightning-persia-oldest-$$}
+if [ -z "${OLDEST_VENV:-}" ]; then
+  trap 'rm -rf "$VENV" "$VENV.log"' EXIT
+fi
+START=$SECONDS
+VENV="$VENV" CONSTRAINTS=scripts/constraints/oldest.txt bash scripts/setup.sh >"$VENV.log" 2>&1 || { tail -40 "$VENV.log"; exit 1; }
+rm -f "$VENV.log"
+"$VENV/bin/python" - <<'PY'
+from lightning_persia import _versions
+print("oldest-env:", ", ".join(f"{name} {version}" for name, version in _versions.installed().items()))
+PY
+echo "oldest-env: installed into $VENV ($(du -sm "$VENV" | cut -f1) MB) in $((SECONDS - START)) s"
+START=$SECONDS
+mapfile -t TESTS < <(grep -v '^#' scripts/oldest_subset.txt | grep .)
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider "${TESTS[@]}"
+echo "oldest-env: the subset ran in $((SECONDS - START)) s"

@@ -1,0 +1,105 @@
+"""TorchRec's binary Criteo days: values, batches across days, the deal to ranks and workers, errors that name the file."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from click_files import synthetic_rows, write_torchrec_day
+from torch.utils.data import DataLoader
+
+from lightning_persia.data import CRITEO_SPARSE_FEATURES, CriteoBinaryDataModule, CriteoBinaryDataset, hash_categorical
+
+
+@pytest.fixture
+def days(tmp_path):
+    """Two days of 300 and 200 rows (rows 0..499 of the synthetic stream)."""
+    return [write_torchrec_day(str(tmp_path / "day_0"), synthetic_rows(300)),
+            write_torchrec_day(str(tmp_path / "day_1"), synthetic_rows(200, start=300))]
+
+
+def _cat(batches, attr):
+    return torch.cat([getattr(b, attr) for b in batches])
+
+
+def test_batches_hold_the_files_rows_across_days(days):
+    rows = synthetic_rows(500)
+    batches = list(CriteoBinaryDataset(days, batch_size=128, rank=0, world_size=1))
+    assert [b.batch_size for b in batches] == [128, 128, 128, 116]  # the third batch spans both days
+    kjt = batches[0].sparse_features
+    assert kjt.keys() == CRITEO_SPARSE_FEATURES and kjt.lengths().tolist() == [1] * (128 * 26)
+    values = np.where(rows.cat_missing, 0, rows.cat_values)  # TorchRec writes a missing value as 0
+    assert torch.equal(torch.cat([b.sparse_ids() for b in batches]), hash_categorical(torch.from_numpy(values)))
+    dense = np.concatenate([np.load(f"{day}_dense.npy") for day in days])  # as TorchRec transformed them
+    assert torch.equal(_cat(batches, "dense_features"), torch.from_numpy(dense))
+    assert _cat(batches, "labels").tolist() == rows.labels.astype(np.float32).tolist()
+
+
+def test_int32_files_are_read_as_unsigned(tmp_path):
+    rows = synthetic_rows(64)
+    wide = write_torchrec_day(str(tmp_path / "wide"), rows)
+    narrow = write_torchrec_day(str(tmp_path / "narrow"), rows, sparse_dtype=np.int32)  # as TorchRec's shuffle writes
+    assert (np.load(f"{narrow}_sparse.npy") < 0).any()  # values of 2**31 and more wrapped around
+    (a,), (b,) = list(CriteoBinaryDataset([wide], batch_size=64)), list(CriteoBinaryDataset([narrow], batch_size=64))
+    assert torch.equal(a.sparse_ids(), b.sparse_ids())
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_get_disjoint_batches_and_as_many_each(days, world_size):
+    whole = [b.labels for b in CriteoBinaryDataset(days, batch_size=50, rank=0, world_size=1)]  # 10 batches
+    per_rank = [list(CriteoBinaryDataset(days, batch_size=50, rank=r, world_size=world_size)) for r in range(world_size)]
+    assert {len(batches) for batches in per_rank} == {10 // world_size}
+    for r, batches in enumerate(per_rank):  # batch k goes to rank k % world_size
+        assert all(torch.equal(b.labels, whole[r + world_size * i]) for i, b in enumerate(batches))
+
+
+def test_workers_share_a_rank_in_the_same_order(days):
+    dataset = CriteoBinaryDataset(days, batch_size=64, rank=1, world_size=2)
+    alone = [b.sparse_ids() for b in dataset]
+    with_workers = [b.sparse_ids() for b in DataLoader(dataset, batch_size=None, num_workers=2)]
+    assert len(alone) == 4 and len(with_workers) == 4
+    assert all(torch.equal(a, b) for a, b in zip(alone, with_workers))
+
+
+def test_drop_last(days):
+    assert [b.batch_size for b in CriteoBinaryDataset(days, batch_size=128, drop_last=True)] == [128] * 3
+
+
+def test_missing_file_is_named(days):
+    with pytest.raises(FileNotFoundError, match=r"day_7_dense\.npy"):
+        CriteoBinaryDataset([days[0].replace("day_0", "day_7")])
+    with pytest.raises(FileNotFoundError, match=r"no file matches .*week_\*_dense\.npy"):
+        CriteoBinaryDataset([days[0].replace("day_0", "week_*")])
+
+
+def test_wrong_columns_and_rows_are_named(days):
+    np.save(f"{days[1]}_sparse.npy", np.zeros((200, 25), dtype=np.int64))
+    with pytest.raises(ValueError, match=r"day_1_sparse\.npy holds int64 \(200, 25\); expected \[N, 26\] integers"):
+        CriteoBinaryDataset(days)
+    np.save(f"{days[1]}_sparse.npy", np.zeros((199, 26), dtype=np.int64))
+    with pytest.raises(ValueError, match=r"day_1_sparse\.npy has 199 rows but .*day_1_labels\.npy has 200"):
+        CriteoBinaryDataset(days)
+
+
+def test_bad_values_are_named_with_file_row_and_column(days):
+    labels = np.load(f"{days[1]}_labels.npy")
+    labels[150] = -1
+    np.save(f"{days[1]}_labels.npy", labels)
+    with pytest.raises(ValueError, match=r"day_1_labels\.npy, row 150: label \[?-1\]? is not 0 or 1"):
+        list(CriteoBinaryDataset(days, batch_size=100))
+    sparse = np.load(f"{days[0]}_sparse.npy")
+    sparse[7, 4] = -5
+    np.save(f"{days[0]}_sparse.npy", sparse)
+    with pytest.raises(ValueError, match=r"day_0_sparse\.npy, row 7, column 4 \(cat_4\): -5 is not a 32-bit categorical value"):
+        next(iter(CriteoBinaryDataset(days, batch_size=100)))
+
+
+def test_datamodule_expands_patterns_in_day_order(tmp_path):
+    for day in (0, 2, 10):
+        write_torchrec_day(str(tmp_path / f"day_{day}"), synthetic_rows(10, start=10 * day))
+    module = CriteoBinaryDataModule(train_files=[str(tmp_path / "day_*")], val_files=[str(tmp_path / "day_10")],
+                                    batch_size=10, num_workers=0)
+    assert module.dataset("train").prefixes == [str(tmp_path / f"day_{d}") for d in (0, 2, 10)]
+    labels = [b.labels for b in module.train_dataloader()]
+    expected = synthetic_rows(110).labels.astype(np.float32)
+    assert [t.tolist() for t in labels] == [expected[10 * d: 10 * d + 10].tolist() for d in (0, 2, 10)]
+    assert module.test_dataloader() == [] and len(list(module.val_dataloader())) == 1

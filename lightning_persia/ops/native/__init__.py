@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import itertools
 import importlib.machinery
@@ -303,6 +304,14 @@ SIGNATURES = {
     "lp_first_foreign": ([_P, _I64, _I64, _I64], _I64),
     "lp_admit": ([_P], _I64),
     "lp_unique_by_table": ([_P, _P, _I64, _P, _P, _P], _I64),
+    "lp_dmap_new": ([], _P),
+    "lp_dmap_free": ([_P], None),
+    "lp_dmap_info": ([_P, _P], None),
+    "lp_dmap_insert": ([_P, _P, _P, _I64], _I64),
+    "lp_dmap_find": ([_P, _P, _I64, _P, _P], None),
+    "lp_dmap_remove": ([_P, _P, _P, _I64], _I64),
+    "lp_set_bits": ([_P, _P, _I64, ctypes.c_int32], None),
+    "lp_pread_rows": ([_P, _I64, _I64, _P, _I64, _P, _P], _I64),
 }
 """Argument and result types of every function of ``kernels.c`` called here (``tests/ops/test_native_interface.py``
 checks them, and the job structs above, against the C source)."""
@@ -354,6 +363,102 @@ def uniform_rows(ids: torch.Tensor, key: int, columns: int, low: float, high: fl
     out = torch.empty(ids.numel(), columns, dtype=torch.float32)
     _require().lp_uniform_rows(ids.data_ptr(), ids.numel(), key, columns, float(low), float(high), out.data_ptr())
     return out
+
+
+class DiskMap:
+    """The disk tier's id map (``kernels.c``): id -> slot on disk, 8 bytes an id, the ids themselves left on disk.
+
+    :meth:`find` answers a slot whose entry's fingerprint matches the id; the caller confirms it against the id in
+    the record it reads there and, on a false match (odds of about 2^-32), asks again with ``skip`` one higher.
+
+    Example::
+
+        disk_map = native.DiskMap()
+        disk_map.insert(ids, slots)
+        assert torch.equal(disk_map.find(ids), slots)
+    """
+
+    def __init__(self) -> None:
+        self._library = _require()
+        self._handle = self._library.lp_dmap_new()
+        if not self._handle:
+            raise MemoryError("cannot allocate a disk id map")
+
+    def __del__(self) -> None:
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle:
+            self._library.lp_dmap_free(handle)
+
+    def info(self) -> tuple[int, int]:
+        """``(ids present, bytes)``."""
+        out = (ctypes.c_int64 * 2)()
+        self._library.lp_dmap_info(self._handle, out)
+        return out[0], out[1]
+
+    def insert(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        """Adds ``ids`` (absent) at ``slots`` (each ``< 2**32 - 1``); MemoryError when a partition could not grow
+        (the ids before the one that failed are in)."""
+        ids, slots = _pair(ids, slots)
+        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= (1 << 32) - 1):
+            raise ValueError("disk slots must be in [0, 2**32 - 1)")
+        added = self._library.lp_dmap_insert(self._handle, ids.data_ptr(), slots.data_ptr(), ids.numel())
+        if added < ids.numel():
+            raise MemoryError(f"the disk id map could not grow ({added} of {ids.numel()} ids added)")
+
+    def find(self, ids: torch.Tensor, skip: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Slot of the first matching entry of each id past ``skip[i]`` others (none skipped by default), or -1."""
+        ids = _check(ids, torch.int64, "ids").contiguous()
+        if skip is not None:
+            ids, skip = _pair(ids, skip)
+        out = torch.empty_like(ids)
+        self._library.lp_dmap_find(self._handle, ids.data_ptr(), ids.numel(), skip.data_ptr() if skip is not None else None,
+                                   out.data_ptr())
+        return out
+
+    def remove(self, ids: torch.Tensor, slots: torch.Tensor) -> int:
+        """Drops the entries ``(ids[i], slots[i])`` present; returns how many were."""
+        ids, slots = _pair(ids, slots)
+        return self._library.lp_dmap_remove(self._handle, ids.data_ptr(), slots.data_ptr(), ids.numel())
+
+
+def set_bits(bits: torch.Tensor, slots: torch.Tensor, value: bool) -> None:
+    """Bit ``slot & 7`` of ``bits[slot >> 3]`` becomes ``value`` for every slot (little-endian bit order, as
+    ``numpy.packbits(..., bitorder="little")``)."""
+    slots = _check(slots, torch.int64, "slots").contiguous()
+    _check(bits, torch.uint8, "bits")
+    if not bits.is_contiguous():
+        raise ValueError("bits must be contiguous")
+    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >> 3 >= bits.numel()):
+        raise ValueError(f"a slot is outside the {bits.numel() * 8} bits")
+    _require().lp_set_bits(bits.data_ptr(), slots.data_ptr(), slots.numel(), int(value))
+
+
+def pread_rows(fds: torch.Tensor, shift: int, slots: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[i]`` = the record of ``slots[i]`` (``< 0``: left as it is): ``out``'s row size at byte
+    ``(slot & (2**shift - 1)) * row size`` of the file ``fds[slot >> shift]``. OSError naming the slot when a
+    record cannot be read whole."""
+    slots = _check(slots, torch.int64, "slots").contiguous()
+    _check(fds, torch.int64, "fds")
+    if out.dtype != torch.uint8 or out.dim() != 2 or out.shape[0] != slots.numel() or not out.is_contiguous():
+        raise ValueError(f"pread_rows: out must be a contiguous uint8 [{slots.numel()}, record bytes] tensor")
+    if slots.numel() and int(slots.max()) >> shift >= fds.numel():
+        raise ValueError(f"slot {int(slots.max())} is past the {fds.numel()} files")
+    fds = fds.contiguous()
+    error = ctypes.c_int64(0)
+    failed = _require().lp_pread_rows(fds.data_ptr(), shift, out.shape[1], slots.data_ptr(), slots.numel(), out.data_ptr(),
+                                      ctypes.byref(error))
+    if failed:
+        slot = int(slots[-failed - 1])
+        reason = os.strerror(error.value) if error.value else "the file ends before it"
+        raise OSError(error.value or errno.EIO, f"the record of disk slot {slot} could not be read whole (file {slot >> shift}): {reason}")
+
+
+def _pair(ids: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = _check(ids, torch.int64, "ids").contiguous()
+    other = _check(other, torch.int64, "slots").contiguous()
+    if other.numel() != ids.numel():
+        raise ValueError(f"{ids.numel()} ids and {other.numel()} slots")
+    return ids, other
 
 
 def first_foreign(ids: torch.Tensor, num_shards: int, shard: int) -> int:

@@ -7,6 +7,7 @@
  * The hash is lightning_persia.ops.hashing's splitmix64 finaliser, bit for bit.
  */
 #define _DEFAULT_SOURCE /* madvise */
+#include <errno.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -819,5 +820,208 @@ int64_t lp_unique_by_table(const int64_t *ids, const int64_t *starts, int64_t nu
     free(slot_of);
     free(seen);
     free(rank);
+    return 0;
+}
+
+/* ---- the disk tier's id map -------------------------------------------------------------------------------
+ * Maps the ids of the rows a table keeps on disk to their slots there, in 8 bytes an entry: a 32-bit fingerprint of
+ * the id's hash and the slot + 1 (0: an empty entry). The ids themselves stay on disk, in their records. A match
+ * is confirmed by the caller against the record it reads (two ids share a partition and a fingerprint with odds of
+ * 2^-32 a comparison); `skip` asks for the next match after a false one.
+ * Linear probing in 4,096 partitions (the top 12 bits of the hash), each grown on its own when it passes a load of
+ * 0.75 .. 0.85 (spread over the partitions, so that they grow at different times), to a load of 0.6: ~12 bytes an
+ * id on average, ~12 GB for a billion. An id absent from the map (every new id of a growing table) reads its whole
+ * run of entries: ~13 on average at a load of 0.8, ~140 at 0.94 (linear probing's expected miss). An entry's home is derived from its fingerprint, so a partition grows without
+ * reading any id. Removal shifts the entries after it back (no tombstones). */
+
+#define DM_PART_BITS 12
+#define DM_PARTS (1u << DM_PART_BITS)
+#define DM_TARGET_LOAD 0.6
+static const uint64_t DISK_SALT = 0xD1B54A32D192ED03ULL;
+
+typedef struct {
+    uint64_t *entries;
+    uint64_t size;
+    uint64_t live;
+    uint64_t limit; /* grows past this */
+} dm_part_t;
+
+typedef struct {
+    dm_part_t parts[DM_PARTS];
+    int64_t live;
+    int64_t slots; /* entries allocated in all */
+} dmap_t;
+
+static inline uint64_t dm_hash(int64_t id) { return mix64((uint64_t)id ^ DISK_SALT); }
+static inline uint32_t dm_part_of(uint64_t h) { return (uint32_t)(h >> (64 - DM_PART_BITS)); }
+static inline uint32_t dm_fp_of(uint64_t h) { return (uint32_t)(h >> (32 - DM_PART_BITS)); }
+static inline uint64_t dm_home(uint32_t fp, uint64_t size) { return ((uint64_t)fp * size) >> 32; }
+static inline uint64_t dm_next(uint64_t i, uint64_t size) { return i + 1 == size ? 0 : i + 1; }
+static double dm_max_load(uint32_t part) { return 0.75 + 0.1 * (double)(mix64(part + 7) >> 11) / (double)(1ULL << 53); }
+
+static int dm_part_init(dm_part_t *p, uint32_t part, uint64_t size) {
+    uint64_t *entries = calloc(size, sizeof(uint64_t));
+    if (!entries) return -1;
+    commit_pages(entries, size * sizeof(uint64_t));
+    p->entries = entries;
+    p->size = size;
+    p->limit = (uint64_t)(dm_max_load(part) * (double)size);
+    if (p->limit >= size) p->limit = size - 1; /* an empty entry always ends a probe */
+    return 0;
+}
+
+void *lp_dmap_new(void) {
+    dmap_t *map = calloc(1, sizeof(dmap_t));
+    if (!map) return NULL;
+    for (uint32_t p = 0; p < DM_PARTS; ++p) {
+        if (dm_part_init(&map->parts[p], p, 16)) {
+            for (uint32_t q = 0; q < p; ++q) free(map->parts[q].entries);
+            free(map);
+            return NULL;
+        }
+    }
+    map->slots = 16 * (int64_t)DM_PARTS;
+    return map;
+}
+
+void lp_dmap_free(void *handle) {
+    dmap_t *map = handle;
+    if (!map) return;
+    for (uint32_t p = 0; p < DM_PARTS; ++p) free(map->parts[p].entries);
+    free(map);
+}
+
+void lp_dmap_info(const void *handle, int64_t *out) {
+    const dmap_t *map = handle;
+    out[0] = map->live;
+    out[1] = map->slots * (int64_t)sizeof(uint64_t) + (int64_t)sizeof(dmap_t);
+}
+
+static void dm_place(dm_part_t *p, uint64_t entry) {
+    uint64_t i = dm_home((uint32_t)(entry >> 32), p->size);
+    while (p->entries[i]) i = dm_next(i, p->size);
+    p->entries[i] = entry;
+}
+
+static int dm_grow(dmap_t *map, uint32_t part) {
+    dm_part_t *p = &map->parts[part], fresh;
+    if (dm_part_init(&fresh, part, (uint64_t)((double)(p->live + 1) / DM_TARGET_LOAD) + 16)) return -1;
+    for (uint64_t i = 0; i < p->size; ++i)
+        if (p->entries[i]) dm_place(&fresh, p->entries[i]);
+    fresh.live = p->live;
+    map->slots += (int64_t)fresh.size - (int64_t)p->size;
+    free(p->entries);
+    *p = fresh;
+    return 0;
+}
+
+/* slots[i] of ids[i], added; an id already there is not looked for (the caller removes it first). Returns the
+ * entries added, fewer than n only when memory ran out. */
+int64_t lp_dmap_insert(void *handle, const int64_t *ids, const int64_t *slots, int64_t n) {
+    dmap_t *map = handle;
+    for (int64_t start = 0; start < n; start += BLOCK) {
+        const int64_t end = start + BLOCK < n ? start + BLOCK : n;
+        uint64_t hashes[BLOCK];
+        for (int64_t i = start; i < end; ++i) { /* a block's home entries on their way before any is written */
+            const uint64_t h = hashes[i - start] = dm_hash(ids[i]);
+            const dm_part_t *p = &map->parts[dm_part_of(h)];
+            PREFETCH_WRITE(&p->entries[dm_home(dm_fp_of(h), p->size)]);
+        }
+        for (int64_t i = start; i < end; ++i) {
+            const uint64_t h = hashes[i - start];
+            const uint32_t part = dm_part_of(h);
+            if (map->parts[part].live + 1 > map->parts[part].limit && dm_grow(map, part)) return i;
+            dm_place(&map->parts[part], ((uint64_t)dm_fp_of(h) << 32) | (uint64_t)(slots[i] + 1));
+            map->parts[part].live += 1;
+            map->live += 1;
+        }
+    }
+    return n;
+}
+
+/* out[i]: the slot of the (skip[i] + 1)-th entry whose fingerprint matches ids[i] (skip NULL: the first), or -1. */
+void lp_dmap_find(const void *handle, const int64_t *ids, int64_t n, const int64_t *skip, int64_t *out) {
+    const dmap_t *map = handle;
+    for (int64_t start = 0; start < n; start += BLOCK) {
+        const int64_t end = start + BLOCK < n ? start + BLOCK : n;
+        for (int64_t i = start; i < end; ++i) {
+            const uint64_t h = dm_hash(ids[i]);
+            const dm_part_t *p = &map->parts[dm_part_of(h)];
+            PREFETCH(&p->entries[dm_home(dm_fp_of(h), p->size)]);
+        }
+        for (int64_t i = start; i < end; ++i) {
+            const uint64_t h = dm_hash(ids[i]);
+            const dm_part_t *p = &map->parts[dm_part_of(h)];
+            const uint32_t fp = dm_fp_of(h);
+            int64_t pass = skip ? skip[i] : 0, found = -1;
+            for (uint64_t j = dm_home(fp, p->size); p->entries[j]; j = dm_next(j, p->size)) {
+                if ((uint32_t)(p->entries[j] >> 32) == fp && pass-- == 0) {
+                    found = (int64_t)(p->entries[j] & 0xFFFFFFFFULL) - 1;
+                    break;
+                }
+            }
+            out[i] = found;
+        }
+    }
+}
+
+/* Drops the entry (ids[i], slots[i]) of each i where present; returns how many were. */
+int64_t lp_dmap_remove(void *handle, const int64_t *ids, const int64_t *slots, int64_t n) {
+    dmap_t *map = handle;
+    int64_t removed = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        if (i % BLOCK == 0) { /* the next block's home entries on their way */
+            for (int64_t j = i; j < i + BLOCK && j < n; ++j) {
+                const uint64_t hj = dm_hash(ids[j]);
+                const dm_part_t *pj = &map->parts[dm_part_of(hj)];
+                PREFETCH_WRITE(&pj->entries[dm_home(dm_fp_of(hj), pj->size)]);
+            }
+        }
+        const uint64_t h = dm_hash(ids[i]);
+        dm_part_t *p = &map->parts[dm_part_of(h)];
+        const uint64_t entry = ((uint64_t)dm_fp_of(h) << 32) | (uint64_t)(slots[i] + 1), size = p->size;
+        uint64_t j = dm_home(dm_fp_of(h), size);
+        while (p->entries[j] && p->entries[j] != entry) j = dm_next(j, size);
+        if (!p->entries[j]) continue;
+        /* backward shift: an entry after the hole moves into it unless its home lies cyclically in (hole, entry] */
+        uint64_t hole = j;
+        for (uint64_t k = dm_next(hole, size); p->entries[k]; k = dm_next(k, size)) {
+            const uint64_t home = dm_home((uint32_t)(p->entries[k] >> 32), size);
+            if ((k + size - home) % size >= (k + size - hole) % size) {
+                p->entries[hole] = p->entries[k];
+                hole = k;
+            }
+        }
+        p->entries[hole] = 0;
+        p->live -= 1;
+        map->live -= 1;
+        removed += 1;
+    }
+    return removed;
+}
+
+/* Bit slots[i] & 7 of bits[slots[i] >> 3] becomes `value` (a segment's live slots, a bit each). */
+void lp_set_bits(uint8_t *bits, const int64_t *slots, int64_t n, int32_t value) {
+    for (int64_t i = 0; i < n; ++i) {
+        const uint8_t bit = (uint8_t)(1u << (slots[i] & 7));
+        if (value) bits[slots[i] >> 3] |= bit;
+        else bits[slots[i] >> 3] &= (uint8_t)~bit;
+    }
+}
+
+/* Reads the records of `slots` (record r of file fds[r >> shift], `stride` bytes at (r & (2^shift - 1)) * stride)
+ * into out[i]; a slot < 0 leaves out[i] as it is. Returns 0, or -(i + 1) for the first record that could not be
+ * read whole, its errno in *error (0: the file ended before it). */
+int64_t lp_pread_rows(const int64_t *fds, int64_t shift, int64_t stride, const int64_t *slots, int64_t n, char *out,
+                      int64_t *error) {
+    const int64_t mask = (1LL << shift) - 1;
+    for (int64_t i = 0; i < n; ++i) {
+        if (slots[i] < 0) continue;
+        errno = 0;
+        if (pread((int)fds[slots[i] >> shift], out + i * stride, (size_t)stride, (off_t)((slots[i] & mask) * stride)) != stride) {
+            *error = errno;
+            return -(i + 1);
+        }
+    }
     return 0;
 }

@@ -80,6 +80,9 @@ class PSConfig:
     """Load a checkpoint before serving: a checkpoint folder, or a folder holding several (the newest complete
     one is loaded, e.g. a PersiaStrategy ``<ckpt>.ps`` folder or a whole checkpoint directory). A shard
     that cannot load one refuses to start (exit status 2) rather than serve empty tables."""
+    disk_dir: Optional[str] = None
+    """Where the disk tiers of the tables of ``storage: disk`` live (a folder of this shard's own; it needs the disk
+    space of the rows past the tables' memory budgets, ~56 bytes a row at dim 16 in fp16); ``None`` refuses such tables."""
     metrics_port: Optional[int] = None
     """Serve Prometheus metrics at ``http://<host>:<port>/metrics`` (the shard's ``--host``); 0 picks a free port,
     ``None`` serves none. A port that is taken stops the shard before it serves any call."""

@@ -133,7 +133,7 @@ def run_shard(
     """
     prepare_shard_process(config)
     store = ShardStore(shard_index=shard_index, num_shards=num_shards, seed=config.seed, table_defaults=config.table_configs(),
-                       fault_save_delay_s=config.fault_save_delay_s)
+                       fault_save_delay_s=config.fault_save_delay_s, disk_dir=config.disk_dir)
     restored = None
     if config.restore_from:  # before binding: a shard that cannot restore never answers with empty tables
         restored = store.load_latest(config.restore_from)  # CheckpointError: refuse to start

@@ -123,6 +123,8 @@ class Constant(EmbeddingInit):
 
 
 EVICTION_POLICIES = ("lru", "lfu")
+STORAGES = ("memory", "disk")
+"""Where a shard keeps the rows past a table's ``capacity``: nowhere (``memory``: they are evicted) or on disk."""
 STORAGE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 """How a shard stores a table's rows; the optimizer state is float32 either way."""
 DEFAULT_CAPACITY = 1 << 26
@@ -139,6 +141,14 @@ class TableConfig:
     ``admit_probability`` is the chance that an unseen id met in training gets a row; ``weight_bound``
     clips every updated weight to ``[-weight_bound, weight_bound]``; ``storage_dtype`` is how the shard stores
     the rows (``"fp16"`` halves their memory; updates are computed in float32 and rounded to nearest).
+
+    ``storage="disk"`` makes ``capacity`` the rows a shard keeps *in memory* (its memory budget for the table):
+    the rows eviction picks move to the shard's disk tier (``PSConfig.disk_dir``) and come back when looked up.
+
+    ``ttl_steps`` / ``ttl_seconds`` delete the rows (in memory and on disk) that no training lookup touched for that
+    many lookups of the table / seconds, in bulk, on a thread of the shard (needs ``eviction="lru"``).
+    ``admit_after=k`` stores an unseen id only at its k-th training lookup (counted by a counting filter, no row
+    per unseen id); before that it is served its initial row.
     """
 
     name: str
@@ -150,6 +160,10 @@ class TableConfig:
     admit_probability: float = 1.0
     weight_bound: Optional[float] = None
     storage_dtype: str = "fp32"
+    storage: str = "memory"
+    ttl_steps: Optional[int] = None
+    ttl_seconds: Optional[float] = None
+    admit_after: int = 1
 
     def __post_init__(self) -> None:
         _check(isinstance(self.name, str) and 0 < len(self.name) <= 256, f"table name must be 1..256 characters, got {self.name!r}")
@@ -165,6 +179,16 @@ class TableConfig:
         )
         _check(self.storage_dtype in STORAGE_DTYPES,
                f"table {self.name!r}: storage_dtype must be one of {sorted(STORAGE_DTYPES)}, got {self.storage_dtype!r}")
+
+        _check(self.storage in STORAGES, f"table {self.name!r}: storage must be one of {STORAGES}, got {self.storage!r}")
+        _check(self.ttl_steps is None or (isinstance(self.ttl_steps, int) and self.ttl_steps > 0),
+               f"table {self.name!r}: ttl_steps must be a positive number of lookups or None, got {self.ttl_steps!r}")
+        _check(self.ttl_seconds is None or self.ttl_seconds > 0,
+               f"table {self.name!r}: ttl_seconds must be > 0 or None, got {self.ttl_seconds!r}")
+        _check((self.ttl_steps is None and self.ttl_seconds is None) or self.eviction == "lru",
+               f"table {self.name!r}: a TTL needs eviction 'lru' (a row's access value is then its last step), got {self.eviction!r}")
+        _check(isinstance(self.admit_after, int) and 1 <= self.admit_after <= 255,
+               f"table {self.name!r}: admit_after must be in 1..255 sightings, got {self.admit_after!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-safe) form, as sent over the wire and stored in checkpoints."""

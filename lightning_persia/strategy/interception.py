@@ -77,6 +77,11 @@ class TableOverride:
     admit_probability: Optional[float] = None
     weight_bound: Optional[float] = None
     storage_dtype: Optional[Literal["fp16", "fp32"]] = None
+    storage: Optional[Literal["memory", "disk"]] = None
+    """``"disk"``: ``capacity`` is the rows a shard keeps in memory, the rest go to its disk tier (the shards' ``disk_dir``)."""
+    ttl_steps: Optional[int] = None
+    ttl_seconds: Optional[float] = None
+    admit_after: Optional[int] = None
 
 
 @dataclass

@@ -46,6 +46,7 @@ import torch
 from lightning_persia import checksum
 from lightning_persia.ops.hashing import shard_of
 from lightning_persia.remote_ps.protocol import COMMIT_MARKER
+from lightning_persia.remote_ps.store import disk_checkpoint
 from lightning_persia.remote_ps.store.errors import CheckpointError, StoreError
 from lightning_persia.remote_ps.store.progress import Progress, begin
 from lightning_persia.remote_ps.store.table import SAVED_FIELDS, TableSnapshot
@@ -122,6 +123,8 @@ def _write_shard(final: Path, temporary: Path, shard_index: int, num_shards: int
         files = {name: writer.entry() for name, writer in writers.items()}
         entry = {"config": snapshot.config.to_dict(), "step": snapshot.step, "rows": written, "point": snapshot.point,
                  "since": snapshot.since, "files": files}
+        if snapshot.disk is not None:  # linked, not copied
+            entry["disk"] = disk_checkpoint.write(snapshot.disk, temporary / f"t{position:04d}.disk", snapshot.disk_record_bytes)
         if snapshot.since:
             removed = _ArrayWriter(temporary / f"t{position:04d}.removed.npy", torch.int64, (), snapshot.removed.numel())
             removed.append(snapshot.removed)
@@ -290,6 +293,14 @@ class TableSource:
             found.append(ids[shard_of(ids, num_shards) == shard_index])
         return torch.cat(found) if found else torch.empty(0, dtype=torch.int64)
 
+    def own_folder(self, num_shards: int) -> Optional[Path]:
+        """The one folder this table is read from when the checkpoint was saved by ``num_shards`` shards, else None."""
+        return self.parts[0].folder if len(self.parts) == 1 and num_shards == _saved_shards(self.parts[0]) else None
+
+    def disk_parts(self) -> list[tuple[Path, dict]]:
+        """``(shard folder, disk entry)`` of each part that holds a disk tier."""
+        return [(part.folder, part.entry["disk"]) for part in self.parts if "disk" in part.entry]
+
     def rows_for(self, num_shards: int) -> int:
         """About how many rows one of ``num_shards`` shards gets (the ids spread evenly over the shards)."""
         total = sum(part.entry["rows"] for part in self.parts)
@@ -354,6 +365,8 @@ def open_for_shard(directory: str | os.PathLike, shard_index: int, num_shards: i
                 files += [(folder, entry["files"][array]) for array in SAVED_FIELDS]
                 if "removed" in entry:
                     files.append((folder, entry["removed"]))
+                if "disk" in entry:
+                    disk_checkpoint.verify(folder, entry["disk"])
                 source = sources.setdefault(name, TableSource(name, config, int(entry["step"]), [], int(entry.get("since", 0)),
                                                               checked=check_first))
                 source.step = max(source.step, int(entry["step"]))

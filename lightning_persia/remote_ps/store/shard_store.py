@@ -2,13 +2,18 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
+import os
 import threading
+import time
+from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
 from lightning_persia.ops.hashing import first_foreign, shard_of
-from lightning_persia.remote_ps.store import checkpoint
+from lightning_persia.remote_ps.store import checkpoint, disk_checkpoint
+from lightning_persia.remote_ps.store.expiry import Expirer
 from lightning_persia.remote_ps.store.errors import CheckpointError, InvalidRequestError, StoreError, UnknownTableError
 from lightning_persia.remote_ps.store.progress import Progress
 from lightning_persia.remote_ps.store.table import Table, TableSnapshot
@@ -35,8 +40,12 @@ class ShardStore:
 
     def __init__(
         self, shard_index: int, num_shards: int, seed: int = 0, table_defaults: dict[str, TableConfig] | None = None,
-        fault_save_delay_s: float = 0.0,
+        fault_save_delay_s: float = 0.0, disk_dir: Optional[str] = None, expiry_interval_s: float = 1.0,
     ) -> None:
+        """``disk_dir``: where the disk tiers of the tables of ``storage="disk"`` live (a folder per table and generation
+        under ``shard-<i>-of-<n>/``, deleted with its table); ``None``: such tables are refused.
+        ``expiry_interval_s``: how often the rows of tables with a TTL are swept (on a thread of the store's own,
+        started with the first such table)."""
         if not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index must be in [0, {num_shards}), got {shard_index}")
         self.shard_index = shard_index
@@ -50,13 +59,16 @@ class ShardStore:
         self._delta_points: dict[str, dict[str, int]] = {}  # save id of a recent delta -> each table's point
         #: how far each table's last save, load or re-shard is (logged, and read by the metrics)
         self.progress = Progress(f"shard {shard_index}/{num_shards}")
+        self._disk_dir = disk_dir
+        self._generation = itertools.count()
+        self._expirer = Expirer(self._tables_with_ttl, expiry_interval_s)
 
     def configure(self, config: TableConfig) -> TableConfig:
         """Creates the table, or returns the existing one's config when the dims agree."""
         with self._lock:
             existing = self._tables.get(config.name)
             if existing is None:
-                self._tables[config.name] = Table(config, self.seed)
+                self._tables[config.name] = self._new_table(config)
                 return config
         if existing.config.dim != config.dim:
             raise InvalidRequestError(f"table {config.name!r} exists with dim {existing.config.dim}, asked for dim {config.dim}")
@@ -181,7 +193,10 @@ class ShardStore:
         with self._lock, contextlib.ExitStack() as held:
             for source, _, _ in staged:
                 if source.since == 0 or source.name not in self._tables:  # whole: replaces the table
-                    self._tables[source.name] = Table(source.config, self.seed)
+                    replaced = self._tables.get(source.name)
+                    self._tables[source.name] = self._new_table(source.config)
+                    if replaced is not None:
+                        replaced.close()
             tables = {source.name: self._tables[source.name] for source, _, _ in staged}
             for name in sorted(tables):
                 held.enter_context(tables[name].lock)
@@ -206,17 +221,33 @@ class ShardStore:
         sources = checkpoint.open_for_shard(directory, self.shard_index, self.num_shards, check_first=holds_tables)
         with self._save_lock:
             with self._lock:
-                self._tables = {}
+                dropped, self._tables = self._tables, {}
+            for table in dropped.values():
+                table.close()
             self._delta_points.clear()  # the new tables' versions restart: a delta since an older point would miss rows
             tables = {}
             for source in sources:
-                table = Table(source.config, self.seed)
+                table = self._new_table(source.config)
                 table.restore_step(source.step)
                 table.load(source.blocks(self.shard_index, self.num_shards, progress=self.progress),
                            expected_rows=source.rows_for(self.num_shards))
+                self._load_disk(table, source)
                 tables[source.name] = table
             with self._lock:
                 self._tables = tables
+
+    def _load_disk(self, table: Table, source: checkpoint.TableSource) -> None:
+        """The disk tier of a checkpoint's table: its segments linked when this shard saved them, else its live rows
+        read and re-sharded (those past the memory budget written to the new tier)."""
+        parts = source.disk_parts()
+        if not parts:
+            return
+        if source.own_folder(self.num_shards) is not None and table.config.storage == "disk":
+            folder, entry = parts[0]
+            table.attach_disk(disk_checkpoint.segments(folder, entry))
+            return
+        for folder, entry in parts:
+            table.load(disk_checkpoint.rows(folder, entry, table.disk_specs, self.shard_index, self.num_shards))
 
     def load_latest(self, root: str) -> str:
         """Loads the newest complete checkpoint at or under ``root`` (see :func:`checkpoint.candidate_checkpoints`).
@@ -238,10 +269,27 @@ class ShardStore:
         with self._lock:
             table = self._tables.get(name)
             if table is None and name in self._defaults:
-                table = self._tables[name] = Table(self._defaults[name], self.seed)
+                table = self._tables[name] = self._new_table(self._defaults[name])
         if table is None:
             raise UnknownTableError(f"unknown table {name!r}; known tables: {sorted(self._tables)}")
         return table
+
+    def expire(self, now: Optional[float] = None) -> int:
+        """Sweeps every table with a TTL now (the expiry thread does every ``expiry_interval_s``); returns the rows deleted."""
+        return sum(table.expire(time.monotonic() if now is None else now) for table in self._tables_with_ttl())
+
+    def _tables_with_ttl(self) -> list[Table]:
+        with self._lock:
+            return [t for t in self._tables.values() if t.config.ttl_steps is not None or t.config.ttl_seconds is not None]
+
+    def _new_table(self, config: TableConfig) -> Table:
+        if (config.ttl_steps is not None or config.ttl_seconds is not None) and not self._expirer.started:
+            self._expirer.start()
+        disk = None
+        if config.storage == "disk" and self._disk_dir is not None:
+            folder = f"shard-{self.shard_index:05d}-of-{self.num_shards:05d}"
+            disk = str(Path(self._disk_dir) / folder / f"{config.name}.{os.getpid()}.{next(self._generation)}")
+        return Table(config, self.seed, disk_dir=disk)
 
     def _check_ids(self, name: str, ids: torch.Tensor) -> None:
         if ids.dtype != torch.int64 or ids.dim() != 1:

@@ -27,9 +27,11 @@ from typing import Iterable, Iterator, Optional, Sequence
 import torch
 
 from lightning_persia.ops.hashing import name_hash
-from lightning_persia.remote_ps.store import eviction
+from lightning_persia.remote_ps.store import eviction, expiry
+from lightning_persia.remote_ps.store.admission import CountingFilter
 from lightning_persia.remote_ps.store.chunked_rows import ChunkedRows, FieldSpec
-from lightning_persia.remote_ps.store.errors import StoreError
+from lightning_persia.remote_ps.store.disk_tier import DISK_FIELDS, DiskTier, FrozenTier
+from lightning_persia.remote_ps.store.errors import InvalidRequestError, StoreError
 from lightning_persia.ops import native
 from lightning_persia.remote_ps.store.index import NativeIdIndex, make_index
 from lightning_persia.remote_ps.store.initializers import initial_rows, table_key
@@ -72,6 +74,7 @@ class _Snapshot:
     next_chunk: int = 0  # chunks below it are copied: their rows need no pre-image
     preimages: dict[int, list[dict[str, torch.Tensor]]] = field(default_factory=dict)
     preimage_rows: int = 0
+    disk: Optional[FrozenTier] = None  # a disk table's segments at the point (a full snapshot's)
 
 
 class TableSnapshot:
@@ -84,6 +87,8 @@ class TableSnapshot:
         self.since = state.since
         self.rows: Optional[int] = state.live if not state.since else None  # a delta's count is known once written
         self.removed = state.removed
+        self.disk = state.disk
+        self.disk_record_bytes = table._disk.record_bytes if table._disk is not None else 0
         self._table = table
         self._state = state
 
@@ -111,7 +116,8 @@ class Table:
     tables holds all their locks while it calls :meth:`begin_snapshot` on each.
     """
 
-    def __init__(self, config: TableConfig, seed: int) -> None:
+    def __init__(self, config: TableConfig, seed: int, disk_dir: Optional[str] = None) -> None:
+        """``disk_dir``: the folder of the table's disk tier, for a table of ``storage="disk"`` (created; its own)."""
         self.config = config
         self.seed = seed
         self.rule = make_rule(config.optimizer, config.dim)
@@ -142,7 +148,21 @@ class Table:
         self._removed_ids = 0
         self._removed_floor: Optional[int] = None  # evictions up to this version are unknown; None: not logged
         self._worst_insert_s = self._worst_insert_cpu_s = self._worst_insert_runnable_s = self._worst_insert_blocked_s = 0.0
-        self._counters = dict(lookups=0, lookup_rows=0, inserted=0, evicted=0, not_admitted=0, updates=0, update_rows=0, dropped_update_rows=0)
+        self._counters = dict(lookups=0, lookup_rows=0, inserted=0, evicted=0, not_admitted=0, updates=0, update_rows=0,
+                              dropped_update_rows=0, demoted=0, promoted=0, expired=0)
+        self._clock = expiry.StepClock()
+        self._sightings = CountingFilter() if config.admit_after > 1 else None
+        self._disk: Optional[DiskTier] = None
+        if config.storage == "disk":
+            if disk_dir is None:
+                raise StoreError(f"table {config.name!r} has storage 'disk' but its shard has no disk folder (PSConfig.disk_dir, "
+                                 "`ps serve disk_dir=...`)")
+            self._disk = DiskTier(disk_dir, self.field_specs)
+
+    @property
+    def disk_specs(self) -> dict[str, FieldSpec]:
+        """The fields of a row on disk (:data:`disk_tier.DISK_FIELDS`)."""
+        return {name: self.field_specs[name] for name in DISK_FIELDS if self.field_specs[name].row_bytes > 0}
 
     @property
     def storage_dtype(self) -> torch.dtype:
@@ -152,6 +172,8 @@ class Table:
 
     def lookup(self, ids: torch.Tensor, train: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows of ``ids`` as ``[n, dim]`` of ``dtype``; training lookups admit unseen ids."""
+        if train:
+            self._check_budget(ids.numel())
         out = torch.empty(ids.numel(), self.config.dim, dtype=self.storage_dtype)
         with self.lock:
             held = _Held.now(ids.numel(), train)
@@ -163,6 +185,9 @@ class Table:
     def lookup_together(requests: Sequence[tuple["Table", torch.Tensor]], train: bool, dtype: torch.dtype) -> list[torch.Tensor]:
         """:meth:`lookup` of several tables (distinct), every table's lock held, their probes in one native call."""
         tables = [table for table, _ in requests]
+        for table, ids in requests:
+            if train:
+                table._check_budget(ids.numel())
         if not all(isinstance(t._index, NativeIdIndex) for t in tables) or len({id(t) for t in tables}) < len(tables):
             return [table.lookup(ids, train, dtype) for table, ids in requests]
         outs = [torch.empty(ids.numel(), table.config.dim, dtype=table.storage_dtype) for table, ids in requests]
@@ -190,14 +215,15 @@ class Table:
         self._counters["lookup_rows"] += ids.numel()
         if not missing:
             return
-        if train and self._admits_natively(missing):
-            self._admit_natively(ids, rows, out, missing)
-        else:
-            absent = rows < 0
+        left = self._from_disk(ids, rows, out, train) if self._disk is not None and self._disk.rows else missing
+        if train and left and self._admits_natively(left):
+            self._admit_natively(ids, rows, out, left)
+        elif left:
+            absent = rows == -1  # -2: read from disk by an evaluation lookup
             out[absent] = self._fill_missing(ids[absent], train)
         if not train:
             return
-        # The longest a lookup that inserted held the table: what growing costs the table's other requests. Split
+        # The longest a lookup that inserted (or brought rows back from disk) held the table: what growing costs the table's other requests. Split
         # into the thread's CPU time, its wait for a core, and the rest (blocked), each the worst of its own.
         spent = thread_times() - held.times if held.times is not None else None  # read inside the wall time's span
         wall = time.perf_counter() - held.wall
@@ -209,6 +235,7 @@ class Table:
 
     def update(self, ids: torch.Tensor, grads: torch.Tensor) -> int:
         """Applies the optimizer to the rows of ``ids``; returns how many rows were present and updated."""
+        self._check_budget(ids.numel())
         ids, grads = _summed_by_id(ids, grads)
         with self.lock:
             return self._update_locked(ids, grads)
@@ -221,8 +248,12 @@ class Table:
         native_ones = [i for i, table in enumerate(tables) if isinstance(table._index, NativeIdIndex) and table.rule.native]
         if not native_ones or len({id(t) for t in tables}) < len(tables):
             return sum(table.update(ids, grads) for table, ids, grads in requests)
+        for table, ids, _ in requests:
+            table._check_budget(ids.numel())
         applied = 0
         with _all_locked(tables):
+            for table, ids, _ in requests:
+                table._promote_absent(ids)
             jobs = {}  # position -> (job, and the tensors whose memory it points at: alive until the call is done)
             for i in native_ones:
                 table, ids, grads = requests[i]
@@ -255,6 +286,7 @@ class Table:
 
     def _update_locked(self, ids: torch.Tensor, grads: torch.Tensor) -> int:
         """The rule on the rows of ``ids`` (unique) in tensor ops; the lock held."""
+        self._promote_absent(ids)
         rows = self._index.find(ids)
         present = rows >= 0
         if not bool(present.all()):
@@ -298,6 +330,7 @@ class Table:
                 self._index.reserve(expected_rows)
             indexed: Optional[Future] = None
             for number, block in enumerate(blocks):
+                block = self._spill(block)
                 n = block["ids"].numel()
                 if positions[number % 2].numel() < n:
                     positions[number % 2] = torch.empty(n, dtype=torch.int64)
@@ -318,6 +351,8 @@ class Table:
         """Writes rows of a delta (``{field: values}`` of :data:`SAVED_FIELDS`): replaces the ids present, adds the
         others. Call it holding :attr:`lock`."""
         ids = rows["ids"]
+        if self._disk is not None:  # the delta's row replaces the one on disk
+            self._disk.remove(ids)
         found = self._index.find(ids)
         present = found >= 0
         fresh = torch.nonzero(~present).squeeze(1)
@@ -335,7 +370,9 @@ class Table:
             self._live += fresh.numel()
 
     def remove_ids_locked(self, ids: torch.Tensor) -> None:
-        """Drops the rows of ``ids`` (those present). Call it holding :attr:`lock`."""
+        """Drops the rows of ``ids`` (those present, in memory or on disk). Call it holding :attr:`lock`."""
+        if self._disk is not None:
+            self._disk.remove(ids)
         rows = self._index.find(ids)
         rows = rows[rows >= 0]
         if not rows.numel():
@@ -368,7 +405,8 @@ class Table:
                              "(call remember_removals before the snapshot a delta starts from)")
         removed = [ids for version, ids in self._removed if since < version] if since else []
         self._snapshot = _Snapshot(point=self._version, since=since, size=self._size, live=self._live, step=self._step,
-                                   removed=torch.cat(removed) if removed else torch.empty(0, dtype=torch.int64))
+                                   removed=torch.cat(removed) if removed else torch.empty(0, dtype=torch.int64),
+                                   disk=self._disk.freeze() if self._disk is not None and not since else None)
         self._version += 1
         return TableSnapshot(self, self._snapshot)
 
@@ -451,13 +489,139 @@ class Table:
                 chunks=self._rows.num_chunks,
                 rows_allocated=self._size,
                 index_bytes=self._index.nbytes,
-                bytes=self._size * self._rows.record_bytes + self._index.nbytes,
+                bytes=self._size * self._rows.record_bytes + self._index.nbytes + (self._disk.map_bytes if self._disk else 0),
+                storage=self.config.storage,
+                disk_rows=self._disk.rows if self._disk else 0,
+                disk_bytes=self._disk.disk_bytes if self._disk else 0,
+                disk_map_bytes=self._disk.map_bytes if self._disk else 0,
                 saving_preimage_rows=snapshot.preimage_rows if snapshot is not None else 0,
                 worst_insert_s=self._worst_insert_s,
                 worst_insert_cpu_s=self._worst_insert_cpu_s,
                 worst_insert_runnable_s=self._worst_insert_runnable_s,
                 worst_insert_blocked_s=self._worst_insert_blocked_s,
             )
+
+    # ---- time to live ------------------------------------------------------------------------------
+
+    def expire(self, now: float) -> int:
+        """Deletes the rows no training lookup touched within the table's TTL (see :mod:`expiry`); returns how many.
+
+        Sweeps the rows a slice at a time, the lock held for one slice; then the disk tier's rows a block at a time.
+        """
+        config = self.config
+        if config.ttl_steps is None and config.ttl_seconds is None:
+            return 0
+        with self.lock:
+            self._clock.record(now, self._step)
+            limit = expiry.expiry_step(self._step, now, self._clock, config.ttl_steps, config.ttl_seconds)
+            size, step = self._size, min(expiry.SLICE_ROWS, self._rows.chunk_rows)
+        if limit is None:
+            return 0
+        expired = 0
+        for start in range(0, size, step):
+            with self.lock:
+                chunk, offset = start >> self._rows.shift, start & (self._rows.chunk_rows - 1)
+                values = self._rows["access"].chunk(chunk, offset + min(step, size - start))[offset:]
+                rows = torch.nonzero((values <= limit) & (values != eviction.FREE)).squeeze(1) + start
+                if rows.numel():
+                    self._drop(rows)
+                    expired += rows.numel()
+        if self._disk is not None:
+            expired += self._disk.expire(limit, self.lock)
+        with self.lock:
+            self._counters["expired"] += expired
+        return expired
+
+    def _drop(self, rows: torch.Tensor) -> None:
+        """Deletes live ``rows`` (expired); the lock held."""
+        self._preserve(rows)
+        gone = self._rows["ids"].gather(rows)
+        self._index.remove(gone)
+        self._remember_removed(gone)
+        self._rows["access"].fill(rows, eviction.FREE)
+        self._rows["version"].fill(rows, self._version)
+        self._free = torch.cat([self._free, rows])
+        self._live -= rows.numel()
+
+    # ---- the disk tier -----------------------------------------------------------------------------
+
+    def _spill(self, block: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The rows of a loaded block that fit in a disk table's memory budget; the others are written to disk."""
+        room = self.config.capacity - self._live
+        if self._disk is None or block["ids"].numel() <= room:
+            return block
+        room = max(room, 0)
+        self._disk.write({name: values[room:] for name, values in block.items() if name in self._disk.specs})
+        return {name: values[:room] for name, values in block.items()}
+
+    def attach_disk(self, segments: Iterable) -> None:
+        """Takes the disk segments of a checkpoint saved by this shard (see :meth:`DiskTier.attach`)."""
+        if self._disk is None:
+            raise StoreError(f"table {self.config.name!r} has no disk tier")
+        with self.lock:
+            self._disk.attach(segments)
+
+    def _check_budget(self, n: int) -> None:
+        """A disk table's training request must fit in its memory budget: every row it touches comes into memory."""
+        if self._disk is not None and n > self.config.capacity:
+            raise InvalidRequestError(f"table {self.config.name!r}: a request of {n} ids is larger than the table's memory "
+                                      f"budget of {self.config.capacity} rows a shard (its capacity); split the request or raise it")
+
+    def _from_disk(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool) -> int:
+        """Fills the rows of ``out`` that the memory did not hold from disk; a training lookup brings them into memory
+        (their ``rows`` set). Returns the ids still missing. The lock held."""
+        absent = torch.nonzero(rows < 0).squeeze(1)
+        wanted, inverse = torch.unique(ids[absent], return_inverse=True)
+        slots, records = self._disk.find(wanted)
+        hit = slots >= 0
+        if not bool(hit.any()):
+            return absent.numel()
+        values = self._disk.unpack(records[hit])
+        found_rows = torch.full((wanted.numel(),), -2, dtype=torch.int64)
+        if train:
+            found_rows[hit] = self._promote(wanted[hit], slots[hit], values)
+        weights = torch.empty(wanted.numel(), self.config.dim, dtype=self.storage_dtype)
+        weights[hit] = values["weights"]
+        got = hit[inverse]
+        rows[absent[got]] = found_rows[inverse[got]]
+        out[absent[got]] = weights[inverse[got]]
+        return absent.numel() - int(got.sum())
+
+    def _promote_absent(self, ids: torch.Tensor) -> None:
+        """Brings the rows of ``ids`` (unique) that are on disk into memory (an update applies to them). The lock held."""
+        if self._disk is None or not self._disk.rows:
+            return
+        absent = ids[self._index.find(ids) < 0]
+        if not absent.numel():
+            return
+        slots, records = self._disk.find(absent)
+        hit = slots >= 0
+        if bool(hit.any()):
+            self._promote(absent[hit], slots[hit], self._disk.unpack(records[hit]))
+
+    def _promote(self, ids: torch.Tensor, slots: torch.Tensor, values: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Moves rows read from disk (``ids`` unique, at ``slots``) into memory; returns their rows. The lock held."""
+        n = ids.numel()
+        rows = self._take_rows(n)  # may demote colder rows: written to disk before anything else changes
+        self._preserve(rows)
+        policy = self.config.eviction
+        access = (torch.full((n,), self._step, dtype=torch.int32) if policy == "lru" else values["access"] + 1)
+        written = {"ids": ids, "weights": values["weights"], "access": access,
+                   "version": torch.full((n,), self._version, dtype=torch.int32)}
+        if "state" in self._rows.fields:
+            written["state"] = values["state"]
+        self._rows.scatter_fields(rows, written)
+        self._index.insert(ids, rows)
+        self._live += n
+        self._disk.forget(ids, slots)
+        self._counters["promoted"] += n
+        return rows
+
+    def close(self) -> None:
+        """Deletes the table's disk tier (a table replaced or dropped; a checkpoint keeps the files it linked)."""
+        if self._disk is not None:
+            with self.lock:
+                self._disk.destroy()
 
     # ---- internals ---------------------------------------------------------------------------------
 
@@ -466,7 +630,7 @@ class Table:
         admitted (no admission draw, room for all), no save keeps pre-images, and their first rows are Uniform
         (the initialiser the pass draws; a Normal or Constant one takes the tensor path)."""
         return (isinstance(self._index, NativeIdIndex) and isinstance(self.config.init, Uniform) and self._snapshot is None
-                and self.config.admit_probability >= 1.0 and missing <= self.config.capacity)
+                and self.config.admit_probability >= 1.0 and self._sightings is None and missing <= self.config.capacity)
 
     def _admit_natively(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, missing: int) -> None:
         """Admits the absent ids of a training lookup and fills their rows of ``out`` (``kernels.c``'s ``lp_admit``).
@@ -510,6 +674,10 @@ class Table:
         p = self.config.admit_probability
         if p < 1.0:
             keep = torch.rand(ids.numel(), generator=self._admission) < p
+            self._counters["not_admitted"] += int((~keep).sum())
+            ids, initial = ids[keep], initial[keep]
+        if self._sightings is not None:
+            keep = self._sightings.add(ids) >= self.config.admit_after
             self._counters["not_admitted"] += int((~keep).sum())
             ids, initial = ids[keep], initial[keep]
         if ids.numel() > self.config.capacity:
@@ -565,10 +733,16 @@ class Table:
         victims = torch.empty(0, dtype=torch.int64)
         if in_use:
             victims, self._evict_from = eviction.select_victims(in_use, count, self._eviction_sample, self._evict_from)
-        self._preserve(victims)
         gone = self._rows["ids"].gather(victims)
+        if self._disk is not None and victims.numel():  # demoted: written to disk first (a failure changes nothing)
+            kept = {name: torch.empty(spec.shape(victims.numel()), dtype=spec.dtype)
+                    for name, spec in self._disk.specs.items() if name != "ids"}
+            self._disk.write({"ids": gone, **self._rows.gather_fields(victims, kept)})
+            self._counters["demoted"] += victims.numel()
+        self._preserve(victims)
         self._index.remove(gone)
-        self._remember_removed(gone)
+        if self._disk is None:  # a demoted row is not removed: a serving delta keeps it
+            self._remember_removed(gone)
         access.fill(victims, eviction.FREE)
         self._rows["version"].fill(victims, self._version)
         self._free = torch.cat([self._free, victims])

@@ -1,0 +1,99 @@
+"""The disk tier of a table in a checkpoint: its immutable segments hard-linked, not copied, and the live slots.
+
+Layout, next to the table's ``.npy`` arrays (which hold the rows it had in memory at the checkpoint's point)::
+
+    shard-.../t0000.disk/segment-000000.rows   records, linked from the tier (same inode: no byte copied)
+    shard-.../t0000.disk/segment-000000.ids    the ids of the records, in slot order
+    shard-.../t0000.disk/live.bits             which slots held a live row at the point (a bit each, checksummed)
+
+A segment is never written once sealed (:meth:`DiskTier.freeze` seals the open one at the point), so the linked
+files keep the bytes of the point while the tier goes on writing new segments. Promotions after the point only
+clear live bits in the tier's memory; the checkpoint's ``live.bits`` were copied at the point.
+A load into as many shards as saved links the segments into the new tier and indexes their live ids; a load into
+another shard count reads the live records and keeps the ids of the shard (re-sharding), as for the arrays.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from lightning_persia import checksum
+from lightning_persia.ops.hashing import shard_of
+from lightning_persia.remote_ps.store.chunked_rows import FieldSpec
+from lightning_persia.remote_ps.store.disk_tier import DiskTier, FrozenTier, link, live_slots, unpack
+from lightning_persia.remote_ps.store.errors import CheckpointError
+
+_LIVE = "live.bits"
+_BLOCK_ROWS = 1 << 20
+
+
+def write(frozen: FrozenTier, folder: Path, record_bytes: int) -> dict:
+    """Links the frozen tier's segments into ``folder`` (created) and writes its live bits; returns the manifest entry."""
+    folder.mkdir()
+    segments = []
+    for (segment, rows), live in zip(frozen.segments, frozen.live):
+        for path in DiskTier.files_of(frozen.directory, segment):
+            link(path, folder / path.name)
+        segments.append([segment, rows])
+    bits = torch.cat(frozen.live).numpy() if frozen.live else np.zeros(0, dtype=np.uint8)
+    with open(folder / _LIVE, "wb") as f:
+        f.write(memoryview(bits))
+        f.flush()
+        os.fsync(f.fileno())
+    return {"folder": folder.name, "record_bytes": record_bytes, "segments": segments,
+            "live": {"file": _LIVE, "bytes": int(bits.nbytes), **checksum.of_file(folder / _LIVE)}}
+
+
+def verify(shard_folder: Path, entry: dict) -> None:
+    """Raises :class:`CheckpointError` naming the file when a segment is missing or shorter than its rows, or the
+    live bits are damaged."""
+    folder = _folder(shard_folder, entry)
+    live = folder / entry["live"]["file"]
+    if not live.is_file() or live.stat().st_size != entry["live"]["bytes"] or not checksum.matches(entry["live"], live):
+        raise CheckpointError(f"checkpoint file {live} is missing, truncated or corrupted")
+    for segment, rows in entry["segments"]:
+        records, ids = DiskTier.files_of(folder, segment)
+        for path, size in ((records, rows * entry["record_bytes"]), (ids, rows * 8)):
+            if not path.is_file():
+                raise CheckpointError(f"disk segment {path} of the checkpoint is missing")
+            if path.stat().st_size < size:
+                raise CheckpointError(f"disk segment {path} of the checkpoint is truncated ({path.stat().st_size} of {size} bytes)")
+
+
+def segments(shard_folder: Path, entry: dict) -> Iterator[tuple[int, int, Path, Path, torch.Tensor]]:
+    """``(number, rows, records file, ids file, live bits)`` of each segment (for :meth:`DiskTier.attach`)."""
+    folder = _folder(shard_folder, entry)
+    bits = torch.from_numpy(np.fromfile(folder / entry["live"]["file"], dtype=np.uint8))
+    start = 0
+    for segment, rows in entry["segments"]:
+        records, ids = DiskTier.files_of(folder, segment)
+        yield segment, rows, records, ids, bits[start : start + ((rows + 7) >> 3)]
+        start += (rows + 7) >> 3
+
+
+def rows(shard_folder: Path, entry: dict, specs: dict[str, FieldSpec], shard_index: int, num_shards: int) -> Iterator[dict[str, torch.Tensor]]:
+    """``{field: values}`` of the live rows that belong to shard ``shard_index`` of ``num_shards``, a block at a time."""
+    record_bytes = entry["record_bytes"]
+    for segment, count, records, _, bits in segments(shard_folder, entry):
+        live = torch.zeros(count, dtype=torch.bool)
+        live[live_slots(bits, count)] = True
+        for start in range(0, count, _BLOCK_ROWS):
+            n = min(_BLOCK_ROWS, count - start)
+            raw = np.fromfile(records, dtype=np.uint8, count=n * record_bytes, offset=start * record_bytes)
+            if raw.size != n * record_bytes:
+                raise CheckpointError(f"disk segment {records} of the checkpoint ends early")
+            block = torch.from_numpy(raw.reshape(n, record_bytes))[live[start : start + n]]
+            values = unpack(block, specs)
+            keep = shard_of(values["ids"], num_shards) == shard_index
+            yield {name: array[keep] for name, array in values.items()}
+
+
+def _folder(shard_folder: Path, entry: dict) -> Path:
+    folder = shard_folder / entry["folder"]
+    if folder.resolve().parent != shard_folder.resolve():
+        raise CheckpointError(f"{shard_folder / 'manifest.json'} names a disk folder outside its folder: {entry['folder']!r}")
+    return folder

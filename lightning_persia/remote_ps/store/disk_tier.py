@@ -1,0 +1,348 @@
+"""The disk tier of a table: the rows its memory budget does not hold, in immutable segment files.
+
+A row leaves memory (a *demotion*) as one record, ``[id | weights | optimizer state | access]``, appended to the
+table's open segment; a segment holds :data:`SEGMENT_ROWS` records and is never written again once full (a
+checkpoint links it instead of copying it). Each segment has a sidecar of its ids, so the id map can be rebuilt
+without reading the records. A row read back into memory (a *promotion*) leaves its record behind as garbage:
+its slot is no longer live.
+
+The id map (``native.DiskMap``) keeps an 8-byte entry an id in memory (a fingerprint and the slot), at loads of 0.6
+to 0.85: a billion rows on disk take ~12 GB of map, against ~60 bytes a row in memory. A lookup confirms each match against the id in
+the record it reads (``pread``, so the records read leave the page cache to the kernel and add nothing to the
+shard's resident memory).
+
+Faults: a write that fails (a full disk) raises :class:`DiskTierError` before anything changes, so the rows stay
+where they were; a segment that is missing or shorter than its rows raises :class:`DiskTierError` naming it.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+import torch
+
+from lightning_persia.ops import native
+from lightning_persia.remote_ps.store.chunked_rows import FieldSpec
+from lightning_persia.remote_ps.store.errors import StoreError
+
+SEGMENT_SHIFT = 22
+SEGMENT_ROWS = 1 << SEGMENT_SHIFT
+"""Records a segment holds (~200 MB at dim 16 in fp16)."""
+_SWEEP_ROWS = 1 << 18  # records an expiry sweep reads at a time
+MAX_SEGMENTS = ((1 << 32) - 2) >> SEGMENT_SHIFT  # slots are 32-bit in the id map
+DISK_FIELDS = ("ids", "weights", "state", "access")
+"""The fields of a record on disk, in their order; the id comes first."""
+
+
+class DiskTierError(StoreError):
+    """The disk tier could not write or read: a full disk, a missing, short or damaged segment."""
+
+
+@dataclass(frozen=True)
+class FrozenTier:
+    """The tier at a checkpoint's point: its segments (each ``(number, rows written)``, never written again) and
+    which of their slots held live rows then."""
+
+    directory: Path
+    segments: list[tuple[int, int]]
+    live: list[torch.Tensor]  # one per segment: a bit per written slot (uint8, little-endian bit order)
+
+
+class DiskTier:
+    """The rows of one table kept on disk under ``directory`` (created; its files belong to this tier alone).
+
+    Example::
+
+        tier = DiskTier(path, {"ids": FieldSpec(torch.int64), "weights": FieldSpec(torch.float16, 16), ...})
+        tier.write({"ids": ids, "weights": w, "state": s, "access": a})
+        found, rows = tier.take(ids)     # read back and removed from disk
+    """
+
+    def __init__(self, directory: str | os.PathLike, specs: dict[str, FieldSpec]) -> None:
+        if not native.available():
+            raise StoreError("storage 'disk' needs the native kernels (see lightning_persia.ops.native.available)")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.specs = {name: specs[name] for name in DISK_FIELDS if name in specs and specs[name].row_bytes > 0}
+        self.record_bytes = sum(spec.row_bytes for spec in self.specs.values())
+        self._map = native.DiskMap()
+        self._fds: list[int] = []  # the records' file of each segment (-1: gone)
+        self._id_fds: list[int] = []
+        self._live: list[torch.Tensor] = []  # a bit per slot of each segment: the slot holds a live row
+        self._written: list[int] = []  # records written in each segment
+        self._next = 0  # the next slot to write
+        self._fd_table = torch.empty(0, dtype=torch.int64)
+        self.written_bytes = 0
+
+    # ---- writes ------------------------------------------------------------------------------------------
+
+    def write(self, rows: dict[str, torch.Tensor]) -> None:
+        """Appends the rows (``{field: values}``; their ids absent from the tier) and makes them findable.
+
+        Raises :class:`DiskTierError` when the disk refuses the bytes: the tier is then as it was.
+        """
+        ids = rows["ids"]
+        n = ids.numel()
+        if not n:
+            return
+        records = self._pack(rows)
+        first = self._next
+        try:
+            position = 0
+            while position < n:
+                slot = first + position
+                segment = slot >> SEGMENT_SHIFT
+                count = min(n - position, SEGMENT_ROWS - (slot & (SEGMENT_ROWS - 1)))
+                self._open_segment(segment)
+                offset = slot & (SEGMENT_ROWS - 1)
+                _write_all(self._fds[segment], records[position : position + count], offset * self.record_bytes)
+                _write_all(self._id_fds[segment], ids[position : position + count].contiguous().view(torch.uint8), offset * 8)
+                self._written[segment] = offset + count
+                position += count
+        except OSError as err:
+            raise DiskTierError(f"the disk tier at {self.directory} could not write {n} rows: {err.strerror or err}"
+                                " (the rows stay in memory)") from None
+        slots = torch.arange(first, first + n)
+        self._map.insert(ids, slots)
+        self._next = first + n
+        self._set_live(slots, True)
+        self.written_bytes += n * (self.record_bytes + 8)
+
+    def _open_segment(self, segment: int) -> None:
+        if segment < len(self._fds):
+            return
+        if segment >= MAX_SEGMENTS:
+            raise OSError(0, f"the tier holds at most {MAX_SEGMENTS} segments")
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
+        records = os.open(self._path(segment, "rows"), flags, 0o644)
+        try:
+            ids = os.open(self._path(segment, "ids"), flags, 0o644)
+        except OSError:
+            os.close(records)
+            os.unlink(self._path(segment, "rows"))
+            raise
+        self._fds.append(records)
+        self._id_fds.append(ids)
+        self._live.append(torch.zeros(SEGMENT_ROWS >> 3, dtype=torch.uint8))
+        self._written.append(0)
+        self._fd_table = torch.tensor(self._fds, dtype=torch.int64)
+
+    def _path(self, segment: int, kind: str) -> Path:
+        return self.directory / f"segment-{segment:06d}.{kind}"
+
+    @staticmethod
+    def files_of(directory: Path, segment: int) -> tuple[Path, Path]:
+        """The records' file and the ids' file of ``segment`` in a tier's (or a checkpoint's) ``directory``."""
+        return directory / f"segment-{segment:06d}.rows", directory / f"segment-{segment:06d}.ids"
+
+    # ---- reads -------------------------------------------------------------------------------------------
+
+    def find(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(slots, records)``: each id's slot (-1 when not on disk) and its record (uint8 ``[n, record_bytes]``,
+        read for the ids found)."""
+        slots = self._map.find(ids)
+        records = torch.empty(ids.numel(), self.record_bytes, dtype=torch.uint8)
+        skip = None
+        pending = torch.nonzero(slots >= 0).squeeze(1)
+        while pending.numel():
+            self._read(slots[pending], records, pending)
+            stored = records[pending, :8].contiguous().view(torch.int64).squeeze(1)
+            wrong = pending[stored != ids[pending]]
+            if not wrong.numel():
+                break
+            skip = torch.zeros_like(ids) if skip is None else skip
+            skip[wrong] += 1  # a fingerprint shared with another id (odds ~2^-32): the next match, if any
+            slots[wrong] = self._map.find(ids[wrong], skip[wrong])
+            pending = wrong[slots[wrong] >= 0]
+        return slots, records
+
+    def take(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The rows of ``ids`` found on disk, removed from it: ``(positions in ids, {field: values})``."""
+        slots, records = self.find(ids)
+        found = torch.nonzero(slots >= 0).squeeze(1)
+        rows = self.unpack(records[found])
+        self.forget(ids[found], slots[found])
+        return found, rows
+
+    def remove(self, ids: torch.Tensor) -> int:
+        """Drops the rows of ``ids`` found on disk; returns how many were."""
+        slots, _ = self.find(ids)
+        found = slots >= 0
+        self.forget(ids[found], slots[found])
+        return int(found.sum())
+
+    def forget(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        """Drops the rows of ``ids`` at ``slots`` (as :meth:`find` gave them): their records become garbage."""
+        self._map.remove(ids, slots)
+        self._set_live(slots, False)
+
+    def _read(self, slots: torch.Tensor, records: torch.Tensor, positions: torch.Tensor) -> None:
+        order = torch.argsort(slots)  # in file order: neighbouring records share the pages read
+        buffer = torch.empty(slots.numel(), self.record_bytes, dtype=torch.uint8)
+        try:
+            native.pread_rows(self._fd_table, SEGMENT_SHIFT, slots[order], buffer)
+        except OSError as err:
+            raise DiskTierError(f"the disk tier at {self.directory} could not read: {err.strerror or err}") from None
+        records[positions[order]] = buffer
+
+    # ---- records -----------------------------------------------------------------------------------------
+
+    def _pack(self, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+        n = rows["ids"].numel()
+        parts = [rows[name].to(spec.dtype).contiguous().view(torch.uint8).reshape(n, spec.row_bytes)
+                 for name, spec in self.specs.items()]
+        return torch.cat(parts, dim=1)
+
+    def unpack(self, records: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``{field: values}`` of uint8 records ``[n, record_bytes]``."""
+        return unpack(records, self.specs)
+
+    def expire(self, limit: int, lock) -> int:
+        """Drops the live rows whose access value is at or below ``limit`` (see :mod:`expiry`); returns how many.
+
+        Reads each segment's records a block at a time without ``lock`` (a written record never changes), then takes
+        ``lock`` (the table's) only to drop the block's expired rows that are still live.
+        """
+        offset = sum(spec.row_bytes for name, spec in self.specs.items() if name in DISK_FIELDS[: DISK_FIELDS.index("access")])
+        dropped = 0
+        for segment in range(len(self._fds)):
+            fd, written = self._fds[segment], self._written[segment]
+            for start in range(0, written if fd >= 0 else 0, _SWEEP_ROWS):
+                n = min(_SWEEP_ROWS, written - start)
+                raw = os.pread(fd, n * self.record_bytes, start * self.record_bytes)
+                if len(raw) != n * self.record_bytes:
+                    raise DiskTierError(f"disk segment {self._path(segment, 'rows')} ends before its {written} rows")
+                records = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(n, self.record_bytes)
+                access = records[:, offset : offset + 4].contiguous().view(torch.int32).squeeze(1)
+                old = torch.nonzero(access <= limit).squeeze(1)
+                if not old.numel():
+                    continue
+                with lock:
+                    flags = np.unpackbits(self._live[segment].numpy(), count=written, bitorder="little")
+                    old = old[torch.from_numpy(flags[(old + start).numpy()].astype(bool))]
+                    ids = records[old, :8].contiguous().view(torch.int64).squeeze(1)
+                    self.forget(ids, old + start + (segment << SEGMENT_SHIFT))
+                dropped += old.numel()
+        return dropped
+
+    # ---- checkpoints -------------------------------------------------------------------------------------
+
+    def freeze(self) -> FrozenTier:
+        """The tier at this point (its table's lock held): the open segment is sealed, later rows go to a new one."""
+        written = [(segment, rows) for segment, rows in enumerate(self._written) if self._fds[segment] >= 0 and rows]
+        if self._next & (SEGMENT_ROWS - 1):
+            self._next = ((self._next >> SEGMENT_SHIFT) + 1) << SEGMENT_SHIFT
+        return FrozenTier(self.directory, written, [self._live[segment][: (rows + 7) >> 3].clone() for segment, rows in written])
+
+    def attach(self, files: Iterator[tuple[int, int, Path, Path, torch.Tensor]]) -> None:
+        """Takes segments of a checkpoint, ``(number, rows, records file, ids file, live bits)`` each: links their
+        files into this (empty) tier, then indexes the ids of their live slots (read from the ids files)."""
+        if self._fds:
+            raise DiskTierError(f"the disk tier at {self.directory} is not empty")
+        for segment, rows, records, ids, live in files:
+            while len(self._fds) < segment:  # numbers not in the checkpoint: no file
+                self._fds.append(-1)
+                self._id_fds.append(-1)
+                self._live.append(torch.zeros(0, dtype=torch.uint8))
+                self._written.append(0)
+            for source, target in ((records, self._path(segment, "rows")), (ids, self._path(segment, "ids"))):
+                link(source, target)
+            self._fds.append(os.open(self._path(segment, "rows"), os.O_RDWR))
+            self._id_fds.append(os.open(self._path(segment, "ids"), os.O_RDWR))
+            bits = torch.zeros(SEGMENT_ROWS >> 3, dtype=torch.uint8)
+            bits[: live.numel()] = live
+            self._live.append(bits)
+            self._written.append(rows)
+            stored = torch.from_numpy(np.fromfile(self._path(segment, "ids"), dtype="<i8", count=rows))
+            if stored.numel() != rows:
+                raise DiskTierError(f"disk segment {ids} holds {stored.numel()} ids, not {rows}")
+            slots = live_slots(live, rows)
+            self._map.insert(stored[slots], slots + (segment << SEGMENT_SHIFT))
+            self._next = (segment + 1) << SEGMENT_SHIFT
+        self._fd_table = torch.tensor(self._fds, dtype=torch.int64)
+
+    # ---- bookkeeping -------------------------------------------------------------------------------------
+
+    def _set_live(self, slots: torch.Tensor, value: bool) -> None:
+        if not slots.numel():
+            return
+        segments = slots >> SEGMENT_SHIFT
+        first, last = int(segments.min()), int(segments.max())
+        for segment in [first] if first == last else torch.unique(segments).tolist():
+            mine = slots if first == last else slots[segments == segment]
+            native.set_bits(self._live[segment], mine & (SEGMENT_ROWS - 1), value)
+
+    @property
+    def rows(self) -> int:
+        """Rows on disk (live)."""
+        return self._map.info()[0]
+
+    @property
+    def map_bytes(self) -> int:
+        return self._map.info()[1]
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes the tier's files take on the disk (garbage records included)."""
+        return sum(os.fstat(fd).st_blocks * 512 for fd in self._fds + self._id_fds if fd >= 0)
+
+    def close(self) -> None:
+        """Closes the files (the tier cannot be used after)."""
+        for fd in self._fds + self._id_fds:
+            if fd >= 0:
+                os.close(fd)
+        self._fds, self._id_fds = [], []
+
+    def destroy(self) -> None:
+        """Closes and deletes the tier's files (a checkpoint that linked them keeps its own links)."""
+        self.close()
+        for path in self.directory.glob("segment-*"):
+            path.unlink()
+        try:
+            self.directory.rmdir()
+        except OSError:
+            pass
+
+
+def link(source: Path, target: Path) -> None:
+    """``target`` becomes a hard link of ``source`` (no copy; a copy only across file systems), its bytes on the disk."""
+    try:
+        os.link(source, target)
+    except OSError as err:
+        if err.errno != errno.EXDEV:
+            raise
+        shutil.copyfile(source, target)
+    fd = os.open(target, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def live_slots(bits: torch.Tensor, rows: int) -> torch.Tensor:
+    """The slots whose bit is set among the first ``rows`` of a segment's live bits."""
+    flags = np.unpackbits(bits.numpy(), count=rows, bitorder="little").astype(bool)
+    return torch.from_numpy(np.flatnonzero(flags))
+
+
+def unpack(records: torch.Tensor, specs: dict[str, FieldSpec]) -> dict[str, torch.Tensor]:
+    """``{field: values}`` of uint8 records ``[n, record bytes]`` laid out as ``specs`` (in their order)."""
+    out, offset = {}, 0
+    n = records.shape[0]
+    for name, spec in specs.items():
+        raw = records[:, offset : offset + spec.row_bytes].contiguous()
+        out[name] = raw.view(spec.dtype).reshape(spec.shape(n))
+        offset += spec.row_bytes
+    return out
+
+
+def _write_all(fd: int, data: torch.Tensor, offset: int) -> None:
+    view = memoryview(data.contiguous().numpy()).cast("B")
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written

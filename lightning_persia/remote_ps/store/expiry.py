@@ -1,0 +1,86 @@
+"""Time to live: the rows of a table that no training lookup touched for ``ttl_steps`` lookups or ``ttl_seconds``.
+
+A table with a TTL keeps LRU access values (the table's lookup step of a row's last access). What has expired is
+found by a sweep that reads the access values :data:`SLICE_ROWS` rows at a time, the table's lock held for one
+slice only (so a request waits for a slice, never for the whole table), and deletes the rows of each slice in
+bulk; a disk table's rows on disk are swept a segment at a time in the same way. :class:`Expirer` runs the sweeps of
+a shard's tables on a thread of its own, every ``interval_s``: off the request path.
+
+Seconds become steps through the steps the sweeps saw: the step of a table at a time is the last one a sweep
+recorded at or before it, so a TTL in seconds is as precise as the sweeps are frequent.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+import time
+from typing import Callable, Iterable, Optional
+
+SLICE_ROWS = 1 << 18
+"""Access values read with the table's lock held, at most, by one step of a sweep."""
+_HISTORY = 4096  # (time, step) points kept per table
+_log = logging.getLogger(__name__)
+
+
+class StepClock:
+    """The steps a table was at, at the times its sweeps ran: turns an age in seconds into a step."""
+
+    def __init__(self) -> None:
+        self._times: list[float] = []
+        self._steps: list[int] = []
+
+    def record(self, now: float, step: int) -> None:
+        self._times.append(now)
+        self._steps.append(step)
+        if len(self._times) > _HISTORY:
+            del self._times[: _HISTORY // 2], self._steps[: _HISTORY // 2]
+
+    def step_at(self, when: float) -> Optional[int]:
+        """The step at time ``when`` (the last recorded at or before it), or None if none was recorded that early."""
+        position = bisect.bisect_right(self._times, when)
+        return self._steps[position - 1] if position else None
+
+
+def expiry_step(step: int, now: float, clock: StepClock, ttl_steps: Optional[int], ttl_seconds: Optional[float]) -> Optional[int]:
+    """Rows whose last access is at or below the returned step have expired (None: none has)."""
+    limits = []
+    if ttl_steps is not None:
+        limits.append(step - ttl_steps)
+    if ttl_seconds is not None:
+        then = clock.step_at(now - ttl_seconds)
+        if then is not None:
+            limits.append(then)
+    return max(limits) if limits else None
+
+
+class Expirer:
+    """Calls ``expire(now)`` of each of ``tables()`` every ``interval_s`` on a daemon thread, until :meth:`stop`."""
+
+    def __init__(self, tables: Callable[[], Iterable], interval_s: float) -> None:
+        self._tables = tables
+        self._interval_s = interval_s
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="persia-ps-expiry", daemon=True)
+        self.errors = 0
+
+    @property
+    def started(self) -> bool:
+        return self._thread.ident is not None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self._interval_s):
+            for table in self._tables():
+                try:
+                    table.expire(time.monotonic())
+                except Exception:  # noqa: BLE001 - a failed sweep is retried at the next interval; the table serves on
+                    self.errors += 1
+                    _log.exception("the expiry sweep of table %r failed; it is retried in %.1f s", table.config.name, self._interval_s)

@@ -1,0 +1,194 @@
+"""The disk tier under a table: demotion, promotion, the id map, faults (a full disk, a missing or damaged segment)."""
+import errno
+import os
+
+import pytest
+import torch
+
+from lightning_persia.ops import native
+from lightning_persia.remote_ps.store import disk_tier
+from lightning_persia.remote_ps.store.chunked_rows import FieldSpec
+from lightning_persia.remote_ps.store.disk_tier import DiskTier, DiskTierError
+from lightning_persia.remote_ps.store.errors import InvalidRequestError, StoreError
+from lightning_persia.remote_ps.store.table import Table
+from lightning_persia.remote_ps.table_config import Adagrad, ConfigError, TableConfig
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the disk tier runs on the native kernels, not built here")
+
+DIM = 4
+
+
+@pytest.fixture
+def small_segments(monkeypatch):
+    """Segments of 1,024 records, so that a few thousand rows span several."""
+    monkeypatch.setattr(disk_tier, "SEGMENT_SHIFT", 10)
+    monkeypatch.setattr(disk_tier, "SEGMENT_ROWS", 1 << 10)
+
+
+def _specs():
+    return {"ids": FieldSpec(torch.int64), "weights": FieldSpec(torch.float16, DIM), "state": FieldSpec(torch.float32, 1),
+            "access": FieldSpec(torch.int32)}
+
+
+def _rows(ids):
+    n = ids.numel()
+    return {"ids": ids, "weights": ids[:, None].float().expand(n, DIM) / 1024, "state": torch.ones(n, 1),
+            "access": torch.full((n,), 3, dtype=torch.int32)}
+
+
+def _table(tmp_path, capacity=1000, **kwargs):
+    config = TableConfig("t", DIM, optimizer=Adagrad(rowwise=True), capacity=capacity, storage="disk", storage_dtype="fp16", **kwargs)
+    return Table(config, seed=0, disk_dir=str(tmp_path / "tier"))
+
+
+def test_disk_map_finds_removes_and_grows():
+    disk_map = native.DiskMap()
+    ids = torch.unique(torch.randint(-(1 << 62), 1 << 62, (200_000,), generator=torch.Generator().manual_seed(1)))
+    slots = torch.arange(ids.numel())
+    disk_map.insert(ids, slots)
+    assert disk_map.info()[0] == ids.numel()
+    assert torch.equal(disk_map.find(ids), slots)
+    assert disk_map.remove(ids[::2], slots[::2]) == ids[::2].numel()
+    found = disk_map.find(ids)
+    assert bool((found[::2] == -1).all()) and torch.equal(found[1::2], slots[1::2])
+    assert disk_map.remove(ids[::2], slots[::2]) == 0  # gone already
+    with pytest.raises(ValueError, match="slots"):
+        disk_map.insert(ids[:1], torch.tensor([-1]))
+
+
+def test_written_rows_read_back_and_taken_once(tmp_path, small_segments):
+    tier = DiskTier(tmp_path / "tier", _specs())
+    ids = torch.arange(2500) * 7 + 1  # three segments
+    tier.write(_rows(ids))
+    assert tier.rows == 2500
+    probe = torch.cat([ids[[5, 1500, 2499]], torch.tensor([4])])  # 4 was never written
+    slots, records = tier.find(probe)
+    assert slots.tolist()[:3] == [5, 1500, 2499] and slots[3] == -1
+    values = tier.unpack(records[:3])
+    assert torch.equal(values["ids"], ids[[5, 1500, 2499]])
+    assert torch.equal(values["weights"], _rows(ids[[5, 1500, 2499]])["weights"].half())
+    found, taken = tier.take(probe)
+    assert found.tolist() == [0, 1, 2] and torch.equal(taken["ids"], probe[:3])
+    assert tier.rows == 2497
+    assert tier.find(probe)[0].tolist() == [-1, -1, -1, -1]
+
+
+def test_a_false_fingerprint_match_is_skipped(tmp_path):
+    tier = DiskTier(tmp_path / "tier", _specs())
+    tier.write(_rows(torch.tensor([10, 20])))
+    # the map pointing 30 at 10's slot (as a fingerprint shared by two ids would): the record's id tells them apart
+    tier._map.insert(torch.tensor([30]), torch.tensor([0]))
+    slots, _ = tier.find(torch.tensor([30, 20]))
+    assert slots.tolist() == [-1, 1]
+
+
+def test_a_full_disk_changes_nothing_and_says_so(tmp_path, monkeypatch):
+    tier = DiskTier(tmp_path / "tier", _specs())
+    tier.write(_rows(torch.arange(10)))
+
+    def full(*_):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(disk_tier.os, "pwrite", full)
+    with pytest.raises(DiskTierError, match="could not write 5 rows: No space left on device .*stay in memory"):
+        tier.write(_rows(torch.arange(100, 105)))
+    monkeypatch.undo()
+    assert tier.rows == 10 and tier.find(torch.arange(100, 105))[0].tolist() == [-1] * 5
+    tier.write(_rows(torch.arange(100, 105)))  # once there is room again
+    assert tier.find(torch.tensor([3, 104]))[0].tolist() == [3, 14]
+
+
+def test_table_demotes_then_promotes_with_values_and_state(tmp_path):
+    table = _table(tmp_path, capacity=1000)
+    ids = torch.arange(5000)
+    first = torch.cat([table.lookup(ids[i : i + 500], train=True) for i in range(0, 5000, 500)])
+    for i in range(0, 5000, 500):
+        table.update(ids[i : i + 500], torch.ones(500, DIM))
+    stats = table.stats()
+    assert stats["rows"] <= 1000 and stats["rows"] + stats["disk_rows"] == 5000 and stats["demoted"] >= 4000
+    assert stats["promoted"] >= 4000 and stats["dropped_update_rows"] == 0  # updates bring their demoted rows back
+    for i in range(1000, 5000, 500):  # the rows looked up last stay in memory: ids[:1000] are on disk
+        table.lookup(ids[i : i + 500], train=True)
+    stats = table.stats()
+    # evaluation lookups read from disk without bringing rows back; training lookups bring them back, unchanged
+    cold = ids[:500]
+    seen = table.lookup(cold, train=False)
+    assert table.stats()["promoted"] == stats["promoted"]
+    assert not torch.allclose(seen, first[:500])  # the update reached them
+    assert torch.equal(table.lookup(cold, train=True), seen)
+    assert table.stats()["promoted"] == stats["promoted"] + 500
+    # an update of rows demoted since their lookup is applied, not dropped: they come back for it
+    table.lookup(ids[4000:5000], train=True)  # demotes the 500 just promoted
+    before = table.lookup(cold, train=False)
+    assert table.update(cold, torch.ones(500, DIM)) == 500
+    assert table.stats()["dropped_update_rows"] == 0
+    assert not torch.allclose(table.lookup(cold, train=False), before)
+
+
+def test_a_request_larger_than_the_budget_is_refused_whole(tmp_path):
+    table = _table(tmp_path, capacity=100)
+    table.lookup(torch.arange(50), train=True)
+    with pytest.raises(InvalidRequestError, match="request of 101 ids is larger than the table's memory budget of 100 rows"):
+        table.lookup(torch.arange(101), train=True)
+    with pytest.raises(InvalidRequestError, match="memory budget"):
+        table.update(torch.arange(101), torch.ones(101, DIM))
+    assert table.stats()["rows"] == 50 and table.stats()["inserted"] == 50
+
+
+def test_a_full_disk_fails_the_inserting_lookup_only(tmp_path, monkeypatch):
+    table = _table(tmp_path, capacity=100)
+    kept = torch.arange(100)
+    values = table.lookup(kept, train=True)
+
+    def full(*_):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(disk_tier.os, "pwrite", full)
+    with pytest.raises(DiskTierError, match="No space left on device"):
+        table.lookup(torch.arange(100, 150), train=True)  # rows must leave memory for them: the disk refuses
+    assert torch.equal(table.lookup(kept, train=True), values)  # what is stored still serves, nothing lost
+    assert table.stats()["rows"] == 100 and table.stats()["disk_rows"] == 0
+
+
+def test_a_segment_deleted_under_a_running_tier_still_serves(tmp_path):
+    table = _table(tmp_path, capacity=100)
+    for batch in torch.arange(300).split(100):
+        table.lookup(batch, train=True)
+    before = table.lookup(torch.arange(100), train=False)
+    for path in (tmp_path / "tier").glob("segment-*"):
+        path.unlink()  # the open files keep their bytes until the tier lets them go
+    assert torch.equal(table.lookup(torch.arange(100), train=False), before)
+
+
+def test_a_damaged_segment_read_is_an_error_naming_the_tier(tmp_path):
+    tier = DiskTier(tmp_path / "tier", _specs())
+    tier.write(_rows(torch.arange(10)))
+    os.ftruncate(tier._fds[0], 5 * tier.record_bytes)  # the file lost its tail
+    with pytest.raises(DiskTierError, match=r"could not read: .*disk slot 7"):
+        tier.find(torch.tensor([7]))
+    assert tier.find(torch.tensor([2]))[0].tolist() == [2]  # the rows still there still read
+
+
+def test_storage_settings_are_checked():
+    with pytest.raises(ConfigError, match="storage must be one of"):
+        TableConfig("t", 4, storage="ssd")
+    with pytest.raises(StoreError, match="storage 'disk' but its shard has no disk folder"):
+        Table(TableConfig("t", 4, storage="disk"), seed=0)
+
+
+def test_a_delta_replaces_or_removes_rows_on_disk(tmp_path):
+    table = _table(tmp_path, capacity=100)
+    for batch in torch.arange(300).split(100):
+        table.lookup(batch, train=True)
+    on_disk = torch.arange(10)  # looked up first: demoted since
+    assert table.stats()["disk_rows"] == 200
+    n = on_disk.numel()
+    with table.lock:
+        table.upsert_locked({"ids": on_disk, "weights": torch.ones(n, DIM), "state": torch.zeros(n, 1),
+                             "access": torch.zeros(n, dtype=torch.int32)})
+        table.remove_ids_locked(torch.arange(10, 20))
+    # the ten replaced now live in memory (ten others demoted for them), the ten removed are gone
+    assert table.stats()["disk_rows"] == 200 - 10 + 10 - 10
+    assert torch.equal(table.lookup(on_disk, train=False), torch.ones(n, DIM, dtype=torch.float32))
+    fresh = Table(TableConfig("t", DIM, storage_dtype="fp16"), seed=0).lookup(torch.arange(10, 20), train=False)
+    assert torch.equal(table.lookup(torch.arange(10, 20), train=False), fresh)  # removed: its initial row again

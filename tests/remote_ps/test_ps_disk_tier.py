@@ -1,0 +1,47 @@
+"""Disk tables through real shard processes: rows past the memory budget served from disk, a restarted shard serving
+from its checkpoint's linked segments, re-sharding 1 -> 2, and the errors a client sees."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_persia.ops import native
+from lightning_persia.remote_ps.client import PSError
+from lightning_persia.remote_ps.table_config import Adagrad, TableConfig
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the disk tier runs on the native kernels, not built here")
+
+CONFIG = TableConfig("big", 8, optimizer=Adagrad(rowwise=True), capacity=2000, storage="disk", storage_dtype="fp16")
+IDS = torch.arange(10_000) * 13 + 5
+
+
+def _read(client, ids):
+    return torch.cat([client.lookup({"big": batch}, train=False, wire_dtype="fp32")["big"] for batch in ids.split(1000)])
+
+
+def test_disk_table_trains_saves_and_restarts_from_linked_segments(tmp_path, start_ps_cluster, make_client):
+    shards = start_ps_cluster(1, overrides=[f"disk_dir={tmp_path / 'tier'}"])
+    client = make_client(shards.addresses)
+    client.configure([CONFIG])
+    for batch in IDS.split(1000):
+        client.lookup({"big": batch}, train=True)
+        client.update({"big": (batch, torch.full((batch.numel(), 8), 0.5))})
+    stats = client.stats()[0]["tables"]["big"]
+    assert stats["rows"] <= 2000 and stats["rows"] + stats["disk_rows"] == IDS.numel() and stats["disk_bytes"] > 0
+    expected = _read(client, IDS)
+    with pytest.raises(PSError, match="INVALID_ARGUMENT.*larger than the table's memory budget of 2000 rows"):
+        client.lookup({"big": torch.arange(2001)}, train=True)
+    client.save(str(tmp_path / "ckpt"))
+    shards.stop()
+
+    restarted = start_ps_cluster(1, overrides=[f"disk_dir={tmp_path / 'tier'}", f"restore_from={tmp_path / 'ckpt'}"])
+    again = make_client(restarted.addresses)
+    assert torch.equal(_read(again, IDS), expected)
+    resharded = start_ps_cluster(2, overrides=[f"disk_dir={tmp_path / 'tier2'}", f"restore_from={tmp_path / 'ckpt'}"])
+    assert torch.equal(_read(make_client(resharded.addresses), IDS), expected)
+
+
+def test_a_disk_table_on_a_shard_without_a_disk_folder_is_refused(ps_cluster, make_client):
+    client = make_client(ps_cluster.addresses)
+    with pytest.raises(PSError, match="storage 'disk' but its shard has no disk folder"):
+        client.configure([TableConfig("nowhere", 4, storage="disk")])

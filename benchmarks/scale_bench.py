@@ -22,6 +22,12 @@ Grows a table of dim 16 (row-wise Adagrad) through gRPC, as a trainer would (tra
   plain read of the checkpoint's files from the disk (the page cache dropped before each); the table then grows
   on in that process.
 
+With ``--storage disk`` the table keeps ``--memory-rows`` rows in memory (its budget) and the rest in the shard's
+disk tier (``--disk-dir``): each size also prints the rows and bytes on disk, and the Zipf(1.1) lookup rate against
+that of an all-in-memory table of ``--memory-baseline-rows`` rows grown first in a shard of its own (the same
+stream: same seed and exponent, each over its own table's rows). Growth stops before the disk's free space falls
+under ``--reserve-disk-gb``.
+
 Then, with ``--multi-shard``, the same table spread over 1, 2 and 4 shard processes on this machine: memory and
 aggregate rows/s. Every size of one run is measured in the same shard process; the machine is shared with the
 client (2 cores here), so compare figures of one run. ``--json`` prints one JSON object on the last line.
@@ -29,6 +35,8 @@ client (2 cores here), so compare figures of one run. ``--json`` prints one JSON
     .venv/bin/python benchmarks/scale_bench.py --json                         # fp32 and fp16 up to --max-rows
     .venv/bin/python benchmarks/scale_bench.py --dtypes fp16 --max-rows 3.2e8
     .venv/bin/python benchmarks/scale_bench.py --quick                        # 2M rows, a minute
+    .venv/bin/python benchmarks/scale_bench.py --storage disk --dtypes fp16 --sizes 1e8,5e8,1e9 --max-rows 1e9 \
+        --memory-rows 5e7 --disk-dir /work/tmp-tier --multi-shard "" --save-from 1e9 --json
 """
 from __future__ import annotations
 
@@ -118,14 +126,48 @@ class Shards:
         self.shards.stop()
 
 
-def start(num_shards: int, dtype: str, overrides: Sequence[str], configure: bool = True) -> Shards:
+def start(num_shards: int, dtype: str, overrides: Sequence[str], configure: bool = True, memory_rows: int = 0) -> Shards:
+    """Shard processes and a client; ``memory_rows`` makes the table a disk table of that memory budget (the
+    overrides then name the shards' ``disk_dir``)."""
     shards = LocalShards(num_shards, overrides=["max_ids_per_request=4194304", "torch_threads=1", *overrides])
     client = PSClient(shards.addresses, timeout_s=600.0, checkpoint_timeout_s=7200.0)
     client.wait_healthy(120)
     if configure:
-        client.configure([TableConfig(TABLE, DIM, optimizer=Adagrad(lr=0.01, rowwise=True), capacity=(1 << 31) - 1,
-                                      storage_dtype=dtype)])
+        storage = {"capacity": memory_rows, "storage": "disk"} if memory_rows else {"capacity": (1 << 31) - 1}
+        client.configure([TableConfig(TABLE, DIM, optimizer=Adagrad(lr=0.01, rowwise=True), storage_dtype=dtype, **storage)])
     return Shards(shards, client)
+
+
+def zipf_rate(shards: Shards, rows: int, request_ids: int, repeats: int) -> float:
+    """Training-lookup rows/s of the benchmark's Zipf(1.1) stream over ``rows`` stored rows (a fixed seed)."""
+    generator = torch.Generator().manual_seed(1234)
+    zipf = [unique_batch(zipf_indices(rows, request_ids, generator)) for _ in range(repeats)]
+    return rate(lambda b: shards.client.lookup({TABLE: b}, train=True), zipf)
+
+
+def memory_baseline(args, dtype: str) -> dict:
+    """The Zipf lookup rate of an all-in-memory table of ``--memory-baseline-rows`` rows, in a shard of its own."""
+    shards = start(1, dtype, [o for o in args.ps_override if not o.startswith("disk_dir=")])
+    try:
+        rows = 0
+        while rows < args.memory_baseline_rows:
+            count = min(args.request_ids, args.memory_baseline_rows - rows)
+            shards.client.lookup({TABLE: stored_id(torch.arange(rows, rows + count))}, train=True)
+            rows += count
+        out = {"rows": rows, "zipf_rows_per_s": zipf_rate(shards, rows, args.request_ids, args.repeats), "rss_bytes": shards.rss()}
+    finally:
+        shards.close()
+    print(f"[{dtype}] memory baseline: {rows:,} rows in memory, Zipf lookups {out['zipf_rows_per_s'] / 1e6:.2f} M rows/s, "
+          f"RSS {out['rss_bytes'] / _GB:.2f} GB", flush=True)
+    return out
+
+
+def disk_free() -> int:
+    """Bytes free on the file system of the disk tier (or of the working folder)."""
+    return shutil.disk_usage(_DISK_DIR[0] if _DISK_DIR else ".").free
+
+
+_DISK_DIR: list[str] = []
 
 
 def rate(call, batches: list[torch.Tensor]) -> float:
@@ -309,89 +351,117 @@ def memory_available() -> int:
 
 def grow(args, dtype: str) -> dict:
     """Grows one shard's table through ``args.sizes``; returns what was measured at each size."""
-    shards = start(1, dtype, args.ps_override)
-    out = {"dtype": dtype, "sizes": [], "max_rows": 0, "stopped": ""}
+    baseline = memory_baseline(args, dtype) if args.storage == "disk" and args.memory_baseline_rows else None
+    shards = start(1, dtype, args.ps_override, memory_rows=args.memory_rows if args.storage == "disk" else 0)
+    out = {"dtype": dtype, "storage": args.storage, "sizes": [], "max_rows": 0, "stopped": "", "memory_baseline": baseline}
+    checkpoint_dir = tempfile.mkdtemp(prefix="scale-bench-", dir=args.checkpoint_dir)
+    state = {"shards": shards}
+    try:
+        return _grow_sizes(args, dtype, state, out, baseline, checkpoint_dir)
+    except KeyboardInterrupt:  # Ctrl-C (or SIGINT) ends the run with the sizes measured so far
+        out["stopped"] = f"interrupted after {out['sizes'][-1]['rows'] if out['sizes'] else 0:,} rows measured"
+        return out
+    finally:
+        shutil.rmtree(checkpoint_dir, ignore_errors=True)
+        state["shards"].close()
+
+
+def _grow_sizes(args, dtype: str, state: dict, out: dict, baseline: Optional[dict], checkpoint_dir: str) -> dict:
+    """The growth and the figures of each size (``state["shards"]``: the shards, replaced by a restart)."""
+    shards = state["shards"]
     rows = 0
     worst_insert = worst_insert_steal = 0.0
     worst_parts = dict.fromkeys(_HELD_PARTS, 0.0)  # the table's own worst figures restart with each load
     inserts: list[float] = []
     controls: list[float] = []  # training lookups of stored ids only, between the inserting requests
     generator = torch.Generator().manual_seed(7)
-    checkpoint_dir = tempfile.mkdtemp(prefix="scale-bench-", dir=args.checkpoint_dir)
-    try:
-        for size in args.sizes:
-            segment_ids, segment_s = 0, 0.0  # the inserting requests since the previous size
-            while rows < size:
-                count = min(args.request_ids, size - rows)
-                per_row = shards.rss() / max(rows, 1) if rows > 1_000_000 else 0
-                # stop before the kernel has to kill something: room for this step, a save's chunk and the client
-                if per_row and memory_available() < args.reserve_gb * _GB + count * per_row:
-                    out["stopped"] = f"stopped growing at {rows:,} rows: {memory_available() / _GB:.1f} GB left on the machine"
-                    return out
-                ids = stored_id(torch.arange(rows, rows + count))
-                stolen, started = host_steal_s(), time.perf_counter()
-                shards.client.lookup({TABLE: ids}, train=True)
-                inserts.append(time.perf_counter() - started)
-                segment_ids, segment_s = segment_ids + count, segment_s + inserts[-1]
-                if inserts[-1] > worst_insert:
-                    worst_insert, worst_insert_steal = inserts[-1], host_steal_s() - stolen
-                rows += count
-                if len(inserts) % args.control_every == 0:
-                    stored = unique_batch(torch.randint(0, rows, (args.request_ids,), generator=generator))
-                    started = time.perf_counter()
-                    shards.client.lookup({TABLE: stored}, train=True)
-                    controls.append(time.perf_counter() - started)
-            stats = shards.client.stats()[0]["tables"][TABLE]
-            rss = shards.rss()
-            worst_parts = {key: max(worst_parts[key], stats[stat]) for key, stat in _HELD_PARTS.items()}
-            entry = {"rows": rows, "worst_insert_s": worst_insert, "worst_insert_host_steal_s": worst_insert_steal, **worst_parts,
-                     "insert_p99_s": sorted(inserts)[int(0.99 * (len(inserts) - 1))],
-                     "insert_rows_per_s": segment_ids / segment_s if segment_s else None,
-                     "slow_inserts": sum(t > _SLOW_S for t in inserts), "inserts": len(inserts),
-                     "worst_control_s": max(controls, default=0.0), "slow_controls": sum(t > _SLOW_S for t in controls),
-                     "controls": len(controls),
-                     "rss_bytes": rss, "bytes_per_row": rss / rows,
-                     "bytes_per_param": rss / rows / DIM, "store_bytes_per_row": stats["bytes"] / rows,
-                     "index_bytes_per_row": stats["index_bytes"] / rows}
-            entry.update(measure_rates(shards, rows, args.request_ids, args.repeats, seed=rows))
-            print(f"[{dtype}] {rows:>13,} rows  lookup {entry['lookup_rows_per_s'] / 1e6:5.2f} M/s  "
-                  f"update {entry['update_rows_per_s'] / 1e6:5.2f} M/s  insert {_fmt_rate(entry['insert_rows_per_s'])}/s  worst insert {worst_insert:5.3f} s "
-                  f"(host steal in it {worst_insert_steal:5.3f} s; table held {entry['worst_insert_held_s']:5.3f} s: at most {entry['worst_insert_cpu_s']:5.3f} s of CPU, "
-                  f"{entry['worst_insert_runnable_s']:5.3f} s waiting for a core, {entry['worst_insert_blocked_s']:5.3f} s blocked)  "
-                  f"RSS {rss / _GB:5.2f} GB  {entry['bytes_per_param']:.2f} B/param", flush=True)
-            print(f"[{dtype}] {rows:>13,} rows  control: worst lookup of stored ids {entry['worst_control_s']:5.3f} s; over {_SLOW_S} s "
-                  f"so far: {entry['slow_inserts']} of {entry['inserts']} inserting requests, {entry['slow_controls']} of "
-                  f"{entry['controls']} lookups of stored ids", flush=True)
-            if rows >= args.save_from:
-                try:
-                    entry.update(save_and_load(shards, checkpoint_dir, rows, args.request_ids))
-                    if args.restart:
-                        shards, restarted = restart_and_load(shards, checkpoint_dir, dtype, args.cold, args.ps_override)
-                        entry.update(restarted)
-                except (PSError, RuntimeError, OSError) as error:
-                    out["stopped"] = f"save/load at {rows:,} rows failed: {error}"
-                    out["sizes"].append(entry)
-                    return out
-                print(f"[{dtype}] {rows:>13,} rows  save {entry['save_s']:.1f} s ({entry['save_gb_per_s']:.2f} GB/s; plain write "
-                      f"{entry['disk_write_gb_per_s']:.2f}; +{entry['save_peak_extra_bytes'] / _GB:.2f} GB peak, worst train round "
-                      f"{entry['worst_train_round_during_save_s']:.3f} s)  load {entry['load_s']:.1f} s ({entry['load_gb_per_s']:.2f} GB/s; "
-                      f"plain read {entry['disk_read_gb_per_s']:.2f})", flush=True)
-                print(f"[{dtype}] {rows:>13,} rows  shard CPU: save {entry['save_user_cpu_s']:.1f} s own code + {entry['save_kernel_cpu_s']:.1f} s kernel, "
-                      f"load {entry['load_user_cpu_s']:.1f} s own code + {entry['load_kernel_cpu_s']:.1f} s kernel", flush=True)
+    for size in args.sizes:
+        segment_ids, segment_s = 0, 0.0  # the inserting requests since the previous size
+        while rows < size:
+            count = min(args.request_ids, size - rows)
+            per_row = shards.rss() / max(rows, 1) if rows > 1_000_000 else 0
+            # stop before the kernel has to kill something: room for this step, a save's chunk and the client
+            if per_row and memory_available() < args.reserve_gb * _GB + count * per_row:
+                out["stopped"] = f"stopped growing at {rows:,} rows: {memory_available() / _GB:.1f} GB left on the machine"
+                return out
+            if args.storage == "disk" and len(inserts) % 64 == 0 and disk_free() < args.reserve_disk_gb * _GB:
+                out["stopped"] = f"stopped growing at {rows:,} rows: {disk_free() / _GB:.1f} GB left on the disk"
+                return out
+            ids = stored_id(torch.arange(rows, rows + count))
+            stolen, started = host_steal_s(), time.perf_counter()
+            shards.client.lookup({TABLE: ids}, train=True)
+            inserts.append(time.perf_counter() - started)
+            segment_ids, segment_s = segment_ids + count, segment_s + inserts[-1]
+            if inserts[-1] > worst_insert:
+                worst_insert, worst_insert_steal = inserts[-1], host_steal_s() - stolen
+            rows += count
+            if len(inserts) % args.control_every == 0:
+                stored = unique_batch(torch.randint(0, rows, (args.request_ids,), generator=generator))
+                started = time.perf_counter()
+                shards.client.lookup({TABLE: stored}, train=True)
+                controls.append(time.perf_counter() - started)
+        stats = shards.client.stats()[0]["tables"][TABLE]
+        rss = shards.rss()
+        worst_parts = {key: max(worst_parts[key], stats[stat]) for key, stat in _HELD_PARTS.items()}
+        entry = {"rows": rows, "worst_insert_s": worst_insert, "worst_insert_host_steal_s": worst_insert_steal, **worst_parts,
+                 "insert_p99_s": sorted(inserts)[int(0.99 * (len(inserts) - 1))],
+                 "insert_rows_per_s": segment_ids / segment_s if segment_s else None,
+                 "slow_inserts": sum(t > _SLOW_S for t in inserts), "inserts": len(inserts),
+                 "worst_control_s": max(controls, default=0.0), "slow_controls": sum(t > _SLOW_S for t in controls),
+                 "controls": len(controls),
+                 "rss_bytes": rss, "bytes_per_row": rss / rows,
+                 "bytes_per_param": rss / rows / DIM, "store_bytes_per_row": stats["bytes"] / rows,
+                 "index_bytes_per_row": stats["index_bytes"] / rows}
+        if args.storage == "disk":
+            entry.update({"disk_rows": stats["disk_rows"], "disk_bytes": stats["disk_bytes"], "memory_rows": stats["rows"],
+                          "disk_map_bytes": stats["disk_map_bytes"], "shards_rss_bytes": rss,
+                          "demoted": stats["demoted"], "promoted": stats["promoted"]})
+        entry.update(measure_rates(shards, rows, args.request_ids, args.repeats, seed=rows))
+        if args.storage == "disk":
+            entry["zipf_same_stream_rows_per_s"] = zipf_rate(shards, rows, args.request_ids, args.repeats)
+            if baseline is not None:
+                entry["lookup_ratio_disk_vs_memory"] = entry["zipf_same_stream_rows_per_s"] / baseline["zipf_rows_per_s"]
+            print(f"[{dtype}] {rows:>13,} rows  disk tier: {entry['memory_rows']:,} rows in memory, {entry['disk_rows']:,} on disk "
+                  f"({entry['disk_bytes'] / _GB:.2f} GB; map {entry['disk_map_bytes'] / _GB:.2f} GB)  Zipf lookups "
+                  f"{entry['zipf_same_stream_rows_per_s'] / 1e6:.2f} M rows/s"
+                  + (f" = {entry['lookup_ratio_disk_vs_memory']:.2f}x the {baseline['rows']:,}-row table in memory" if baseline else ""),
+                  flush=True)
+        print(f"[{dtype}] {rows:>13,} rows  lookup {entry['lookup_rows_per_s'] / 1e6:5.2f} M/s  "
+              f"update {entry['update_rows_per_s'] / 1e6:5.2f} M/s  insert {_fmt_rate(entry['insert_rows_per_s'])}/s  worst insert {worst_insert:5.3f} s "
+              f"(host steal in it {worst_insert_steal:5.3f} s; table held {entry['worst_insert_held_s']:5.3f} s: at most {entry['worst_insert_cpu_s']:5.3f} s of CPU, "
+              f"{entry['worst_insert_runnable_s']:5.3f} s waiting for a core, {entry['worst_insert_blocked_s']:5.3f} s blocked)  "
+              f"RSS {rss / _GB:5.2f} GB  {entry['bytes_per_param']:.2f} B/param", flush=True)
+        print(f"[{dtype}] {rows:>13,} rows  control: worst lookup of stored ids {entry['worst_control_s']:5.3f} s; over {_SLOW_S} s "
+              f"so far: {entry['slow_inserts']} of {entry['inserts']} inserting requests, {entry['slow_controls']} of "
+              f"{entry['controls']} lookups of stored ids", flush=True)
+        if rows >= args.save_from and (not args.save_sizes or rows in args.save_sizes):
+            try:
+                entry.update(save_and_load(shards, checkpoint_dir, rows, args.request_ids))
                 if args.restart:
-                    print(f"[{dtype}] {rows:>13,} rows  restarted shard: load {entry['restart_load_s']:.1f} s "
-                          f"({entry['restart_load_gb_per_s']:.2f} GB/s, {'from the disk' if entry['restart_load_cold'] else 'page cache kept'}; "
-                          + (f"a plain read of its files from the disk {entry['restart_plain_read_gb_per_s']:.2f} GB/s; "
-                             if entry["restart_plain_read_gb_per_s"] is not None else "") +
-                          f"shard CPU {entry['restart_load_user_cpu_s']:.1f} s own code + {entry['restart_load_kernel_cpu_s']:.1f} s kernel)",
-                          flush=True)
-                shutil.rmtree(checkpoint_dir, ignore_errors=True)
-                out["max_rows"] = rows
-            out["sizes"].append(entry)
-        return out
-    finally:
-        shutil.rmtree(checkpoint_dir, ignore_errors=True)
-        shards.close()
+                    shards, restarted = restart_and_load(shards, checkpoint_dir, dtype, args.cold, args.ps_override)
+                    state["shards"] = shards
+                    entry.update(restarted)
+            except (PSError, RuntimeError, OSError) as error:
+                out["stopped"] = f"save/load at {rows:,} rows failed: {error}"
+                out["sizes"].append(entry)
+                return out
+            print(f"[{dtype}] {rows:>13,} rows  save {entry['save_s']:.1f} s ({entry['save_gb_per_s']:.2f} GB/s; plain write "
+                  f"{entry['disk_write_gb_per_s']:.2f}; +{entry['save_peak_extra_bytes'] / _GB:.2f} GB peak, worst train round "
+                  f"{entry['worst_train_round_during_save_s']:.3f} s)  load {entry['load_s']:.1f} s ({entry['load_gb_per_s']:.2f} GB/s; "
+                  f"plain read {entry['disk_read_gb_per_s']:.2f})", flush=True)
+            print(f"[{dtype}] {rows:>13,} rows  shard CPU: save {entry['save_user_cpu_s']:.1f} s own code + {entry['save_kernel_cpu_s']:.1f} s kernel, "
+                  f"load {entry['load_user_cpu_s']:.1f} s own code + {entry['load_kernel_cpu_s']:.1f} s kernel", flush=True)
+            if args.restart:
+                print(f"[{dtype}] {rows:>13,} rows  restarted shard: load {entry['restart_load_s']:.1f} s "
+                      f"({entry['restart_load_gb_per_s']:.2f} GB/s, {'from the disk' if entry['restart_load_cold'] else 'page cache kept'}; "
+                      + (f"a plain read of its files from the disk {entry['restart_plain_read_gb_per_s']:.2f} GB/s; "
+                         if entry["restart_plain_read_gb_per_s"] is not None else "") +
+                      f"shard CPU {entry['restart_load_user_cpu_s']:.1f} s own code + {entry['restart_load_kernel_cpu_s']:.1f} s kernel)",
+                      flush=True)
+            shutil.rmtree(checkpoint_dir, ignore_errors=True)
+            out["max_rows"] = rows
+        out["sizes"].append(entry)
+    return out
 
 
 def multi_shard(args) -> list[dict]:
@@ -465,6 +535,19 @@ def summary(results: dict) -> dict:
     for key in _HELD_PARTS:
         out[key] = max((e[key] for e in sizes), default=None)
     out["save_peak_extra_bytes"] = max((e["save_peak_extra_bytes"] for e in sizes if "save_s" in e), default=None)
+    disk = [e for e in sizes if "disk_rows" in e]
+    if disk:
+        largest = max(disk, key=lambda e: e["rows"])
+        for key in ("disk_rows", "disk_bytes", "shards_rss_bytes", "memory_rows", "disk_map_bytes"):
+            out[key] = largest[key]
+        out["rows"] = largest["rows"]
+        out["shards_rss_bytes_max"] = max(e["shards_rss_bytes"] for e in disk)
+        ratios = [e["lookup_ratio_disk_vs_memory"] for e in disk if "lookup_ratio_disk_vs_memory" in e]
+        out["lookup_ratio_disk_vs_memory"] = ratios[-1] if ratios else None
+        out["lookup_ratio_disk_vs_memory_min"] = min(ratios) if ratios else None
+        for key in ("save_s", "load_s", "restart_load_s", "checkpoint_bytes"):
+            if key in largest:
+                out[key] = largest[key]
     for run in results["grow"]:
         by_rows = {e["rows"]: e for e in run["sizes"]}
         if 1_000_000 in by_rows and 100_000_000 in by_rows:
@@ -482,6 +565,7 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", default="1e6,1e7,5e7,1e8,2e8,2.3e8,3e8,3.5e8", help="rows at which to measure")
     parser.add_argument("--max-rows", type=float, default=3.5e8, help="stop growing here")
     parser.add_argument("--save-from", type=float, default=1e6, help="save and load at every size from this one")
+    parser.add_argument("--save-sizes", default="", help="save and load only at these sizes (of --sizes; '' : every size from --save-from)")
     parser.add_argument("--request-ids", type=int, default=65536)
     parser.add_argument("--repeats", type=int, default=20, help="requests per rate figure")
     parser.add_argument("--control-every", type=int, default=4, help="a lookup of stored ids after this many inserting requests")
@@ -493,6 +577,12 @@ def main(argv=None) -> int:
     parser.add_argument("--multi-rows", type=float, default=2e7, help="rows of the multi-process figures")
     parser.add_argument("--quick", action="store_true", help="2M rows, 1 and 2 shards of 1M rows: a smoke run")
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    parser.add_argument("--storage", choices=("memory", "disk"), default="memory", help="the table's storage")
+    parser.add_argument("--memory-rows", type=float, default=5e7, help="--storage disk: the table's memory budget (rows)")
+    parser.add_argument("--disk-dir", default=None, help="--storage disk: the shards' disk_dir (a fresh folder under it; deleted after)")
+    parser.add_argument("--memory-baseline-rows", type=float, default=1e8,
+                        help="--storage disk: rows of the all-in-memory table whose Zipf lookup rate is the baseline (0: none)")
+    parser.add_argument("--reserve-disk-gb", type=float, default=10.0, help="--storage disk: stop growing with less disk free than this")
     parser.add_argument("--ps-override", action="append", default=[], metavar="KEY=VALUE",
                         help="a PS config setting of the shard processes, e.g. malloc_trim_interval_s=0 (repeatable)")
     args = parser.parse_args(argv)
@@ -500,8 +590,16 @@ def main(argv=None) -> int:
         args.sizes, args.max_rows, args.multi_rows, args.multi_shard, args.repeats = "1e6,2e6", 2e6, 1e6, "1,2", 5
     args.sizes = [int(float(s)) for s in args.sizes.split(",") if float(s) <= args.max_rows]
     args.save_from = int(args.save_from)
+    args.save_sizes = {int(float(s)) for s in args.save_sizes.split(",") if s}
     args.multi_rows = int(args.multi_rows)
     args.multi_shard = [int(s) for s in args.multi_shard.split(",") if s]
+    args.memory_rows = int(args.memory_rows)
+    args.memory_baseline_rows = int(args.memory_baseline_rows)
+    tier_dir = None
+    if args.storage == "disk":
+        tier_dir = tempfile.mkdtemp(prefix="scale-bench-tier-", dir=args.disk_dir)
+        _DISK_DIR.append(tier_dir)
+        args.ps_override = [*args.ps_override, f"disk_dir={tier_dir}"]
     dtypes = [d for d in args.dtypes.split(",") if d]
     if not args.sizes or any(d not in ("fp16", "fp32") for d in dtypes):
         parser.error("--sizes needs a size <= --max-rows and --dtypes only fp16, fp32")
@@ -509,7 +607,11 @@ def main(argv=None) -> int:
         parser.error("--control-every must be at least 1")
     print(f"scale_bench: {os.cpu_count()} cores, {memory_available() / _GB:.1f} GB available, load average "
           f"{os.getloadavg()[0]:.1f}; sizes {args.sizes}" + (f"; shards with {' '.join(args.ps_override)}" if args.ps_override else ""), flush=True)
-    results = {"grow": [grow(args, dtype) for dtype in dtypes], "multi_shard": multi_shard(args)}
+    try:
+        results = {"grow": [grow(args, dtype) for dtype in dtypes], "multi_shard": multi_shard(args)}
+    finally:
+        if tier_dir is not None:
+            shutil.rmtree(tier_dir, ignore_errors=True)
     for run in results["grow"]:
         if run["stopped"]:
             print(f"[{run['dtype']}] {run['stopped']}")

@@ -320,6 +320,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--grow-batch-size", type=int, default=16384, help="--grow: batch size")
     parser.add_argument("--grow-zipf", type=float, default=0.8, help="--grow: power-law exponent of the ids")
     parser.add_argument("--grow-max-steps", type=int, default=20000, help="--grow: give up after this many steps")
+    parser.add_argument("--grow-storage", default="memory", choices=["memory", "disk"],
+                        help="--grow: where the rows past --grow-memory-rows a table a shard go (disk: the shards' disk tier)")
+    parser.add_argument("--grow-memory-rows", type=float, default=2e6, help="--grow --grow-storage disk: rows a table keeps in memory a shard")
+    parser.add_argument("--grow-disk-dir", default=None, help="--grow --grow-storage disk: where the disk tiers go (a fresh folder, deleted after)")
     args = parser.parse_args(argv)
     quick = args.quick
     defaults = dict(steps=(40, 300), warmup=(10, 20), window=(5, 20), test_batches=(8, 16), ranks=([1], [1, 2]), staleness=([4], [4, 8]), repeat=(1, 2))

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
+import tempfile
 import time
 from typing import Any, Dict, Iterator, List
 
@@ -115,15 +117,24 @@ def run_grow(args: Any) -> int:
     import lightning as L
 
     from lightning_persia import Adagrad, PersiaStrategy
+    from lightning_persia.strategy.interception import TableOverride
     from trainbench.models import build_model
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     batch, window, target = args.grow_batch_size, args.window or 20, int(args.grow_rows)
     model = build_model(CRITEO_TB_CARDINALITIES, dim=args.dim, seed=args.seed, dense_lr=args.dense_lr)
+    overrides, ps_config, tier = {}, None, None
+    if args.grow_storage == "disk":  # every table keeps --grow-memory-rows rows a shard in memory, the rest on disk
+        tier = tempfile.mkdtemp(prefix="grow-tier-", dir=args.grow_disk_dir)
+        ps_config = os.path.join(tier, "ps.yaml")
+        with open(ps_config, "w") as f:
+            f.write(f"disk_dir: {tier}\n")
+        overrides = {config.name: TableOverride(storage="disk", capacity=int(args.grow_memory_rows))
+                     for config in model.ebc.embedding_bag_configs()}
     strategy = PersiaStrategy(
         num_local_shards=args.shards, staleness=(args.staleness or [4])[0], storage_dtype=args.storage_dtype,
         embedding_optimizer=Adagrad(lr=args.emb_lr, eps=1e-8, rowwise=True), wire_dtype=args.wire_dtype,
-        ps_seed=args.seed, ps_timeout_s=300.0, log_embedding_metrics=False,
+        ps_seed=args.seed, ps_timeout_s=300.0, log_embedding_metrics=False, table_overrides=overrides, ps_config=ps_config,
     )
     windows: List[Dict[str, float]] = []
 
@@ -143,13 +154,14 @@ def run_grow(args: Any) -> int:
                 return
             now, cpu = time.perf_counter(), _cpu_s(self.pids)
             stats = strategy.client.stats()
-            rows = sum(t["rows"] for s in stats for t in s["tables"].values())
-            entry = {"step": step, "samples_per_s": window * batch / (now - self.started), "ps_rows": rows,
+            disk_rows = sum(t.get("disk_rows", 0) for s in stats for t in s["tables"].values())
+            rows = sum(t["rows"] for s in stats for t in s["tables"].values()) + disk_rows
+            entry = {"step": step, "samples_per_s": window * batch / (now - self.started), "ps_rows": rows, "ps_disk_rows": disk_rows,
                      "cpu_s_per_1k_samples": (cpu - self.cpu) * 1000 / (window * batch),
                      "ps_rss_bytes": _shards_rss(self.pids), "load_average": os.getloadavg()[0]}
             windows.append(entry)
             print(f"  step {step:>6}  {entry['samples_per_s']:>9,.0f} samples/s  {entry['cpu_s_per_1k_samples']:6.3f} CPU s "
-                  f"per 1k samples  {rows:>13,} rows on the shards  shards' RSS {entry['ps_rss_bytes'] / 1e9:5.2f} GB  "
+                  f"per 1k samples  {rows:>13,} rows on the shards ({disk_rows:,} on disk)  shards' RSS {entry['ps_rss_bytes'] / 1e9:5.2f} GB  "
                   f"load {entry['load_average']:.1f}", flush=True)
             self.started, self.cpu = now, cpu
             if rows >= target:
@@ -162,17 +174,22 @@ def run_grow(args: Any) -> int:
     )
     data = GrowingCriteo(CRITEO_TB_CARDINALITIES, batch, args.grow_zipf, seed=args.seed)
     print(f"grow: DLRM dim {args.dim}, batch {batch}, Criteo-Terabyte cardinalities ({sum(CRITEO_TB_CARDINALITIES):,} ids, "
-          f"Zipf {args.grow_zipf}), {args.shards} embedded shards, storage {args.storage_dtype}, "
+          f"Zipf {args.grow_zipf}), {args.shards} embedded shards, storage {args.storage_dtype} "
+          f"{'in memory' if tier is None else f'on disk past {int(args.grow_memory_rows):,} rows a table a shard'}, "
           f"until {target:,} rows; load average {os.getloadavg()[0]:.1f}", flush=True)
-    trainer.fit(model, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
-    strategy.close()
+    try:
+        trainer.fit(model, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+    finally:
+        strategy.close()
+        if tier is not None:
+            shutil.rmtree(tier, ignore_errors=True)
     if not windows:
         print("grow: no full window ran")
         return 1
     last = windows[-1]
     first_rate, last_rate = _edge_ratio(windows, "samples_per_s")
     first_cpu, last_cpu = _edge_ratio(windows, "cpu_s_per_1k_samples")
-    summary = {"grow_first_samples_per_s": first_rate, "grow_last_samples_per_s": last_rate,
+    summary = {"grow_storage": args.grow_storage, "grow_disk_rows": last["ps_disk_rows"], "grow_first_samples_per_s": first_rate, "grow_last_samples_per_s": last_rate,
                "grow_last_vs_first": last_rate / first_rate, "grow_cpu_last_vs_first": last_cpu / first_cpu,
                "grow_ps_rows": last["ps_rows"], "grow_steps": last["step"], "windows": windows,
                "load_average_after": os.getloadavg()[0]}

@@ -16,7 +16,9 @@ from lightning_persia.remote_ps.store import checkpoint, disk_checkpoint
 from lightning_persia.remote_ps.store.expiry import Expirer
 from lightning_persia.remote_ps.store.errors import CheckpointError, InvalidRequestError, StoreError, UnknownTableError
 from lightning_persia.remote_ps.store.progress import Progress
-from lightning_persia.remote_ps.store.table import Table, TableSnapshot
+from lightning_persia.remote_ps.store.table import Journal, Table, TableSnapshot
+from lightning_persia.remote_ps.store.wal.changes import Change
+from lightning_persia.remote_ps.store.wal.shard_log import ShardLog
 from lightning_persia.remote_ps.table_config import TableConfig
 
 
@@ -29,6 +31,10 @@ class ShardStore:
     Tables come from :meth:`configure` or, on first use, from ``table_defaults`` (the tables declared in
     the PS config). Every method is thread-safe; reads and writes of one table are serialised by that
     table's lock, different tables proceed in parallel.
+
+    With a write-ahead log (:attr:`log`, see ``wal/shard_log.py``) every change a caller could see is in the log
+    before the call returns: an update's new rows, a training lookup's admissions and evictions, a new table. A
+    save starts a log segment at its consistent point and deletes the older ones once it is complete.
 
     Example::
 
@@ -62,6 +68,7 @@ class ShardStore:
         self._disk_dir = disk_dir
         self._generation = itertools.count()
         self._expirer = Expirer(self._tables_with_ttl, expiry_interval_s)
+        self.log: Optional[ShardLog] = None  # set once the shard restored itself (wal/shard_log.py)
 
     def configure(self, config: TableConfig) -> TableConfig:
         """Creates the table, or returns the existing one's config when the dims agree."""
@@ -69,7 +76,11 @@ class ShardStore:
             existing = self._tables.get(config.name)
             if existing is None:
                 self._tables[config.name] = self._new_table(config)
-                return config
+                ticket = self.log.record_configure(config.to_dict()) if self.log is not None else 0
+        if existing is None:
+            if ticket:
+                self.log.wait(ticket)
+            return config
         if existing.config.dim != config.dim:
             raise InvalidRequestError(f"table {config.name!r} exists with dim {existing.config.dim}, asked for dim {config.dim}")
         return existing.config
@@ -97,20 +108,29 @@ class ShardStore:
             self._check_ids(name, ids)
         if not requests:  # a lookup of no table (the native path's batch of zero jobs needs the kernels)
             return []
+        tickets: list[int] = []
+        journal = self._journal("", 0, tickets) if train else None
         if len(requests) == 1:
-            return [tables[0].lookup(requests[0][1], train, dtype)]
-        return Table.lookup_together([(table, ids) for table, (_, ids) in zip(tables, requests)], train, dtype)
+            found = [tables[0].lookup(requests[0][1], train, dtype, journal)]
+        else:
+            found = Table.lookup_together([(table, ids) for table, (_, ids) in zip(tables, requests)], train, dtype, journal)
+        self._wait_logged(tickets)
+        return found
 
     def update(self, name: str, ids: torch.Tensor, grads: torch.Tensor) -> int:
         """Applies the table's optimizer to the rows of ``ids``; duplicate ids have their gradients summed."""
         return self.update_many([(name, ids, grads)])
 
-    def update_many(self, requests: Sequence[tuple[str, torch.Tensor, torch.Tensor]]) -> int:
+    def update_many(self, requests: Sequence[tuple[str, torch.Tensor, torch.Tensor]], client: str = "", seq: int = 0) -> int:
         """:meth:`update` of several tables, all or nothing: every table is checked before any row changes.
 
-        Returns the rows updated in all.
+        Returns the rows updated in all, once the update is in the log (when there is one) with its ``(client,
+        seq)``, from which a restarted shard rebuilds its exactly-once memory.
         """
-        tables = [self._table(name) for name, _, _ in requests]
+        names = [name for name, _, _ in requests]
+        if len(set(names)) != len(names):
+            raise InvalidRequestError(f"a table appears more than once in one update: {names}")
+        tables = [self._table(name) for name in names]
         for table, (name, ids, grads) in zip(tables, requests):
             self._check_ids(name, ids)
             expected = (ids.numel(), table.config.dim)
@@ -118,7 +138,38 @@ class ShardStore:
                 raise InvalidRequestError(f"table {name!r}: gradients must be float32 of shape {expected}, got {grads.dtype} {tuple(grads.shape)}")
             if not bool(torch.isfinite(grads).all()):
                 raise InvalidRequestError(f"table {name!r}: gradients contain NaN or infinity")
-        return Table.update_together([(table, ids, grads) for table, (_, ids, grads) in zip(tables, requests)])
+        tickets: list[int] = []
+        applied = Table.update_together([(table, ids, grads) for table, (_, ids, grads) in zip(tables, requests)],
+                                        self._journal(client, seq, tickets))
+        self._wait_logged(tickets)
+        return applied
+
+    def _journal(self, client: str, seq: int, tickets: list[int]) -> Optional[Journal]:
+        log = self.log
+        if log is None:
+            return None
+        return lambda changes: tickets.append(log.record(Change(changes, client, seq)))
+
+    def _wait_logged(self, tickets: list[int]) -> None:
+        if tickets:
+            self.log.wait(tickets[-1])
+
+    def replay_change(self, change: Change) -> int:
+        """Applies a change read back from the log (a restarted shard, before it serves); the rows it wrote."""
+        rows = 0
+        for part in change.tables:
+            table = self._table(part.name)
+            with table.lock:
+                table.replay_locked(part)
+            rows += part.admitted.numel() + (part.rows["ids"].numel() if part.rows else 0)
+        return rows
+
+    def replay_configure(self, config: dict) -> None:
+        """Creates a table read back from the log (as :meth:`configure`, without logging it again)."""
+        config = TableConfig.from_dict(config)
+        with self._lock:
+            if config.name not in self._tables:
+                self._tables[config.name] = self._new_table(config)
 
     def stats(self) -> dict[str, dict[str, int | float]]:
         with self._lock:
@@ -154,16 +205,21 @@ class ShardStore:
             if since is not None:
                 for table in tables:
                     table.remember_removals()
+            segment = None
             with contextlib.ExitStack() as held:
                 for table in tables:
                     held.enter_context(table.lock)
                 snapshots = [self._begin(table, (since or {}).get(table.config.name, 0)) for table in tables]
+                if since is None and self.log is not None:  # the log after this point is what the checkpoint lacks
+                    segment = self.log.begin_base(directory)
             try:
                 checkpoint.write_shard(directory, self.shard_index, self.num_shards, snapshots, save_id=save_id,
                                        pause_s=self.fault_save_delay_s, progress=self.progress)
             finally:
                 for snapshot in snapshots:
                     snapshot.close()
+            if segment is not None:
+                self.log.end_base(segment, directory)
             return {s.config.name: s.point for s in snapshots}
 
     @staticmethod
@@ -235,6 +291,13 @@ class ShardStore:
                 tables[source.name] = table
             with self._lock:
                 self._tables = tables
+                if self.log is not None:  # the log now follows this checkpoint
+                    with contextlib.ExitStack() as held:
+                        for name in sorted(tables):
+                            held.enter_context(tables[name].lock)
+                        segment = self.log.begin_base(directory)
+            if self.log is not None:
+                self.log.end_base(segment, directory)
 
     def _load_disk(self, table: Table, source: checkpoint.TableSource) -> None:
         """The disk tier of a checkpoint's table: its segments linked when this shard saved them, else its live rows

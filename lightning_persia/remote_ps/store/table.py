@@ -22,7 +22,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -37,12 +37,17 @@ from lightning_persia.remote_ps.store.index import NativeIdIndex, make_index
 from lightning_persia.remote_ps.store.initializers import initial_rows, table_key
 from lightning_persia.remote_ps.store.optimizers import make_rule
 from lightning_persia.remote_ps.store.thread_clock import ThreadTimes, thread_times
+from lightning_persia.remote_ps.store.wal.changes import TableChange
 from lightning_persia.remote_ps.table_config import STORAGE_DTYPES, TableConfig, Uniform
 
 SAVED_FIELDS = ("ids", "weights", "state", "access")
 """The fields a checkpoint keeps per row (versions restart with the process)."""
 _TIMED_INSERT = 4096  # training lookups of at least this many ids have their thread's times read (see _Held)
 _REMOVED_LOG_IDS = 1 << 24  # evicted ids remembered for deltas; a delta since an older point is refused
+
+Journal = Callable[[list[TableChange]], None]
+"""Called with the changes of one lookup or update while the tables' locks are held (the write-ahead log's order
+is then the order of the changes)."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,7 @@ class Table:
         self._step = 0
         self._version = 1  # written into every changed row; never-written rows read 0
         self._snapshot: Optional[_Snapshot] = None
+        self._recording: Optional[_Recording] = None  # the changes of the journaled operation under way
         self._removed: list[tuple[int, torch.Tensor]] = []  # (version, ids) of evictions, for deltas
         self._removed_ids = 0
         self._removed_floor: Optional[int] = None  # evictions up to this version are unknown; None: not logged
@@ -170,35 +176,43 @@ class Table:
 
     # ---- reads and writes ------------------------------------------------------------------------
 
-    def lookup(self, ids: torch.Tensor, train: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Rows of ``ids`` as ``[n, dim]`` of ``dtype``; training lookups admit unseen ids."""
+    def lookup(self, ids: torch.Tensor, train: bool, dtype: torch.dtype = torch.float32, journal: Optional[Journal] = None) -> torch.Tensor:
+        """Rows of ``ids`` as ``[n, dim]`` of ``dtype``; training lookups admit unseen ids.
+
+        ``journal`` hears of the ids the lookup admitted or evicted, if any (see :data:`Journal`)."""
         if train:
             self._check_budget(ids.numel())
         out = torch.empty(ids.numel(), self.config.dim, dtype=self.storage_dtype)
         with self.lock:
             held = _Held.now(ids.numel(), train)
+            self._start_recording(journal if train else None)
             rows = self._index.find(ids, copy=(self._rows["weights"], out), touch=self._touch(train))
             self._finish_lookup(ids, rows, out, train, held, int((rows < 0).sum()))
+            _journal([self], journal, always=False)
         return out.to(dtype)
 
     @staticmethod
-    def lookup_together(requests: Sequence[tuple["Table", torch.Tensor]], train: bool, dtype: torch.dtype) -> list[torch.Tensor]:
+    def lookup_together(requests: Sequence[tuple["Table", torch.Tensor]], train: bool, dtype: torch.dtype,
+                        journal: Optional[Journal] = None) -> list[torch.Tensor]:
         """:meth:`lookup` of several tables (distinct), every table's lock held, their probes in one native call."""
         tables = [table for table, _ in requests]
         for table, ids in requests:
             if train:
                 table._check_budget(ids.numel())
         if not all(isinstance(t._index, NativeIdIndex) for t in tables) or len({id(t) for t in tables}) < len(tables):
-            return [table.lookup(ids, train, dtype) for table, ids in requests]
+            return [table.lookup(ids, train, dtype, journal) for table, ids in requests]
         outs = [torch.empty(ids.numel(), table.config.dim, dtype=table.storage_dtype) for table, ids in requests]
         rows = [torch.empty_like(ids) for _, ids in requests]
         with _all_locked(tables):
             held = _Held.now(sum(ids.numel() for _, ids in requests), train)
+            for table in tables:
+                table._start_recording(journal if train else None)
             jobs = [table._index.find_job(ids, found, (table._rows["weights"], out), table._touch(train))
                     for (table, ids), found, out in zip(requests, rows, outs)]
             native.find_many(jobs)
             for (table, ids), found, out, job in zip(requests, rows, outs, jobs):
                 table._finish_lookup(ids, found, out, train, held, job.missing)
+            _journal(tables, journal, always=False)
         return [out.to(dtype) for out in outs]
 
     def _touch(self, train: bool) -> Optional[tuple]:
@@ -233,20 +247,29 @@ class Table:
             self._worst_insert_runnable_s = max(self._worst_insert_runnable_s, spent.runnable_s)
             self._worst_insert_blocked_s = max(self._worst_insert_blocked_s, wall - spent.cpu_s - spent.runnable_s)
 
-    def update(self, ids: torch.Tensor, grads: torch.Tensor) -> int:
-        """Applies the optimizer to the rows of ``ids``; returns how many rows were present and updated."""
+    def update(self, ids: torch.Tensor, grads: torch.Tensor, journal: Optional[Journal] = None) -> int:
+        """Applies the optimizer to the rows of ``ids``; returns how many rows were present and updated.
+
+        ``journal`` hears of the rows' new values (see :data:`Journal`)."""
         self._check_budget(ids.numel())
         ids, grads = _summed_by_id(ids, grads)
         with self.lock:
-            return self._update_locked(ids, grads)
+            self._start_recording(journal)
+            applied = self._update_locked(ids, grads)
+            _journal([self], journal, always=True)
+            return applied
 
     @staticmethod
-    def update_together(requests: Sequence[tuple["Table", torch.Tensor, torch.Tensor]]) -> int:
+    def update_together(requests: Sequence[tuple["Table", torch.Tensor, torch.Tensor]], journal: Optional[Journal] = None) -> int:
         """:meth:`update` of several tables (distinct), every table's lock held, their rules in one native call where
-        the rule runs there (SGD, Adagrad) and no checkpoint is being taken; returns the rows updated in all."""
+        the rule runs there (SGD, Adagrad) and no checkpoint is being taken; returns the rows updated in all.
+
+        ``journal`` hears of every table's new rows at once (one call: the update is one record)."""
         tables = [table for table, _, _ in requests]
+        if len({id(t) for t in tables}) < len(tables):
+            raise ValueError("update_together: a table appears more than once")
         native_ones = [i for i, table in enumerate(tables) if isinstance(table._index, NativeIdIndex) and table.rule.native]
-        if not native_ones or len({id(t) for t in tables}) < len(tables):
+        if not native_ones and journal is None:  # one table's lock at a time
             return sum(table.update(ids, grads) for table, ids, grads in requests)
         for table, ids, _ in requests:
             table._check_budget(ids.numel())
@@ -254,19 +277,22 @@ class Table:
         with _all_locked(tables):
             for table, ids, _ in requests:
                 table._promote_absent(ids)
+                table._start_recording(journal)
             jobs = {}  # position -> (job, and the tensors whose memory it points at: alive until the call is done)
             for i in native_ones:
                 table, ids, grads = requests[i]
                 if table._snapshot is None:  # a save in progress keeps pre-images: the tensor path does
                     ids, grads, rows = ids.contiguous(), grads.contiguous(), torch.empty_like(ids)
                     jobs[i] = (table._update_job(ids, rows, grads), ids, grads, rows)
-            native.update_many([job[0] for job in jobs.values()])
+            if jobs:
+                native.update_many([job[0] for job in jobs.values()])
             for i, (table, ids, grads) in enumerate(requests):
                 job = jobs.get(i)
                 if job is not None and not job[0].not_unique:
-                    applied += table._finish_update(job[0])
+                    applied += table._finish_update(job[0], job[3])
                     continue
                 applied += table._update_locked(*_summed_by_id(ids, grads))
+            _journal(tables, journal, always=True)
         return applied
 
     def _update_job(self, ids: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor) -> native.UpdateJob:
@@ -278,7 +304,8 @@ class Table:
             self.config.weight_bound,
         )
 
-    def _finish_update(self, job: native.UpdateJob) -> int:
+    def _finish_update(self, job: native.UpdateJob, rows: torch.Tensor) -> int:
+        self._record_rows(rows[rows >= 0])
         self._counters["updates"] += 1
         self._counters["update_rows"] += job.applied
         self._counters["dropped_update_rows"] += job.absent
@@ -306,6 +333,7 @@ class Table:
         if state.shape[1]:
             written["state"] = state
         self._rows.scatter_fields(rows, written)
+        self._record_rows(rows)
         self._counters["updates"] += 1
         self._counters["update_rows"] += rows.numel()
         return rows.numel()
@@ -471,6 +499,42 @@ class Table:
             start += count
         state.preimage_rows += rows.numel()
         self._rows["version"].fill(rows, self._version)  # kept once: the chunk's copy now skips the row
+
+    # ---- the write-ahead log's view ----------------------------------------------------------------
+
+    def _start_recording(self, journal: Optional[Journal]) -> None:
+        """Collects what the operation under way changes, for ``journal`` (none: nothing is collected); lock held."""
+        self._recording = _Recording() if journal is not None else None
+
+    def _record_rows(self, rows: torch.Tensor) -> None:
+        """The new values of ``rows`` (just written by an update) for the journal, if one listens; lock held."""
+        if self._recording is None:
+            return
+        fields = [name for name in SAVED_FIELDS if name in self._rows.fields]
+        values = {name: torch.empty(self.field_specs[name].shape(rows.numel()), dtype=self.field_specs[name].dtype) for name in fields}
+        self._recording.rows.append(self._rows.gather_fields(rows, values))
+
+    def _take_recording(self) -> TableChange:
+        recording, self._recording = self._recording, None
+        assert recording is not None
+        return recording.change(self.config.name, self._step)
+
+    def replay_locked(self, change: TableChange) -> None:
+        """Applies a change read back from the write-ahead log: the evictions, the admissions (first rows from
+        (seed, table, id)), then the rows' values. Call it holding :attr:`lock`."""
+        if change.removed.numel():
+            self.remove_ids_locked(change.removed)
+        if change.admitted.numel():
+            n = change.admitted.numel()
+            rows = {"ids": change.admitted, "access": change.admitted_access,
+                    "weights": initial_rows(self.config.init, self.seed, self.config.name, change.admitted, self.config.dim)
+                    .to(self.storage_dtype)}
+            if "state" in self._rows.fields:
+                rows["state"] = self.rule.initial_state(n)
+            self.upsert_locked(rows)
+        if change.rows and change.rows["ids"].numel():
+            self.upsert_locked(change.rows)
+        self._step = max(self._step, change.step)
 
     # ---- statistics --------------------------------------------------------------------------------
 
@@ -656,6 +720,8 @@ class Table:
             native.admit(job)
         finally:  # what was admitted stays (also when the index could not grow); the rest of `fresh` is freed
             used = job.used if job is not None else 0
+            if self._recording is not None and used:
+                self._recording.admitted(self._rows["ids"].gather(fresh[:used]), access.gather(fresh[:used]))
             self._live += used
             self._counters["inserted"] += used
             unused = fresh[used:]
@@ -694,6 +760,8 @@ class Table:
         if "state" in self._rows.fields:
             written["state"] = self.rule.initial_state(n)
         self._rows.scatter_fields(rows, written)  # the new records written in one pass
+        if self._recording is not None:
+            self._recording.admitted(ids, written["access"])
         self._index.insert(ids, rows)
         self._live += ids.numel()
         self._counters["inserted"] += ids.numel()
@@ -740,6 +808,8 @@ class Table:
             self._disk.write({"ids": gone, **self._rows.gather_fields(victims, kept)})
             self._counters["demoted"] += victims.numel()
         self._preserve(victims)
+        if self._recording is not None and self._disk is None:  # a demoted row stays (on disk): not a removal
+            self._recording.removed.append(gone)
         self._index.remove(gone)
         if self._disk is None:  # a demoted row is not removed: a serving delta keeps it
             self._remember_removed(gone)
@@ -764,3 +834,38 @@ def _all_locked(tables: Sequence[Table]) -> contextlib.ExitStack:
     for table in sorted(tables, key=lambda t: t.config.name):
         held.enter_context(table.lock)
     return held
+
+
+class _Recording:
+    """What one journaled operation changed in a table so far."""
+
+    __slots__ = ("removed", "admitted_ids", "admitted_access", "rows")
+
+    def __init__(self) -> None:
+        self.removed: list[torch.Tensor] = []
+        self.admitted_ids: list[torch.Tensor] = []
+        self.admitted_access: list[torch.Tensor] = []
+        self.rows: list[dict[str, torch.Tensor]] = []
+
+    def admitted(self, ids: torch.Tensor, access: torch.Tensor) -> None:
+        self.admitted_ids.append(ids)
+        self.admitted_access.append(access)
+
+    def change(self, name: str, step: int) -> TableChange:
+        change = TableChange(name, step)
+        if self.removed:
+            change.removed = torch.cat(self.removed)
+        if self.admitted_ids:
+            change.admitted, change.admitted_access = torch.cat(self.admitted_ids), torch.cat(self.admitted_access)
+        if self.rows:
+            change.rows = {name: torch.cat([part[name] for part in self.rows]) for name in self.rows[0]}
+        return change
+
+
+def _journal(tables: Sequence[Table], journal: Optional[Journal], always: bool) -> None:
+    """Hands the tables' recorded changes to ``journal`` (when there are any, or ``always``); their locks held."""
+    if journal is None:
+        return
+    changes = [table._take_recording() for table in tables if table._recording is not None]
+    if always or any(changes):
+        journal(changes)

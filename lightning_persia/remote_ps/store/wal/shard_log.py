@@ -1,0 +1,211 @@
+"""The write-ahead log of one shard: what it records, how a restarted shard replays it, and which clients may go on.
+
+:func:`open_shard_log` runs once at start, before the shard serves: it loads the checkpoint the log follows,
+replays the log past it (:class:`ReplayReport` says how far it got, and how fast), and opens a new segment for
+this process. A shard whose log replayed completely holds every write it acknowledged before it died, so the
+clients of its earlier incarnations may go on without a rollback: :attr:`ShardLog.accepted` lists them. A log
+that is missing, whose checkpoint is gone, or that was written with ``durability: log`` before the machine
+restarted (its last records may have been lost with the page cache) is not trusted: the shard starts as today
+(``restore_from``, or empty) with a fresh log, and its clients roll back.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Optional
+
+from lightning_persia.remote_ps.store.errors import CheckpointError
+from lightning_persia.remote_ps.store.wal import changes as records
+from lightning_persia.remote_ps.store.wal.log import WriteAheadLog, read_base, segment_numbers, segment_path
+from lightning_persia.remote_ps.store.wal.records import ReadEnd, read_records
+
+if TYPE_CHECKING:
+    from lightning_persia.remote_ps.store.shard_store import ShardStore
+
+log = logging.getLogger("lightning_persia.ps")
+
+
+def boot_id() -> str:
+    """This boot of the machine (Linux); a log written without fsync is trusted only within the same boot."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+@dataclass
+class ReplayReport:
+    """How the start of a shard went: what it loaded, what it replayed, and whether its clients may go on."""
+
+    checkpoint: Optional[str] = None
+    segments: int = 0
+    records: int = 0
+    rows: int = 0
+    bytes_total: int = 0
+    bytes_read: int = 0
+    dropped_bytes: int = 0
+    dropped: str = ""  # why the last bytes were not replayed (a torn record), if any
+    seconds: float = 0.0
+    replayed: bool = False  # a log was found and replayed to its end
+    not_trusted: str = ""  # why the clients of earlier incarnations must roll back, if they must
+
+    def describe(self) -> str:
+        rate = self.rows / self.seconds if self.seconds > 0 else 0.0
+        text = (f"{self.records} records, {self.rows} rows of {self.segments} segments ({self.bytes_read / 1e6:.1f} MB) "
+                f"in {self.seconds:.2f} s ({rate:,.0f} rows/s) after {self.checkpoint or 'empty tables'}")
+        if self.dropped_bytes:
+            text += f"; dropped {self.dropped_bytes} bytes at the end ({self.dropped})"
+        return text
+
+
+class ShardLog:
+    """The open log of a shard (:func:`open_shard_log` makes it). Thread-safe."""
+
+    def __init__(self, wal: WriteAheadLog, incarnation: str, accepted: list[str], applied: dict[str, deque], window: int,
+                 report: ReplayReport) -> None:
+        self.wal = wal
+        self.incarnation = incarnation
+        self.accepted = frozenset(accepted)
+        self.report = report
+        self._applied: OrderedDict[str, deque] = OrderedDict(applied)
+        self._window = window
+        self._lock = threading.Lock()
+
+    @property
+    def durability(self) -> str:
+        return self.wal.durability
+
+    def record(self, change: records.Change) -> int:
+        """Queues ``change`` (call it with the tables' locks held); its ticket for :meth:`wait`."""
+        ticket = self.wal.append(records.encode_change(change))
+        if change.client:
+            with self._lock:
+                seqs = self._applied.get(change.client)
+                if seqs is None:
+                    seqs = self._applied[change.client] = deque(maxlen=self._window)
+                seqs.append(change.seq)
+        return ticket
+
+    def applied_seqs(self) -> dict[str, list[int]]:
+        """The seqs of each client's recent updates in the log (oldest first): the exactly-once memory of a restart."""
+        with self._lock:
+            return {client: list(seqs) for client, seqs in self._applied.items()}
+
+    def record_configure(self, table: dict) -> int:
+        """Queues a table's creation (call it holding the lock under which the table appears); its ticket."""
+        return self.wal.append(records.encode(records.CONFIGURE, {"table": table}))
+
+    def wait(self, ticket: int) -> None:
+        self.wal.wait(ticket)
+
+    def begin_base(self, base: Optional[str]) -> int:
+        """Starts a segment after every record so far (a checkpoint's consistent point: call it with every table's
+        lock held); the segment's number, for :meth:`end_base` once the checkpoint is complete."""
+        return self.wal.rotate(self._opening(base).encode())
+
+    def end_base(self, segment: int, checkpoint: str) -> None:
+        """``checkpoint`` holds every record before ``segment``: the log before it is deleted."""
+        self.wal.set_base(segment, checkpoint)
+
+    def close(self) -> None:
+        self.wal.close()
+
+    def _opening(self, base: Optional[str]) -> records.Opening:
+        return records.Opening(self.incarnation, sorted(self.accepted), boot_id(), self.durability, self.applied_seqs(), base)
+
+
+def open_shard_log(store: "ShardStore", directory: str, durability: str, incarnation: str, restore_from: Optional[str],
+                   window: int, on_progress: Callable[[ReplayReport], None] = lambda report: None) -> ShardLog:
+    """Restores ``store`` from its log in ``directory`` (or from ``restore_from`` when the log cannot be used) and
+    opens the log for this process (see the module docstring). Raises :class:`CheckpointError` when neither
+    restores a shard that must be restored."""
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    report = ReplayReport()
+    accepted: set[str] = set()
+    applied: dict[str, deque] = {}
+    segments = segment_numbers(path)
+    base = read_base(path)
+    if segments:
+        reason = _replay(store, path, base, segments, report, accepted, applied, window, on_progress)
+        if reason:
+            report.not_trusted = reason
+            accepted.clear()
+            applied.clear()
+            log.warning("shard %d: its write-ahead log in %s is not used (%s); its clients roll back", store.shard_index, path, reason)
+    if not report.replayed:
+        report.checkpoint = store.load_latest(restore_from) if restore_from else None
+    accepted.add(incarnation)
+    opening = records.Opening(incarnation, sorted(accepted), boot_id(), durability,
+                              {client: list(seqs) for client, seqs in applied.items()}, report.checkpoint)
+    wal = WriteAheadLog(path, durability, opening.encode())
+    if not report.replayed:  # a fresh log: it follows what was just loaded, and the old segments go
+        wal.set_base(wal.segment, report.checkpoint)
+    return ShardLog(wal, incarnation, sorted(accepted), applied, window, report)
+
+
+def _replay(store, path: Path, base: Optional[dict], segments: list[int], report: ReplayReport, accepted: set[str],
+            applied: dict[str, deque], window: int, on_progress) -> str:
+    """Loads the log's checkpoint and replays the segments after it; returns why the log is not trusted, or ""."""
+    if base is None:
+        return f"no {path / 'BASE.json'} names the checkpoint it follows"
+    first = int(base["segment"])
+    if first not in segments:
+        return f"its first segment {segment_path(path, first).name} is missing"
+    following = [n for n in segments if n >= first]
+    if following != list(range(first, first + len(following))):
+        return f"segments are missing between {following[0]} and {following[-1]}"
+    started = time.monotonic()
+    report.checkpoint = base["checkpoint"]
+    try:
+        if report.checkpoint:
+            store.load(report.checkpoint)
+    except CheckpointError as err:
+        return f"its checkpoint {report.checkpoint} does not load: {err}"
+    report.segments = len(following)
+    report.bytes_total = sum(segment_path(path, n).stat().st_size for n in following)
+    this_boot = boot_id()
+    distrust = ""
+    last_report = time.monotonic()
+    for number in following:
+        end = ReadEnd()
+        with open(segment_path(path, number), "rb") as stream:
+            for payload in read_records(stream, end):
+                report.bytes_read += len(payload)
+                try:
+                    kind, meta, tensors = records.decode(payload)
+                except records.RecordFormatError as err:
+                    raise CheckpointError(f"{segment_path(path, number)}: {err}") from None
+                if kind == records.OPEN:
+                    opening = records.Opening.from_meta(meta)
+                    accepted.update(opening.accepted)
+                    for client, seqs in opening.applied.items():
+                        applied.setdefault(client, deque(maxlen=window)).extend(seqs)
+                    if opening.boot_id != this_boot and opening.durability != "fsync":
+                        distrust = (f"segment {number} was written with durability {opening.durability!r} before the "
+                                    "machine restarted: its last acknowledged records may be lost")
+                elif kind == records.CONFIGURE:
+                    store.replay_configure(meta["table"])
+                elif kind == records.CHANGE:
+                    change = records.decode_change(meta, tensors)
+                    report.rows += store.replay_change(change)
+                    if change.client:
+                        applied.setdefault(change.client, deque(maxlen=window)).append(change.seq)
+                report.records += 1
+                if time.monotonic() - last_report >= 1.0:
+                    last_report = time.monotonic()
+                    report.seconds = last_report - started
+                    on_progress(report)
+        if end.dropped_bytes:
+            report.dropped_bytes += end.dropped_bytes
+            report.dropped = f"{segment_path(path, number).name}: {end.reason}"
+            os.truncate(segment_path(path, number), end.valid_bytes)  # never a torn record in the middle of the log
+    report.seconds = time.monotonic() - started
+    report.replayed = True
+    on_progress(report)
+    return distrust

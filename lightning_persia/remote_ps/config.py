@@ -31,6 +31,8 @@ from lightning_persia.remote_ps.table_config import ConfigError, TableConfig
 
 SCHEDULING = ("normal", "idle")
 """The values of :attr:`PSConfig.scheduling`."""
+DURABILITY = ("none", "log", "fsync")
+"""The values of :attr:`PSConfig.durability` (= ``store.wal.DURABILITY``; the config does not import the store)."""
 
 
 @dataclass
@@ -83,6 +85,15 @@ class PSConfig:
     disk_dir: Optional[str] = None
     """Where the disk tiers of the tables of ``storage: disk`` live (a folder of this shard's own; it needs the disk
     space of the rows past the tables' memory budgets, ~56 bytes a row at dim 16 in fp16); ``None`` refuses such tables."""
+    durability: str = "none"
+    """What an acknowledged update survives (RELIABILITY.md, *Durability*): ``"none"``: nothing (a restarted shard
+    starts from ``restore_from`` and its clients roll back to a checkpoint); ``"log"``: the shard process dying
+    (every update is in the write-ahead log in ``wal_dir`` before it is acknowledged; a restarted shard replays it
+    and its clients go on); ``"fsync"``: also the machine dying (the log is flushed to the disk before the
+    acknowledgement)."""
+    wal_dir: Optional[str] = None
+    """Folder of the write-ahead logs (each shard writes ``shard-NNNNN-of-NNNNN`` in it); needed unless
+    ``durability`` is ``"none"``. It must outlive the shard process (and, for ``"fsync"``, the machine)."""
     metrics_port: Optional[int] = None
     """Serve Prometheus metrics at ``http://<host>:<port>/metrics`` (the shard's ``--host``); 0 picks a free port,
     ``None`` serves none. A port that is taken stops the shard before it serves any call."""
@@ -114,6 +125,10 @@ class PSConfig:
         for name in ("fault_delay_s", "fault_save_delay_s"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"PS config: {name} must be >= 0, got {getattr(self, name)}")
+        if self.durability not in DURABILITY:
+            raise ConfigError(f"PS config: durability must be one of {', '.join(DURABILITY)}, got {self.durability!r}")
+        if self.durability != "none" and not self.wal_dir and not self.read_only:
+            raise ConfigError(f"PS config: durability {self.durability!r} needs wal_dir, the folder of the write-ahead log")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"PS config: metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.grace_s < 0:

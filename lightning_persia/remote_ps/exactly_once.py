@@ -64,6 +64,17 @@ class UpdateDeduplicator:
         self._lock = threading.Lock()
         self.duplicates = 0
 
+    def remember(self, client_id: str, seqs: list[int]) -> None:
+        """Marks ``seqs`` of ``client_id`` applied (read back from a write-ahead log: a restarted shard answers
+        their retries as duplicates). Their result is unknown: a duplicate answers 0 rows."""
+        with self._lock:
+            client = self._clients.setdefault(client_id, _Client())
+            for seq in seqs:
+                client.applied[seq] = (0, None)
+            while len(client.applied) > self.window:
+                dropped, _ = client.applied.popitem(last=False)
+                client.floor = max(client.floor, dropped)
+
     def run(self, client_id: str, seq: int, apply: Callable[[], T], digest: Optional[int] = None) -> Tuple[T, bool]:
         """``(result, duplicate)``: ``apply()``'s result, or the first attempt's result and ``True``.
 

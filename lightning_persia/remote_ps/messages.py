@@ -25,6 +25,7 @@ from lightning_persia.remote_ps.exactly_once import ConflictingDuplicateError, S
 from lightning_persia.remote_ps.protocol import WIRE_DTYPE_NAMES, persia_pb2
 from lightning_persia.remote_ps.served_version import DeltaOrderError
 from lightning_persia.remote_ps.store import CheckpointError, InvalidRequestError, ShardStore, StoreError, UnknownTableError
+from lightning_persia.remote_ps.store.errors import LogWriteError
 from lightning_persia.remote_ps.table_config import ConfigError, TableConfig
 
 
@@ -60,6 +61,8 @@ def status_of(err: Exception) -> Optional[grpc.StatusCode]:
     """The status that answers ``err``, or None for an error no request should cause (a bug)."""
     if isinstance(err, RpcRefusal):
         return err.code
+    if isinstance(err, LogWriteError):  # not retryable: the caller hears why nothing more is acknowledged
+        return grpc.StatusCode.RESOURCE_EXHAUSTED if err.disk_full else grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(err, StoreError):
         return next(code for cls, code in _STORE_CODES if isinstance(err, cls))
     if isinstance(err, (ConfigError, wire.WireFormatError)):

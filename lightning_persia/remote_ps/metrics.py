@@ -159,6 +159,22 @@ class ShardCollector:
         yield from _job_families(servicer.store.progress.figures())
         yield CounterMetricFamily("persia_ps_update_duplicates", "Updates answered without applying them again "
                                   "(a retry, or another rank's copy of a merged update).", value=servicer.dedup.duplicates)
+        shard_log = servicer.store.log
+        if shard_log is not None:
+            figures = shard_log.wal.stats
+            yield GaugeMetricFamily("persia_ps_wal_bytes", "Bytes of the write-ahead log on disk (a checkpoint truncates it).",
+                                    value=figures.disk_bytes)
+            yield CounterMetricFamily("persia_ps_wal_written_bytes", "Bytes this process wrote to the write-ahead log.",
+                                      value=figures.bytes_written)
+            yield CounterMetricFamily("persia_ps_wal_records", "Records this process wrote to the write-ahead log.",
+                                      value=figures.records)
+            yield CounterMetricFamily("persia_ps_wal_commits", "Writes of the write-ahead log (each one fsync with "
+                                      "durability fsync; a write carries every record queued).", value=figures.commits)
+            report = shard_log.report
+            yield GaugeMetricFamily("persia_ps_wal_replay_seconds", "How long this process's start replayed the write-ahead "
+                                    "log (0: no log to replay).", value=report.seconds)
+            yield GaugeMetricFamily("persia_ps_wal_replay_rows", "Rows this process's start replayed from the log.",
+                                    value=report.rows)
 
 
 def _job_families(jobs: Iterable["JobFigures"]) -> Iterable[Metric]:

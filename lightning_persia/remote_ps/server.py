@@ -11,9 +11,12 @@ never imports Lightning.
 """
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import signal
 import threading
+import uuid
 from concurrent import futures
 from typing import Callable, Optional
 
@@ -28,6 +31,7 @@ from lightning_persia.remote_ps.protocol import LISTENING_PREFIX, METRICS_PREFIX
 from lightning_persia.remote_ps.security import TLSFiles, TokenInterceptor, check_bind_security, is_loopback_host
 from lightning_persia.remote_ps.servicer import PSServicer
 from lightning_persia.remote_ps.store import ShardStore
+from lightning_persia.remote_ps.store.wal import ReplayReport, open_shard_log
 
 log = logging.getLogger("lightning_persia.ps")
 
@@ -135,7 +139,13 @@ def run_shard(
     store = ShardStore(shard_index=shard_index, num_shards=num_shards, seed=config.seed, table_defaults=config.table_configs(),
                        fault_save_delay_s=config.fault_save_delay_s, disk_dir=config.disk_dir)
     restored = None
-    if config.restore_from:  # before binding: a shard that cannot restore never answers with empty tables
+    if config.durability != "none" and not config.read_only:  # before binding, like a restore
+        store.log = open_shard_log(store, wal_directory(config.wal_dir, shard_index, num_shards), config.durability,
+                                   uuid.uuid4().hex[:16], config.restore_from, config.dedup_window,
+                                   on_progress=functools.partial(_report_replay, shard_index, num_shards),
+                                   pause_s=config.fault_replay_delay_s)
+        restored = store.log.report.checkpoint
+    elif config.restore_from:  # before binding: a shard that cannot restore never answers with empty tables
         restored = store.load_latest(config.restore_from)  # CheckpointError: refuse to start
         log.info("shard %d/%d restored from %s", shard_index, num_shards, restored)
     server = ShardServer(store, config, host=host, port=port, token=token, tls=tls, insecure=insecure, model_version=model_version)
@@ -174,4 +184,17 @@ def run_shard(
     log.info("shard %d/%d stopping (grace %.1f s)", shard_index, num_shards, config.grace_s)
     stop.set()
     server.stop(config.grace_s)
+    if store.log is not None:
+        store.log.close()
     return 0
+
+
+def wal_directory(wal_dir: str, shard_index: int, num_shards: int) -> str:
+    """The folder of one shard's write-ahead log under ``PSConfig.wal_dir``."""
+    return os.path.join(wal_dir, f"shard-{shard_index:05d}-of-{num_shards:05d}")
+
+
+def _report_replay(shard_index: int, num_shards: int, report: ReplayReport) -> None:
+    share = f"{100 * report.bytes_read / report.bytes_total:.0f}% " if report.bytes_total else ""
+    state = "replaying its write-ahead log:" if not report.replayed else "replayed"
+    log.info("shard %d/%d %s %s%s", shard_index, num_shards, state, share if not report.replayed else "", report.describe())

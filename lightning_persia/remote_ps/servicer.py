@@ -3,11 +3,13 @@
 Every RPC reads its request (``messages.py`` checks it before anything touches the rows), calls the store and
 answers. A refusal or failure becomes a gRPC status whose message names the shard and the problem; the shard
 keeps serving and its data is unchanged. Calls of :data:`FENCED_METHODS` that name another incarnation of
-the shard than this process are refused with ABORTED.
+the shard than this process are refused with ABORTED, unless the shard's write-ahead log holds every write
+acknowledged to that incarnation's clients (its replay then restored them: ``store.log.accepted``).
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import json
 import logging
@@ -39,6 +41,7 @@ def _rpc(method: Callable) -> Callable:
         try:
             if name in FENCED_METHODS:
                 self._check_incarnation(context)
+                self._check_log()
             if isinstance(request, messages.Undecodable):
                 raise invalid(f"request bytes are not a valid {request.message_type} message ({request.error})")
             return method(self, request, context)
@@ -68,8 +71,13 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         self._decoder = messages.RequestDecoder(store, config.max_ids_per_request)
         self._counters: collections.Counter[str] = collections.Counter()
         self._counter_lock = threading.Lock()
-        # New in every process (and every servicer): a client that saw another one talks to a restarted shard.
-        self.incarnation = uuid.uuid4().hex[:16]
+        # New in every process (and every servicer): a client that saw another one talks to a restarted shard,
+        # which refuses it unless its write-ahead log holds every write acknowledged to that client (`accepted`).
+        self.incarnation = store.log.incarnation if store.log is not None else uuid.uuid4().hex[:16]
+        self.accepted = store.log.accepted if store.log is not None else frozenset({self.incarnation})
+        if store.log is not None:
+            for client, seqs in store.log.applied_seqs().items():
+                self.dedup.remember(client, seqs)
         self.started_at = time.time()
         self.restored_from: Optional[str] = None
 
@@ -118,9 +126,12 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
             # Decoded here, not before: a duplicate (a retry, or the same merged update from another rank)
             # is answered without decoding its gradients again.
             items = self._decoder.tables(request, with_grads=True)
-            return self.store.update_many([(item.name, item.ids, item.grads) for item in items])
+            return self.store.update_many([(item.name, item.ids, item.grads) for item in items],
+                                          client=request.client_id, seq=request.seq)
 
         rows, duplicate = self.dedup.run(request.client_id, request.seq, apply, digest=messages.update_digest(request))
+        if self.config.fault_ack_delay_s:
+            time.sleep(self.config.fault_ack_delay_s)
         self._count("update_duplicates" if duplicate else "update_rows", 1 if duplicate else rows)
         return persia_pb2.UpdateResponse(rows_applied=rows, duplicate=duplicate)
 
@@ -209,12 +220,22 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         server["dedup_duplicates"] = self.dedup.duplicates
         server.update(incarnation=self.incarnation, started_at=self.started_at, restored_from=self.restored_from,
                       model_version=self.served.version, staged_version=self.served.staged_version,
-                      watching_deltas=self.watching_deltas)
+                      watching_deltas=self.watching_deltas, wal=self.log_stats())
         body = {"tables": self.store.stats(), "server": server}
         return persia_pb2.StatsResponse(
             shard_index=self.store.shard_index, num_shards=self.store.num_shards, json=json.dumps(body),
             incarnation=self.incarnation,
         )
+
+    def log_stats(self) -> dict:
+        """The write-ahead log's figures and how this process's start replayed it (``durability: none``: only that)."""
+        shard_log = self.store.log
+        if shard_log is None:
+            return {"durability": "none"}
+        failure = shard_log.wal.failure()
+        return {"durability": shard_log.durability, **dataclasses.asdict(shard_log.wal.stats),
+                "replay": dataclasses.asdict(shard_log.report), "accepted_incarnations": sorted(self.accepted),
+                "failed": str(failure) if failure else None}
 
     # ---- helpers -------------------------------------------------------------------------------------
 
@@ -226,7 +247,7 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         for key, value in context.invocation_metadata() or ():
             if key == INCARNATION_METADATA_KEY:
                 expected = value.decode(errors="replace") if isinstance(value, bytes) else value
-                if expected != self.incarnation:
+                if expected not in self.accepted:
                     restored = f", restored from {self.restored_from}" if self.restored_from else ", with empty tables"
                     raise RpcRefusal(
                         grpc.StatusCode.ABORTED,
@@ -236,6 +257,12 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
                         "client's incarnations (PSClient.wait_healthy)",
                     )
                 return
+
+    def _check_log(self) -> None:
+        """After the write-ahead log failed, nothing is served that could expose or extend an unlogged write."""
+        failure = self.store.log.wal.failure() if self.store.log is not None else None
+        if failure is not None:
+            raise failure
 
     def _check_serving(self, what: str) -> None:
         if not self.config.read_only:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import atexit
 import os
+import shutil
+import tempfile
 from typing import Optional
 
 from omegaconf import OmegaConf
@@ -25,6 +27,13 @@ of 4 runs 0.935), 0.88-1.00x at nice 10 (median of 7 runs 0.96), and with ``SCHE
 it; nice then does not matter) 1.00-1.08x (median of 5 runs 1.06) against 0.95-1.02x at nice 10 in the same rounds."""
 
 
+EMBEDDED_DURABILITY = "log"
+"""The embedded shards' ``PSConfig.durability`` unless the PS config sets it: a shard that dies is restarted by the
+launcher and replays its log, and the trainers go on without a rollback. ``log`` rather than ``fsync``: the shards
+die with their trainer's machine, so surviving it buys nothing here; see benchmarks/results/2026-11-25-wal.md for
+what each level costs the DLRM benchmark."""
+
+
 class LocalCluster:
     """``num_shards`` shards on loopback whose rows start from ``seed``.
 
@@ -40,9 +49,22 @@ class LocalCluster:
         self, num_shards: int, seed: int = 0, config_path: Optional[str] = None, *, restart: bool = False, max_restarts: int = 3,
     ) -> None:
         overrides = [f"seed={seed}"]
-        if not _sets_priority(config_path):
+        settings = _settings(config_path)
+        if "nice" not in settings and "scheduling" not in settings:
             overrides += [f"nice={EMBEDDED_NICE}", f"scheduling={EMBEDDED_SCHEDULING}"]
-        self._shards = LocalShards(num_shards, config_path=config_path, overrides=overrides, restart=restart, max_restarts=max_restarts)
+        if "durability" not in settings:
+            overrides.append(f"durability={EMBEDDED_DURABILITY}")
+        # The logs live as long as the cluster: a shard the launcher restarts replays its own.
+        self._wal_dir = None if settings.get("wal_dir") or settings.get("durability") == "none" else tempfile.mkdtemp(prefix="persia-wal-")
+        if self._wal_dir is not None:
+            overrides.append(f"wal_dir={self._wal_dir}")
+        try:
+            if config_path is not None:
+                load_ps_config(config_path, overrides)  # a bad setting is named here, as the shards would name it
+            self._shards = LocalShards(num_shards, config_path=config_path, overrides=overrides, restart=restart, max_restarts=max_restarts)
+        except BaseException:
+            self._remove_logs()
+            raise
         self.addresses = list(self._shards.addresses)
         atexit.register(self.stop)
 
@@ -67,13 +89,24 @@ class LocalCluster:
     def stop(self) -> None:
         atexit.unregister(self.stop)
         self._shards.stop()
+        self._remove_logs()
+
+    def _remove_logs(self) -> None:
+        if self._wal_dir is not None:
+            shutil.rmtree(self._wal_dir, ignore_errors=True)
 
 
-def _sets_priority(config_path: Optional[str]) -> bool:
-    """Whether the PS config at ``config_path`` sets ``nice`` or ``scheduling`` (a file that cannot be read or holds a
-    bad value raises the :class:`~lightning_persia.remote_ps.config.ConfigError` naming it, as the shards would)."""
+def _settings(config_path: Optional[str]) -> dict:
+    """What the PS config at ``config_path`` sets (a file that cannot be read or holds a bad value raises the
+    :class:`~lightning_persia.remote_ps.config.ConfigError` naming it, as the shards would)."""
     if config_path is None:
-        return False
-    load_ps_config(config_path)
-    config = OmegaConf.load(config_path)
-    return "nice" in config or "scheduling" in config
+        return {}
+    try:
+        settings = OmegaConf.to_container(OmegaConf.load(config_path))
+    except Exception:
+        load_ps_config(config_path)  # raises the ConfigError naming the file and the problem
+        raise
+    if not isinstance(settings, dict):
+        load_ps_config(config_path)
+        raise ValueError(f"PS config {config_path} is not a mapping")
+    return settings

@@ -1,5 +1,9 @@
 """PersiaStrategy and faults of its parameter server (in-process Trainers, embedded shards):
 
+- a shard SIGKILLed in the middle of training replays its write-ahead log when the launcher restarts it, and
+  training goes on with no rollback: the final model equals uninterrupted training;
+
+The other tests run the shards with ``durability: none`` (what a shard whose log is lost falls back to):
 - a shard SIGKILLed in the middle of training is restarted by the embedded launcher from the last checkpoint,
   and the trainer rolls dense and sparse state back to that checkpoint and goes on: the final model equals
   training, without the strategy, on exactly the batches that survived;
@@ -25,10 +29,17 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from lightning_persia import SGD, PersiaStrategy
 from lightning_persia.embedding.pipeline import EmbeddingLookupError
 from lightning_persia.remote_ps.protocol import COMMIT_MARKER
+from lightning_persia.strategy import local_cluster
 from lightning_persia.strategy.recovery import PersiaRecoveryError, RecoveryConfig
 from toy import INIT, NUM_IDS, ToyRecommender, loader, make_batches
 
 FAST = RecoveryConfig(wait_for_shards_s=60, client_max_retries=2, client_backoff_s=0.05, client_max_backoff_s=0.2)
+
+
+@pytest.fixture(autouse=True)
+def shards_without_a_log(monkeypatch):
+    """The rollback path: embedded shards with ``durability: none`` unless a test sets another level."""
+    monkeypatch.setattr(local_cluster, "EMBEDDED_DURABILITY", "none")
 
 
 def _trainer(strategy, steps: int, callbacks=(), checkpoint_dir=None, every: int = 5, **kwargs) -> L.Trainer:
@@ -63,6 +74,26 @@ def _pair() -> tuple[ToyRecommender, ToyRecommender]:
     remote = ToyRecommender(device="meta")
     remote.mlp.load_state_dict(local.mlp.state_dict())
     return local, remote
+
+
+def test_a_killed_shard_replays_its_log_and_training_goes_on_with_no_rollback_and_no_lost_step(tmp_path, monkeypatch):
+    monkeypatch.setattr(local_cluster, "EMBEDDED_DURABILITY", "log")
+    steps = 24
+    batches = make_batches(steps)
+    local, remote = _pair()
+    strategy = PersiaStrategy(staleness=0, embedding_optimizer=SGD(lr=0.1), embedding_init=INIT, wire_dtype="fp32",
+                              ps_timeout_s=20, recovery=FAST)
+    kill = _KillShard(after=12)
+    try:
+        _trainer(strategy, steps, [kill], checkpoint_dir=tmp_path / "ckpt").fit(remote, loader(batches))
+        assert strategy._recovery.events == []
+        kinds = [(e.shard, e.kind) for e in strategy._cluster.events]
+        assert kinds == [(1, "exited"), (1, "restarted")], strategy._cluster.events
+        replay = strategy.client.stats()[1]["server"]["wal"]["replay"]
+        assert replay["replayed"] and replay["records"] > 0 and "step=10.ckpt.ps/" in replay["checkpoint"]
+        _assert_equals_plain_training(strategy, remote, local, batches)  # every batch, none lost or applied twice
+    finally:
+        strategy.close()
 
 
 def test_killed_shard_rolls_back_dense_and_sparse_together_and_training_goes_on(tmp_path):

@@ -5,12 +5,14 @@ carries a sequence number the shard applies once): at least ``max_retries`` time
 has lasted ``retry_for_s``, with an exponential back-off and jitter. A call of :data:`FENCED_METHODS` carries
 the incarnation of the shard the client knows; a shard that restarted since answers ABORTED, which becomes
 :class:`ShardRestartedError` and is never retried. Any other status is the shard's answer
-(:class:`PSRequestError`).
+(:class:`PSRequestError`). A call that has waited ``WAIT_REPORT_S`` says so on the log, and again as often, so that a
+long wait (a shard restarting, replaying its write-ahead log) is never silent.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import random
 import time
 from dataclasses import dataclass
@@ -23,6 +25,9 @@ from lightning_persia.remote_ps.client.errors import PSRequestError, ShardRestar
 from lightning_persia.remote_ps.protocol import FENCED_METHODS, INCARNATION_METADATA_KEY
 
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+WAIT_REPORT_S = 5.0
+
+log = logging.getLogger("lightning_persia.ps.client")
 
 Metadata = tuple[tuple[str, str], ...]
 
@@ -77,6 +82,7 @@ async def call_with_retry(
 ):
     """``rpc(request)`` on shard ``shard`` under ``policy``; ``incarnation()`` is read again at every attempt."""
     start = time.monotonic()
+    next_report = WAIT_REPORT_S
     for attempt in itertools.count(1):
         try:
             return await rpc(request, timeout=timeout_s, metadata=fenced(metadata, method, incarnation()) or None)
@@ -86,8 +92,12 @@ async def call_with_retry(
                 raise ShardRestartedError(shard, address, code, err.details() or "") from None
             if code not in RETRYABLE_CODES:
                 raise PSRequestError(shard, address, code, err.details() or "") from None
-            if policy.gives_up(attempt, time.monotonic() - start):
-                raise ShardUnavailableError(
-                    shard, address, attempt, time.monotonic() - start, f"{method}: {code.name}: {err.details()}",
-                ) from None
+            waited = time.monotonic() - start
+            if policy.gives_up(attempt, waited):
+                raise ShardUnavailableError(shard, address, attempt, waited, f"{method}: {code.name}: {err.details()}") from None
+            if waited >= next_report:
+                next_report += WAIT_REPORT_S
+                log.warning("waiting for shard %d at %s: %s has not been answered for %.0f s (%s); retrying for up to %.0f s "
+                            "(a restarted shard replays its write-ahead log before it answers)", shard, address, method,
+                            waited, code.name, max(policy.retry_for_s, waited))
         await asyncio.sleep(policy.backoff(attempt))

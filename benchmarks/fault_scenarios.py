@@ -4,6 +4,9 @@ under PersiaStrategy, embedded shards, ModelCheckpoint every 4 steps). Prints wh
     .venv/bin/python benchmarks/fault_scenarios.py            # all scenarios (about 3 minutes on 2 cores)
     .venv/bin/python benchmarks/fault_scenarios.py --only shard_killed_ddp rank_killed_ddp
 
+The shards run with ``durability: none`` here: these scenarios exercise the rollback that a shard without a
+write-ahead log (or whose log is lost) costs. With the log, a killed shard costs no rollback: ``wal_bench.py``.
+
 Scenarios:
   shard_killed_ddp      2 ranks x 2 shards; shard 1 SIGKILLed after step 10: the launcher restarts it from the
                         last checkpoint, both ranks roll back at the same step and finish; dense weights agree.
@@ -157,9 +160,12 @@ PS_TIMEOUT_S = 2.0
 NUM_SHARDS = 2
 
 
-def run_config(out: Path, ranks: int, train_batches: int) -> str:
-    """Overrides of examples/dlrm/config.yaml: a small, fast run with checkpoints, validations and a sanity check."""
+def run_config(out: Path, ranks: int, train_batches: int, durability: str = "none") -> str:
+    """Overrides of examples/dlrm/config.yaml: a small, fast run with checkpoints, validations and a sanity check,
+    its shards with ``durability`` (none: a killed shard costs a rollback, the path these scenarios test)."""
     every = max(1, 10 // ranks)
+    ps_config = out / "ps.yaml"
+    ps_config.write_text(f"durability: {durability}\n")
     return f"""
 trainer:
   devices: {ranks}
@@ -175,6 +181,7 @@ trainer:
       staleness: 2
       num_local_shards: {NUM_SHARDS}
       ps_timeout_s: {PS_TIMEOUT_S}
+      ps_config: {ps_config}
       recovery: {{wait_for_shards_s: 60, client_max_backoff_s: 0.5}}
   callbacks:
     - class_path: examples.common.PrintAUC
@@ -275,12 +282,12 @@ def _kill_in_rollback(process: subprocess.Popen, lines: list[tuple[float, str]],
 
 
 def fit_once(out: Path, ranks: int, train_batches: int, fault: Optional[Fault], resume: Optional[Path] = None,
-             extra: tuple[str, ...] = (), timeout: float = 600) -> Outcome:
+             extra: tuple[str, ...] = (), timeout: float = 600, durability: str = "none") -> Outcome:
     """One ``lightning-persia fit`` of the small DLRM run (from the checkpoint ``resume``, copied into ``out``
     first), with ``fault`` injected; every line of its output timestamped."""
     out.mkdir(parents=True, exist_ok=True)
     config = out / "run.yaml"
-    config.write_text(run_config(out, ranks, train_batches))
+    config.write_text(run_config(out, ranks, train_batches, durability))
     command = [sys.executable, "-m", "lightning_persia.cli", "fit", "--config", str(ROOT / "examples/dlrm/config.yaml"),
                "--config", str(config), *extra]
     if resume is not None:

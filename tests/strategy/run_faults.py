@@ -82,6 +82,8 @@ def main() -> None:
     parser.add_argument("--kill-in-save", type=int, default=0)
     parser.add_argument("--save-delay", type=float, default=0.0)
     parser.add_argument("--resume")
+    parser.add_argument("--durability", default="none", choices=["none", "log", "fsync"],
+                        help="the shards' PSConfig.durability (none: a killed shard costs a rollback)")
     args = parser.parse_args()
 
     ckpt_dir = os.path.join(args.out, "ckpt")
@@ -90,11 +92,9 @@ def main() -> None:
         found = sorted(glob.glob(os.path.join(ckpt_dir, "*.ckpt")), key=os.path.getmtime)
         resume = found[-1] if found else None
         print(f"RESUME {resume}", flush=True)
-    ps_config = None
-    if args.save_delay:
-        ps_config = os.path.join(args.out, "ps.yaml")
-        with open(ps_config, "w") as f:
-            f.write(f"fault_save_delay_s: {args.save_delay}\n")
+    ps_config = os.path.join(args.out, "ps.yaml")
+    with open(ps_config, "w") as f:
+        f.write(f"durability: {args.durability}\nfault_save_delay_s: {args.save_delay}\n")
     batches = make_batches(args.steps)
     torch.manual_seed(0)
     model = ToyRecommender(device="meta")

@@ -105,6 +105,12 @@ class PSConfig:
     """Testing only: every Lookup and Update sleeps this long before it runs (a slow shard)."""
     fault_save_delay_s: float = 0.0
     """Testing only: a Save pauses this long after each chunk of rows it writes (to kill a shard in the middle of a save)."""
+    fault_ack_delay_s: float = 0.0
+    """Testing only: an Update pauses this long once it is applied and logged, before it answers (to kill a shard
+    between a log write and its acknowledgement)."""
+    fault_replay_delay_s: float = 0.0
+    """Testing only: the replay of the write-ahead log pauses this long after each record (to kill a shard in the
+    middle of its replay)."""
     tables: Dict[str, Any] = field(default_factory=dict)
     """Table defaults: ``{name: TableConfig fields without the name}``."""
 
@@ -122,7 +128,7 @@ class PSConfig:
             raise ConfigError("PS config: scheduling 'idle' needs Linux's SCHED_IDLE, which this platform does not have")
         if self.malloc_trim_interval_s < 0:
             raise ConfigError(f"PS config: malloc_trim_interval_s must be >= 0, got {self.malloc_trim_interval_s}")
-        for name in ("fault_delay_s", "fault_save_delay_s"):
+        for name in ("fault_delay_s", "fault_save_delay_s", "fault_ack_delay_s", "fault_replay_delay_s"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"PS config: {name} must be >= 0, got {getattr(self, name)}")
         if self.durability not in DURABILITY:

@@ -120,10 +120,14 @@ class ShardLog:
 
 
 def open_shard_log(store: "ShardStore", directory: str, durability: str, incarnation: str, restore_from: Optional[str],
-                   window: int, on_progress: Callable[[ReplayReport], None] = lambda report: None) -> ShardLog:
+                   window: int, on_progress: Callable[[ReplayReport], None] = lambda report: None,
+                   pause_s: float = 0.0) -> ShardLog:
     """Restores ``store`` from its log in ``directory`` (or from ``restore_from`` when the log cannot be used) and
     opens the log for this process (see the module docstring). Raises :class:`CheckpointError` when neither
-    restores a shard that must be restored."""
+    restores a shard that must be restored.
+
+    ``on_progress(report)`` hears how the replay goes when it begins, every second, and at its end; ``pause_s``
+    (testing only) sleeps after each replayed record."""
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     report = ReplayReport()
@@ -132,7 +136,7 @@ def open_shard_log(store: "ShardStore", directory: str, durability: str, incarna
     segments = segment_numbers(path)
     base = read_base(path)
     if segments:
-        reason = _replay(store, path, base, segments, report, accepted, applied, window, on_progress)
+        reason = _replay(store, path, base, segments, report, accepted, applied, window, on_progress, pause_s)
         if reason:
             report.not_trusted = reason
             accepted.clear()
@@ -150,7 +154,7 @@ def open_shard_log(store: "ShardStore", directory: str, durability: str, incarna
 
 
 def _replay(store, path: Path, base: Optional[dict], segments: list[int], report: ReplayReport, accepted: set[str],
-            applied: dict[str, deque], window: int, on_progress) -> str:
+            applied: dict[str, deque], window: int, on_progress, pause_s: float) -> str:
     """Loads the log's checkpoint and replays the segments after it; returns why the log is not trusted, or ""."""
     if base is None:
         return f"no {path / 'BASE.json'} names the checkpoint it follows"
@@ -171,6 +175,7 @@ def _replay(store, path: Path, base: Optional[dict], segments: list[int], report
     report.bytes_total = sum(segment_path(path, n).stat().st_size for n in following)
     this_boot = boot_id()
     distrust = ""
+    on_progress(report)
     last_report = time.monotonic()
     for number in following:
         end = ReadEnd()
@@ -197,6 +202,8 @@ def _replay(store, path: Path, base: Optional[dict], segments: list[int], report
                     if change.client:
                         applied.setdefault(change.client, deque(maxlen=window)).append(change.seq)
                 report.records += 1
+                if pause_s:
+                    time.sleep(pause_s)
                 if time.monotonic() - last_report >= 1.0:
                     last_report = time.monotonic()
                     report.seconds = last_report - started

@@ -1,0 +1,255 @@
+"""Shards with a write-ahead log killed at random moments of a training run: does any update get lost or applied twice?
+
+Two runs of a small DLRM (``walbench/train.py``: synthetic Criteo, 2 shards started here with ``durability: log``,
+checkpoints every ``--checkpoint-every`` steps): one uninterrupted, one whose shards are SIGKILLed ``--kills`` times
+at random moments. The shards' launcher restarts a killed shard, which replays its log past its last checkpoint;
+the trainer waits for it and goes on. Kinds of kills (drawn per kill): at a random moment of training, inside a
+checkpoint save (after the ``save`` phase mark), and inside the replay the previous kill caused (once the restarted
+shard says it replays). Shards pause ``fault_ack_delay_s`` between logging an update and answering it, so that
+random kills also land between a log write and its acknowledgement: a shard that then answers a retried update
+as a duplicate shows it. With ``--staleness 0`` the dense weights and every table row must equal the uninterrupted
+run's bit for bit; with ``--staleness > 0`` the test AUCs are compared.
+
+    .venv/bin/python benchmarks/wal_bench.py                       # 20 kills, τ = 0
+    .venv/bin/python benchmarks/wal_bench.py --staleness 4 --json  # τ = 4: AUC against the uninterrupted run
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from lightning_persia.remote_ps.client import PSClient  # noqa: E402
+from lightning_persia.remote_ps.launcher import LocalShards  # noqa: E402
+from walbench.compare import differences  # noqa: E402
+
+TRAIN = ROOT / "benchmarks" / "walbench" / "train.py"
+FAULT_KNOBS = ["fault_save_delay_s=0.02", "fault_ack_delay_s=0.003", "fault_replay_delay_s=0.005"]
+
+
+@dataclass
+class Run:
+    """One training run: its output lines (timestamped), its result, and what the kills did to it."""
+
+    out: Path
+    lines: list = field(default_factory=list)
+    status: Optional[int] = None
+    seconds: float = 0.0
+    kills: list = field(default_factory=list)  # (kind it aimed at, shard, where it landed)
+    replays: list = field(default_factory=list)  # seconds of each completed replay
+    duplicates: dict = field(default_factory=dict)  # incarnation -> retried updates it answered as duplicates
+
+    def step(self) -> int:
+        for _, line in reversed(self.lines):
+            if line.startswith("PHASE "):
+                return int(line.rsplit(" ", 1)[1])
+        return 0
+
+    def phase(self) -> str:
+        for _, line in reversed(self.lines):
+            if line.startswith("PHASE "):
+                return line.split(" ", 1)[1].rsplit(" ", 1)[0]
+        return "start-up"
+
+    def result(self) -> dict:
+        path = self.out / "result.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+
+def start_shards(workdir: Path, args: argparse.Namespace) -> LocalShards:
+    return LocalShards(args.shards, restart=True, max_restarts=args.kills + 2, overrides=[
+        "seed=0", f"durability={args.durability}", f"wal_dir={workdir / 'wal'}", *FAULT_KNOBS])
+
+
+def train(out: Path, shards: LocalShards, args: argparse.Namespace, run: Run) -> subprocess.Popen:
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, str(TRAIN), "--ps-addresses", ",".join(shards.addresses), "--out", str(out),
+               "--steps", str(args.steps), "--staleness", str(args.staleness), "--checkpoint-every", str(args.checkpoint_every)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env, cwd=ROOT)
+
+    def read() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            run.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    threading.Thread(target=read, daemon=True).start()
+    return process
+
+
+def _replay_state(shards: LocalShards, shard: int) -> str:
+    """``replaying`` or ``replayed``: the last replay line the shard printed (its output across restarts)."""
+    for line in reversed(shards.output(shard).splitlines()):
+        if "replaying its write-ahead log" in line:
+            return "replaying"
+        if " replayed " in line:
+            return "replayed"
+    return ""
+
+
+def _wait(condition, timeout_s: float, process: subprocess.Popen) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and process.poll() is None:
+        if condition():
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def _kill(shards: LocalShards, shard: int) -> bool:
+    try:
+        os.kill(shards.processes[shard].pid, signal.SIGKILL)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _read_replays(client: PSClient, run: Run, seen: set) -> None:
+    """Each incarnation's replay once (its seconds), and the duplicates it answered so far. Waits until every shard
+    answers (a killed one is back)."""
+    for stats in client.stats():
+        server = stats["server"]
+        replay = server["wal"].get("replay", {})
+        if replay.get("replayed") and stats["incarnation"] not in seen:
+            seen.add(stats["incarnation"])
+            run.replays.append(replay["seconds"])
+        if replay.get("replayed"):
+            run.duplicates[stats["incarnation"]] = server.get("update_duplicates", 0)
+
+
+def inject(process: subprocess.Popen, shards: LocalShards, run: Run, args: argparse.Namespace) -> None:
+    """The kills of one run (see the module docstring), spread over its steps."""
+    rng = random.Random(args.seed)
+    client = PSClient(shards.addresses, timeout_s=10, max_retries=100, retry_for_s=120)
+    seen: set = set()
+    killed = [0] * args.shards
+    try:
+        steps = sorted(rng.sample(range(3, args.steps - 3), args.kills))
+        plan = []
+        while len(plan) < args.kills:
+            kind = rng.choices(["train", "save", "replay"], [0.5, 0.25, 0.25])[0]
+            plan.append("train" if kind == "replay" and (not plan or plan[-1] == "replay") else kind)
+        for number, (kind, at_step) in enumerate(zip(plan, steps)):
+            if process.poll() is not None:
+                break
+            shard = killed.index(min(killed)) if kind != "replay" else run.kills[-1][1]
+            if kind == "replay":
+                landed = _wait(lambda: _replay_state(shards, shard) == "replaying", 60, process)
+                if not landed or not _kill(shards, shard):
+                    continue
+                where = "replay" if _replay_state(shards, shard) == "replaying" else "after its replay"
+            else:
+                if not _wait(lambda: run.step() >= at_step, 600, process):
+                    break
+                if kind == "save" and not _wait(lambda: run.phase() == "save", 600, process):
+                    break
+                time.sleep(rng.uniform(0.0, 0.05))
+                where = run.phase()
+                if not _kill(shards, shard):
+                    continue
+            killed[shard] += 1
+            run.kills.append((kind, shard, where))
+            print(f"  kill {number + 1:>2}: shard {shard}, aimed at {kind:<6} landed in {where} (step {run.step()})", flush=True)
+            if number + 1 < len(plan) and plan[number + 1] == "replay":
+                continue  # the next kill lands in this one's replay
+            _read_replays(client, run, seen)
+        process.wait(timeout=args.timeout)
+        _read_replays(client, run, seen)
+    finally:
+        client.close()
+
+
+def one_run(name: str, workdir: Path, args: argparse.Namespace, kills: bool) -> Run:
+    run = Run(workdir / name)
+    shards = start_shards(workdir / name, args)
+    started = time.monotonic()
+    try:
+        process = train(run.out, shards, args, run)
+        if kills:
+            inject(process, shards, run, args)
+        run.status = process.wait(timeout=args.timeout)
+    finally:
+        run.seconds = time.monotonic() - started
+        shards.stop()
+    return run
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--kills", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=400, help="training steps of each run")
+    parser.add_argument("--checkpoint-every", type=int, default=25, help="steps between checkpoints (each truncates the logs)")
+    parser.add_argument("--staleness", type=int, default=0, help="τ of both runs (0: the weights are compared bit for bit)")
+    parser.add_argument("--shards", type=int, default=2)
+    parser.add_argument("--durability", default="log", choices=["log", "fsync"])
+    parser.add_argument("--seed", type=int, default=0, help="seed of the kills' draws")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds a run may take")
+    parser.add_argument("--keep", type=Path, help="keep the runs' folders (logs, checkpoints, write-ahead logs) here")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    args = parser.parse_args(argv)
+    if args.kills > args.steps - 6:
+        parser.error("--kills must leave room in --steps (at most steps - 6)")
+    load_before = os.getloadavg()[0]
+    print(f"wal_bench: {args.steps} steps, τ={args.staleness}, {args.shards} shards with durability {args.durability}, "
+          f"checkpoint every {args.checkpoint_every} steps, {args.kills} kills; {os.cpu_count()} cores, load {load_before:.2f}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="wal_bench-") as tmp:
+        workdir = args.keep or Path(tmp)
+        print("uninterrupted run ...", flush=True)
+        reference = one_run("reference", workdir, args, kills=False)
+        print(f"  {reference.seconds:.0f} s, {reference.result()}", flush=True)
+        print("run with kills ...", flush=True)
+        faulted = one_run("kills", workdir, args, kills=True)
+        result, expected = faulted.result(), reference.result()
+        finished = faulted.status == 0 and reference.status == 0 and result.get("global_step") == args.steps
+        found = differences(faulted.out, reference.out) if finished else ["a run did not finish"]
+        if not finished:
+            for out, run in (("reference", reference), ("kills", faulted)):
+                print(f"{out} run: status {run.status}; last lines:\n" + "\n".join(l for _, l in run.lines[-30:]), flush=True)
+    load_after = os.getloadavg()[0]
+    landed: dict[str, int] = {}
+    for _, _, where in faulted.kills:
+        key = re.sub(r"\d+", "", where).strip()
+        landed[key] = landed.get(key, 0) + 1
+    auc_diff = abs(result["test_auc"] - expected["test_auc"]) if finished else None
+    summary = {
+        "kills": len(faulted.kills), "rollbacks": result.get("rollbacks"), "replays": len(faulted.replays),
+        "max_replay_s": round(max(faulted.replays), 3) if faulted.replays else 0.0,
+        "weights_equal": (not found) if args.staleness == 0 else None,
+        "between_write_and_ack": sum(faulted.duplicates.values()), "landed": landed, "staleness": args.staleness,
+        "test_auc": result.get("test_auc"), "reference_test_auc": expected.get("test_auc"), "auc_diff": auc_diff,
+        "seconds": round(faulted.seconds, 1), "reference_seconds": round(reference.seconds, 1),
+        "load_average": [load_before, load_after], "durability": args.durability,
+    }
+    print()
+    print(f"kills {summary['kills']} (landed: {', '.join(f'{k} {v}' for k, v in sorted(landed.items()))}); retried updates "
+          f"the restarted shards answered as duplicates (kills between a log write and its ack): {summary['between_write_and_ack']}")
+    print(f"rollbacks {summary['rollbacks']}; replays {summary['replays']}, longest {summary['max_replay_s']} s")
+    if args.staleness == 0:
+        print("weights: " + ("dense and every table row equal to the uninterrupted run's, bit for bit" if not found
+                             else "DIFFER: " + "; ".join(found[:10])))
+    if auc_diff is not None:
+        print(f"test AUC {result['test_auc']:.5f} vs {expected['test_auc']:.5f} uninterrupted (|diff| {auc_diff:.5f})")
+    print(f"wall: {faulted.seconds:.0f} s with kills, {reference.seconds:.0f} s without; load average {load_before:.2f} before, {load_after:.2f} after")
+    if args.json:
+        print(json.dumps(summary))
+    ok = finished and summary["rollbacks"] == 0 and (not found if args.staleness == 0 else auc_diff <= 0.001)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""What ``wal_bench.py`` compares between a run with kills and the uninterrupted one: the dense weights and every table
+row (values and optimizer state), read back from each run's final PS checkpoint."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from lightning_persia.remote_ps.store import checkpoint
+
+COMPARED_FIELDS = ("ids", "weights", "state")
+"""Per row. The access values (LRU step / LFU count) are left out: a lookup retried on a restarted shard counts twice,
+which moves the lookup step, not a value (they only order evictions, and these tables never reach capacity)."""
+
+
+def table_rows(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Every table of the checkpoint at ``folder`` (all shards together), its rows sorted by id."""
+    out = {}
+    for source in checkpoint.open_for_shard(str(folder), 0, 1):
+        blocks = [{name: block[name].clone() for name in COMPARED_FIELDS} for block in source.blocks(0, 1)]
+        rows = {name: torch.cat([b[name] for b in blocks]) for name in COMPARED_FIELDS} if blocks else {}
+        order = torch.argsort(rows["ids"]) if rows else None
+        out[source.name] = {name: values[order] for name, values in rows.items()}
+    return out
+
+
+def differences(run: Path, reference: Path) -> list[str]:
+    """What differs between two runs' results (empty: bit for bit the same weights and rows)."""
+    found = []
+    dense, expected = torch.load(run / "dense.pt"), torch.load(reference / "dense.pt")
+    for name, value in expected.items():
+        if name not in dense or not torch.equal(dense[name], value):
+            found.append(f"dense {name}: max |diff| {(dense[name] - value).abs().max().item() if name in dense else 'missing'}")
+    tables, expected_tables = table_rows(run / "tables"), table_rows(reference / "tables")
+    if tables.keys() != expected_tables.keys():
+        found.append(f"tables {sorted(tables)} vs {sorted(expected_tables)}")
+    for name in expected_tables:
+        mine, theirs = tables.get(name, {}), expected_tables[name]
+        if mine.get("ids") is None or not torch.equal(mine["ids"], theirs["ids"]):
+            found.append(f"table {name}: other ids ({mine['ids'].numel() if 'ids' in mine else 0} vs {theirs['ids'].numel()} rows)")
+            continue
+        for field in COMPARED_FIELDS[1:]:
+            if not torch.equal(mine[field], theirs[field]):
+                found.append(f"table {name} {field}: {int((mine[field] != theirs[field]).any(dim=1).sum())} rows differ")
+    return found

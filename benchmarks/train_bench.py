@@ -76,6 +76,9 @@ def make_configs(args: argparse.Namespace, meta: Dict[str, Any]) -> List[Dict[st
         for staleness in [0, *args.staleness]:
             name = ("sync" if staleness == 0 else f"hybrid-{staleness}") + (f" x{world}" if world > 1 else "")
             configs.append(dict(common, name=name, mode="persia", world=world, staleness=staleness))
+    for level in args.durability or ():  # the headline hybrid run once per level of the shards' write-ahead log
+        name = f"hybrid-{args.staleness[0]} {level}" + (f" x{min(args.ranks)}" if min(args.ranks) > 1 else "")
+        configs.append(dict(common, name=name, mode="persia", world=min(args.ranks), staleness=args.staleness[0], durability=level))
     return configs
 
 
@@ -198,12 +201,31 @@ def print_table(results: List[Dict[str, Any]], headline: Dict[str, Any]) -> None
         spread = f"{min(values) / 1e3:.1f}k..{max(values) / 1e3:.1f}k" if len(values) > 1 else "-"
         print(f"{r['name']:<14}{r['world']:>6}{tau:>4}{_fmt(r['samples_per_s'], ',.0f'):>12}{spread:>16}{_fmt(vs_local, '.2f'):>10}"
               f"{_fmt(vs_sync, '.2f'):>9}{_fmt(r['auc'], '.4f'):>10}{_fmt(d_auc, '+.4f'):>12}{r['wall_s']:>8.0f}")
+    durable = [r for r in results if r.get("durability")]
+    if durable:
+        print_durability(durable)
     h = headline
     print()
     print(f"hybrid (τ={h['hybrid_staleness']}, {h['hybrid_ranks']} rank(s)) / local: {_fmt(h.get('hybrid_vs_local'), '.2f')}   "
           f"hybrid / sync: {_fmt(h.get('hybrid_vs_sync'), '.2f')}   "
           f"|AUC hybrid - sync|: {_fmt(h.get('auc_hybrid_minus_sync') and abs(h['auc_hybrid_minus_sync']), '.4f')}   "
           f"AUC hybrid - local: {_fmt(h.get('auc_hybrid_minus_local'), '+.4f')}")
+
+
+def print_durability(rows: List[Dict[str, Any]]) -> None:
+    """The cost of the shards' write-ahead log: each level's samples/s against ``none``, and what the log wrote."""
+    none = next((r for r in rows if r["durability"] == "none"), None)
+    print(f"\n{'run':<16}{'durability':>11}{'samples/s':>12}{'vs none':>9}{'log KB/step':>13}{'disk MB/s':>11}{'commits/step':>14}")
+    for r in rows:
+        vs = r["samples_per_s"] / none["samples_per_s"] if none and r["samples_per_s"] and none["samples_per_s"] else None
+        wal = r.get("wal") or {}
+        per_step = wal.get("bytes_written", 0) / r["steps"] / 1e3 if r.get("steps") else None
+        rate = wal.get("bytes_written", 0) / r["fit_s"] / 1e6 if r.get("fit_s") else None
+        commits = wal.get("commits", 0) / r["steps"] if r.get("steps") else None
+        print(f"{r['name']:<16}{r['durability']:>11}{_fmt(r['samples_per_s'], ',.0f'):>12}{_fmt(vs, '.2f'):>9}"
+              f"{_fmt(per_step if wal else None, ',.1f'):>13}{_fmt(rate if wal else None, '.2f'):>11}{_fmt(commits if wal else None, '.1f'):>14}")
+    print("log KB/step, disk MB/s, commits/step: what the shards' write-ahead logs wrote during fit (all shards), per training\n"
+          "step and per second of fit; a commit is one write (and one fdatasync with fsync) carrying every record queued")
 
 
 def print_profile(results: List[Dict[str, Any]]) -> None:
@@ -303,6 +325,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--netem", metavar="DELAY_MS,RATE", help="shards behind an emulated network, e.g. 1,10gbit (root, iproute2)")
     parser.add_argument("--profile", action="store_true", help="instrument the runs and print where a step's time goes")
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    parser.add_argument("--durability", nargs="+", choices=["none", "log", "fsync"],
+                        help="also run the headline hybrid configuration with the embedded shards at each of these "
+                             "write-ahead log levels (PSConfig.durability), e.g. none log fsync")
     parser.add_argument("--cache-dir", type=Path, default=None, help="where the generated data is cached")
     parser.add_argument("--repeat", type=int, default=None, help="rounds of every run; medians are reported (default 2; --quick 1)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one configuration may take")

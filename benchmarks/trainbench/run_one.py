@@ -108,7 +108,13 @@ def run(config: Dict[str, Any]) -> None:
                          device=torch.device("cuda", rank) if gpu else torch.device("cpu"))
         strategy: Any = "auto"
     else:
+        ps_config = None
+        if config.get("durability"):  # the embedded shards' write-ahead log level (in a folder of the cluster's own)
+            ps_config = config["out"] + ".ps.yaml"
+            with open(ps_config, "w") as f:
+                f.write(f"durability: {config['durability']}\n")
         strategy = PersiaStrategy(
+            ps_config=ps_config,
             ps_addresses=config.get("ps_addresses"),
             num_local_shards=config["shards"],
             staleness=config["staleness"],
@@ -170,7 +176,11 @@ def run(config: Dict[str, Any]) -> None:
         test = RankSlices(config["data_path"], "test", batch, config["test_batches"], rank, world)
         metrics = trainer.test(model, dataloaders=DataLoader(test, batch_size=None, shuffle=False), verbose=False)
     test_s = time.perf_counter() - test_start
+    wal = None
     if isinstance(strategy, PersiaStrategy):
+        if config.get("durability") and trainer.global_rank == 0:
+            logs = [shard["server"]["wal"] for shard in strategy.client.stats()]
+            wal = {key: sum(log.get(key, 0) for log in logs) for key in ("bytes_written", "records", "commits")}
         strategy.close()
     if trainer.global_rank != 0:
         return
@@ -192,6 +202,8 @@ def run(config: Dict[str, Any]) -> None:
         "torch_threads": torch.get_num_threads(),
         "device": device_name(accelerator),
         "data": data,
+        "durability": config.get("durability"),
+        "wal": wal,
         **cpu.summary(),
     }
     if probe is not None:

@@ -67,13 +67,14 @@ class ShardLog:
     """The open log of a shard (:func:`open_shard_log` makes it). Thread-safe."""
 
     def __init__(self, wal: WriteAheadLog, incarnation: str, accepted: list[str], applied: dict[str, deque], window: int,
-                 report: ReplayReport) -> None:
+                 report: ReplayReport, max_clients: int = 4096) -> None:
         self.wal = wal
         self.incarnation = incarnation
         self.accepted = frozenset(accepted)
         self.report = report
         self._applied: OrderedDict[str, deque] = OrderedDict(applied)
         self._window = window
+        self._max_clients = max_clients
         self._lock = threading.Lock()
 
     @property
@@ -88,6 +89,10 @@ class ShardLog:
                 seqs = self._applied.get(change.client)
                 if seqs is None:
                     seqs = self._applied[change.client] = deque(maxlen=self._window)
+                    if len(self._applied) > self._max_clients:  # as the exactly-once memory: least recent first
+                        self._applied.popitem(last=False)
+                else:
+                    self._applied.move_to_end(change.client)
                 seqs.append(change.seq)
         return ticket
 

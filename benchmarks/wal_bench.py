@@ -3,11 +3,12 @@
 Two runs of a small DLRM (``walbench/train.py``: synthetic Criteo, 2 shards started here with ``durability: log``,
 checkpoints every ``--checkpoint-every`` steps): one uninterrupted, one whose shards are SIGKILLed ``--kills`` times
 at random moments. The shards' launcher restarts a killed shard, which replays its log past its last checkpoint;
-the trainer waits for it and goes on. Kinds of kills (drawn per kill): at a random moment of training, inside a
-checkpoint save (after the ``save`` phase mark), and inside the replay the previous kill caused (once the restarted
-shard says it replays). Shards pause ``fault_ack_delay_s`` between logging an update and answering it, so that
-random kills also land between a log write and its acknowledgement: a shard that then answers a retried update
-as a duplicate shows it. With ``--staleness 0`` the dense weights and every table row must equal the uninterrupted
+the trainer waits for it and goes on. Kinds of kills (drawn per kill): at a random moment of training; just after
+a step's backward, while its update is on its way (shards pause ``fault_ack_delay_s`` between logging an update and
+answering it, so such kills land between a log write and its acknowledgement: the restarted shard then answers the
+retried update as a duplicate, which counts it); inside a checkpoint save (after the ``save`` phase mark); and
+inside the replay the previous kill caused (once the restarted shard says it replays). After a shard is back,
+the next kill waits for a step of training. With ``--staleness 0`` the dense weights and every table row must equal the uninterrupted
 run's bit for bit; with ``--staleness > 0`` the test AUCs are compared.
 
     .venv/bin/python benchmarks/wal_bench.py                       # 20 kills, τ = 0
@@ -39,7 +40,7 @@ from lightning_persia.remote_ps.launcher import LocalShards  # noqa: E402
 from walbench.compare import differences  # noqa: E402
 
 TRAIN = ROOT / "benchmarks" / "walbench" / "train.py"
-FAULT_KNOBS = ["fault_save_delay_s=0.02", "fault_ack_delay_s=0.003", "fault_replay_delay_s=0.005"]
+FAULT_KNOBS = ["fault_save_delay_s=0.02", "fault_ack_delay_s=0.02", "fault_replay_delay_s=0.005"]
 
 
 @dataclass
@@ -139,35 +140,36 @@ def inject(process: subprocess.Popen, shards: LocalShards, run: Run, args: argpa
     seen: set = set()
     killed = [0] * args.shards
     try:
-        steps = sorted(rng.sample(range(3, args.steps - 3), args.kills))
-        plan = []
-        while len(plan) < args.kills:
-            kind = rng.choices(["train", "save", "replay"], [0.5, 0.25, 0.25])[0]
-            plan.append("train" if kind == "replay" and (not plan or plan[-1] == "replay") else kind)
-        for number, (kind, at_step) in enumerate(zip(plan, steps)):
-            if process.poll() is not None:
-                break
+        steps = sorted(rng.sample(range(3, args.steps - 10), args.kills))
+        resume_step = 0
+        kind = rng.choices(["train", "ack", "save"], [0.4, 0.3, 0.3])[0]
+        while len(run.kills) < args.kills and process.poll() is None:
+            number, at_step = len(run.kills), steps[len(run.kills)]
             shard = killed.index(min(killed)) if kind != "replay" else run.kills[-1][1]
             if kind == "replay":
                 landed = _wait(lambda: _replay_state(shards, shard) == "replaying", 60, process)
-                if not landed or not _kill(shards, shard):
+                if not landed or not _kill(shards, shard):  # it was back before the kill: a kill of another kind instead
+                    kind = rng.choices(["train", "ack", "save"], [0.4, 0.3, 0.3])[0]
                     continue
                 where = "replay" if _replay_state(shards, shard) == "replaying" else "after its replay"
             else:
-                if not _wait(lambda: run.step() >= at_step, 600, process):
+                if not _wait(lambda: run.step() >= max(at_step, resume_step + 1), 600, process):
                     break
-                if kind == "save" and not _wait(lambda: run.phase() == "save", 600, process):
+                if kind != "train" and not _wait(lambda: run.phase() == ("save" if kind == "save" else "between steps"), 600, process):
                     break
-                time.sleep(rng.uniform(0.0, 0.05))
+                time.sleep(rng.uniform(0.0, 0.02 if kind == "ack" else 0.05))
                 where = run.phase()
                 if not _kill(shards, shard):
                     continue
             killed[shard] += 1
             run.kills.append((kind, shard, where))
             print(f"  kill {number + 1:>2}: shard {shard}, aimed at {kind:<6} landed in {where} (step {run.step()})", flush=True)
-            if number + 1 < len(plan) and plan[number + 1] == "replay":
+            previous, kind = kind, rng.choices(["train", "ack", "save", "replay"], [0.3, 0.25, 0.25, 0.2])[0]
+            if kind == "replay" and previous != "replay":
                 continue  # the next kill lands in this one's replay
+            kind = "train" if kind == "replay" else kind
             _read_replays(client, run, seen)
+            resume_step = run.step()
         process.wait(timeout=args.timeout)
         _read_replays(client, run, seen)
     finally:
@@ -202,8 +204,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--keep", type=Path, help="keep the runs' folders (logs, checkpoints, write-ahead logs) here")
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     args = parser.parse_args(argv)
-    if args.kills > args.steps - 6:
-        parser.error("--kills must leave room in --steps (at most steps - 6)")
+    if args.kills > args.steps - 13:
+        parser.error("--kills must leave room in --steps (at most steps - 13)")
     load_before = os.getloadavg()[0]
     print(f"wal_bench: {args.steps} steps, τ={args.staleness}, {args.shards} shards with durability {args.durability}, "
           f"checkpoint every {args.checkpoint_every} steps, {args.kills} kills; {os.cpu_count()} cores, load {load_before:.2f}", flush=True)

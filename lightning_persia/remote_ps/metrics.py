@@ -172,7 +172,9 @@ class ShardCollector:
                                       "durability fsync; a write carries every record queued).", value=figures.commits)
             report = shard_log.report
             yield GaugeMetricFamily("persia_ps_wal_replay_seconds", "How long this process's start replayed the write-ahead "
-                                    "log (0: no log to replay).", value=report.seconds)
+                                    "log past its checkpoint (0: no log to replay).", value=report.seconds)
+            yield GaugeMetricFamily("persia_ps_wal_replay_load_seconds", "How long this process's start loaded the "
+                                    "checkpoint its write-ahead log follows.", value=report.load_seconds)
             yield GaugeMetricFamily("persia_ps_wal_replay_rows", "Rows this process's start replayed from the log.",
                                     value=report.rows)
 

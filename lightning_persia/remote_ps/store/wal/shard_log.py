@@ -50,14 +50,16 @@ class ReplayReport:
     bytes_read: int = 0
     dropped_bytes: int = 0
     dropped: str = ""  # why the last bytes were not replayed (a torn record), if any
-    seconds: float = 0.0
+    seconds: float = 0.0  # the log's replay (after the checkpoint's load)
+    load_seconds: float = 0.0  # the load of the checkpoint the log follows
     replayed: bool = False  # a log was found and replayed to its end
     not_trusted: str = ""  # why the clients of earlier incarnations must roll back, if they must
 
     def describe(self) -> str:
         rate = self.rows / self.seconds if self.seconds > 0 else 0.0
         text = (f"{self.records} records, {self.rows} rows of {self.segments} segments ({self.bytes_read / 1e6:.1f} MB) "
-                f"in {self.seconds:.2f} s ({rate:,.0f} rows/s) after {self.checkpoint or 'empty tables'}")
+                f"in {self.seconds:.2f} s ({rate:,.0f} rows/s) after {self.checkpoint or 'empty tables'}"
+                f"{f' (loaded in {self.load_seconds:.2f} s)' if self.checkpoint else ''}")
         if self.dropped_bytes:
             text += f"; dropped {self.dropped_bytes} bytes at the end ({self.dropped})"
         return text
@@ -176,6 +178,8 @@ def _replay(store, path: Path, base: Optional[dict], segments: list[int], report
             store.load(report.checkpoint)
     except CheckpointError as err:
         return f"its checkpoint {report.checkpoint} does not load: {err}"
+    report.load_seconds = time.monotonic() - started
+    started = time.monotonic()
     report.segments = len(following)
     report.bytes_total = sum(segment_path(path, n).stat().st_size for n in following)
     this_boot = boot_id()

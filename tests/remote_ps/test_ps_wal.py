@@ -7,7 +7,6 @@ import random
 import resource
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -16,7 +15,7 @@ import pytest
 import torch
 
 from lightning_persia.remote_ps.client import PSRequestError
-from lightning_persia.remote_ps.server import LocalShards, read_listening_address, stop_processes
+from lightning_persia.remote_ps.launcher import LocalShards, read_listening_address, serve_command, stop_processes
 from lightning_persia.remote_ps.table_config import SGD, Constant, TableConfig
 
 IDS = torch.arange(300)
@@ -90,8 +89,7 @@ def test_a_full_disk_stops_the_acknowledgements_with_a_clear_error_and_a_restart
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
 
-    command = [sys.executable, "-m", "lightning_persia.cli", "ps", "serve", "--port", "0", "--shard-index", "0",
-               "--num-shards", "1", "seed=1", "durability=log", f"wal_dir={tmp_path / 'wal'}"]
+    command = serve_command(0, 1, overrides=["seed=1", "durability=log", f"wal_dir={tmp_path / 'wal'}"])
     shard = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=limited_files)
     lines: list[str] = []
     try:

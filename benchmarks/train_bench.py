@@ -51,6 +51,8 @@ for _path in (str(_ROOT), str(_HERE)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+from lightning_persia.remote_ps.config import DURABILITY  # noqa: E402
+
 RUN_ONE = "--_run-one"
 
 
@@ -325,7 +327,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--netem", metavar="DELAY_MS,RATE", help="shards behind an emulated network, e.g. 1,10gbit (root, iproute2)")
     parser.add_argument("--profile", action="store_true", help="instrument the runs and print where a step's time goes")
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
-    parser.add_argument("--durability", nargs="+", choices=["none", "log", "fsync"],
+    parser.add_argument("--durability", nargs="+", choices=DURABILITY,
                         help="also run the headline hybrid configuration with the embedded shards at each of these "
                              "write-ahead log levels (PSConfig.durability), e.g. none log fsync")
     parser.add_argument("--cache-dir", type=Path, default=None, help="where the generated data is cached")

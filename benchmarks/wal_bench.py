@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lightning_persia.remote_ps.client import PSClient  # noqa: E402
+from lightning_persia.remote_ps.config import DURABILITY  # noqa: E402
 from lightning_persia.remote_ps.launcher import LocalShards  # noqa: E402
 from walbench.compare import differences  # noqa: E402
 
@@ -198,7 +199,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--checkpoint-every", type=int, default=25, help="steps between checkpoints (each truncates the logs)")
     parser.add_argument("--staleness", type=int, default=0, help="τ of both runs (0: the weights are compared bit for bit)")
     parser.add_argument("--shards", type=int, default=2)
-    parser.add_argument("--durability", default="log", choices=["log", "fsync"])
+    parser.add_argument("--durability", default="log", choices=DURABILITY[1:])
     parser.add_argument("--seed", type=int, default=0, help="seed of the kills' draws")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds a run may take")
     parser.add_argument("--keep", type=Path, help="keep the runs' folders (logs, checkpoints, write-ahead logs) here")

@@ -32,7 +32,7 @@ from lightning_persia.remote_ps.table_config import ConfigError, TableConfig
 SCHEDULING = ("normal", "idle")
 """The values of :attr:`PSConfig.scheduling`."""
 DURABILITY = ("none", "log", "fsync")
-"""The values of :attr:`PSConfig.durability` (= ``store.wal.DURABILITY``; the config does not import the store)."""
+"""The values of :attr:`PSConfig.durability` (``store/wal/``: the write-ahead log)."""
 
 
 @dataclass

@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from toy import INIT, NUM_IDS, ToyRecommender, loader, make_batches  # noqa: E402
 
 from lightning_persia import SGD, PersiaStrategy  # noqa: E402
+from lightning_persia.remote_ps.config import DURABILITY  # noqa: E402
 from lightning_persia.strategy.recovery import RecoveryConfig  # noqa: E402
 
 
@@ -82,7 +83,7 @@ def main() -> None:
     parser.add_argument("--kill-in-save", type=int, default=0)
     parser.add_argument("--save-delay", type=float, default=0.0)
     parser.add_argument("--resume")
-    parser.add_argument("--durability", default="none", choices=["none", "log", "fsync"],
+    parser.add_argument("--durability", default="none", choices=DURABILITY,
                         help="the shards' PSConfig.durability (none: a killed shard costs a rollback)")
     args = parser.parse_args()
 

@@ -25,11 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from lightning_persia.remote_ps.config import DURABILITY
 from lightning_persia.remote_ps.store.errors import LogWriteError
 from lightning_persia.remote_ps.store.wal.records import frame
 
-DURABILITY = ("none", "log", "fsync")
-"""The values of ``PSConfig.durability``."""
 BASE_FILE = "BASE.json"
 _FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 

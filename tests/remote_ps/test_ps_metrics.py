@@ -88,6 +88,23 @@ def test_a_shard_serves_its_rpc_table_and_process_figures(start_ps_cluster):
     assert value(again, "persia_ps_table_rows", table="m.small") == 8
 
 
+def test_a_shard_with_a_write_ahead_log_reports_its_size_and_its_replay(start_ps_cluster, tmp_path):
+    shards = start_ps_cluster(1, extra_args=["--metrics-port", "0"], overrides=["durability=log", f"wal_dir={tmp_path / 'wal'}"])
+    with PSClient(shards.addresses, timeout_s=10) as client:
+        client.wait_healthy(30)
+        client.configure([TableConfig("m.logged", dim=4, optimizer=SGD(lr=0.1))])
+        client.lookup({"m.logged": torch.arange(50)}, train=True)
+        client.update({"m.logged": (torch.arange(50), torch.ones(50, 4))})
+        replay = client.stats()[0]["server"]["wal"]["replay"]
+    samples = scrape(metrics_url(shards))
+    assert value(samples, "persia_ps_wal_bytes") >= value(samples, "persia_ps_wal_written_bytes_total") > 50 * 4 * 4
+    assert value(samples, "persia_ps_wal_records_total") == 3  # the table, the lookup's admissions, the update
+    assert value(samples, "persia_ps_wal_commits_total") >= 1
+    # a first start has nothing to replay (a restarted shard's figures: tests/remote_ps/test_ps_wal.py)
+    assert value(samples, "persia_ps_wal_replay_seconds") == replay["seconds"] == 0
+    assert value(samples, "persia_ps_wal_replay_rows") == replay["rows"] == 0
+
+
 def _serve(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "lightning_persia.cli", "ps", "serve", "--port", "0", "--shard-index", "0",
                            "--num-shards", "1", *args], capture_output=True, text=True, timeout=60)

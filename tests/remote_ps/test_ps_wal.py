@@ -78,6 +78,7 @@ def test_shards_killed_at_random_moments_replay_and_every_update_lands_exactly_o
         for shard in stats:
             wal = shard["server"]["wal"]
             assert wal["replay"]["replayed"] and wal["replay"]["checkpoint"] == str(tmp_path / "ckpt")
+            assert wal["replay"]["rows"] > 0 and wal["replay"]["seconds"] > 0  # (persia_ps_wal_replay_rows|seconds)
             assert set(incarnations) & set(wal["accepted_incarnations"])
         assert [e.kind for e in shards.events].count("restarted") == 2
     finally:

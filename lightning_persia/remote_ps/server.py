@@ -67,7 +67,8 @@ class ShardServer:
         # The metrics interceptor comes first, so it also counts the calls the token interceptor refuses; an
         # injected delay last, so that it slows only the calls that get through.
         interceptors = ([metrics.ServerRpcMetrics(self.metrics_registry)] if self.metrics_registry is not None else []) + (
-            [TokenInterceptor(token)] if token else []) + ([DelayInterceptor(config.fault_delay_s)] if config.fault_delay_s else [])
+            [TokenInterceptor(token)] if token else []) + ([DelayInterceptor(config.fault_delay_s)] if config.fault_delay_s else []) + (
+            [DelayInterceptor(config.fault_ack_delay_s, {"Update"}, after=True)] if config.fault_ack_delay_s else [])
         max_bytes = config.max_message_mb << 20
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.server_threads, thread_name_prefix="persia-ps"),

@@ -130,8 +130,6 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
                                           client=request.client_id, seq=request.seq)
 
         rows, duplicate = self.dedup.run(request.client_id, request.seq, apply, digest=messages.update_digest(request))
-        if self.config.fault_ack_delay_s:
-            time.sleep(self.config.fault_ack_delay_s)
         self._count("update_duplicates" if duplicate else "update_rows", 1 if duplicate else rows)
         return persia_pb2.UpdateResponse(rows_applied=rows, duplicate=duplicate)
 

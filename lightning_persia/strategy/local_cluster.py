@@ -30,8 +30,8 @@ it; nice then does not matter) 1.00-1.08x (median of 5 runs 1.06) against 0.95-1
 EMBEDDED_DURABILITY = "log"
 """The embedded shards' ``PSConfig.durability`` unless the PS config sets it: a shard that dies is restarted by the
 launcher and replays its log, and the trainers go on without a rollback. ``train_bench.py --durability none log
-fsync`` (DLRM τ=4, 1 rank, 2 cores shared with other jobs; benchmarks/results/2026-11-25-wal.md): ``log`` at 0.99x
-of ``none``'s samples/s, ``fsync`` at 0.89x (medians of 3 rounds). ``log`` rather than ``fsync``: the embedded
+fsync`` (DLRM τ=4, 1 rank, 2 cores shared with other jobs; benchmarks/results/2026-11-25-wal.md): ``log`` at 0.96x
+of ``none``'s samples/s, ``fsync`` at 0.93x (medians of 3 rounds; 0.99x and 0.89x in a run under heavy load). ``log`` rather than ``fsync``: the embedded
 shards, and their log folder, end with their trainer's machine, so surviving the machine buys nothing here."""
 
 

@@ -9,7 +9,7 @@ from lightning_persia.remote_ps.table_config import Adagrad, Normal, TableConfig
 
 
 def _start(tmp_path, *, durability="log", incarnation="one", restore_from=None):
-    store = ShardStore(0, 1, seed=3)
+    store = ShardStore(0, 1, seed=3, disk_dir=str(tmp_path / f"disk-{incarnation}"))
     store.log = open_shard_log(store, str(tmp_path / "wal"), durability, incarnation, restore_from, window=64)
     return store
 
@@ -47,11 +47,15 @@ def _assert_same(left: dict, right: dict) -> None:
             assert torch.equal(rows[field], other[field]), (name, field)
 
 
-@pytest.mark.parametrize("capacity,admit", [(1 << 20, 1.0), (300, 1.0), (1 << 20, 0.5)],
-                         ids=["admit-all", "evicting", "admit-half"])
-def test_a_restarted_shard_replays_to_exactly_the_rows_it_acknowledged(tmp_path, store_kernels, capacity, admit):
+@pytest.mark.parametrize("capacity,admit,storage", [(1 << 20, 1.0, "memory"), (300, 1.0, "memory"), (1 << 20, 0.5, "memory"),
+                                                    (300, 1.0, "disk")],
+                         ids=["admit-all", "evicting", "admit-half", "demoting-to-disk"])
+def test_a_restarted_shard_replays_to_exactly_the_rows_it_acknowledged(tmp_path, store_kernels, capacity, admit, storage):
+    if storage == "disk" and store_kernels != "native":
+        pytest.skip("storage 'disk' needs the native kernels (disk_tier.py refuses it otherwise)")
     store = _start(tmp_path)
-    store.configure(TableConfig("a", 8, optimizer=Adagrad(lr=0.1, rowwise=True), capacity=capacity, admit_probability=admit))
+    store.configure(TableConfig("a", 8, optimizer=Adagrad(lr=0.1, rowwise=True), capacity=capacity, admit_probability=admit,
+                                storage=storage))
     store.configure(TableConfig("b", 4, optimizer=Adagrad(lr=0.1), init=Normal(0, 0.1), capacity=capacity))
     _train(store, 12)
     store.save(str(tmp_path / "ckpt"))  # the log before it is deleted, the replay starts from it

@@ -86,7 +86,7 @@ class PSConfig:
     """Where the disk tiers of the tables of ``storage: disk`` live (a folder of this shard's own; it needs the disk
     space of the rows past the tables' memory budgets, ~56 bytes a row at dim 16 in fp16); ``None`` refuses such tables."""
     durability: str = "none"
-    """What an acknowledged update survives (RELIABILITY.md, *Durability*): ``"none"``: nothing (a restarted shard
+    """What an acknowledged update survives (docs/reliability.md, *Durability*): ``"none"``: nothing (a restarted shard
     starts from ``restore_from`` and its clients roll back to a checkpoint); ``"log"``: the shard process dying
     (every update is in the write-ahead log in ``wal_dir`` before it is acknowledged; a restarted shard replays it
     and its clients go on); ``"fsync"``: also the machine dying (the log is flushed to the disk before the

@@ -51,10 +51,8 @@ class PSConfig:
     torch_threads: int = 1
     """Intra-op threads of torch in the shard (0: torch's default, a thread per core). A shard runs its
     requests side by side on ``server_threads`` and its hot loops are native code, so intra-op threads only
-    add synchronisation: a lookup with inserts plus an update of 65,536 ids took 40 ms of CPU with 1 thread
-    and 58-60 ms with 2 for 37-39 ms instead of 40 ms of wall time on an idle 2-core machine; on busy
-    cores, a thread pool's waits cost far more (``torch.unique`` of 65,536 ids: 3.4 ms alone, 70 ms of CPU
-    with 2 threads)."""
+    add synchronisation: more CPU for about the same wall time on idle cores, and on busy cores a thread
+    pool's waits cost far more than the work they share."""
     nice: int = 0
     """Added to the shard process's nice value at start (0..19). Shards sharing cores with trainers (the
     embedded cluster) run at a lower priority: a trainer's parallel regions stall on any core taken from

@@ -51,10 +51,8 @@ class PSConfig:
     torch_threads: int = 1
     """Intra-op threads of torch in the shard (0: torch's default, a thread per core). A shard runs its
     requests side by side on ``server_threads`` and its hot loops are native code, so intra-op threads only
-    add synchronisation: a lookup with inserts plus an update of 65,536 ids took 40 ms of CPU with 1 thread
-    and 58-60 ms with 2 for 37-39 ms instead of 40 ms of wall time on an idle 2-core machine; on busy
-    cores, a thread pool's waits cost far more (``torch.unique`` of 65,536 ids: 3.4 ms alone, 70 ms of CPU
-    with 2 threads)."""
+    add synchronisation: more CPU for about the same wall time on idle cores, and on busy cores a thread
+    pool's waits cost far more than the work they share."""
     nice: int = 0
     """Added to the shard process's nice value at start (0..19). Shards sharing cores with trainers (the
     embedded cluster) run at a lower priority: a trainer's parallel regions stall on any core taken from
@@ -86,7 +84,7 @@ class PSConfig:
     """Where the disk tiers of the tables of ``storage: disk`` live (a folder of this shard's own; it needs the disk
     space of the rows past the tables' memory budgets, ~56 bytes a row at dim 16 in fp16); ``None`` refuses such tables."""
     durability: str = "none"
-    """What an acknowledged update survives (RELIABILITY.md, *Durability*): ``"none"``: nothing (a restarted shard
+    """What an acknowledged update survives (docs/reliability.md, *Durability*): ``"none"``: nothing (a restarted shard
     starts from ``restore_from`` and its clients roll back to a checkpoint); ``"log"``: the shard process dying
     (every update is in the write-ahead log in ``wal_dir`` before it is acknowledged; a restarted shard replays it
     and its clients go on); ``"fsync"``: also the machine dying (the log is flushed to the disk before the

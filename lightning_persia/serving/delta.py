@@ -223,7 +223,7 @@ class DeltaWatcher:
         self._thread = threading.Thread(target=loop, name=f"persia-deltas-{self.name}", daemon=True)
         self._thread.start()
         # Stopped before the interpreter finalizes: a daemon thread inside a torch op then (applying a delta) is
-        # ended by pthread_exit, which aborts the process (see RELIABILITY.md, the exit-time abort).
+        # ended by pthread_exit, which aborts the process (see docs/reliability.md, the exit-time abort).
         atexit.register(self.stop)
 
     def stop(self) -> None:

@@ -22,7 +22,7 @@ EMBEDDED_SCHEDULING = "idle" if hasattr(os, "SCHED_IDLE") else "normal"
 """The embedded shards' priority (``PSConfig.nice`` and ``PSConfig.scheduling``) unless the PS config sets either.
 They share the trainers' cores: a trainer's parallel regions (two intra-op threads on a 2-core machine) stall on
 any core a shard takes from them, while a prefetched lookup has steps to come back. ``train_bench.py --ranks 1
---staleness 4 --steps 150`` on 2 cores (BENCHMARKS.md): hybrid at 0.91-0.96x local's samples/s at nice 0 (median
+--staleness 4 --steps 150`` on 2 cores (benchmarks/results/2026-11-25-benchmarks-history.md): hybrid at 0.91-0.96x local's samples/s at nice 0 (median
 of 4 runs 0.935), 0.88-1.00x at nice 10 (median of 7 runs 0.96), and with ``SCHED_IDLE`` (where the platform has
 it; nice then does not matter) 1.00-1.08x (median of 5 runs 1.06) against 0.95-1.02x at nice 10 in the same rounds."""
 

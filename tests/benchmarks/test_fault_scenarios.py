@@ -1,7 +1,7 @@
 """The randomised mode of benchmarks/fault_scenarios.py, made deterministic and small: two runs of the DLRM
 example through ``lightning-persia fit`` (real shards, real signals), each with its fault at a fixed phase.
 
-The 50-run campaign is in RELIABILITY.md (``fault_scenarios.py --random 50``)."""
+The 50-run campaign is in docs/reliability.md (``fault_scenarios.py --random 50``)."""
 from __future__ import annotations
 
 import sys

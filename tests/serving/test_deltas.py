@@ -213,7 +213,7 @@ applying.wait(10)
 
 def test_a_started_watcher_finishes_the_delta_it_applies_before_the_interpreter_exits(tmp_path):
     # A daemon thread still applying a delta (torch ops) when the interpreter finalizes would be ended mid-apply,
-    # which can abort the process (RELIABILITY.md: the exit-time abort): the watcher is stopped at exit instead.
+    # which can abort the process (docs/reliability.md: the exit-time abort): the watcher is stopped at exit instead.
     done = subprocess.run([sys.executable, "-c", _EXIT_WHILE_APPLYING, str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["applied", "2"]

@@ -74,8 +74,8 @@ class PersiaStrategy(DDPStrategy):
             every table (optimizer ``Adagrad(lr=0.01, rowwise=True)``; ``init=None`` keeps each module's default:
             TorchRec's ``U(-sqrt(1/n), sqrt(1/n))`` or its ``weight_init_min/max``, ``N(0, 1)`` for ``nn.Embedding[Bag]``).
         table_overrides: per-table settings, keyed by the table's name or its full name ``<module path>.<name>``.
-        embedding_optimizer: shorthand for ``tables.optimizer`` (give one of the two).
-        embedding_init: shorthand for ``tables.init`` (give one of the two).
+        embedding_optimizer: shorthand for ``tables.optimizer`` (a different ``tables.optimizer`` too is refused).
+        embedding_init: shorthand for ``tables.init`` (a different ``tables.init`` too is refused).
         wire_dtype: ``"fp16"`` (default) or ``"fp32"`` for rows and gradients on the wire.
         intercept: module kinds to serve remotely (default: all four).
         exclude: module paths to keep local (trained by DDP like any dense parameter).
@@ -602,9 +602,11 @@ def _table_defaults(
     tables: Optional[TableSettings], optimizer: Optional[OptimizerLike], init: Optional[InitLike],
     overrides: Optional[dict[str, TableOverride]], data_parallel_max_rows: int,
 ) -> TableDefaults:
+    unset = TableSettings()
     for shorthand, name, value in (("embedding_optimizer", "optimizer", optimizer), ("embedding_init", "init", init)):
-        if tables is not None and value is not None:
-            raise ValueError(f"PersiaStrategy: give {shorthand} or tables.{name}, not both (tables=TableSettings({name}=...))")
+        if tables is not None and value is not None and getattr(tables, name) not in (getattr(unset, name), value):
+            raise ValueError(f"PersiaStrategy: {shorthand}={value!r} and tables.{name}={getattr(tables, name)!r} disagree; "
+                             f"{shorthand} is a shorthand for tables.{name}: give one of the two")
     settings = {name: getattr(tables, name) for name in TABLE_SETTING_NAMES} if tables is not None else {}
     if optimizer is not None:
         settings["optimizer"] = optimizer

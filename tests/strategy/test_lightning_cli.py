@@ -71,7 +71,11 @@ def test_yaml_table_settings_and_overrides(tmp_path):
 def test_a_moved_flat_argument_names_its_new_place():
     with pytest.raises(TypeError, match=r"PersiaStrategy\(capacity=..., eviction=...\) moved: PersiaStrategy\(tables=TableSettings"):
         PersiaStrategy(capacity=10, eviction="lfu")
-    with pytest.raises(ValueError, match="give embedding_optimizer or tables.optimizer, not both"):
-        PersiaStrategy(tables=TableSettings(capacity=10), embedding_optimizer=SGD())
-    strategy = PersiaStrategy(tables=TableSettings(capacity=10), embedding_init=None)
+    with pytest.raises(ValueError, match="embedding_optimizer=.* and tables.optimizer=.* disagree"):
+        PersiaStrategy(tables=TableSettings(optimizer=Adam()), embedding_optimizer=SGD())
+    with pytest.raises(ValueError, match="embedding_init=.* and tables.init=.* disagree"):
+        PersiaStrategy(tables=TableSettings(init=Normal()), embedding_init=Normal(std=1.0))
+    strategy = PersiaStrategy(tables=TableSettings(capacity=10))
     assert (strategy.table_defaults.capacity, strategy.table_defaults.optimizer) == (10, Adagrad(lr=0.01, rowwise=True))
+    strategy = PersiaStrategy(tables=TableSettings(capacity=10), embedding_optimizer=SGD(lr=0.2))  # the shorthand with other settings
+    assert (strategy.table_defaults.capacity, strategy.table_defaults.optimizer) == (10, SGD(lr=0.2))

@@ -22,9 +22,9 @@ from lightning_persia import _versions
 _versions.check()  # before anything imports FBGEMM: a mismatched build fails deep inside it
 
 from lightning_persia.remote_ps.protocol.constants import SHARD_PROCESS_ENV
-from lightning_persia.remote_ps.table_config import SGD, Adagrad, Adam, Constant, Normal, TableConfig, Uniform
+from lightning_persia.remote_ps.table_config import SGD, Adagrad, Adam, Constant, Normal, TableConfig, TableSettings, Uniform
 
-__all__ = ["PersiaStrategy", "SGD", "Adagrad", "Adam", "Uniform", "Normal", "Constant", "TableOverride", "TableConfig", "RecoveryConfig",
+__all__ = ["PersiaStrategy", "SGD", "Adagrad", "Adam", "Uniform", "Normal", "Constant", "TableSettings", "TableOverride", "TableConfig", "RecoveryConfig",
            "PublishDeltas"]
 
 _LAZY_NAMES = {"PersiaStrategy": "lightning_persia.strategy", "TableOverride": "lightning_persia.strategy.interception",

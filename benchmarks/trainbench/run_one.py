@@ -85,7 +85,7 @@ def run(config: Dict[str, Any]) -> None:
     import lightning as L
     from torch.utils.data import DataLoader
 
-    from lightning_persia import Adagrad, PersiaStrategy
+    from lightning_persia import Adagrad, PersiaStrategy, TableSettings
     from trainbench.data import RankSlices
     from trainbench.models import build_model, make_local_fused
     from trainbench.probe import CpuMeter, StepProbe, device_name
@@ -118,11 +118,11 @@ def run(config: Dict[str, Any]) -> None:
             ps_addresses=config.get("ps_addresses"),
             num_local_shards=config["shards"],
             staleness=config["staleness"],
-            embedding_optimizer=Adagrad(lr=config["emb_lr"], eps=config["emb_eps"], rowwise=True),
+            tables=TableSettings(optimizer=Adagrad(lr=config["emb_lr"], eps=config["emb_eps"], rowwise=True),
+                                 storage_dtype=config.get("storage_dtype", "fp32")),
             wire_dtype=config["wire_dtype"],
             data_parallel_max_rows=config.get("data_parallel_max_rows", 0),
             merge_rank_gradients=config.get("merge_rank_gradients", True),
-            storage_dtype=config.get("storage_dtype", "fp32"),
             ps_seed=config["ps_seed"],
             ps_token=config.get("ps_token"),
             ps_timeout_s=120.0,

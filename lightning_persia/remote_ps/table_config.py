@@ -1,5 +1,7 @@
 """Configuration of a remote embedding table: its sparse optimizer, initialiser and memory policy.
 
+:class:`TableSettings` holds every setting and its one default; :class:`TableConfig` is a table on the shards.
+
 These dataclasses are the public configuration API (re-exported as ``lightning_persia.SGD`` etc.). They
 travel to the shards as plain dicts (``to_dict``/``from_dict``), so the PS never unpickles anything.
 """
@@ -8,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Literal, Optional, Tuple, Union
 
 import torch
 
@@ -129,16 +131,26 @@ STORAGE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 """How a shard stores a table's rows; the optimizer state is float32 either way."""
 DEFAULT_CAPACITY = 1 << 26
 
+OptimizerLike = Union[SGD, Adagrad, Adam]
+InitLike = Union[Uniform, Normal, Constant]
 _OPTIMIZERS = {cls.__name__: cls for cls in (SGD, Adagrad, Adam)}
 _INITS = {cls.__name__: cls for cls in (Uniform, Normal, Constant)}
 
 
-@dataclass
-class TableConfig:
-    """One remote table as a shard stores it.
+def _default_optimizer() -> EmbeddingOptimizer:
+    return Adagrad(lr=0.01, rowwise=True)
 
-    ``capacity`` is the number of rows one shard keeps before it evicts (``eviction`` picks the victims);
-    ``admit_probability`` is the chance that an unseen id met in training gets a row; ``weight_bound``
+
+@dataclass(kw_only=True)
+class TableSettings:
+    """Every setting of a table but its name and dimension, with the one set of defaults.
+
+    ``PersiaStrategy(tables=TableSettings(...))`` applies them to every table it serves; ``TableOverride`` replaces
+    some of them for one table; :class:`TableConfig` (what a shard stores) is these settings plus the name and dim.
+
+    ``optimizer`` is the sparse optimizer run on the shards. ``init=None`` keeps each intercepted module's own
+    initialisation. ``capacity`` is the number of rows one shard keeps before it evicts (``eviction`` picks the
+    victims); ``admit_probability`` is the chance that an unseen id met in training gets a row; ``weight_bound``
     clips every updated weight to ``[-weight_bound, weight_bound]``; ``storage_dtype`` is how the shard stores
     the rows (``"fp16"`` halves their memory; updates are computed in float32 and rounded to nearest).
 
@@ -149,46 +161,74 @@ class TableConfig:
     many lookups of the table / seconds, in bulk, on a thread of the shard (needs ``eviction="lru"``).
     ``admit_after=k`` stores an unseen id only at its k-th training lookup (counted by a counting filter, no row
     per unseen id); before that it is served its initial row.
+
+    Example (YAML)::
+
+        tables: {capacity: 1000000, optimizer: {class_path: lightning_persia.Adagrad, init_args: {lr: 0.05}}}
     """
 
-    name: str
-    dim: int
-    optimizer: EmbeddingOptimizer = field(default_factory=SGD)
-    init: EmbeddingInit = field(default_factory=Uniform)
+    optimizer: OptimizerLike = field(default_factory=_default_optimizer)
+    init: Optional[InitLike] = None
     capacity: int = DEFAULT_CAPACITY
-    eviction: str = "lru"
+    eviction: Literal["lru", "lfu"] = "lru"
     admit_probability: float = 1.0
     weight_bound: Optional[float] = None
-    storage_dtype: str = "fp32"
-    storage: str = "memory"
+    storage_dtype: Literal["fp16", "fp32"] = "fp32"
+    storage: Literal["memory", "disk"] = "memory"
     ttl_steps: Optional[int] = None
     ttl_seconds: Optional[float] = None
     admit_after: int = 1
 
     def __post_init__(self) -> None:
+        self._check_settings("TableSettings")
+
+    def _check_settings(self, where: str) -> None:
+        _check(isinstance(self.optimizer, EmbeddingOptimizer), f"{where}: optimizer must be SGD, Adagrad or Adam")
+        _check(self.init is None or isinstance(self.init, EmbeddingInit), f"{where}: init must be Uniform, Normal or Constant")
+        _check(isinstance(self.capacity, int) and 0 < self.capacity < 1 << 31,
+               f"{where}: capacity must be in 1..2^31-1 rows, got {self.capacity}")
+        _check(self.eviction in EVICTION_POLICIES, f"{where}: eviction must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
+        _check(0.0 <= self.admit_probability <= 1.0, f"{where}: admit_probability must be in [0, 1], got {self.admit_probability}")
+        _check(self.weight_bound is None or self.weight_bound > 0, f"{where}: weight_bound must be > 0 or None, got {self.weight_bound}")
+        _check(self.storage_dtype in STORAGE_DTYPES,
+               f"{where}: storage_dtype must be one of {sorted(STORAGE_DTYPES)}, got {self.storage_dtype!r}")
+        _check(self.storage in STORAGES, f"{where}: storage must be one of {STORAGES}, got {self.storage!r}")
+        _check(self.ttl_steps is None or (isinstance(self.ttl_steps, int) and self.ttl_steps > 0),
+               f"{where}: ttl_steps must be a positive number of lookups or None, got {self.ttl_steps!r}")
+        _check(self.ttl_seconds is None or self.ttl_seconds > 0, f"{where}: ttl_seconds must be > 0 or None, got {self.ttl_seconds!r}")
+        _check((self.ttl_steps is None and self.ttl_seconds is None) or self.eviction == "lru",
+               f"{where}: a TTL needs eviction 'lru' (a row's access value is then its last step), got {self.eviction!r}")
+        _check(isinstance(self.admit_after, int) and 1 <= self.admit_after <= 255,
+               f"{where}: admit_after must be in 1..255 sightings, got {self.admit_after!r}")
+
+
+TABLE_SETTING_NAMES = tuple(f.name for f in dataclasses.fields(TableSettings))
+
+
+@dataclass
+class TableConfig(TableSettings):
+    """One remote table as a shard stores it: its name, its dimension and its :class:`TableSettings`.
+
+    Example::
+
+        TableConfig("user_id", 16, capacity=1_000_000, optimizer=Adagrad(lr=0.05, rowwise=True))
+    """
+
+    name: str
+    dim: int
+    # A stored table needs a concrete initialiser; only intercepted modules have an own one to keep.
+    init: InitLike = field(default_factory=Uniform, kw_only=True)
+
+    def __post_init__(self) -> None:
         _check(isinstance(self.name, str) and 0 < len(self.name) <= 256, f"table name must be 1..256 characters, got {self.name!r}")
         _check(isinstance(self.dim, int) and 0 < self.dim <= 65536, f"table {self.name!r}: dim must be in 1..65536, got {self.dim}")
-        _check(isinstance(self.optimizer, EmbeddingOptimizer), f"table {self.name!r}: optimizer must be SGD, Adagrad or Adam")
-        _check(isinstance(self.init, EmbeddingInit), f"table {self.name!r}: init must be Uniform, Normal or Constant")
-        _check(0 < self.capacity < 1 << 31, f"table {self.name!r}: capacity must be in 1..2^31-1 rows, got {self.capacity}")
-        _check(self.eviction in EVICTION_POLICIES, f"table {self.name!r}: eviction must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
-        _check(0.0 <= self.admit_probability <= 1.0, f"table {self.name!r}: admit_probability must be in [0, 1], got {self.admit_probability}")
-        _check(
-            self.weight_bound is None or self.weight_bound > 0,
-            f"table {self.name!r}: weight_bound must be > 0 or None, got {self.weight_bound}",
-        )
-        _check(self.storage_dtype in STORAGE_DTYPES,
-               f"table {self.name!r}: storage_dtype must be one of {sorted(STORAGE_DTYPES)}, got {self.storage_dtype!r}")
+        _check(self.init is not None, f"table {self.name!r}: init must be Uniform, Normal or Constant")
+        self._check_settings(f"table {self.name!r}")
 
-        _check(self.storage in STORAGES, f"table {self.name!r}: storage must be one of {STORAGES}, got {self.storage!r}")
-        _check(self.ttl_steps is None or (isinstance(self.ttl_steps, int) and self.ttl_steps > 0),
-               f"table {self.name!r}: ttl_steps must be a positive number of lookups or None, got {self.ttl_steps!r}")
-        _check(self.ttl_seconds is None or self.ttl_seconds > 0,
-               f"table {self.name!r}: ttl_seconds must be > 0 or None, got {self.ttl_seconds!r}")
-        _check((self.ttl_steps is None and self.ttl_seconds is None) or self.eviction == "lru",
-               f"table {self.name!r}: a TTL needs eviction 'lru' (a row's access value is then its last step), got {self.eviction!r}")
-        _check(isinstance(self.admit_after, int) and 1 <= self.admit_after <= 255,
-               f"table {self.name!r}: admit_after must be in 1..255 sightings, got {self.admit_after!r}")
+    @property
+    def settings(self) -> TableSettings:
+        """The table's settings without its name and dim."""
+        return TableSettings(**{name: getattr(self, name) for name in TABLE_SETTING_NAMES})
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-safe) form, as sent over the wire and stored in checkpoints."""
@@ -199,11 +239,14 @@ class TableConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TableConfig":
-        """Inverse of :meth:`to_dict`; any unknown kind or field is a :class:`ConfigError` naming it."""
+        """Inverse of :meth:`to_dict`; a missing setting takes its default, an unknown kind or field is a
+        :class:`ConfigError` naming it."""
         try:
             data = dict(data)
-            data["optimizer"] = _build(_OPTIMIZERS, data.get("optimizer", {"kind": "SGD"}), "optimizer")
-            data["init"] = _build(_INITS, data.get("init", {"kind": "Uniform"}), "init")
+            if "optimizer" in data:
+                data["optimizer"] = _build(_OPTIMIZERS, data["optimizer"], "optimizer")
+            if "init" in data:
+                data["init"] = _build(_INITS, data["init"], "init")
             return cls(**data)
         except TypeError as err:
             raise ConfigError(f"bad table config: {err}") from None
@@ -216,6 +259,3 @@ def _build(registry: dict[str, type], spec: Any, what: str) -> Any:
     _check(kind in registry, f"unknown {what} kind {kind!r}; expected one of {sorted(registry)}")
     return registry[kind](**spec)
 
-
-OptimizerLike = Union[SGD, Adagrad, Adam]
-InitLike = Union[Uniform, Normal, Constant]

@@ -327,11 +327,7 @@ def _swap_embedding_modules(module: LightningModule, bundle: Bundle) -> list:
     """The strategy's swap of the embedding modules, replayed with the table configs it recorded."""
     record = bundle.interception
     configs = [TableConfig.from_dict(spec) for spec in record["tables"].values()]
-    overrides = {
-        c.name: TableOverride(optimizer=c.optimizer, init=c.init, capacity=c.capacity, eviction=c.eviction,
-                              admit_probability=c.admit_probability, weight_bound=c.weight_bound)
-        for c in configs
-    }
+    overrides = {c.name: TableOverride.of(c) for c in configs}
     defaults = TableDefaults(overrides=overrides, data_parallel_max_rows=record["data_parallel_max_rows"])
     try:
         twins = intercept(module, record["intercept"], record["exclude"], defaults, seed=record["seed"])

@@ -7,7 +7,6 @@ names. Settings come from the strategy's defaults, then from a per-table overrid
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Optional, Sequence
@@ -26,15 +25,14 @@ from lightning_persia.embedding.modules import (
     RemoteModule,
 )
 from lightning_persia.remote_ps.table_config import (
-    DEFAULT_CAPACITY,
-    Adagrad,
+    TABLE_SETTING_NAMES,
     Constant,
     EmbeddingInit,
-    EmbeddingOptimizer,
     InitLike,
     Normal,
     OptimizerLike,
     TableConfig,
+    TableSettings,
     Uniform,
 )
 
@@ -62,7 +60,9 @@ def _registered(module: nn.Module) -> Optional[tuple[str, TwinBuilder]]:
 
 @dataclass
 class TableOverride:
-    """Per-table settings that replace the strategy's defaults; ``None`` keeps the default.
+    """Per-table settings that replace the strategy's ``tables`` defaults; ``None`` keeps the default.
+
+    The fields are those of :class:`TableSettings`, each optional (see there for what they mean).
 
     Example (YAML)::
 
@@ -73,45 +73,35 @@ class TableOverride:
     optimizer: Optional[OptimizerLike] = None
     init: Optional[InitLike] = None
     capacity: Optional[int] = None
-    eviction: Optional[str] = None
+    eviction: Optional[Literal["lru", "lfu"]] = None
     admit_probability: Optional[float] = None
     weight_bound: Optional[float] = None
     storage_dtype: Optional[Literal["fp16", "fp32"]] = None
     storage: Optional[Literal["memory", "disk"]] = None
-    """``"disk"``: ``capacity`` is the rows a shard keeps in memory, the rest go to its disk tier (the shards' ``disk_dir``)."""
     ttl_steps: Optional[int] = None
     ttl_seconds: Optional[float] = None
     admit_after: Optional[int] = None
 
+    @classmethod
+    def of(cls, config: TableConfig) -> "TableOverride":
+        """Every setting of ``config``, as an override (what replays a recorded table exactly)."""
+        return cls(**{name: getattr(config, name) for name in TABLE_SETTING_NAMES})
 
-@dataclass
-class TableDefaults:
-    """The strategy's table settings; ``init=None`` keeps each module's own default initialisation."""
 
-    optimizer: EmbeddingOptimizer = field(default_factory=lambda: Adagrad(lr=0.01, rowwise=True))
-    init: Optional[EmbeddingInit] = None
-    capacity: int = DEFAULT_CAPACITY
-    eviction: str = "lru"
-    admit_probability: float = 1.0
-    weight_bound: Optional[float] = None
-    storage_dtype: str = "fp32"
+@dataclass(kw_only=True)
+class TableDefaults(TableSettings):
+    """The strategy's table settings, its per-table overrides and the size up to which tables stay on the trainer."""
+
     overrides: dict[str, TableOverride] = field(default_factory=dict)
     data_parallel_max_rows: int = 0
 
     def config_for(self, name: str, short_name: str, dim: int, module_init: EmbeddingInit) -> TableConfig:
-        settings = dict(
-            optimizer=self.optimizer,
-            init=self.init or module_init,
-            capacity=self.capacity,
-            eviction=self.eviction,
-            admit_probability=self.admit_probability,
-            weight_bound=self.weight_bound,
-            storage_dtype=self.storage_dtype,
-        )
+        settings = {key: getattr(self, key) for key in TABLE_SETTING_NAMES}
+        settings["init"] = self.init or module_init
         for key in (short_name, name):
             override = self.overrides.get(key)
             if override is not None:
-                settings.update({f.name: getattr(override, f.name) for f in dataclasses.fields(override) if getattr(override, f.name) is not None})
+                settings.update({k: getattr(override, k) for k in TABLE_SETTING_NAMES if getattr(override, k) is not None})
         return TableConfig(name=name, dim=dim, **settings)
 
 

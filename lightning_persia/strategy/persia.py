@@ -33,7 +33,7 @@ from lightning_persia.embedding.rank_merge import RankMerge
 from lightning_persia.ops.pooled_lookup import kernel_in_use
 from lightning_persia.remote_ps.client import PSClient, ShardWait
 from lightning_persia.remote_ps.protocol import ADDRESSES_ENV, TOKEN_ENV
-from lightning_persia.remote_ps.table_config import DEFAULT_CAPACITY, InitLike, OptimizerLike
+from lightning_persia.remote_ps.table_config import TABLE_SETTING_NAMES, InitLike, OptimizerLike, TableSettings
 from lightning_persia.strategy.interception import MODULE_KINDS, TableDefaults, TableOverride, intercept
 from lightning_persia.strategy.local_cluster import LocalCluster
 from lightning_persia.strategy.metrics import TrainerMetrics
@@ -69,16 +69,13 @@ class PersiaStrategy(DDPStrategy):
             (comma-separated) and, if unset, starts ``num_local_shards`` shards on this machine (embedded mode).
         num_local_shards: shards of the embedded cluster.
         staleness: how many earlier batches' embedding updates a lookup may miss.
-        embedding_optimizer: sparse optimizer run on the shards (default ``Adagrad(lr=0.01, rowwise=True)``).
-        embedding_init: initialiser of every table; ``None`` keeps each module's default (TorchRec's
-            ``U(-sqrt(1/n), sqrt(1/n))`` or its ``weight_init_min/max``; ``N(0, 1)`` for ``nn.Embedding[Bag]``).
+        tables: settings of every table (optimizer, initialiser, capacity, eviction, admission, weight bound,
+            storage dtype, disk tier, TTL): a :class:`~lightning_persia.TableSettings`, whose defaults are those of
+            every table (optimizer ``Adagrad(lr=0.01, rowwise=True)``; ``init=None`` keeps each module's default:
+            TorchRec's ``U(-sqrt(1/n), sqrt(1/n))`` or its ``weight_init_min/max``, ``N(0, 1)`` for ``nn.Embedding[Bag]``).
         table_overrides: per-table settings, keyed by the table's name or its full name ``<module path>.<name>``.
-        capacity: rows one shard keeps per table before it evicts.
-        eviction: ``"lru"`` or ``"lfu"``.
-        admit_probability: chance that an unseen id met in training gets a row.
-        weight_bound: clip embedding weights to ``[-weight_bound, weight_bound]`` after each update.
-        storage_dtype: how the shards store the rows, ``"fp32"`` (default) or ``"fp16"`` (half the memory; the
-            optimizer state stays float32 and updates are computed in float32). Per table: ``table_overrides``.
+        embedding_optimizer: shorthand for ``tables.optimizer`` (a different ``tables.optimizer`` too is refused).
+        embedding_init: shorthand for ``tables.init`` (a different ``tables.init`` too is refused).
         wire_dtype: ``"fp16"`` (default) or ``"fp32"`` for rows and gradients on the wire.
         intercept: module kinds to serve remotely (default: all four).
         exclude: module paths to keep local (trained by DDP like any dense parameter).
@@ -118,14 +115,10 @@ class PersiaStrategy(DDPStrategy):
         ps_addresses: Optional[list[str]] = None,
         num_local_shards: int = 2,
         staleness: int = 4,
+        tables: Optional[TableSettings] = None,
+        table_overrides: Optional[dict[str, TableOverride]] = None,
         embedding_optimizer: Optional[OptimizerLike] = None,
         embedding_init: Optional[InitLike] = None,
-        table_overrides: Optional[dict[str, TableOverride]] = None,
-        capacity: int = DEFAULT_CAPACITY,
-        eviction: Literal["lru", "lfu"] = "lru",
-        admit_probability: float = 1.0,
-        weight_bound: Optional[float] = None,
-        storage_dtype: Literal["fp16", "fp32"] = "fp32",
         wire_dtype: Literal["fp16", "fp32"] = "fp16",
         intercept: Optional[list[str]] = None,
         exclude: Optional[list[str]] = None,
@@ -151,6 +144,7 @@ class PersiaStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **ddp_kwargs: Any,
     ) -> None:
+        _refuse_moved_arguments(ddp_kwargs)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -187,19 +181,7 @@ class PersiaStrategy(DDPStrategy):
         self.ps_timeout_s = ps_timeout_s
         self.ps_config = ps_config
         self.log_embedding_metrics = log_embedding_metrics
-        defaults = TableDefaults(
-            init=embedding_init,
-            capacity=capacity,
-            eviction=eviction,
-            admit_probability=admit_probability,
-            weight_bound=weight_bound,
-            storage_dtype=storage_dtype,
-            overrides=dict(table_overrides or {}),
-            data_parallel_max_rows=data_parallel_max_rows,
-        )
-        if embedding_optimizer is not None:
-            defaults.optimizer = embedding_optimizer
-        self.table_defaults = defaults
+        self.table_defaults = _table_defaults(tables, embedding_optimizer, embedding_init, table_overrides, data_parallel_max_rows)
         self.client: Optional[PSClient] = None
         self._pipeline: Optional[EmbeddingPipeline] = None
         self.remote_modules: list[RemoteModule] = []
@@ -603,3 +585,31 @@ def _ps_dir(filepath: _PATH) -> Path:
 StrategyRegistry.register(
     PersiaStrategy.strategy_name, PersiaStrategy, description="PERSIA hybrid training: embeddings on PS shards, dense with DDP", override=True
 )
+
+
+def _refuse_moved_arguments(ddp_kwargs: dict[str, Any]) -> None:
+    """A table setting given as a flat argument (before ``tables``) would reach DDP; name its new place instead."""
+    moved = [name for name in TABLE_SETTING_NAMES if name in ddp_kwargs]
+    if moved:
+        given = ", ".join(f"{name}=..." for name in moved)
+        raise TypeError(
+            f"PersiaStrategy({given}) moved: PersiaStrategy(tables=TableSettings({given})); "
+            f"in YAML init_args.tables.{moved[0]} (or per table: table_overrides)"
+        )
+
+
+def _table_defaults(
+    tables: Optional[TableSettings], optimizer: Optional[OptimizerLike], init: Optional[InitLike],
+    overrides: Optional[dict[str, TableOverride]], data_parallel_max_rows: int,
+) -> TableDefaults:
+    unset = TableSettings()
+    for shorthand, name, value in (("embedding_optimizer", "optimizer", optimizer), ("embedding_init", "init", init)):
+        if tables is not None and value is not None and getattr(tables, name) not in (getattr(unset, name), value):
+            raise ValueError(f"PersiaStrategy: {shorthand}={value!r} and tables.{name}={getattr(tables, name)!r} disagree; "
+                             f"{shorthand} is a shorthand for tables.{name}: give one of the two")
+    settings = {name: getattr(tables, name) for name in TABLE_SETTING_NAMES} if tables is not None else {}
+    if optimizer is not None:
+        settings["optimizer"] = optimizer
+    if init is not None:
+        settings["init"] = init
+    return TableDefaults(**settings, overrides=dict(overrides or {}), data_parallel_max_rows=data_parallel_max_rows)

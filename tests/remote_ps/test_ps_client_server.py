@@ -17,7 +17,7 @@ from lightning_persia.ops.hashing import shard_of
 from lightning_persia.remote_ps.client import PSError, PSRequestError, ShardUnavailableError, ShardWait
 from lightning_persia.remote_ps.launcher import LocalShards
 from lightning_persia.remote_ps.store import ShardStore
-from lightning_persia.remote_ps.table_config import SGD, Adagrad, Adam, Constant, Normal, TableConfig, Uniform
+from lightning_persia.remote_ps.table_config import SGD, Adagrad, Adam, Constant, Normal, TableConfig, TableSettings, Uniform
 
 DIM = 8
 
@@ -363,7 +363,7 @@ def test_wait_healthy_reports_every_shard_that_keeps_it_waiting(ps_cluster, make
 def test_configure_conflict_and_client_side_errors(ps_cluster, make_client):
     client = make_client(ps_cluster.addresses)
     client.configure([TableConfig("conflict", 4)])
-    assert client.configure([TableConfig("conflict", 4, optimizer=Adam())])[0].optimizer == SGD()  # existing one wins
+    assert client.configure([TableConfig("conflict", 4, optimizer=Adam())])[0].optimizer == TableSettings().optimizer  # the existing (default) one wins
     with pytest.raises(PSRequestError, match="exists with dim 4, asked for dim 5") as info:
         client.configure([TableConfig("conflict", 5)])
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT

@@ -3,6 +3,10 @@
 A table operation of a training step touches a few hundred ids; in tensor ops its index probe costs a
 dozen dispatches per pass and dominated the shard's CPU. The C loop does the same work in microseconds, and on
 tables far larger than the caches it keeps many cache misses in flight at once (see kernels.c).
+
+Over 500 lines because it is the one place where the C interface is declared for Python (``SIGNATURES`` and the
+job structures, held to ``kernels.c`` by tests/ops/test_native_interface.py): each kernel's checks of its tensors
+sit beside its declaration.
 ``pip install``, ``python -m build`` and ``pip install -e .`` compile the library into this folder (``setup.py``);
 in a source checkout ``make native`` does. Its name carries a digest of ``kernels.c``, so a library built from
 another version of the source is never loaded. Without the library (no C compiler at build time, or a source

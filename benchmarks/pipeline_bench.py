@@ -43,7 +43,7 @@ for _path in (str(_HERE.parent), str(_HERE)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from train_bench import Runner, print_profile, trainer_threads  # noqa: E402  (the same runner and profile table)
+from train_bench import Runner, add_device_arguments, print_profile, trainer_threads  # noqa: E402  (the same runner and profile table)
 
 CPU_FIGURES = ("trainer_cpu_ms", "other_trainer_cpu_ms", "shards_cpu_ms")
 HEADLINE_BATCH = 4096
@@ -151,12 +151,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--loader-workers", type=int, default=0, metavar="N",
                         help="worker processes of every run's train DataLoader (PersiaStrategy then plans each batch's lookup "
                              "in them; default 0: in the trainer process)")
-    parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"],
-                        help="where the trainer runs, and the local baseline's tables with it (gpu: the first CUDA device)")
-    parser.add_argument("--data", default="memory", choices=["memory", "loader"],
-                        help="memory (default): every run's batches built before its fit (pinned on a GPU) and read from a list, "
-                             "the same for the local baseline and PersiaStrategy; loader: built from the cache as the "
-                             "DataLoader asks (in --loader-workers processes)")
+    add_device_arguments(parser)
     parser.add_argument("--profile", action="store_true",
                         help="profile the runs (torch.profiler spans of the embedding path, CPU per thread) and print where a step's time goes")
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")

@@ -296,6 +296,16 @@ def headline(results: List[Dict[str, Any]], args: argparse.Namespace) -> Dict[st
 # ---- main ------------------------------------------------------------------------------------------
 
 
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """--accelerator and --data, the same for every benchmark that trains (train_bench.py, pipeline_bench.py)."""
+    parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"],
+                        help="where the trainer runs, and the local baseline's tables with it (gpu: the first CUDA device)")
+    parser.add_argument("--data", default="memory", choices=["memory", "loader"],
+                        help="memory (default): every run's batches built before its fit (pinned on a GPU) and read from a list, "
+                             "the same for the local baseline and PersiaStrategy; loader: built from the cache as the "
+                             "DataLoader asks (in --loader-workers processes)")
+
+
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
@@ -333,12 +343,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--cache-dir", type=Path, default=None, help="where the generated data is cached")
     parser.add_argument("--repeat", type=int, default=None, help="rounds of every run; medians are reported (default 2; --quick 1)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one configuration may take")
-    parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"],
-                        help="where the trainer runs, and the local baseline's tables with it (gpu: the first CUDA device)")
-    parser.add_argument("--data", default="memory", choices=["memory", "loader"],
-                        help="memory (default): every run's batches built before its fit (pinned on a GPU) and read from a list, "
-                             "the same for the local baseline and PersiaStrategy; loader: built from the cache as the "
-                             "DataLoader asks (in --loader-workers processes)")
+    add_device_arguments(parser)
     parser.add_argument("--loader-workers", type=int, default=0, metavar="N", help="worker processes of every run's train DataLoader")
     parser.add_argument("--storage-dtype", default="fp32", choices=["fp32", "fp16"], help="how the shards store the rows")
     parser.add_argument("--grow", action="store_true",

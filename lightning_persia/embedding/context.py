@@ -1,10 +1,14 @@
-"""The state of one training step in the embedding pipeline (TorchRec's ``TrainPipelineContext``)."""
+"""The state of one training step in the embedding pipeline (TorchRec's ``TrainPipelineContext``), and the gradients
+it pushes."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
+
 from lightning_persia.embedding.batch_rows import BatchRows
+from lightning_persia.ops.keyed_ids import KeyedIds
 
 
 @dataclass
@@ -25,3 +29,16 @@ class StepContext:
     def use(self, rows: BatchRows) -> None:
         if not any(r is rows for r in self.used):
             self.used.append(rows)
+
+
+@dataclass(frozen=True)
+class SparseUpdate:
+    """Gradients of ``keyed``'s ids: ``grads`` flat in its order, ``dims[t]`` values per row of table ``t``.
+
+    ``sharded``: the ids' bucketing and encoding when the lookup made them already (None: the push makes them).
+    """
+
+    keyed: KeyedIds
+    grads: torch.Tensor
+    dims: tuple[int, ...]
+    sharded: Any = None

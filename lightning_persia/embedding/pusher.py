@@ -16,13 +16,13 @@ import queue
 import threading
 import time
 from concurrent.futures import CancelledError, Future
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 import torch
 from torch.profiler import record_function
 
 from lightning_persia.embedding.batch_rows import BatchRows
+from lightning_persia.embedding.context import SparseUpdate
 from lightning_persia.embedding.phases import GRADIENT_ENCODE, GRADIENT_PUSH
 from lightning_persia.embedding.scheduler import LookupScheduler
 from lightning_persia.embedding.transfer import DeviceTransfer, Download
@@ -31,19 +31,6 @@ from lightning_persia.ops.keyed_ids import KeyedIds
 if TYPE_CHECKING:
     from lightning_persia.embedding.rank_merge import RankMerge
     from lightning_persia.embedding.shard_client import ShardClient
-
-
-@dataclass(frozen=True)
-class SparseUpdate:
-    """Gradients of ``keyed``'s ids: ``grads`` flat in its order, ``dims[t]`` values per row of table ``t``.
-
-    ``sharded``: the ids' bucketing and encoding when the lookup made them already (None: the push makes them).
-    """
-
-    keyed: KeyedIds
-    grads: torch.Tensor
-    dims: tuple[int, ...]
-    sharded: Any = None
 
 
 class GradientPusher:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from lightning_persia.embedding.phases import MERGE
-from lightning_persia.embedding.pusher import SparseUpdate
+from lightning_persia.embedding.context import SparseUpdate
 from lightning_persia.ops.dedup import unique_by_table
 from lightning_persia.ops.keyed_ids import KeyedIds, RowLayout
 

@@ -54,14 +54,35 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 import torch
 
 from lightning_persia.embedding.pipeline import EmbeddingLookupError
-from lightning_persia.remote_ps.client import PSError, ShardRestartedError, ShardUnavailableError
+from lightning_persia.remote_ps.client import PSClient, PSError, ShardRestartedError, ShardUnavailableError
 from lightning_persia.remote_ps.protocol import COMMIT_MARKER
 
-
 if TYPE_CHECKING:
-    from lightning_persia.strategy.persia import PersiaStrategy
+    import lightning.pytorch as pl
+    from lightning.fabric.plugins import CheckpointIO
 
 log = logging.getLogger(__name__)
+
+
+class RecoveringStrategy(Protocol):
+    """What recovery needs of its strategy (``PersiaStrategy``): Lightning's collectives and checkpoint loading, and
+    the client of the shards. A protocol, so that the strategy imports recovery and not the other way round."""
+
+    is_global_zero: bool
+    world_size: int
+    client: Optional[PSClient]
+    lightning_module: "pl.LightningModule"
+    checkpoint_io: "CheckpointIO"
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any: ...
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool: ...
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+
+    def load_model_state_dict(self, checkpoint: dict, strict: bool = True) -> None: ...
+
+    def load_optimizer_state_dict(self, checkpoint: dict) -> None: ...
 
 
 class PersiaRecoveryError(RuntimeError):
@@ -157,7 +178,7 @@ class Recovery:
     interfaces it is attached to: :class:`RecoverableEmbeddings` and, in embedded mode, :class:`RestartableShards`.
     """
 
-    def __init__(self, strategy: "PersiaStrategy", config: RecoveryConfig) -> None:
+    def __init__(self, strategy: RecoveringStrategy, config: RecoveryConfig) -> None:
         self.strategy = strategy
         self.config = config
         self.events: list[RollbackEvent] = []

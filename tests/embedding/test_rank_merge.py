@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_persia.embedding.pusher import SparseUpdate
+from lightning_persia.embedding.context import SparseUpdate
 from lightning_persia.embedding.rank_merge import RankMerge, merge_updates
 from lightning_persia.ops.keyed_ids import KeyedIds
 
@@ -113,7 +113,7 @@ _EXIT_WHILE_MERGING = textwrap.dedent(
     """\
     import sys, torch, torch.distributed as dist
     from concurrent.futures import Future
-    from lightning_persia.embedding.pusher import SparseUpdate
+    from lightning_persia.embedding.context import SparseUpdate
     from lightning_persia.embedding.rank_merge import RankMerge
     from lightning_persia.ops.keyed_ids import KeyedIds
     rank, init = int(sys.argv[1]), sys.argv[2]

@@ -49,7 +49,7 @@ from lightning_persia.remote_ps.protocol import COMMIT_MARKER
 from lightning_persia.remote_ps.store import disk_checkpoint
 from lightning_persia.remote_ps.store.errors import CheckpointError, StoreError
 from lightning_persia.remote_ps.store.progress import Progress, begin
-from lightning_persia.remote_ps.store.table import SAVED_FIELDS, TableSnapshot
+from lightning_persia.remote_ps.store.table_snapshot import SAVED_FIELDS, TableSnapshot
 from lightning_persia.remote_ps.table_config import ConfigError, TableConfig
 
 FORMAT_VERSION = 3

@@ -16,7 +16,9 @@ from lightning_persia.remote_ps.store import checkpoint, disk_checkpoint
 from lightning_persia.remote_ps.store.expiry import Expirer
 from lightning_persia.remote_ps.store.errors import CheckpointError, InvalidRequestError, StoreError, UnknownTableError
 from lightning_persia.remote_ps.store.progress import Progress
-from lightning_persia.remote_ps.store.table import Journal, Table, TableSnapshot
+from lightning_persia.remote_ps.store.table import Table
+from lightning_persia.remote_ps.store.table_journal import Journal
+from lightning_persia.remote_ps.store.table_snapshot import TableSnapshot
 from lightning_persia.remote_ps.store.wal.changes import Change
 from lightning_persia.remote_ps.store.wal.shard_log import ShardLog
 from lightning_persia.remote_ps.table_config import TableConfig

@@ -6,23 +6,21 @@ the memory of the values); the optimizer state stays float32 whatever it is, and
 
 **Versions.** Every row records the table's *version* at its last change (insert, update, eviction). A
 checkpoint or a serving delta advances the version, so "changed since point P" is ``version > P``. That gives a
-streamed checkpoint its consistent point: :meth:`begin_snapshot` takes the point, then :meth:`snapshot_chunks`
-copies one chunk at a time under the lock while training goes on; a write to a row of a chunk not copied yet
-first keeps the row's pre-image (its value at the point), so the checkpoint holds every row as it was at the
-point. Only the access statistics (LRU step / LFU count) may be newer than the point. A snapshot *since* an
-earlier point holds only the rows changed after it, and the ids evicted after it: a delta for serving.
+streamed checkpoint its consistent point (:meth:`Table.begin_snapshot`, copied chunk by chunk while training goes
+on: ``table_snapshot.py``). Only the access statistics (LRU step / LFU count) may be newer than the point. A
+snapshot *since* an earlier point holds only the rows changed after it, and the ids evicted after it
+(``removal_log.py``): a delta for serving. What a journaled operation changed is collected for the shard's
+write-ahead log (``table_journal.py``).
 
-Over 500 lines on purpose: lookups, updates, admission, eviction and snapshots all run under the table's one
-lock on the same records, and that discipline is read in one place.
+Over 500 lines on purpose: lookups, updates, admission, eviction and the disk tier's promotion and demotion all
+run under the table's one lock on the same records, and that discipline is read in one place.
 """
 from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -30,88 +28,18 @@ from lightning_persia.ops.hashing import name_hash
 from lightning_persia.remote_ps.store import eviction, expiry
 from lightning_persia.remote_ps.store.admission import CountingFilter
 from lightning_persia.remote_ps.store.chunked_rows import ChunkedRows, FieldSpec
-from lightning_persia.remote_ps.store.disk_tier import DISK_FIELDS, DiskTier, FrozenTier
+from lightning_persia.remote_ps.store.disk_tier import DISK_FIELDS, DiskTier
 from lightning_persia.remote_ps.store.errors import InvalidRequestError, StoreError
 from lightning_persia.ops import native
 from lightning_persia.remote_ps.store.index import NativeIdIndex, make_index
 from lightning_persia.remote_ps.store.initializers import initial_rows, table_key
 from lightning_persia.remote_ps.store.optimizers import make_rule
-from lightning_persia.remote_ps.store.thread_clock import ThreadTimes, thread_times
+from lightning_persia.remote_ps.store.removal_log import RemovalLog
+from lightning_persia.remote_ps.store.table_journal import Journal, Recording
+from lightning_persia.remote_ps.store.table_snapshot import SAVED_FIELDS, Preimages, SnapshotPoint, TableSnapshot
+from lightning_persia.remote_ps.store.thread_clock import Held, WorstHeld
 from lightning_persia.remote_ps.store.wal.changes import TableChange
 from lightning_persia.remote_ps.table_config import STORAGE_DTYPES, TableConfig, Uniform
-
-SAVED_FIELDS = ("ids", "weights", "state", "access")
-"""The fields a checkpoint keeps per row (versions restart with the process)."""
-_TIMED_INSERT = 4096  # training lookups of at least this many ids have their thread's times read (see _Held)
-_REMOVED_LOG_IDS = 1 << 24  # evicted ids remembered for deltas; a delta since an older point is refused
-
-Journal = Callable[[list[TableChange]], None]
-"""Called with the changes of one lookup or update while the tables' locks are held (the write-ahead log's order
-is then the order of the changes)."""
-
-
-@dataclass(frozen=True)
-class _Held:
-    """When a lookup took its table's lock, and, for a training lookup large enough to time, its thread's times then.
-
-    A thread's times are a file read and a system call (tens of microseconds; hundreds in some virtual machines):
-    read only around lookups that may insert many rows, whose held time is what growing costs the other requests.
-    """
-
-    wall: float
-    times: Optional[ThreadTimes]
-
-    @staticmethod
-    def now(num_ids: int, train: bool) -> "_Held":
-        return _Held(time.perf_counter(), thread_times() if train and num_ids >= _TIMED_INSERT else None)
-
-
-@dataclass
-class _Snapshot:
-    """A checkpoint of the table in progress: its point, and the pre-images of rows changed since."""
-
-    point: int  # rows with version <= point have not changed since
-    since: int  # rows with version <= since are left out (0: every row, a full checkpoint)
-    size: int  # rows allocated at the point; later ones did not exist
-    live: int
-    step: int
-    removed: torch.Tensor  # ids evicted after `since`, up to the point
-    next_chunk: int = 0  # chunks below it are copied: their rows need no pre-image
-    preimages: dict[int, list[dict[str, torch.Tensor]]] = field(default_factory=dict)
-    preimage_rows: int = 0
-    disk: Optional[FrozenTier] = None  # a disk table's segments at the point (a full snapshot's)
-
-
-class TableSnapshot:
-    """The rows of a table at one point, handed out a chunk at a time (see :meth:`Table.begin_snapshot`)."""
-
-    def __init__(self, table: "Table", state: _Snapshot) -> None:
-        self.config = table.config
-        self.step = state.step
-        self.point = state.point
-        self.since = state.since
-        self.rows: Optional[int] = state.live if not state.since else None  # a delta's count is known once written
-        self.removed = state.removed
-        self.disk = state.disk
-        self.disk_record_bytes = table._disk.record_bytes if table._disk is not None else 0
-        self._table = table
-        self._state = state
-
-    @property
-    def field_specs(self) -> dict[str, FieldSpec]:
-        return {name: spec for name, spec in self._table.field_specs.items() if name in SAVED_FIELDS}
-
-    def chunks(self) -> Iterator[dict[str, torch.Tensor]]:
-        """``{field: rows}`` of the live rows at the point, chunk by chunk (the rows of a chunk changed before its
-        copy, as they were at the point, follow it as a ``{field: rows}`` of their own); the table serves between chunks.
-
-        A chunk's tensors stay valid until the chunk after the next one is asked for (they are reused then).
-        """
-        return self._table._snapshot_chunks(self._state)
-
-    def close(self) -> None:
-        """Ends the snapshot (written or abandoned): the table stops keeping pre-images for it."""
-        self._table._end_snapshot(self._state)
 
 
 class Table:
@@ -148,12 +76,10 @@ class Table:
         self._free = torch.empty(0, dtype=torch.int64)
         self._step = 0
         self._version = 1  # written into every changed row; never-written rows read 0
-        self._snapshot: Optional[_Snapshot] = None
-        self._recording: Optional[_Recording] = None  # the changes of the journaled operation under way
-        self._removed: list[tuple[int, torch.Tensor]] = []  # (version, ids) of evictions, for deltas
-        self._removed_ids = 0
-        self._removed_floor: Optional[int] = None  # evictions up to this version are unknown; None: not logged
-        self._worst_insert_s = self._worst_insert_cpu_s = self._worst_insert_runnable_s = self._worst_insert_blocked_s = 0.0
+        self._preimages = Preimages(self._rows, self.field_specs, self.lock)
+        self._recording: Optional[Recording] = None  # the changes of the journaled operation under way
+        self._removals = RemovalLog(config.name)
+        self._worst_held = WorstHeld()
         self._counters = dict(lookups=0, lookup_rows=0, inserted=0, evicted=0, not_admitted=0, updates=0, update_rows=0,
                               dropped_update_rows=0, demoted=0, promoted=0, expired=0)
         self._clock = expiry.StepClock()
@@ -184,7 +110,7 @@ class Table:
             self._check_budget(ids.numel())
         out = torch.empty(ids.numel(), self.config.dim, dtype=self.storage_dtype)
         with self.lock:
-            held = _Held.now(ids.numel(), train)
+            held = Held.now(ids.numel(), train)
             self._start_recording(journal if train else None)
             rows = self._index.find(ids, copy=(self._rows["weights"], out), touch=self._touch(train))
             self._finish_lookup(ids, rows, out, train, held, int((rows < 0).sum()))
@@ -204,7 +130,7 @@ class Table:
         outs = [torch.empty(ids.numel(), table.config.dim, dtype=table.storage_dtype) for table, ids in requests]
         rows = [torch.empty_like(ids) for _, ids in requests]
         with _all_locked(tables):
-            held = _Held.now(sum(ids.numel() for _, ids in requests), train)
+            held = Held.now(sum(ids.numel() for _, ids in requests), train)
             for table in tables:
                 table._start_recording(journal if train else None)
             jobs = [table._index.find_job(ids, found, (table._rows["weights"], out), table._touch(train))
@@ -222,7 +148,7 @@ class Table:
         self._step += 1
         return (self._rows["access"], *eviction.touch_value(self.config.eviction, self._step))
 
-    def _finish_lookup(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, held: _Held,
+    def _finish_lookup(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, held: Held,
                        missing: int) -> None:
         """The rows of the ``missing`` ids the probe did not find (admitted when training), and the counters; lock held."""
         self._counters["lookups"] += 1
@@ -237,15 +163,7 @@ class Table:
             out[absent] = self._fill_missing(ids[absent], train)
         if not train:
             return
-        # The longest a lookup that inserted (or brought rows back from disk) held the table: what growing costs the table's other requests. Split
-        # into the thread's CPU time, its wait for a core, and the rest (blocked), each the worst of its own.
-        spent = thread_times() - held.times if held.times is not None else None  # read inside the wall time's span
-        wall = time.perf_counter() - held.wall
-        self._worst_insert_s = max(self._worst_insert_s, wall)
-        if spent is not None:
-            self._worst_insert_cpu_s = max(self._worst_insert_cpu_s, spent.cpu_s)
-            self._worst_insert_runnable_s = max(self._worst_insert_runnable_s, spent.runnable_s)
-            self._worst_insert_blocked_s = max(self._worst_insert_blocked_s, wall - spent.cpu_s - spent.runnable_s)
+        self._worst_held.record(held)
 
     def update(self, ids: torch.Tensor, grads: torch.Tensor, journal: Optional[Journal] = None) -> int:
         """Applies the optimizer to the rows of ``ids``; returns how many rows were present and updated.
@@ -281,7 +199,7 @@ class Table:
             jobs = {}  # position -> (job, and the tensors whose memory it points at: alive until the call is done)
             for i in native_ones:
                 table, ids, grads = requests[i]
-                if table._snapshot is None:  # a save in progress keeps pre-images: the tensor path does
+                if table._preimages.active is None:  # a save in progress keeps pre-images: the tensor path does
                     ids, grads, rows = ids.contiguous(), grads.contiguous(), torch.empty_like(ids)
                     jobs[i] = (table._update_job(ids, rows, grads), ids, grads, rows)
             if jobs:
@@ -426,85 +344,25 @@ class Table:
         rows written since, and the ids evicted since (:attr:`TableSnapshot.removed`). Raises :class:`StoreError`
         when the evictions since then are no longer remembered (then only a full snapshot is possible).
         """
-        if self._snapshot is not None:
+        if self._preimages.active is not None:
             raise StoreError(f"table {self.config.name!r} is already being saved")
-        if since and (self._removed_floor is None or since < self._removed_floor):
-            raise StoreError(f"table {self.config.name!r}: the ids evicted since version {since} are not known "
-                             "(call remember_removals before the snapshot a delta starts from)")
-        removed = [ids for version, ids in self._removed if since < version] if since else []
-        self._snapshot = _Snapshot(point=self._version, since=since, size=self._size, live=self._live, step=self._step,
-                                   removed=torch.cat(removed) if removed else torch.empty(0, dtype=torch.int64),
-                                   disk=self._disk.freeze() if self._disk is not None and not since else None)
+        removed = self._removals.since(since) if since else torch.empty(0, dtype=torch.int64)
+        state = SnapshotPoint(point=self._version, since=since, size=self._size, live=self._live, step=self._step,
+                              removed=removed, disk=self._disk.freeze() if self._disk is not None and not since else None)
+        self._preimages.begin(state)
         self._version += 1
-        return TableSnapshot(self, self._snapshot)
-
-    def _snapshot_chunks(self, state: _Snapshot) -> Iterator[dict[str, torch.Tensor]]:
-        # Two sets of chunk-sized buffers, used in turn: a chunk handed out stays valid while the next one is
-        # copied (the caller writes chunk i while chunk i + 1 is copied), and no chunk allocates fresh memory.
-        fields = [name for name in SAVED_FIELDS if name in self._rows.fields]
-        buffers = [{name: torch.empty(self.field_specs[name].shape(self._rows.chunk_rows), dtype=self.field_specs[name].dtype)
-                    for name in fields} for _ in range(2)]
-        for chunk in range((state.size + self._rows.chunk_rows - 1) >> self._rows.shift):
-            with self.lock:
-                copied, pieces = self._copy_chunk(state, chunk, buffers[chunk % 2])
-            yield copied  # written to disk by the caller while the table serves
-            if pieces:  # the chunk's pre-images, handed out apart from its copy: no chunk-sized concatenation
-                yield {name: torch.cat([piece[name][piece["access"] != eviction.FREE] for piece in pieces]) for name in copied}
-
-    def _end_snapshot(self, state: _Snapshot) -> None:
-        with self.lock:
-            if self._snapshot is state:
-                self._snapshot = None
-
-    def _copy_chunk(self, state: _Snapshot, chunk: int, buffers: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
-        """The chunk's rows unchanged since the point (into ``buffers``), and the pre-images kept of the others
-        (now the snapshot's alone: no later write adds to them). Call it holding :attr:`lock`."""
-        count = min(self._rows.chunk_rows, state.size - (chunk << self._rows.shift))
-        version = self._rows["version"].chunk(chunk, count)
-        keep = (version <= state.point) & (self._rows["access"].chunk(chunk, count) != eviction.FREE)
-        if state.since:
-            keep &= version > state.since
-        rows = torch.nonzero(keep).squeeze(1) + (chunk << self._rows.shift)
-        copied = self._rows.gather_fields(rows, {name: out[: rows.numel()] for name, out in buffers.items()})
-        pieces = state.preimages.pop(chunk, [])
-        for piece in pieces:
-            state.preimage_rows -= piece["rows"].numel()
-            if "state" not in piece:
-                piece["state"] = torch.empty(piece["ids"].numel(), 0)
-        state.next_chunk = chunk + 1
-        if "state" not in copied:
-            copied["state"] = torch.empty(copied["ids"].numel(), 0)
-        return copied, pieces
-
-    def _preserve(self, rows: torch.Tensor) -> None:
-        """Keeps the pre-image of ``rows`` about to change, for the checkpoint in progress (if any)."""
-        state = self._snapshot
-        if state is None or not rows.numel():
-            return
-        rows = rows[(rows < state.size) & ((rows >> self._rows.shift) >= state.next_chunk)]
-        if rows.numel():
-            version = self._rows["version"].gather(rows)
-            unchanged = version <= state.point
-            rows = rows[unchanged & (version > state.since) if state.since else unchanged]
-        if not rows.numel():
-            return
-        rows, _ = torch.sort(rows)
-        chunks, counts = torch.unique_consecutive(rows >> self._rows.shift, return_counts=True)
-        piece = {name: self._rows[name].gather(rows) for name in SAVED_FIELDS if name in self._rows.fields}
-        start = 0
-        for chunk, count in zip(chunks.tolist(), counts.tolist()):
-            part = {name: values[start : start + count] for name, values in piece.items()}
-            part["rows"] = rows[start : start + count]
-            state.preimages.setdefault(chunk, []).append(part)
-            start += count
-        state.preimage_rows += rows.numel()
-        self._rows["version"].fill(rows, self._version)  # kept once: the chunk's copy now skips the row
+        return TableSnapshot(self.config, self.field_specs, state, self._preimages,
+                             self._disk.record_bytes if self._disk is not None else 0)
 
     # ---- the write-ahead log's view ----------------------------------------------------------------
 
+    def _preserve(self, rows: torch.Tensor) -> None:
+        """Keeps the pre-image of ``rows`` about to change, for the checkpoint in progress (if any)."""
+        self._preimages.keep(rows, self._version)
+
     def _start_recording(self, journal: Optional[Journal]) -> None:
         """Collects what the operation under way changes, for ``journal`` (none: nothing is collected); lock held."""
-        self._recording = _Recording() if journal is not None else None
+        self._recording = Recording() if journal is not None else None
 
     def _record_rows(self, rows: torch.Tensor) -> None:
         """The new values of ``rows`` (just written by an update) for the journal, if one listens; lock held."""
@@ -540,7 +398,7 @@ class Table:
 
     def stats(self) -> dict[str, int | float | str]:
         with self.lock:
-            snapshot = self._snapshot
+            snapshot = self._preimages.active
             return dict(
                 self._counters,
                 rows=self._live,
@@ -559,10 +417,7 @@ class Table:
                 disk_bytes=self._disk.disk_bytes if self._disk else 0,
                 disk_map_bytes=self._disk.map_bytes if self._disk else 0,
                 saving_preimage_rows=snapshot.preimage_rows if snapshot is not None else 0,
-                worst_insert_s=self._worst_insert_s,
-                worst_insert_cpu_s=self._worst_insert_cpu_s,
-                worst_insert_runnable_s=self._worst_insert_runnable_s,
-                worst_insert_blocked_s=self._worst_insert_blocked_s,
+                **self._worst_held.stats(),
             )
 
     # ---- time to live ------------------------------------------------------------------------------
@@ -601,7 +456,7 @@ class Table:
         self._preserve(rows)
         gone = self._rows["ids"].gather(rows)
         self._index.remove(gone)
-        self._remember_removed(gone)
+        self._removals.add(self._version, gone)
         self._rows["access"].fill(rows, eviction.FREE)
         self._rows["version"].fill(rows, self._version)
         self._free = torch.cat([self._free, rows])
@@ -693,7 +548,7 @@ class Table:
         """Whether the ``missing`` ids of a training lookup are admitted in one native pass: every one of them is
         admitted (no admission draw, room for all), no save keeps pre-images, and their first rows are Uniform
         (the initialiser the pass draws; a Normal or Constant one takes the tensor path)."""
-        return (isinstance(self._index, NativeIdIndex) and isinstance(self.config.init, Uniform) and self._snapshot is None
+        return (isinstance(self._index, NativeIdIndex) and isinstance(self.config.init, Uniform) and self._preimages.active is None
                 and self.config.admit_probability >= 1.0 and self._sightings is None and missing <= self.config.capacity)
 
     def _admit_natively(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, missing: int) -> None:
@@ -769,18 +624,7 @@ class Table:
     def remember_removals(self) -> None:
         """Starts logging evicted ids (from now on), so that snapshots since a later point can name them."""
         with self.lock:
-            if self._removed_floor is None:
-                self._removed_floor = self._version - 1
-
-    def _remember_removed(self, ids: torch.Tensor) -> None:
-        if self._removed_floor is None:
-            return
-        self._removed.append((self._version, ids))
-        self._removed_ids += ids.numel()
-        while self._removed_ids > _REMOVED_LOG_IDS and len(self._removed) > 1:
-            version, forgotten = self._removed.pop(0)
-            self._removed_ids -= forgotten.numel()
-            self._removed_floor = version
+            self._removals.start(self._version - 1)
 
     def _take_rows(self, n: int) -> torch.Tensor:
         room = self.config.capacity - self._live
@@ -812,7 +656,7 @@ class Table:
             self._recording.removed.append(gone)
         self._index.remove(gone)
         if self._disk is None:  # a demoted row is not removed: a serving delta keeps it
-            self._remember_removed(gone)
+            self._removals.add(self._version, gone)
         access.fill(victims, eviction.FREE)
         self._rows["version"].fill(victims, self._version)
         self._free = torch.cat([self._free, victims])
@@ -834,32 +678,6 @@ def _all_locked(tables: Sequence[Table]) -> contextlib.ExitStack:
     for table in sorted(tables, key=lambda t: t.config.name):
         held.enter_context(table.lock)
     return held
-
-
-class _Recording:
-    """What one journaled operation changed in a table so far."""
-
-    __slots__ = ("removed", "admitted_ids", "admitted_access", "rows")
-
-    def __init__(self) -> None:
-        self.removed: list[torch.Tensor] = []
-        self.admitted_ids: list[torch.Tensor] = []
-        self.admitted_access: list[torch.Tensor] = []
-        self.rows: list[dict[str, torch.Tensor]] = []
-
-    def admitted(self, ids: torch.Tensor, access: torch.Tensor) -> None:
-        self.admitted_ids.append(ids)
-        self.admitted_access.append(access)
-
-    def change(self, name: str, step: int) -> TableChange:
-        change = TableChange(name, step)
-        if self.removed:
-            change.removed = torch.cat(self.removed)
-        if self.admitted_ids:
-            change.admitted, change.admitted_access = torch.cat(self.admitted_ids), torch.cat(self.admitted_access)
-        if self.rows:
-            change.rows = {name: torch.cat([part[name] for part in self.rows]) for name in self.rows[0]}
-        return change
 
 
 def _journal(tables: Sequence[Table], journal: Optional[Journal], always: bool) -> None:

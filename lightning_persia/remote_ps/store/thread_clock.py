@@ -34,3 +34,45 @@ def thread_times() -> ThreadTimes:
     except (OSError, ValueError, IndexError):
         waiting_ns = 0
     return ThreadTimes(time.thread_time(), waiting_ns / 1e9)
+
+
+_TIMED_INSERT = 4096  # training lookups of at least this many ids have their thread's times read (see Held)
+
+
+@dataclass(frozen=True)
+class Held:
+    """When a lookup took its table's lock, and, for a training lookup large enough to time, its thread's times then.
+
+    A thread's times are a file read and a system call (tens of microseconds; hundreds in some virtual machines):
+    read only around lookups that may insert many rows, whose held time is what growing costs the other requests.
+    """
+
+    wall: float
+    times: ThreadTimes | None
+
+    @staticmethod
+    def now(num_ids: int, train: bool) -> "Held":
+        return Held(time.perf_counter(), thread_times() if train and num_ids >= _TIMED_INSERT else None)
+
+
+class WorstHeld:
+    """The longest a lookup that inserted (or brought rows back from disk) held its table: what growing costs the
+    table's other requests. Split into the thread's CPU time, its wait for a core, and the rest (blocked), each the
+    worst of its own."""
+
+    def __init__(self) -> None:
+        self.wall_s = self.cpu_s = self.runnable_s = self.blocked_s = 0.0
+
+    def record(self, held: Held) -> None:
+        """A lookup holding the lock since ``held`` ends now."""
+        spent = thread_times() - held.times if held.times is not None else None  # read inside the wall time's span
+        wall = time.perf_counter() - held.wall
+        self.wall_s = max(self.wall_s, wall)
+        if spent is not None:
+            self.cpu_s = max(self.cpu_s, spent.cpu_s)
+            self.runnable_s = max(self.runnable_s, spent.runnable_s)
+            self.blocked_s = max(self.blocked_s, wall - spent.cpu_s - spent.runnable_s)
+
+    def stats(self) -> dict[str, float]:
+        return dict(worst_insert_s=self.wall_s, worst_insert_cpu_s=self.cpu_s, worst_insert_runnable_s=self.runnable_s,
+                    worst_insert_blocked_s=self.blocked_s)

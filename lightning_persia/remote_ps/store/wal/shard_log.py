@@ -15,19 +15,30 @@ import os
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional, Protocol
 
 from lightning_persia.remote_ps.store.errors import CheckpointError
 from lightning_persia.remote_ps.store.wal import changes as records
 from lightning_persia.remote_ps.store.wal.log import WriteAheadLog, read_base, segment_numbers, segment_path
 from lightning_persia.remote_ps.store.wal.records import ReadEnd, read_records
 
-if TYPE_CHECKING:
-    from lightning_persia.remote_ps.store.shard_store import ShardStore
-
 log = logging.getLogger("lightning_persia.ps")
+
+
+class ReplayTarget(Protocol):
+    """What a replay needs of the shard's store (``shard_store.ShardStore``): the log does not import the store."""
+
+    shard_index: int
+
+    def load(self, directory: str) -> None: ...
+
+    def load_latest(self, root: str) -> str: ...
+
+    def replay_configure(self, config: dict) -> None: ...
+
+    def replay_change(self, change: records.Change) -> int: ...
 
 
 def boot_id() -> str:
@@ -126,7 +137,7 @@ class ShardLog:
         return records.Opening(self.incarnation, sorted(self.accepted), boot_id(), self.durability, self.applied_seqs(), base)
 
 
-def open_shard_log(store: "ShardStore", directory: str, durability: str, incarnation: str, restore_from: Optional[str],
+def open_shard_log(store: ReplayTarget, directory: str, durability: str, incarnation: str, restore_from: Optional[str],
                    window: int, on_progress: Callable[[ReplayReport], None] = lambda report: None,
                    pause_s: float = 0.0) -> ShardLog:
     """Restores ``store`` from its log in ``directory`` (or from ``restore_from`` when the log cannot be used) and
@@ -160,7 +171,7 @@ def open_shard_log(store: "ShardStore", directory: str, durability: str, incarna
     return ShardLog(wal, incarnation, sorted(accepted), applied, window, report)
 
 
-def _replay(store, path: Path, base: Optional[dict], segments: list[int], report: ReplayReport, accepted: set[str],
+def _replay(store: ReplayTarget, path: Path, base: Optional[dict], segments: list[int], report: ReplayReport, accepted: set[str],
             applied: dict[str, deque], window: int, on_progress, pause_s: float) -> str:
     """Loads the log's checkpoint and replays the segments after it; returns why the log is not trusted, or ""."""
     if base is None:

@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from safetensors.torch import save_file
 
 from lightning_persia import checksum
+from lightning_persia.durable import fsync_path
 from lightning_persia.remote_ps.client import PSError
 from lightning_persia.serving.bundle import DENSE_FILE, MANIFEST, TABLES_DIR, BundleError, file_references
 from lightning_persia.serving.delta import DELTA_FORMAT, DELTA_FORMAT_VERSION, DeltaError, delta_path, published_versions
@@ -141,7 +142,7 @@ class PublishDeltas(Callback):
                 f.flush()
                 os.fsync(f.fileno())
             temporary.rename(final)
-            _fsync_directory(self.dirpath)
+            fsync_path(self.dirpath)
         except BaseException:
             shutil.rmtree(temporary, ignore_errors=True)
             raise
@@ -205,11 +206,3 @@ def _files(root: Path) -> dict[str, dict]:
             digest = checksum.of_file(path)
         files[str(path.relative_to(root))] = {**digest, "bytes": size}
     return files
-
-
-def _fsync_directory(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from lightning_persia import checksum
+from lightning_persia.durable import fsync_path
 from lightning_persia.ops.hashing import shard_of
 from lightning_persia.remote_ps.protocol import COMMIT_MARKER
 from lightning_persia.remote_ps.store import disk_checkpoint
@@ -141,7 +142,7 @@ def _write_shard(final: Path, temporary: Path, shard_index: int, num_shards: int
     if final.exists():
         final.rename(previous)
     temporary.rename(final)
-    _fsync_directory(final.parent)
+    fsync_path(final.parent, best_effort=True)
     shutil.rmtree(previous, ignore_errors=True)
     return final
 
@@ -201,19 +202,6 @@ class _ArrayWriter:
 
     def entry(self) -> dict:
         return {"file": self.path.name, **self._digest.entry(), "bytes": self.path.stat().st_size}
-
-
-def _fsync_directory(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def is_checkpoint(directory: str | os.PathLike) -> bool:

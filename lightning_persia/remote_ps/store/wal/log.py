@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from lightning_persia.durable import fsync_path, write_atomically
 from lightning_persia.remote_ps.config import DURABILITY
 from lightning_persia.remote_ps.store.errors import LogWriteError
 from lightning_persia.remote_ps.store.wal.records import frame
@@ -142,7 +143,7 @@ class WriteAheadLog:
 
     def set_base(self, segment: int, checkpoint: Optional[str]) -> None:
         """Records that ``checkpoint`` holds everything before segment ``segment``, and deletes the older segments."""
-        _write_atomically(self.directory / BASE_FILE, json.dumps({"segment": segment, "checkpoint": checkpoint}))
+        write_atomically(self.directory / BASE_FILE, json.dumps({"segment": segment, "checkpoint": checkpoint}))
         for number in segment_numbers(self.directory):
             if number < segment:
                 path = segment_path(self.directory, number)
@@ -226,7 +227,7 @@ class WriteAheadLog:
         self.stats.segments += 1
         self._flush(list(opening))
         if self.durability == "fsync":  # the new file's name is on the disk before a record in it is acknowledged
-            _sync_directory(self.directory)
+            fsync_path(self.directory)
 
 
 def _error(path: Path, err: OSError) -> LogWriteError:
@@ -239,21 +240,3 @@ def _error(path: Path, err: OSError) -> LogWriteError:
         "shard: it replays its log and the trainers go on",
         disk_full=full,
     )
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    temporary = path.with_suffix(".tmp")
-    with open(temporary, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
-    _sync_directory(path.parent)
-
-
-def _sync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -24,7 +24,7 @@ fault-free run like it, so that a fault before its own first checkpoint has a st
 no sanity check on a resumed fit; ``fit_once`` without ``resume`` starts fresh, with one). Each run gets one fault
 on a random shard at a random moment, uniform over the run (from its first phase mark to its expected end, taken
 from one fault-free calibration run per rank count): a SIGKILL, or (``--stop-fraction`` of the runs) a
-SIGSTOP held for 1.5-3x ``ps_timeout_s`` then SIGCONT (a hung host); in ``--again-fraction`` of the SIGKILL runs a
+SIGSTOP held for 1.5-3x ``ps.timeout_s`` then SIGCONT (a hung host); in ``--again-fraction`` of the SIGKILL runs a
 second shard is SIGKILLed 0-0.1 s into the rollback the first one causes. Per run it prints where the fault landed
 (the phase, from ``lightning_persia.testing.phases.PhaseMarks``), the rollbacks, whether the run finished and
 its final val_auc; every run must finish.
@@ -179,9 +179,7 @@ trainer:
   strategy:
     init_args:
       staleness: 2
-      num_local_shards: {NUM_SHARDS}
-      ps_timeout_s: {PS_TIMEOUT_S}
-      ps_config: {ps_config}
+      ps: {{num_local_shards: {NUM_SHARDS}, timeout_s: {PS_TIMEOUT_S}, config: {ps_config}}}
       recovery: {{wait_for_shards_s: 60, client_max_backoff_s: 0.5}}
   callbacks:
     - class_path: examples.common.PrintAUC

@@ -10,7 +10,7 @@ Four hosts, each a namespace with its own address on one bridge (``trainbench/ne
                         policy does on a real cluster)
   trainer-0, trainer-1  ``torchrun --nnodes 2 --node-rank i --nproc-per-node 1 --master-addr <trainer-0's
                         address>`` running ``lightning-persia fit --config examples/dlrm/config.yaml`` with
-                        ``trainer.num_nodes: 2`` and ``ps_addresses`` naming the four shards
+                        ``trainer.num_nodes: 2`` and ``ps.addresses`` naming the four shards
 
 then the same ``lightning-persia fit`` with ``trainer.devices: 2`` on one host (this namespace, 4 embedded
 shards), and prints what ran where (read from ``ip netns pids``), the validation AUC of both and their
@@ -145,11 +145,12 @@ def _session_alive(sid: int) -> bool:
 def write_overlay(path: Path, *, num_nodes: int, devices: int, steps: int, batch_size: int, staleness: int, out: Path,
                   ps_addresses: Optional[List[str]], checkpoint_every: int, val_batches: int) -> None:
     """A config laid over examples/dlrm/config.yaml: the run's size, its logger, where the shards are."""
-    strategy: Dict[str, object] = {"staleness": staleness, "ps_timeout_s": 30.0}
+    ps: Dict[str, object] = {"timeout_s": 30.0}
     if ps_addresses is None:
-        strategy["num_local_shards"] = len(PS_HOSTS) * SHARDS_PER_HOST
+        ps["num_local_shards"] = len(PS_HOSTS) * SHARDS_PER_HOST
     else:
-        strategy["ps_addresses"] = ps_addresses
+        ps["addresses"] = ps_addresses
+    strategy: Dict[str, object] = {"staleness": staleness, "ps": ps}
     callbacks: List[Dict[str, object]] = [{"class_path": "examples.common.PrintAUC"}]
     if checkpoint_every:
         callbacks.append({"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",

@@ -264,13 +264,15 @@ def lightning_cli(args: Sequence[str]):
     """Runs LightningCLI on ``args`` (``["fit", "--config", ...]``) with ``strategy: persia`` available.
 
     Configs may name classes of the working directory (``examples.dlrm.model.DLRM``), as ``python -m`` sees them.
-    A class that refuses its arguments (``staleness=-1``) raises :class:`ConfigurationError` with its reason.
+    A class that refuses its arguments (``staleness=-1``) raises :class:`ConfigurationError` with its reason; an
+    old flat strategy argument (``ps_token``) is refused by the parser naming its new place (``ps.token``).
     """
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     from lightning.pytorch.cli import LightningCLI
 
     import lightning_persia  # noqa: F401  (registers strategy="persia")
+    from lightning_persia.strategy.cli_parser import PersiaArgumentParser
 
     class _CLI(LightningCLI):
         def instantiate_classes(self) -> None:
@@ -282,7 +284,7 @@ def lightning_cli(args: Sequence[str]):
     # LightningCLI warns when it is given arguments while the process has a command line of its own; from the
     # console entry they are that command line.
     own_command_line = list(args) == sys.argv[1:]
-    return _CLI(args=None if own_command_line else list(args), save_config_kwargs={"overwrite": True})
+    return _CLI(args=None if own_command_line else list(args), save_config_kwargs={"overwrite": True}, parser_class=PersiaArgumentParser)
 
 
 def _refusal(message: str) -> str:

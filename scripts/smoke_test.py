@@ -16,7 +16,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import lightning_persia
-from lightning_persia import Adagrad, PersiaStrategy
+from lightning_persia import Adagrad, PersiaStrategy, PSSettings
 from lightning_persia.ops import native
 
 
@@ -57,7 +57,7 @@ def main() -> None:
     usage = subprocess.run([script, "--help"], capture_output=True, text=True, check=True).stdout
     assert "ps" in usage and "fit" in usage, usage
 
-    strategy = PersiaStrategy(num_local_shards=2, staleness=1, embedding_optimizer=Adagrad(lr=0.1))
+    strategy = PersiaStrategy(ps=PSSettings(num_local_shards=2), staleness=1, embedding_optimizer=Adagrad(lr=0.1))
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, strategy=strategy, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(Tiny(), torch.utils.data.DataLoader(batches(4), batch_size=None))

@@ -43,3 +43,14 @@ def test_configuration_errors_carry_the_class_s_reason(argument, reason, monkeyp
     with pytest.raises(ConfigurationError) as info:
         lightning_cli(["fit", "--config", DLRM, argument])
     assert str(info.value) == reason
+
+
+def test_an_old_flat_strategy_argument_ends_with_its_new_place(monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as done:
+        lightning_cli(["fit", "--config", DLRM, "--trainer.strategy.init_args.ps_timeout_s=3"])
+    assert done.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: lightning_persia.PersiaStrategy: PersiaStrategy(ps_timeout_s=...) moved: "
+        "PersiaStrategy(ps=PSSettings(timeout_s=...)); in YAML init_args.ps.timeout_s"
+    )

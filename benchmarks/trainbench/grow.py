@@ -116,7 +116,7 @@ def run_grow(args: Any) -> int:
     """Trains until the shards hold ``args.grow_rows`` rows; prints a line per window and a summary."""
     import lightning as L
 
-    from lightning_persia import Adagrad, PersiaStrategy, TableSettings
+    from lightning_persia import Adagrad, PersiaStrategy, PSSettings, TableSettings
     from lightning_persia.strategy.interception import TableOverride
     from trainbench.models import build_model
 
@@ -132,9 +132,10 @@ def run_grow(args: Any) -> int:
         overrides = {config.name: TableOverride(storage="disk", capacity=int(args.grow_memory_rows))
                      for config in model.ebc.embedding_bag_configs()}
     strategy = PersiaStrategy(
-        num_local_shards=args.shards, staleness=(args.staleness or [4])[0], wire_dtype=args.wire_dtype,
+        ps=PSSettings(num_local_shards=args.shards, seed=args.seed, timeout_s=300.0, config=ps_config),
+        staleness=(args.staleness or [4])[0], wire_dtype=args.wire_dtype,
         tables=TableSettings(optimizer=Adagrad(lr=args.emb_lr, eps=1e-8, rowwise=True), storage_dtype=args.storage_dtype),
-        ps_seed=args.seed, ps_timeout_s=300.0, log_embedding_metrics=False, table_overrides=overrides, ps_config=ps_config,
+        log_embedding_metrics=False, table_overrides=overrides,
     )
     windows: List[Dict[str, float]] = []
 

@@ -85,7 +85,7 @@ def run(config: Dict[str, Any]) -> None:
     import lightning as L
     from torch.utils.data import DataLoader
 
-    from lightning_persia import Adagrad, PersiaStrategy, TableSettings
+    from lightning_persia import Adagrad, PersiaStrategy, PSSettings, TableSettings
     from trainbench.data import RankSlices
     from trainbench.models import build_model, make_local_fused
     from trainbench.probe import CpuMeter, StepProbe, device_name
@@ -114,18 +114,14 @@ def run(config: Dict[str, Any]) -> None:
             with open(ps_config, "w") as f:
                 f.write(f"durability: {config['durability']}\n")
         strategy = PersiaStrategy(
-            ps_config=ps_config,
-            ps_addresses=config.get("ps_addresses"),
-            num_local_shards=config["shards"],
+            ps=PSSettings(addresses=config.get("ps_addresses"), num_local_shards=config["shards"], seed=config["ps_seed"],
+                          config=ps_config, token=config.get("ps_token"), timeout_s=120.0),
             staleness=config["staleness"],
             tables=TableSettings(optimizer=Adagrad(lr=config["emb_lr"], eps=config["emb_eps"], rowwise=True),
                                  storage_dtype=config.get("storage_dtype", "fp32")),
             wire_dtype=config["wire_dtype"],
             data_parallel_max_rows=config.get("data_parallel_max_rows", 0),
             merge_rank_gradients=config.get("merge_rank_gradients", True),
-            ps_seed=config["ps_seed"],
-            ps_token=config.get("ps_token"),
-            ps_timeout_s=120.0,
         )
 
     import trainbench.probe as probe_module

@@ -34,7 +34,7 @@ def main() -> None:
     import lightning as L
 
     from examples.dlrm.model import DLRM
-    from lightning_persia import Adagrad, PersiaStrategy
+    from lightning_persia import Adagrad, PersiaStrategy, PSSettings
     from lightning_persia.data import SyntheticCriteoDataModule
     from lightning_persia.strategy.recovery import RecoveryConfig
     from lightning_persia.testing.phases import PhaseMarks
@@ -44,8 +44,8 @@ def main() -> None:
                                      batch_size=args.batch_size, cardinality_scale=0.01, seed=0)
     model = DLRM(embedding_dim=8, bottom_mlp=[32], top_mlp=[32], embedding_device="meta")
     strategy = PersiaStrategy(
-        ps_addresses=args.ps_addresses.split(","), staleness=args.staleness,
-        embedding_optimizer=Adagrad(lr=0.2, rowwise=True), wire_dtype="fp32", ps_timeout_s=5.0,
+        ps=PSSettings(addresses=args.ps_addresses.split(","), timeout_s=5.0), staleness=args.staleness,
+        embedding_optimizer=Adagrad(lr=0.2, rowwise=True), wire_dtype="fp32",
         recovery=RecoveryConfig(wait_for_shards_s=120, max_rollbacks=50, client_backoff_s=0.05, client_max_backoff_s=0.2),
     )
     checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.checkpoint_every,

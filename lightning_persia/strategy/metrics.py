@@ -1,6 +1,6 @@
-"""Prometheus metrics of one trainer rank (``PersiaStrategy(metrics_port=...)``).
+"""Prometheus metrics of one trainer rank (``PersiaStrategy(metrics=MetricsEndpoint(port=...))``).
 
-Served at ``http://<metrics_host>:<metrics_port + local rank>/metrics``:
+Served at ``http://<host>:<port + local rank>/metrics``:
 
 - per step, from the embedding pipeline's figures of the step (:meth:`TrainerMetrics.observe_step`):
   ``persia_trainer_steps_total``, ``persia_trainer_lookup_wait_seconds`` (histogram: how long the forward
@@ -14,6 +14,7 @@ Served at ``http://<metrics_host>:<metrics_port + local rank>/metrics``:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
@@ -45,6 +46,29 @@ class _Scraped:
         yield info
 
 
+@dataclass
+class MetricsEndpoint:
+    """Where each trainer rank serves its Prometheus metrics: ``http://<host>:<port + local rank>/metrics``.
+
+    Example (YAML: ``trainer.strategy.init_args.metrics: {port: 9400, host: 0.0.0.0}``)::
+
+        PersiaStrategy(metrics=MetricsEndpoint(port=9400, host="0.0.0.0"))
+    """
+
+    port: int
+    """Port of local rank 0 (local rank r serves on ``port + r``); ``0``: every rank picks a free port."""
+    host: str = "127.0.0.1"
+    """Address the endpoint binds (``0.0.0.0`` to be scraped from other machines)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"MetricsEndpoint: port must be in [0, 65535], got {self.port}")
+
+    def port_of(self, local_rank: int) -> int:
+        """The port local rank ``local_rank`` serves on."""
+        return self.port + local_rank if self.port else 0
+
+
 class TrainerMetrics:
     """The registry and HTTP endpoint of one trainer rank; :meth:`stop` closes the endpoint.
 
@@ -66,7 +90,7 @@ class TrainerMetrics:
                               buckets=LAG_BUCKETS, registry=self.registry)
         self._rows = Counter("persia_trainer_rows_fetched", "Embedding rows fetched (unique per table and step).", registry=self.registry)
         self._wire = Counter("persia_trainer_wire_bytes", "Bytes of embedding rows received from the shards.", registry=self.registry)
-        self._server = serve_metrics(self.registry, host, port, what=f"trainer metrics (metrics_port, rank {identity.get('global_rank', '?')})")
+        self._server = serve_metrics(self.registry, host, port, what=f"trainer metrics (metrics.port, rank {identity.get('global_rank', '?')})")
         self.url = metrics_url(self._server, host)
 
     def observe_step(self, figures: Mapping[str, float]) -> None:

@@ -10,7 +10,6 @@ import itertools
 import json
 import logging
 import math
-import os
 import shutil
 from datetime import timedelta
 from pathlib import Path
@@ -37,11 +36,12 @@ from lightning_persia.embedding.prefetch import PrefetchingLoader
 from lightning_persia.embedding.rank_merge import RankMerge
 from lightning_persia.ops.pooled_lookup import kernel_in_use
 from lightning_persia.remote_ps.client import PSClient, ShardWait
-from lightning_persia.remote_ps.protocol import ADDRESSES_ENV, TOKEN_ENV
 from lightning_persia.remote_ps.table_config import TABLE_SETTING_NAMES, InitLike, OptimizerLike, TableSettings
 from lightning_persia.strategy.interception import MODULE_KINDS, TableDefaults, TableOverride, intercept
 from lightning_persia.strategy.local_cluster import LocalCluster
-from lightning_persia.strategy.metrics import TrainerMetrics
+from lightning_persia.strategy.metrics import MetricsEndpoint, TrainerMetrics
+from lightning_persia.strategy.moved_arguments import refuse_moved_arguments
+from lightning_persia.strategy.ps_settings import PSSettings
 from lightning_persia.strategy.recovery import (
     PersiaRecoveryError, Recovery, RecoveryConfig, RollbackEvent, is_shard_failure, new_save_id,
 )
@@ -70,9 +70,9 @@ class PersiaStrategy(DDPStrategy):
         trainer.fit(model, datamodule)
 
     Args:
-        ps_addresses: ``host:port`` of every shard in shard order. ``None`` reads ``PERSIA_PS_ADDRESSES``
-            (comma-separated) and, if unset, starts ``num_local_shards`` shards on this machine (embedded mode).
-        num_local_shards: shards of the embedded cluster.
+        ps: where the shards are and how to reach them: a :class:`~lightning_persia.PSSettings` (``addresses``, or
+            ``num_local_shards`` started here with ``seed`` and ``config``; ``token``, ``tls_root_cert``,
+            ``timeout_s``). The default starts 2 shards on this machine unless ``PERSIA_PS_ADDRESSES`` names some.
         staleness: how many earlier batches' embedding updates a lookup may miss.
         tables: settings of every table (optimizer, initialiser, capacity, eviction, admission, weight bound,
             storage dtype, disk tier, TTL): a :class:`~lightning_persia.TableSettings`, whose defaults are those of
@@ -95,30 +95,24 @@ class PersiaStrategy(DDPStrategy):
             them as one update (default), so N ranks train the tables as one rank on the global batch and
             staleness counts steps of the job. ``False``: every rank's gradient is its own update, as in
             PERSIA (no all-gather; the model then depends on the rank count). See ``embedding/rank_merge.py``.
-        ps_seed: seed of the embedded shards' deterministic row initialisation.
-        ps_token: shared secret for shards started with ``--token`` (default: ``PERSIA_PS_TOKEN``).
-        ps_tls_root_cert: PEM file that signed the shards' TLS certificates.
-        ps_timeout_s: deadline of one attempt of a parameter-server call, and of the wait for the shards to
-            answer at start (a line every 2 s names a shard that has not answered yet). A failed attempt is
-            retried for ``recovery.wait_for_shards_s``; a wait for rows or on the staleness window lasts as long
-            as the call it waits for may.
-        ps_config: PS YAML config for the embedded shards.
         log_embedding_metrics: log lookup wait, rows fetched, unique ratio, wire bytes and staleness of the steps the
             trainer logs (every ``log_every_n_steps``: logging costs the trainer CPU on every call, even unwritten).
         recovery: what happens when a shard dies or restarts (default: roll back to the last checkpoint and go
             on; the embedded launcher restarts dead shards). See ``lightning_persia.strategy.recovery``.
-        metrics_port: serve this rank's Prometheus metrics (lookup wait, lag, rows, wire bytes, rollbacks, PS
-            calls and errors) at ``http://<metrics_host>:<metrics_port + local rank>/metrics``; ``None``: none.
-            See ``lightning_persia.strategy.metrics``.
-        metrics_host: address the metrics endpoint binds (``0.0.0.0`` to be scraped from other machines).
+        metrics: serve this rank's Prometheus metrics (lookup wait, lag, rows, wire bytes, rollbacks, PS calls and
+            errors) at a :class:`~lightning_persia.MetricsEndpoint` (``http://<host>:<port + local rank>/metrics``);
+            ``None``: none. See ``lightning_persia.strategy.metrics``.
+
+    The connection, table and metrics settings were flat arguments once (``ps_addresses``, ``capacity``,
+    ``metrics_port``, ...); such a name fails with a message naming its new place
+    (``lightning_persia.strategy.moved_arguments``).
     """
 
     strategy_name = "persia"
 
     def __init__(
         self,
-        ps_addresses: Optional[list[str]] = None,
-        num_local_shards: int = 2,
+        ps: Optional[PSSettings] = None,
         staleness: int = 4,
         tables: Optional[TableSettings] = None,
         table_overrides: Optional[dict[str, TableOverride]] = None,
@@ -130,15 +124,9 @@ class PersiaStrategy(DDPStrategy):
         data_parallel_max_rows: int = 0,
         average_embedding_gradients: bool = True,
         merge_rank_gradients: bool = True,
-        ps_seed: int = 0,
-        ps_token: Optional[str] = None,
-        ps_tls_root_cert: Optional[str] = None,
-        ps_timeout_s: float = 60.0,
-        ps_config: Optional[str] = None,
         log_embedding_metrics: bool = True,
         recovery: Optional[RecoveryConfig] = None,
-        metrics_port: Optional[int] = None,
-        metrics_host: str = "127.0.0.1",
+        metrics: Optional[MetricsEndpoint] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -149,7 +137,7 @@ class PersiaStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **ddp_kwargs: Any,
     ) -> None:
-        _refuse_moved_arguments(ddp_kwargs)
+        refuse_moved_arguments(ddp_kwargs)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -163,28 +151,17 @@ class PersiaStrategy(DDPStrategy):
         )
         if staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {staleness}")
-        if num_local_shards < 1:
-            raise ValueError(f"num_local_shards must be >= 1, got {num_local_shards}")
         if data_parallel_max_rows < 0:
             raise ValueError(f"data_parallel_max_rows must be >= 0, got {data_parallel_max_rows}")
         if wire_dtype not in ("fp16", "fp32"):
             raise ValueError(f"wire_dtype must be 'fp16' or 'fp32', got {wire_dtype!r}")
-        if metrics_port is not None and not 0 <= metrics_port < 65536:
-            raise ValueError(f"metrics_port must be in [0, 65535], got {metrics_port}")
-        env_addresses = [a for a in os.environ.get(ADDRESSES_ENV, "").split(",") if a.strip()]
-        self.ps_addresses = list(ps_addresses) if ps_addresses else (env_addresses or None)
-        self.num_local_shards = num_local_shards
+        self.ps = (ps if ps is not None else PSSettings()).with_environment()
         self.staleness = staleness
         self.wire_dtype = wire_dtype
         self.intercept_kinds = list(intercept) if intercept is not None else list(MODULE_KINDS)
         self.exclude = list(exclude or [])
         self.average_embedding_gradients = average_embedding_gradients
         self.merge_rank_gradients = merge_rank_gradients
-        self.ps_seed = ps_seed
-        self.ps_token = ps_token or os.environ.get(TOKEN_ENV)
-        self.ps_tls_root_cert = ps_tls_root_cert
-        self.ps_timeout_s = ps_timeout_s
-        self.ps_config = ps_config
         self.log_embedding_metrics = log_embedding_metrics
         self.table_defaults = _table_defaults(tables, embedding_optimizer, embedding_init, table_overrides, data_parallel_max_rows)
         self.client: Optional[PSClient] = None
@@ -195,14 +172,18 @@ class PersiaStrategy(DDPStrategy):
         self._loaders: list[PrefetchingLoader] = []
         self.recovery = recovery if recovery is not None else RecoveryConfig()
         self._recovery = Recovery(self, self.recovery)
-        self.metrics_port = metrics_port
-        self.metrics_host = metrics_host
-        self.metrics: Optional[TrainerMetrics] = None
+        self.metrics = metrics
+        self._metrics: Optional[TrainerMetrics] = None
 
     @property
     def pipeline(self) -> Optional[EmbeddingPipeline]:
         """The rank's embedding pipeline (set up with the model; None before, or without remote tables)."""
         return self._pipeline
+
+    @property
+    def metrics_url(self) -> Optional[str]:
+        """Where this rank serves its Prometheus metrics (set up with the environment; None without ``metrics``)."""
+        return self._metrics.url if self._metrics is not None else None
 
     @property
     def rollbacks(self) -> list[RollbackEvent]:
@@ -220,10 +201,9 @@ class PersiaStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        if self.metrics_port is not None and self.metrics is None:  # before connecting: its PS calls count too
-            port = self.metrics_port + self.local_rank if self.metrics_port else 0
+        if self.metrics is not None and self._metrics is None:  # before connecting: its PS calls count too
             ranks = {"global_rank": str(self.global_rank), "local_rank": str(self.local_rank), "node_rank": str(self.node_rank)}
-            self.metrics = TrainerMetrics(self.metrics_host, port, self._metric_figures, ranks)
+            self._metrics = TrainerMetrics(self.metrics.host, self.metrics.port_of(self.local_rank), self._metric_figures, ranks)
         if self.client is None:
             self._connect()
 
@@ -234,13 +214,13 @@ class PersiaStrategy(DDPStrategy):
                 "prefetch_misses": pipeline.prefetch_misses if pipeline is not None else 0}
 
     def _connect(self) -> None:
-        addresses: Union[list[str], str, None] = self.ps_addresses
+        addresses: Union[list[str], str, None] = self.ps.addresses
         if addresses is None:
             if self.global_rank == 0:
-                rank_zero_info(f"PersiaStrategy: starting {self.num_local_shards} embedded parameter-server shards on this machine")
+                rank_zero_info(f"PersiaStrategy: starting {self.ps.num_local_shards} embedded parameter-server shards on this machine")
                 try:
                     self._cluster = LocalCluster(
-                        self.num_local_shards, seed=self.ps_seed, config_path=self.ps_config,
+                        self.ps.num_local_shards, seed=self.ps.seed, config_path=self.ps.config,
                         restart=self.recovery.enabled and self.recovery.restart_local_shards, max_restarts=self.recovery.max_local_restarts,
                     )
                     addresses = self._cluster.addresses
@@ -249,10 +229,10 @@ class PersiaStrategy(DDPStrategy):
             addresses = self.broadcast(addresses)
             if isinstance(addresses, str):
                 raise RuntimeError(addresses)
-        self.client = PSClient(addresses, token=self.ps_token, tls_root_cert=self.ps_tls_root_cert, timeout_s=self.ps_timeout_s,
-                               interceptors=[self.metrics.client_interceptor] if self.metrics is not None else ())
+        self.client = PSClient(addresses, token=self.ps.token, tls_root_cert=self.ps.tls_root_cert, timeout_s=self.ps.timeout_s,
+                               interceptors=[self._metrics.client_interceptor] if self._metrics is not None else ())
         self._recovery.attach(self.client, None, self._cluster)
-        self.client.wait_healthy(self.ps_timeout_s, on_wait=_report_wait, report_every_s=WAIT_REPORT_INTERVAL_S)
+        self.client.wait_healthy(self.ps.timeout_s, on_wait=_report_wait, report_every_s=WAIT_REPORT_INTERVAL_S)
 
     # ---- model ------------------------------------------------------------------------------------------
 
@@ -269,7 +249,7 @@ class PersiaStrategy(DDPStrategy):
     def _announce(self) -> None:
         """Says where the tables live, as Lightning announces its cluster environment."""
         assert self.client is not None
-        mode = "embedded parameter server (shards started here)" if self.ps_addresses is None else "remote parameter server"
+        mode = "embedded parameter server (shards started here)" if self.ps.embedded else "remote parameter server"
         shards = ", ".join(f"shard {shard} at {address}" for shard, address in enumerate(self.client.addresses))
         remote = [t.name for m in self.remote_modules for t in m.remote_tables]
         kept = [c.name for tables in self.data_parallel_tables for c in tables.configs]
@@ -283,7 +263,7 @@ class PersiaStrategy(DDPStrategy):
 
     def _swap_embedding_modules(self) -> None:
         assert self.model is not None and self.client is not None
-        twins = intercept(self.model, self.intercept_kinds, self.exclude, self.table_defaults, seed=self.ps_seed)
+        twins = intercept(self.model, self.intercept_kinds, self.exclude, self.table_defaults, seed=self.ps.seed)
         self.remote_modules = [m for m in twins if m.remote_tables]
         if not self.remote_modules:
             log.warning("PersiaStrategy found no embedding table to serve remotely; training runs as plain DDP")
@@ -345,12 +325,12 @@ class PersiaStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         # five log calls a step cost milliseconds of the trainer's CPU: the figures go out on the logging steps only
         logging_step = self.log_embedding_metrics and (trainer.global_step + 1) % max(trainer.log_every_n_steps, 1) == 0
-        if self._pipeline is not None and (logging_step or self.metrics is not None):
+        if self._pipeline is not None and (logging_step or self._metrics is not None):
             metrics = self._pipeline.step_metrics()
             if metrics and logging_step:
                 self.lightning_module.log_dict({f"persia/{k}": v for k, v in metrics.items()}, on_step=True, on_epoch=False, batch_size=1)
-            if self.metrics is not None:
-                self.metrics.observe_step(metrics)
+            if self._metrics is not None:
+                self._metrics.observe_step(metrics)
         return output
 
     @override
@@ -482,7 +462,7 @@ class PersiaStrategy(DDPStrategy):
             "intercept": list(self.intercept_kinds),
             "exclude": list(self.exclude),
             "data_parallel_max_rows": self.table_defaults.data_parallel_max_rows,
-            "seed": self.ps_seed,
+            "seed": self.ps.seed,
             "wire_dtype": self.wire_dtype,
             "tables": {c.name: json.loads(json.dumps(c.to_dict())) for c in configs},
         }
@@ -542,8 +522,8 @@ class PersiaStrategy(DDPStrategy):
 
     def close(self) -> None:
         """Disconnects from the shards and stops the embedded cluster, if this rank started one."""
-        pipeline, client, cluster, metrics = self._pipeline, self.client, self._cluster, self.metrics
-        self._pipeline = self.client = self._cluster = self.metrics = None
+        pipeline, client, cluster, metrics = self._pipeline, self.client, self._cluster, self._metrics
+        self._pipeline = self.client = self._cluster = self._metrics = None
         try:
             if pipeline is not None:
                 pipeline.close()
@@ -559,7 +539,7 @@ class PersiaStrategy(DDPStrategy):
 def _report_wait(wait: ShardWait) -> None:
     rank_zero_info(
         f"PersiaStrategy: waiting for parameter-server shard {wait.shard} at {wait.address}: {wait.waited_s:.0f} s of "
-        f"ps_timeout_s={wait.timeout_s:g} so far ({wait.last_error})"
+        f"ps.timeout_s={wait.timeout_s:g} so far ({wait.last_error})"
     )
 
 
@@ -590,17 +570,6 @@ def _ps_dir(filepath: _PATH) -> Path:
 StrategyRegistry.register(
     PersiaStrategy.strategy_name, PersiaStrategy, description="PERSIA hybrid training: embeddings on PS shards, dense with DDP", override=True
 )
-
-
-def _refuse_moved_arguments(ddp_kwargs: dict[str, Any]) -> None:
-    """A table setting given as a flat argument (before ``tables``) would reach DDP; name its new place instead."""
-    moved = [name for name in TABLE_SETTING_NAMES if name in ddp_kwargs]
-    if moved:
-        given = ", ".join(f"{name}=..." for name in moved)
-        raise TypeError(
-            f"PersiaStrategy({given}) moved: PersiaStrategy(tables=TableSettings({given})); "
-            f"in YAML init_args.tables.{moved[0]} (or per table: table_overrides)"
-        )
 
 
 def _table_defaults(

@@ -27,7 +27,7 @@ def test_a_shard_killed_in_a_checkpoint_save_and_another_in_the_rollback_and_the
 
 
 def test_a_shard_paused_longer_than_ps_timeout_in_validation_costs_a_pause_not_the_run(tmp_path):
-    """2 ranks: shard 0 SIGSTOPped for 2x ps_timeout_s as the validation after step 6 begins, then SIGCONT: the
+    """2 ranks: shard 0 SIGSTOPped for 2x ps.timeout_s as the validation after step 6 begins, then SIGCONT: the
     calls that timed out are retried until it answers; no rollback, the run finishes."""
     fault = Fault("stop", shard=0, at_s=0.0, stop_s=4.0, after_mark="validation 6")
     outcome = fit_once(tmp_path / "stop", ranks=2, train_batches=24, fault=fault, timeout=240)

@@ -104,7 +104,7 @@ def _trainer_overlay() -> dict:
 def test_the_trainers_name_every_shard_in_order_and_rendezvous_on_node_0():
     addresses, _ = _shard_addresses("persia-ps")
     overlay = _trainer_overlay()
-    assert overlay["trainer"]["strategy"]["init_args"]["ps_addresses"] == addresses
+    assert overlay["trainer"]["strategy"]["init_args"]["ps"]["addresses"] == addresses
     job = _find("Job", "persia-trainer")
     spec, pod = job["spec"], job["spec"]["template"]["spec"]
     nodes = overlay["trainer"]["num_nodes"]
@@ -131,7 +131,9 @@ def test_the_trainer_config_is_one_lightning_cli_accepts(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     printed = yaml.safe_load(done.stdout)
     assert printed["trainer"]["num_nodes"] == 2
-    assert printed["trainer"]["strategy"]["init_args"]["metrics_port"] == 9400
+    strategy = printed["trainer"]["strategy"]["init_args"]
+    assert strategy["metrics"] == {"port": 9400, "host": "0.0.0.0"}
+    assert (strategy["ps"]["addresses"][0], strategy["ps"]["timeout_s"]) == ("persia-ps-0.persia-ps:5000", 120)
 
 
 def test_serving_reads_the_inference_shards_and_is_ready_on_health():

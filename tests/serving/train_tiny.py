@@ -21,7 +21,7 @@ from tiny_dlrm import FEATURES, NUM_DENSE, NUM_EMBEDDINGS, ROOT, UNSEEN_ID  # no
 sys.path.insert(0, str(ROOT))  # the examples
 from examples.dlrm.model import DLRM  # noqa: E402
 
-from lightning_persia import SGD, PersiaStrategy  # noqa: E402
+from lightning_persia import SGD, PersiaStrategy, PSSettings  # noqa: E402
 from lightning_persia.data import make_batch  # noqa: E402
 
 
@@ -41,8 +41,8 @@ def make_model() -> DLRM:
 
 
 def make_strategy() -> PersiaStrategy:
-    return PersiaStrategy(num_local_shards=2, staleness=0, embedding_optimizer=SGD(lr=0.1), wire_dtype="fp32",
-                          data_parallel_max_rows=8, ps_seed=3)
+    return PersiaStrategy(ps=PSSettings(num_local_shards=2, seed=3), staleness=0, embedding_optimizer=SGD(lr=0.1), wire_dtype="fp32",
+                          data_parallel_max_rows=8)
 
 
 def test_batches() -> list:

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from toy import INIT, NUM_IDS, ToyRecommender, loader, make_batches  # noqa: E402
 
-from lightning_persia import SGD, PersiaStrategy  # noqa: E402
+from lightning_persia import SGD, PersiaStrategy, PSSettings  # noqa: E402
 from lightning_persia.remote_ps.config import DURABILITY  # noqa: E402
 from lightning_persia.strategy.recovery import RecoveryConfig  # noqa: E402
 
@@ -100,8 +100,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = ToyRecommender(device="meta")
     strategy = PersiaStrategy(
-        num_local_shards=args.shards, staleness=args.staleness, embedding_optimizer=SGD(lr=0.1), embedding_init=INIT,
-        wire_dtype="fp32", ps_timeout_s=20.0, ps_config=ps_config,
+        ps=PSSettings(num_local_shards=args.shards, timeout_s=20.0, config=ps_config), staleness=args.staleness,
+        embedding_optimizer=SGD(lr=0.1), embedding_init=INIT, wire_dtype="fp32",
         recovery=RecoveryConfig(wait_for_shards_s=60, client_max_retries=2, client_backoff_s=0.05, client_max_backoff_s=0.2),
     )
     faults = _Faults(args)

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from toy import INIT, NUM_IDS, ToyRecommender, loader, make_batches  # noqa: E402
 
-from lightning_persia import SGD, Adagrad, PersiaStrategy  # noqa: E402
+from lightning_persia import SGD, Adagrad, MetricsEndpoint, PersiaStrategy, PSSettings  # noqa: E402
 
 
 class _Record(L.Callback):
@@ -66,9 +66,10 @@ def main() -> None:
     torch.manual_seed(0)
     model = ToyRecommender(device="meta", t1_rows=args.t1_rows)
     strategy = PersiaStrategy(
-        num_local_shards=args.shards, staleness=args.staleness, embedding_optimizer=Adagrad(lr=0.1, rowwise=True) if args.adagrad else SGD(lr=0.1),
-        embedding_init=INIT, wire_dtype="fp32", ps_timeout_s=30.0, data_parallel_max_rows=args.data_parallel_max_rows,
-        merge_rank_gradients=not args.no_merge, metrics_port=args.metrics_port,
+        ps=PSSettings(num_local_shards=args.shards, timeout_s=30.0), staleness=args.staleness,
+        embedding_optimizer=Adagrad(lr=0.1, rowwise=True) if args.adagrad else SGD(lr=0.1),
+        embedding_init=INIT, wire_dtype="fp32", data_parallel_max_rows=args.data_parallel_max_rows,
+        merge_rank_gradients=not args.no_merge, metrics=MetricsEndpoint(port=args.metrics_port) if args.metrics_port is not None else None,
     )
     record = _Record(args.out, args.slow_after)
     callbacks: list[L.Callback] = [record]
@@ -86,13 +87,13 @@ def main() -> None:
     if trainer.is_global_zero:
         remote = [t.name for t in model.ebc.remote_tables]
         state["tables"] = strategy.client.lookup({name: torch.arange(NUM_IDS) for name in remote}, train=False, wire_dtype="fp32")
-    if strategy.metrics is not None:
+    if strategy.metrics_url is not None:
         try:
             strategy.client.lookup({"no.such.table": torch.arange(2)}, train=False)
         except Exception:  # noqa: BLE001 - the refusal is what the metrics must count
             pass
-        state["metrics_url"] = strategy.metrics.url
-        with urllib.request.urlopen(strategy.metrics.url, timeout=10) as response:
+        state["metrics_url"] = strategy.metrics_url
+        with urllib.request.urlopen(strategy.metrics_url, timeout=10) as response:
             state["metrics_text"] = response.read().decode()
     torch.save(state, os.path.join(args.out, f"rank{trainer.global_rank}.pt"))
     strategy.close()

@@ -1,4 +1,4 @@
-"""A trainer started against shards it did not start (``ps_addresses``), with a wrong list or a shard it cannot
+"""A trainer started against shards it did not start (``ps.addresses``), with a wrong list or a shard it cannot
 reach: a clear error naming the addresses, before any table is created or any update lands, and no hang."""
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_persia import PersiaStrategy
+from lightning_persia import PersiaStrategy, PSSettings
 from lightning_persia.remote_ps.client import PSClient, PSError, ShardUnavailableError
 from toy import ToyRecommender, loader, make_batches
 
 
 def _fit(addresses: list[str], timeout_s: float = 10.0) -> None:
-    strategy = PersiaStrategy(ps_addresses=addresses, ps_timeout_s=timeout_s)
+    strategy = PersiaStrategy(ps=PSSettings(addresses=addresses, timeout_s=timeout_s))
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, strategy=strategy, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False)
     trainer.fit(ToyRecommender(), loader(make_batches(2)))

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the trainer ranks (``PersiaStrategy(metrics_port=P)``): two ranks (a subprocess of
+"""Prometheus metrics of the trainer ranks (``PersiaStrategy(metrics=MetricsEndpoint(port=P))``): two ranks (a subprocess of
 run_toy.py) serve on P and P + 1, and each one's scrape, parsed with prometheus-client's parser, holds its
 embedding figures and its parameter-server calls by status code."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from lightning_persia import PersiaStrategy
+from lightning_persia import MetricsEndpoint, PersiaStrategy
 from lightning_persia.remote_ps.metrics import MetricsPortError
 from toy import ToyRecommender, loader, make_batches
 
@@ -70,8 +70,8 @@ def test_each_rank_serves_its_embedding_and_ps_call_figures_on_its_own_port(tmp_
 
 
 def test_a_metrics_port_out_of_range_is_refused():
-    with pytest.raises(ValueError, match="metrics_port must be in"):
-        PersiaStrategy(metrics_port=70000)
+    with pytest.raises(ValueError, match=r"MetricsEndpoint: port must be in \[0, 65535\], got 70000"):
+        PersiaStrategy(metrics=MetricsEndpoint(port=70000))
 
 
 def test_a_taken_metrics_port_fails_the_trainer_at_start_naming_it():
@@ -79,10 +79,10 @@ def test_a_taken_metrics_port_fails_the_trainer_at_start_naming_it():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        strategy = PersiaStrategy(metrics_port=port)
+        strategy = PersiaStrategy(metrics=MetricsEndpoint(port=port))
         trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, strategy=strategy, logger=False, enable_progress_bar=False,
                             enable_model_summary=False, enable_checkpointing=False)
-        with pytest.raises(MetricsPortError, match=rf"cannot serve trainer metrics \(metrics_port, rank 0\) on 127\.0\.0\.1:{port}: "
+        with pytest.raises(MetricsPortError, match=rf"cannot serve trainer metrics \(metrics\.port, rank 0\) on 127\.0\.0\.1:{port}: "
                            "Address already in use"):
             trainer.fit(ToyRecommender(), loader(make_batches(1)))
     assert strategy.client is None  # failed before it connected (nor started shards)

@@ -154,7 +154,7 @@ def test_fp16_loss_scale_is_taken_out_of_embedding_gradients():
 
 @pytest.mark.parametrize(
     "kwargs,message",
-    [({"staleness": -1}, "staleness must be >= 0"), ({"num_local_shards": 0}, "num_local_shards"), ({"wire_dtype": "int8"}, "wire_dtype"),
+    [({"staleness": -1}, "staleness must be >= 0"), ({"wire_dtype": "int8"}, "wire_dtype"),
      ({"data_parallel_max_rows": -1}, "data_parallel_max_rows must be >= 0")],
 )
 def test_bad_arguments_are_refused_with_their_name(kwargs, message):

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_persia import SGD, PersiaStrategy
+from lightning_persia import SGD, PersiaStrategy, PSSettings
 from lightning_persia.embedding.pipeline import EmbeddingLookupError
 from lightning_persia.remote_ps.protocol import COMMIT_MARKER
 from lightning_persia.strategy import local_cluster
@@ -82,7 +82,7 @@ def test_a_killed_shard_replays_its_log_and_training_goes_on_with_no_rollback_an
     batches = make_batches(steps)
     local, remote = _pair()
     strategy = PersiaStrategy(staleness=0, embedding_optimizer=SGD(lr=0.1), embedding_init=INIT, wire_dtype="fp32",
-                              ps_timeout_s=20, recovery=FAST)
+                              ps=PSSettings(timeout_s=20), recovery=FAST)
     kill = _KillShard(after=12)
     try:
         _trainer(strategy, steps, [kill], checkpoint_dir=tmp_path / "ckpt").fit(remote, loader(batches))
@@ -101,7 +101,7 @@ def test_killed_shard_rolls_back_dense_and_sparse_together_and_training_goes_on(
     batches = make_batches(steps)
     local, remote = _pair()
     strategy = PersiaStrategy(staleness=0, embedding_optimizer=SGD(lr=0.1), embedding_init=INIT, wire_dtype="fp32",
-                              ps_timeout_s=20, recovery=FAST)
+                              ps=PSSettings(timeout_s=20), recovery=FAST)
     kill = _KillShard(after=12)
     try:
         _trainer(strategy, steps, [kill], checkpoint_dir=tmp_path / "ckpt").fit(remote, loader(batches))
@@ -122,8 +122,8 @@ def test_killed_shard_rolls_back_dense_and_sparse_together_and_training_goes_on(
 
 def test_killed_shard_without_a_checkpoint_fails_clearly_and_stops_the_shards():
     _, remote = _pair()
-    strategy = PersiaStrategy(num_local_shards=1, staleness=1, embedding_optimizer=SGD(lr=0.1), embedding_init=INIT,
-                              ps_timeout_s=20, recovery=FAST)
+    strategy = PersiaStrategy(ps=PSSettings(num_local_shards=1, timeout_s=20), staleness=1, embedding_optimizer=SGD(lr=0.1),
+                              embedding_init=INIT, recovery=FAST)
     started = time.monotonic()
     shards = None
 
@@ -149,8 +149,8 @@ def test_slow_shard_keeps_the_staleness_bound_and_a_timeout_names_its_cause(tmp_
             lags.append(float(trainer.callback_metrics["persia/staleness"]))
 
     _, remote = _pair()
-    strategy = PersiaStrategy(num_local_shards=1, staleness=2, embedding_optimizer=SGD(lr=0.1), embedding_init=INIT,
-                              ps_config=str(slow), ps_timeout_s=20)
+    strategy = PersiaStrategy(ps=PSSettings(num_local_shards=1, config=str(slow), timeout_s=20), staleness=2,
+                              embedding_optimizer=SGD(lr=0.1), embedding_init=INIT)
     started = time.monotonic()
     try:
         _trainer(strategy, 12, [Lag()], log_every_n_steps=1).fit(remote, loader(make_batches(12)))
@@ -162,8 +162,8 @@ def test_slow_shard_keeps_the_staleness_bound_and_a_timeout_names_its_cause(tmp_
     stuck = tmp_path / "stuck.yaml"
     stuck.write_text("fault_delay_s: 3.0\n")
     _, remote = _pair()
-    strategy = PersiaStrategy(num_local_shards=1, staleness=1, embedding_optimizer=SGD(lr=0.1), embedding_init=INIT,
-                              ps_config=str(stuck), ps_timeout_s=0.5,
+    strategy = PersiaStrategy(ps=PSSettings(num_local_shards=1, config=str(stuck), timeout_s=0.5), staleness=1,
+                              embedding_optimizer=SGD(lr=0.1), embedding_init=INIT,
                               recovery=RecoveryConfig(client_max_retries=1, client_backoff_s=0.05, wait_for_shards_s=0.5))
     started = time.monotonic()
     with pytest.raises(PersiaRecoveryError, match=r"shard 0 at 127\.0\.0\.1:\d+ did not answer after 2 tries.*DEADLINE_EXCEEDED") as info:
@@ -183,7 +183,7 @@ def test_checkpoint_that_would_unpickle_code_is_refused(tmp_path):
     with open(evil, "wb") as f:
         torch.save({"state_dict": {}, "payload": Payload()}, f)
     _, remote = _pair()
-    strategy = PersiaStrategy(num_local_shards=1, embedding_init=INIT)
+    strategy = PersiaStrategy(ps=PSSettings(num_local_shards=1), embedding_init=INIT)
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         _trainer(strategy, 2).fit(remote, loader(make_batches(2)), ckpt_path=str(evil))
     assert not marker.exists()
@@ -216,8 +216,8 @@ def test_a_shard_killed_in_a_checkpoint_save_rolls_back_and_the_save_completes(t
     local, remote = _pair()
     slow_saves = tmp_path / "ps.yaml"
     slow_saves.write_text("fault_save_delay_s: 0.2\n")
-    strategy = PersiaStrategy(num_local_shards=2, staleness=0, embedding_optimizer=SGD(lr=0.1), embedding_init=INIT,
-                              wire_dtype="fp32", ps_timeout_s=20, ps_config=str(slow_saves), recovery=FAST)
+    strategy = PersiaStrategy(ps=PSSettings(num_local_shards=2, timeout_s=20, config=str(slow_saves)), staleness=0,
+                              embedding_optimizer=SGD(lr=0.1), embedding_init=INIT, wire_dtype="fp32", recovery=FAST)
     ckpt = tmp_path / "ckpt"
 
     class KillInSave(L.Callback):
@@ -281,7 +281,7 @@ def test_a_shard_killed_in_the_middle_of_a_forward_rolls_back_at_the_next_batch(
     remote = KilledInForward(device="meta")
     remote.mlp.load_state_dict(local.mlp.state_dict())
     strategy = PersiaStrategy(staleness=0, embedding_optimizer=SGD(lr=0.1), embedding_init=INIT, wire_dtype="fp32",
-                              ps_timeout_s=20, recovery=FAST)
+                              ps=PSSettings(timeout_s=20), recovery=FAST)
     try:
         trainer = _trainer(strategy, steps, checkpoint_dir=tmp_path / "ckpt", every=5)
         trainer.fit(remote, loader(batches))
@@ -322,7 +322,7 @@ def test_a_shard_killed_during_validation_rolls_back_and_each_batch_is_evaluated
     remote = _KilledInValidation(kill_in_run=2, device="meta")  # run 0: the sanity check; run 2: after step 12
     remote.mlp.load_state_dict(local.mlp.state_dict())
     strategy = PersiaStrategy(staleness=0, embedding_optimizer=SGD(lr=0.1), embedding_init=INIT, wire_dtype="fp32",
-                              ps_timeout_s=20, recovery=FAST)
+                              ps=PSSettings(timeout_s=20), recovery=FAST)
     try:
         trainer = _trainer(strategy, steps, checkpoint_dir=tmp_path / "ckpt", every=5, val_check_interval=6,
                            num_sanity_val_steps=1)
@@ -353,8 +353,8 @@ def test_a_save_the_shards_refuse_fails_every_rank_naming_it_and_writes_no_check
     confined = tmp_path / "ps.yaml"
     confined.write_text(f"checkpoint_root: {tmp_path / 'elsewhere'}\n")
     _, remote = _pair()
-    strategy = PersiaStrategy(num_local_shards=1, staleness=0, embedding_optimizer=SGD(lr=0.1), embedding_init=INIT,
-                              ps_config=str(confined), recovery=FAST)
+    strategy = PersiaStrategy(ps=PSSettings(num_local_shards=1, config=str(confined)), staleness=0, embedding_optimizer=SGD(lr=0.1),
+                              embedding_init=INIT, recovery=FAST)
     with pytest.raises(PersiaRecoveryError, match=r"could not save the checkpoint .*step=5\.ckpt: PSRequestError: .*PERMISSION_DENIED"):
         _trainer(strategy, 10, checkpoint_dir=tmp_path / "ckpt", every=5).fit(remote, loader(make_batches(10)))
     assert list((tmp_path / "ckpt").glob("*.ckpt")) == [] and strategy.rollbacks == []

@@ -48,11 +48,11 @@ def _free_port() -> int:
 
 def test_an_unreachable_shard_is_reported_while_waiting_and_ends_the_output():
     port = _free_port()
-    rc, lines = _fit(f"--trainer.strategy.init_args.ps_addresses=[127.0.0.1:{port}]", "--trainer.strategy.init_args.ps_timeout_s=3")
+    rc, lines = _fit(f"--trainer.strategy.init_args.ps.addresses=[127.0.0.1:{port}]", "--trainer.strategy.init_args.ps.timeout_s=3")
     text = "\n".join(lines)
     assert rc == 1
     assert re.search(rf"ShardUnavailableError: shard 0 at 127\.0\.0\.1:{port} did not answer after \d+ tries over [\d.]+ s: UNAVAILABLE", _last(lines))
-    assert f"PersiaStrategy: waiting for parameter-server shard 0 at 127.0.0.1:{port}: 2 s of ps_timeout_s=3 so far (UNAVAILABLE" in text
+    assert f"PersiaStrategy: waiting for parameter-server shard 0 at 127.0.0.1:{port}: 2 s of ps.timeout_s=3 so far (UNAVAILABLE" in text
     assert "meta tensor" not in text and "During handling" not in text
 
 
@@ -60,8 +60,8 @@ def test_a_wrong_token_ends_the_output_with_the_shard_s_answer():
     shard = ShardServer(ShardStore(0, 1), load_ps_config(None, []), token="the-right-one")
     address = shard.start()
     try:
-        rc, lines = _fit(f"--trainer.strategy.init_args.ps_addresses=[{address}]",
-                         "--trainer.strategy.init_args.ps_token=a-wrong-one", "--trainer.strategy.init_args.ps_timeout_s=3")
+        rc, lines = _fit(f"--trainer.strategy.init_args.ps.addresses=[{address}]",
+                         "--trainer.strategy.init_args.ps.token=a-wrong-one", "--trainer.strategy.init_args.ps.timeout_s=3")
     finally:
         shard.stop(grace_s=1)
     text = "\n".join(lines)
@@ -140,7 +140,7 @@ def test_a_failing_cleanup_is_reported_and_the_start_s_error_still_raised(monkey
     port = _free_port()
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False,
-                        strategy=PersiaStrategy(ps_addresses=[f"127.0.0.1:{port}"], ps_timeout_s=1))
+                        strategy=PersiaStrategy(ps=PSSettings(addresses=[f"127.0.0.1:{port}"], timeout_s=1)))
     with pytest.raises(ShardUnavailableError, match=rf"shard 0 at 127\.0\.0\.1:{port} did not answer"):
         trainer.fit(ToyRecommender(device="meta"), loader(make_batches(2)))
     assert "PersiaStrategy: cleaning up after ShardUnavailableError failed: RuntimeError: the channel would not close" in caplog.text

@@ -170,7 +170,7 @@ def _export_main(argv: Sequence[str]) -> int:
                         "LightningCLI and exported without --config (e.g. examples.dlrm.model.DLRM)")
     parser.add_argument("--version", type=int, default=1, help="model version the bundle's answers carry (default 1)")
     parser.add_argument("--ps-seed", type=int, help="seed of the shards that trained the tables (default: the "
-                        "strategy's ps_seed recorded in the checkpoint)")
+                        "strategy's ps.seed recorded in the checkpoint)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, help="a progress bar of the bytes copied "
                         "and checksummed, on stderr (default: when stderr is a terminal)")
     args = parser.parse_args(argv)

@@ -43,7 +43,7 @@ def export_bundle(
     Args:
         version: the model version the bundle's answers carry.
         ps_seed: seed of the shards that trained the tables (their unseen ids' rows); default the strategy's
-            ``ps_seed`` recorded in the checkpoint. Give it when the tables lived on shards started by hand
+            ``ps.seed`` recorded in the checkpoint. Give it when the tables lived on shards started by hand
             with another ``seed``.
         progress: show a progress bar (tqdm, on stderr) of the bytes copied and checksummed.
 

@@ -145,7 +145,7 @@ class RecoveryConfig:
     max_local_restarts: int = 3
     """Embedded mode: restarts per shard before the launcher gives up on it."""
     client_max_retries: int = 5
-    """Retries of a PS call that failed with UNAVAILABLE or DEADLINE_EXCEEDED (each with ``ps_timeout_s``), at
+    """Retries of a PS call that failed with UNAVAILABLE or DEADLINE_EXCEEDED (each with ``PSSettings.timeout_s``), at
     least; more until the call has lasted ``wait_for_shards_s``."""
     client_backoff_s: float = 0.1
     """First back-off between retries (doubles each time, with jitter)."""

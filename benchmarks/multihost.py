@@ -314,7 +314,7 @@ def print_report(args: argparse.Namespace, multi: Dict[str, object], killed: Opt
     print(f"{'host':<10} {'namespace':<15} {'address':<14} {'pid':>7}  command")
     for row in multi["where"]:
         print(f"{row['host']:<10} {row['namespace']:<15} {row['address']:<14} {row['pid']:>7}  {row['command']}")
-    print(f"\nps_addresses: {', '.join(multi['shard_addresses'])}; torchrun rendezvous at {multi['master']}")
+    print(f"\nps.addresses: {', '.join(multi['shard_addresses'])}; torchrun rendezvous at {multi['master']}")
     print("\n| run | val AUC | seconds |\n|---|---|---|")
     print(f"| 2 trainer hosts x 1 rank, 2 PS hosts x 2 shards | {multi['auc']:.5f} | {multi['seconds']} |")
     if killed is not None:

@@ -1,15 +1,36 @@
-"""Batches of a fixed size cut from a stream of featurised row chunks of any size."""
+"""Streams of whole batches: the base of the streaming datasets, and batches of a fixed size cut from featurised
+row chunks of any size."""
 from __future__ import annotations
 
-from typing import Iterable, Iterator, List, Sequence, Tuple
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
+from torch.utils.data import IterableDataset
 
 from lightning_persia.data.batch import CriteoBatch, make_batch
 
 #: Featurised rows: ids ``[n, F]`` int64, dense ``[n, D]`` float32, labels ``[n]`` float32.
 Rows = Tuple[Tensor, Tensor, Tensor]
+
+
+class BatchStream(IterableDataset):
+    """A dataset whose items are whole batches of ``batch_size`` rows (``DataLoader(batch_size=None)``), of which
+    each reader (trainer rank, DataLoader worker) streams its own share.
+
+    Args:
+        batch_size: rows per batch.
+        drop_last: drop the last, incomplete batch.
+        rank: trainer rank; ``None`` reads it from ``torch.distributed`` (or 0 when not initialised).
+        world_size: number of trainer ranks; ``None`` as ``rank``.
+    """
+
+    def __init__(self, batch_size: int, drop_last: bool, rank: Optional[int], world_size: Optional[int]) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.batch_size, self.drop_last = batch_size, drop_last
+        self.rank, self.world_size = rank, world_size
 
 
 def cut_batches(

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from lightning.pytorch import LightningDataModule, Trainer
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -86,3 +86,36 @@ class SplitDataModule(LightningDataModule):
 
     def test_dataloader(self) -> Any:
         return self._loader("test")
+
+
+class FileSplitDataModule(SplitDataModule):
+    """A :class:`SplitDataModule` whose splits are lists of files, read in batches of one size for training and
+    another for evaluation; :meth:`read_files` makes the dataset of one list.
+
+    Args:
+        train_files, val_files, test_files: the files of each split (no validation or test files: no such loop).
+        batch_size: rows per training batch.
+        eval_batch_size: rows per validation/test batch (default: ``batch_size``).
+        drop_last: drop the last incomplete training batch of a pass.
+        num_workers, pin_memory: as :class:`SplitDataModule`'s.
+    """
+
+    def __init__(
+        self, train_files: List[str], val_files: Optional[List[str]], test_files: Optional[List[str]], batch_size: int,
+        eval_batch_size: Optional[int], drop_last: bool, num_workers: Optional[int], pin_memory: Optional[bool],
+    ) -> None:
+        super().__init__(num_workers=num_workers, pin_memory=pin_memory)
+        self.files = {"train": list(train_files), "val": list(val_files or []), "test": list(test_files or [])}
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.drop_last = drop_last
+
+    def read_files(self, files: List[str], batch_size: int, drop_last: bool) -> Dataset:  # pragma: no cover - abstract
+        """The dataset of ``files`` in batches of ``batch_size`` rows."""
+        raise NotImplementedError
+
+    def make_dataset(self, split: str) -> Optional[Dataset]:
+        if not self.files[split]:
+            return None
+        train = split == "train"
+        return self.read_files(self.files[split], self.batch_size if train else self.eval_batch_size, self.drop_last and train)

@@ -16,18 +16,17 @@ empty (missing). Files may be gzip-compressed (detected from the content, not th
 """
 from __future__ import annotations
 
-import glob
 import gzip
-import os
 import warnings
 from typing import IO, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import get_worker_info
 
-from lightning_persia.data._loader import batch_loader
+from lightning_persia.data._batching import BatchStream
+from lightning_persia.data._files import expand_files
+from lightning_persia.data._loader import FileSplitDataModule
 from lightning_persia.data._sharding import reader_shard
 from lightning_persia.data.batch import CriteoBatch, hash_categorical, make_batch, transform_dense
 
@@ -143,24 +142,19 @@ def _open(path: str) -> IO[bytes]:
     return gzip.open(path, "rb") if magic == b"\x1f\x8b" else open(path, "rb")
 
 
-def _expand(files: Optional[Sequence[str]]) -> List[str]:
-    """Paths in order; a pattern with ``*``, ``?`` or ``[`` expands to its sorted matches (none is an error)."""
-    out: List[str] = []
-    for pattern in files or []:
-        pattern = os.path.expanduser(str(pattern))
-        if any(ch in pattern for ch in "*?["):
-            matches = sorted(glob.glob(pattern))
-            if not matches:
-                raise FileNotFoundError(f"no file matches {pattern!r}")
-            out.extend(matches)
-        else:
-            if not os.path.isfile(pattern):
-                raise FileNotFoundError(f"Criteo file not found: {pattern!r}")
-            out.append(pattern)
-    return out
+class CriteoFeatures:
+    """The features of a data module whose batches have Criteo's columns: 13 dense, the 26 sparse KJT keys."""
+
+    @property
+    def sparse_feature_names(self) -> List[str]:
+        return list(CRITEO_SPARSE_FEATURES)
+
+    @property
+    def num_dense_features(self) -> int:
+        return CRITEO_NUM_DENSE
 
 
-class CriteoIterableDataset(IterableDataset):
+class CriteoIterableDataset(BatchStream):
     """Streams :class:`CriteoBatch` es from Criteo TSV files (plain or gzip), this reader's share of the lines.
 
     Args:
@@ -182,15 +176,9 @@ class CriteoIterableDataset(IterableDataset):
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
     ) -> None:
-        super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.files = _expand(files)
-        self.batch_size = batch_size
+        super().__init__(batch_size, drop_last, rank, world_size)
+        self.files = expand_files(files, "Criteo file")
         self.skip_malformed = skip_malformed
-        self.drop_last = drop_last
-        self.rank = rank
-        self.world_size = world_size
         #: Malformed lines skipped by the last pass of this process (``skip_malformed=True``). With
         #: ``num_workers > 0`` the workers count in their own copies; their skips are logged as warnings.
         self.malformed_lines = 0
@@ -215,18 +203,14 @@ class CriteoIterableDataset(IterableDataset):
     def _parse(self, lines: List[bytes], where: List[Tuple[int, int]]) -> _ParsedRows:
         rows, bad = parse_criteo_lines(lines)
         if bad:
+            index, reason = bad[0]
+            file_index, line_no = where[index]
+            first = f"{self.files[file_index]}, line {line_no}"
             if not self.skip_malformed:
-                index, reason = bad[0]
-                file_index, line_no = where[index]
-                raise ValueError(
-                    f"{self.files[file_index]}, line {line_no}: malformed Criteo line: {reason} "
-                    "(skip_malformed=True skips and counts such lines)"
-                )
+                raise ValueError(f"{first}: malformed Criteo line: {reason} (skip_malformed=True skips and counts such lines)")
             self.malformed_lines += len(bad)
             if get_worker_info() is not None:
-                index, reason = bad[0]
-                file_index, line_no = where[index]
-                warnings.warn(f"skipped {len(bad)} malformed line(s), first {self.files[file_index]}, line {line_no}: {reason}")
+                warnings.warn(f"skipped {len(bad)} malformed line(s), first {first}: {reason}")
         return rows
 
     def __iter__(self) -> Iterator[CriteoBatch]:
@@ -273,7 +257,7 @@ def _take(pending: List[_ParsedRows], count: int) -> Tuple[CriteoBatch, List[_Pa
     return make_batch(ids[:count], dense[:count], labels[:count], CRITEO_SPARSE_FEATURES), rest
 
 
-class CriteoDataModule(LightningDataModule):
+class CriteoDataModule(CriteoFeatures, FileSplitDataModule):
     """Criteo Kaggle / Terabyte TSV files as a streaming LightningDataModule of :class:`CriteoBatch` es.
 
     Every trainer rank (and DataLoader worker) reads a disjoint, round-robin share of the lines, so the
@@ -307,55 +291,14 @@ class CriteoDataModule(LightningDataModule):
         drop_last: bool = False,
         pin_memory: Optional[bool] = None,
     ) -> None:
-        super().__init__()
+        super().__init__(train_files, val_files, test_files, batch_size, eval_batch_size, drop_last, num_workers, pin_memory)
         self.save_hyperparameters()
-        self.train_files = list(train_files)
-        self.val_files = list(val_files or [])
-        self.test_files = list(test_files or [])
-        self.batch_size = batch_size
-        self.eval_batch_size = eval_batch_size or batch_size
-        self.num_workers = num_workers
         self.skip_malformed = skip_malformed
-        self.drop_last = drop_last
-        self.pin_memory = pin_memory
-        self.datasets: dict[str, CriteoIterableDataset] = {}
 
-    @property
-    def sparse_feature_names(self) -> List[str]:
-        return list(CRITEO_SPARSE_FEATURES)
-
-    @property
-    def num_dense_features(self) -> int:
-        return CRITEO_NUM_DENSE
-
-    def _dataset(self, split: str) -> CriteoIterableDataset:
-        if split not in self.datasets:
-            files = {"train": self.train_files, "val": self.val_files, "test": self.test_files}[split]
-            self.datasets[split] = CriteoIterableDataset(
-                files,
-                batch_size=self.batch_size if split == "train" else self.eval_batch_size,
-                skip_malformed=self.skip_malformed,
-                drop_last=self.drop_last if split == "train" else False,
-            )
-        dataset = self.datasets[split]
-        trainer = self.trainer
-        if trainer is not None:
-            dataset.rank, dataset.world_size = trainer.global_rank, trainer.world_size
-        return dataset
-
-    def _loader(self, split: str) -> DataLoader:
-        return batch_loader(self._dataset(split), self.num_workers, self.pin_memory, self.trainer)
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train")
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val") if self.val_files else []
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test") if self.test_files else []
+    def read_files(self, files: List[str], batch_size: int, drop_last: bool) -> CriteoIterableDataset:
+        return CriteoIterableDataset(files, batch_size=batch_size, skip_malformed=self.skip_malformed, drop_last=drop_last)
 
     @property
     def malformed_lines(self) -> int:
         """Malformed lines skipped by the last pass of each split, in this process (see the dataset's note)."""
-        return sum(d.malformed_lines for d in self.datasets.values())
+        return sum(d.malformed_lines for d in self.datasets.values() if d is not None)

@@ -26,13 +26,12 @@ from typing import Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset
 
-from lightning_persia.data._batching import Rows, cut_batches
-from lightning_persia.data._loader import SplitDataModule
+from lightning_persia.data._batching import BatchStream, Rows, cut_batches
+from lightning_persia.data._loader import FileSplitDataModule
 from lightning_persia.data._sharding import deal_pieces
 from lightning_persia.data.batch import CriteoBatch, hash_categorical
-from lightning_persia.data.criteo import CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE, CRITEO_SPARSE_FEATURES
+from lightning_persia.data.criteo import CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE, CRITEO_SPARSE_FEATURES, CriteoFeatures
 
 PARTS = ("dense", "sparse", "labels")
 _UINT32 = 1 << 32
@@ -107,7 +106,7 @@ def _check_shape(day: _Day, part: str, columns: int, kinds: Sequence[str]) -> No
                          f"{'numbers' if 'f' in kinds else 'integers'} (one column per {part} feature)")
 
 
-class CriteoBinaryDataset(IterableDataset):
+class CriteoBinaryDataset(BatchStream):
     """Streams :class:`~lightning_persia.data.CriteoBatch` es from TorchRec's binary Criteo days, this reader's share.
 
     Args:
@@ -122,15 +121,11 @@ class CriteoBinaryDataset(IterableDataset):
         self, prefixes: Sequence[str], batch_size: int = 4096, drop_last: bool = False,
         rank: Optional[int] = None, world_size: Optional[int] = None,
     ) -> None:
-        super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        super().__init__(batch_size, drop_last, rank, world_size)
         self.prefixes = expand_prefixes(prefixes)
         # checked here, in the process that builds the dataset; each reader maps the files again (a map does not
         # travel to a DataLoader worker: pickling it would copy the whole array)
         self.day_rows = [_open_day(prefix).rows for prefix in self.prefixes]
-        self.batch_size, self.drop_last = batch_size, drop_last
-        self.rank, self.world_size = rank, world_size
 
     @property
     def num_rows(self) -> int:
@@ -177,7 +172,7 @@ def _featurise(day: _Day, lo: int, hi: int) -> Rows:
     return ids, torch.from_numpy(dense), torch.from_numpy(labels.astype(np.float32))
 
 
-class CriteoBinaryDataModule(SplitDataModule):
+class CriteoBinaryDataModule(CriteoFeatures, FileSplitDataModule):
     """TorchRec's binary Criteo days as a streaming LightningDataModule of :class:`~lightning_persia.data.CriteoBatch` es.
 
     Batches are dealt to the ranks and to the DataLoader workers of each rank; with several ranks each runs as many
@@ -207,24 +202,8 @@ class CriteoBinaryDataModule(SplitDataModule):
         drop_last: bool = False,
         pin_memory: Optional[bool] = None,
     ) -> None:
-        super().__init__(num_workers=num_workers, pin_memory=pin_memory)
+        super().__init__(train_files, val_files, test_files, batch_size, eval_batch_size, drop_last, num_workers, pin_memory)
         self.save_hyperparameters()
-        self.files = {"train": list(train_files), "val": list(val_files or []), "test": list(test_files or [])}
-        self.batch_size = batch_size
-        self.eval_batch_size = eval_batch_size or batch_size
-        self.drop_last = drop_last
 
-    @property
-    def sparse_feature_names(self) -> List[str]:
-        return list(CRITEO_SPARSE_FEATURES)
-
-    @property
-    def num_dense_features(self) -> int:
-        return CRITEO_NUM_DENSE
-
-    def make_dataset(self, split: str) -> Optional[CriteoBinaryDataset]:
-        if not self.files[split]:
-            return None
-        train = split == "train"
-        return CriteoBinaryDataset(self.files[split], batch_size=self.batch_size if train else self.eval_batch_size,
-                                   drop_last=self.drop_last and train)
+    def read_files(self, files: List[str], batch_size: int, drop_last: bool) -> CriteoBinaryDataset:
+        return CriteoBinaryDataset(files, batch_size=batch_size, drop_last=drop_last)

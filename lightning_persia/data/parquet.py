@@ -15,16 +15,14 @@ batches. The files' schemas are checked when the dataset is built (their footers
 """
 from __future__ import annotations
 
-import glob
-import os
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset
 
-from lightning_persia.data._batching import Rows, cut_batches
-from lightning_persia.data._loader import SplitDataModule
+from lightning_persia.data._batching import BatchStream, Rows, cut_batches
+from lightning_persia.data._files import expand_files
+from lightning_persia.data._loader import FileSplitDataModule
 from lightning_persia.data._sharding import deal_pieces
 from lightning_persia.data.batch import CriteoBatch, hash_categorical, transform_dense
 
@@ -40,23 +38,7 @@ def _pyarrow() -> Any:
     return pq
 
 
-def _expand(files: Sequence[str]) -> List[str]:
-    out: List[str] = []
-    for pattern in files:
-        pattern = os.path.expanduser(str(pattern))
-        if any(ch in pattern for ch in "*?["):
-            matches = sorted(glob.glob(pattern))
-            if not matches:
-                raise FileNotFoundError(f"no file matches {pattern!r}")
-            out.extend(matches)
-        elif not os.path.isfile(pattern):
-            raise FileNotFoundError(f"Parquet file not found: {pattern!r}")
-        else:
-            out.append(pattern)
-    return out
-
-
-class ParquetDataset(IterableDataset):
+class ParquetDataset(BatchStream):
     """Streams :class:`~lightning_persia.data.CriteoBatch` es from Parquet files, this reader's share of the row groups.
 
     Args:
@@ -86,18 +68,15 @@ class ParquetDataset(IterableDataset):
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
     ) -> None:
-        super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        super().__init__(batch_size, drop_last, rank, world_size)
         if dense_transform not in DENSE_TRANSFORMS:
             raise ValueError(f"dense_transform must be one of {DENSE_TRANSFORMS}, got {dense_transform!r}")
         if not sparse_columns:
             raise ValueError("sparse_columns maps no feature to a column")
-        self.files = _expand(files)
+        self.files = expand_files(files, "Parquet file")
         self.label_column, self.dense_columns = label_column, list(dense_columns)
         self.feature_names, self.sparse_columns = list(sparse_columns), list(sparse_columns.values())
-        self.dense_transform, self.batch_size, self.drop_last = dense_transform, batch_size, drop_last
-        self.rank, self.world_size = rank, world_size
+        self.dense_transform = dense_transform
         #: ``(file index, row group, rows, first row in the file)`` of every row group, in order
         self.row_groups: List[Tuple[int, int, int, int]] = []
         pq = _pyarrow()
@@ -183,7 +162,7 @@ class ParquetDataset(IterableDataset):
         return ids, dense, torch.from_numpy(labels.astype(np.float32))
 
 
-class ParquetDataModule(SplitDataModule):
+class ParquetDataModule(FileSplitDataModule):
     """Parquet click logs as a streaming LightningDataModule of :class:`~lightning_persia.data.CriteoBatch` es.
 
     Row groups are dealt to the ranks and to the DataLoader workers of each rank; with several ranks each runs as
@@ -222,14 +201,10 @@ class ParquetDataModule(SplitDataModule):
         drop_last: bool = False,
         pin_memory: Optional[bool] = None,
     ) -> None:
-        super().__init__(num_workers=num_workers, pin_memory=pin_memory)
+        super().__init__(train_files, val_files, test_files, batch_size, eval_batch_size, drop_last, num_workers, pin_memory)
         self.save_hyperparameters()
-        self.files = {"train": list(train_files), "val": list(val_files or []), "test": list(test_files or [])}
         self.columns = {"label_column": label_column, "dense_columns": list(dense_columns),
                         "sparse_columns": dict(sparse_columns), "dense_transform": dense_transform}
-        self.batch_size = batch_size
-        self.eval_batch_size = eval_batch_size or batch_size
-        self.drop_last = drop_last
 
     @property
     def sparse_feature_names(self) -> List[str]:
@@ -239,9 +214,5 @@ class ParquetDataModule(SplitDataModule):
     def num_dense_features(self) -> int:
         return len(self.columns["dense_columns"])
 
-    def make_dataset(self, split: str) -> Optional[ParquetDataset]:
-        if not self.files[split]:
-            return None
-        train = split == "train"
-        return ParquetDataset(self.files[split], **self.columns, batch_size=self.batch_size if train else self.eval_batch_size,
-                              drop_last=self.drop_last and train)
+    def read_files(self, files: List[str], batch_size: int, drop_last: bool) -> ParquetDataset:
+        return ParquetDataset(files, **self.columns, batch_size=batch_size, drop_last=drop_last)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import gzip
 import math
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
@@ -39,6 +39,7 @@ from lightning_persia.data.criteo import (
     CRITEO_NUM_DENSE,
     CRITEO_NUM_SPARSE,
     CRITEO_SPARSE_FEATURES,
+    CriteoFeatures,
 )
 
 #: Approximate share of missing values per categorical feature in Criteo Kaggle (C1..C26).
@@ -141,7 +142,7 @@ class SyntheticRows:
         return self.labels.shape[0]
 
 
-class SyntheticCriteo:
+class SyntheticCriteo(CriteoFeatures):
     """The generator: a Criteo-shaped, Zipf-skewed click log with a hidden logistic ground truth.
 
     Args:
@@ -228,10 +229,6 @@ class SyntheticCriteo:
         self.bias = self._calibrate(self._logits(ids, dense), self.positive_rate)
 
     # ---------------------------------------------------------------- generation
-    @property
-    def sparse_feature_names(self) -> List[str]:
-        return list(CRITEO_SPARSE_FEATURES)
-
     def _draws(self, split: int, start: int, count: int) -> np.ndarray:
         bitgen = np.random.Philox(key=(self.seed << 8) | split, counter=start * (_DRAWS_PER_ROW // 4))
         return bitgen.random_raw(count * _DRAWS_PER_ROW).reshape(count, _DRAWS_PER_ROW)
@@ -367,7 +364,7 @@ class SyntheticCriteoDataset(Dataset):
         return self.generator.batch(self.split, index, self.batch_size)
 
 
-class SyntheticCriteoDataModule(LightningDataModule):
+class SyntheticCriteoDataModule(CriteoFeatures, LightningDataModule):
     """Synthetic Criteo-shaped batches generated on the fly (see :class:`SyntheticCriteo`).
 
     ``num_*_batches`` are global counts, dealt round-robin to the ranks. The same seed gives the same data.
@@ -423,14 +420,6 @@ class SyntheticCriteoDataModule(LightningDataModule):
     @property
     def cardinalities(self) -> List[int]:
         return list(self.generator.cardinalities)
-
-    @property
-    def sparse_feature_names(self) -> List[str]:
-        return list(CRITEO_SPARSE_FEATURES)
-
-    @property
-    def num_dense_features(self) -> int:
-        return CRITEO_NUM_DENSE
 
     def dataset(self, split: str) -> SyntheticCriteoDataset:
         """Every batch of ``split``."""

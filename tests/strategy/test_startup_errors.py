@@ -126,7 +126,7 @@ def test_a_failing_cleanup_is_reported_and_the_start_s_error_still_raised(monkey
     """In-process: a failure of the cleanup after a failed start is a warning; the start's error is what fit raises."""
     import lightning as L
 
-    from lightning_persia import PersiaStrategy
+    from lightning_persia import PersiaStrategy, PSSettings
     from lightning_persia.remote_ps.client import PSClient, ShardUnavailableError
     from toy import ToyRecommender, loader, make_batches
 

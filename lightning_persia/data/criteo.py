@@ -17,6 +17,7 @@ empty (missing). Files may be gzip-compressed (detected from the content, not th
 from __future__ import annotations
 
 import gzip
+import sys
 import warnings
 from typing import IO, Iterator, List, Optional, Sequence, Tuple
 
@@ -24,11 +25,11 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from lightning_persia.data._batching import BatchStream
+from lightning_persia.data._batching import BatchStream, Rows, cut_batches
 from lightning_persia.data._files import expand_files
 from lightning_persia.data._loader import FileSplitDataModule
 from lightning_persia.data._sharding import reader_shard
-from lightning_persia.data.batch import CriteoBatch, hash_categorical, make_batch, transform_dense
+from lightning_persia.data.batch import CriteoBatch, hash_categorical, transform_dense
 
 CRITEO_NUM_DENSE = 13
 CRITEO_NUM_SPARSE = 26
@@ -92,6 +93,9 @@ class _ParsedRows:
 
     def __len__(self) -> int:
         return self.labels.shape[0]
+
+    def as_rows(self) -> Rows:
+        return self.ids, self.dense, self.labels
 
 
 def parse_criteo_lines(lines: Sequence[bytes]) -> Tuple[_ParsedRows, List[Tuple[int, str]]]:
@@ -215,46 +219,20 @@ class CriteoIterableDataset(BatchStream):
 
     def __iter__(self) -> Iterator[CriteoBatch]:
         self.malformed_lines = 0
+        return cut_batches(self._rows(), self.batch_size, sys.maxsize, self.drop_last, CRITEO_SPARSE_FEATURES)
+
+    def _rows(self) -> Iterator[Rows]:
+        """The featurised rows of this reader's lines, parsed a batch's worth of lines at a time."""
         lines: List[bytes] = []
         where: List[Tuple[int, int]] = []
-        pending: List[_ParsedRows] = []
-        pending_rows = 0
         for line, file_index, line_no in self._lines():
             lines.append(line)
             where.append((file_index, line_no))
-            if len(lines) < self.batch_size:
-                continue
-            parsed = self._parse(lines, where)
-            lines, where = [], []
-            if not pending and len(parsed) == self.batch_size:
-                yield make_batch(parsed.ids, parsed.dense, parsed.labels, CRITEO_SPARSE_FEATURES)
-                continue
-            pending.append(parsed)
-            pending_rows += len(parsed)
-            while pending_rows >= self.batch_size:
-                batch, pending = _take(pending, self.batch_size)
-                pending_rows -= self.batch_size
-                yield batch
+            if len(lines) == self.batch_size:
+                yield self._parse(lines, where).as_rows()
+                lines, where = [], []
         if lines:
-            parsed = self._parse(lines, where)
-            pending.append(parsed)
-            pending_rows += len(parsed)
-        while pending_rows >= self.batch_size:
-            batch, pending = _take(pending, self.batch_size)
-            pending_rows -= self.batch_size
-            yield batch
-        if pending_rows and not self.drop_last:
-            batch, _ = _take(pending, pending_rows)
-            yield batch
-
-
-def _take(pending: List[_ParsedRows], count: int) -> Tuple[CriteoBatch, List[_ParsedRows]]:
-    """The first ``count`` pending rows as a batch, and the rest."""
-    ids = torch.cat([p.ids for p in pending])
-    dense = torch.cat([p.dense for p in pending])
-    labels = torch.cat([p.labels for p in pending])
-    rest = [_ParsedRows(ids[count:], dense[count:], labels[count:])] if ids.shape[0] > count else []
-    return make_batch(ids[:count], dense[:count], labels[:count], CRITEO_SPARSE_FEATURES), rest
+            yield self._parse(lines, where).as_rows()
 
 
 class CriteoDataModule(CriteoFeatures, FileSplitDataModule):

@@ -9,13 +9,16 @@ from lightning.pytorch.cli import LightningCLI
 from lightning_persia import SGD, Adagrad, Adam, MetricsEndpoint, Normal, PersiaArgumentParser, PersiaStrategy, PSSettings, TableSettings
 from toy import ToyRecommender
 
-CONFIG = """
+STRATEGY = """
 trainer:
   accelerator: cpu
   devices: 1
   strategy:
     class_path: lightning_persia.PersiaStrategy
     init_args:
+"""
+
+CONFIG = STRATEGY + """\
       staleness: 3
       wire_dtype: fp32
       ps: {num_local_shards: 3, timeout_s: 30}
@@ -47,13 +50,7 @@ def test_strategy_by_its_registered_name():
     assert isinstance(cli.trainer.strategy, PersiaStrategy)
 
 
-TABLES_CONFIG = """
-trainer:
-  accelerator: cpu
-  devices: 1
-  strategy:
-    class_path: lightning_persia.PersiaStrategy
-    init_args:
+TABLES_CONFIG = STRATEGY + """\
       tables:
         capacity: 5000
         storage_dtype: fp16
@@ -96,13 +93,7 @@ def test_old_flat_connection_and_metrics_arguments_name_their_new_place():
         PersiaStrategy(num_local_shards=1)
 
 
-OLD_YAML = """
-trainer:
-  accelerator: cpu
-  devices: 1
-  strategy:
-    class_path: lightning_persia.PersiaStrategy
-    init_args:
+OLD_YAML = STRATEGY + """\
       staleness: 2
       {old}
 """

@@ -67,6 +67,12 @@ class _KillShard(L.Callback):
             os.kill(process.pid, signal.SIGKILL)
 
 
+def _exact_strategy() -> PersiaStrategy:
+    """Synchronous, plain SGD, fp32 on the wire: a run that compares row for row with plain training."""
+    return PersiaStrategy(staleness=0, embedding_optimizer=SGD(lr=0.1), embedding_init=INIT, wire_dtype="fp32",
+                          ps=PSSettings(timeout_s=20), recovery=FAST)
+
+
 def _pair() -> tuple[ToyRecommender, ToyRecommender]:
     torch.manual_seed(0)
     local = ToyRecommender()
@@ -81,8 +87,7 @@ def test_a_killed_shard_replays_its_log_and_training_goes_on_with_no_rollback_an
     steps = 24
     batches = make_batches(steps)
     local, remote = _pair()
-    strategy = PersiaStrategy(staleness=0, embedding_optimizer=SGD(lr=0.1), embedding_init=INIT, wire_dtype="fp32",
-                              ps=PSSettings(timeout_s=20), recovery=FAST)
+    strategy = _exact_strategy()
     kill = _KillShard(after=12)
     try:
         _trainer(strategy, steps, [kill], checkpoint_dir=tmp_path / "ckpt").fit(remote, loader(batches))
@@ -100,8 +105,7 @@ def test_killed_shard_rolls_back_dense_and_sparse_together_and_training_goes_on(
     steps = 24
     batches = make_batches(steps)
     local, remote = _pair()
-    strategy = PersiaStrategy(staleness=0, embedding_optimizer=SGD(lr=0.1), embedding_init=INIT, wire_dtype="fp32",
-                              ps=PSSettings(timeout_s=20), recovery=FAST)
+    strategy = _exact_strategy()
     kill = _KillShard(after=12)
     try:
         _trainer(strategy, steps, [kill], checkpoint_dir=tmp_path / "ckpt").fit(remote, loader(batches))
@@ -280,8 +284,7 @@ def test_a_shard_killed_in_the_middle_of_a_forward_rolls_back_at_the_next_batch(
     torch.manual_seed(0)
     remote = KilledInForward(device="meta")
     remote.mlp.load_state_dict(local.mlp.state_dict())
-    strategy = PersiaStrategy(staleness=0, embedding_optimizer=SGD(lr=0.1), embedding_init=INIT, wire_dtype="fp32",
-                              ps=PSSettings(timeout_s=20), recovery=FAST)
+    strategy = _exact_strategy()
     try:
         trainer = _trainer(strategy, steps, checkpoint_dir=tmp_path / "ckpt", every=5)
         trainer.fit(remote, loader(batches))
@@ -321,8 +324,7 @@ def test_a_shard_killed_during_validation_rolls_back_and_each_batch_is_evaluated
     torch.manual_seed(0)
     remote = _KilledInValidation(kill_in_run=2, device="meta")  # run 0: the sanity check; run 2: after step 12
     remote.mlp.load_state_dict(local.mlp.state_dict())
-    strategy = PersiaStrategy(staleness=0, embedding_optimizer=SGD(lr=0.1), embedding_init=INIT, wire_dtype="fp32",
-                              ps=PSSettings(timeout_s=20), recovery=FAST)
+    strategy = _exact_strategy()
     try:
         trainer = _trainer(strategy, steps, checkpoint_dir=tmp_path / "ckpt", every=5, val_check_interval=6,
                            num_sanity_val_steps=1)

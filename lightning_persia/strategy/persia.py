@@ -155,6 +155,9 @@ class PersiaStrategy(DDPStrategy):
             raise ValueError(f"data_parallel_max_rows must be >= 0, got {data_parallel_max_rows}")
         if wire_dtype not in ("fp16", "fp32"):
             raise ValueError(f"wire_dtype must be 'fp16' or 'fp32', got {wire_dtype!r}")
+        for name, value, kind in (("ps", ps, PSSettings), ("metrics", metrics, MetricsEndpoint)):
+            if value is not None and not isinstance(value, kind):
+                raise TypeError(f"PersiaStrategy: {name} must be a {kind.__name__} or None, got {type(value).__name__}")
         self.ps = (ps if ps is not None else PSSettings()).with_environment()
         self.staleness = staleness
         self.wire_dtype = wire_dtype

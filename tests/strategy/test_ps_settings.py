@@ -39,3 +39,10 @@ def test_the_metrics_endpoint_serves_rank_r_on_port_plus_r():
     assert MetricsEndpoint(port=0).port_of(2) == 0  # every rank picks a free port
     with pytest.raises(ValueError, match=r"MetricsEndpoint: port must be in \[0, 65535\], got -1"):
         MetricsEndpoint(port=-1)
+
+
+def test_a_group_of_the_wrong_kind_is_refused_naming_the_class():
+    with pytest.raises(TypeError, match=r"PersiaStrategy: ps must be a PSSettings or None, got list"):
+        PersiaStrategy(ps=["127.0.0.1:5000"])
+    with pytest.raises(TypeError, match=r"PersiaStrategy: metrics must be a MetricsEndpoint or None, got int"):
+        PersiaStrategy(metrics=9400)

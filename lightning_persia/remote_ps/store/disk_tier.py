@@ -83,6 +83,8 @@ class DiskTier:
         self._fd_table = torch.empty(0, dtype=torch.int64)
         self._base_table = torch.empty(0, dtype=torch.int64)
         self.written_bytes = 0
+        self.closed = False
+
 
     # ---- writes ------------------------------------------------------------------------------------------
 
@@ -331,6 +333,7 @@ class DiskTier:
                 os.close(fd)
         self._fds, self._id_fds, self._bases = [], [], []
         self._tables_changed()
+        self.closed = True
 
 
     def destroy(self) -> None:

@@ -13,7 +13,9 @@ import torch
 
 from lightning_persia.ops.hashing import first_foreign, shard_of
 from lightning_persia.remote_ps.store import checkpoint, disk_checkpoint
+from lightning_persia.remote_ps.store.demoter import Demoter
 from lightning_persia.remote_ps.store.expiry import Expirer
+
 from lightning_persia.remote_ps.store.errors import CheckpointError, InvalidRequestError, StoreError, UnknownTableError
 from lightning_persia.remote_ps.store.progress import Progress
 from lightning_persia.remote_ps.store.table import Table
@@ -70,6 +72,7 @@ class ShardStore:
         self._disk_dir = disk_dir
         self._generation = itertools.count()
         self._expirer = Expirer(self._tables_with_ttl, expiry_interval_s)
+        self._demoter = Demoter(self._disk_tables)
         self.log: Optional[ShardLog] = None  # set once the shard restored itself (wal/shard_log.py)
 
     def configure(self, config: TableConfig) -> TableConfig:
@@ -347,9 +350,15 @@ class ShardStore:
         with self._lock:
             return [t for t in self._tables.values() if t.config.ttl_steps is not None or t.config.ttl_seconds is not None]
 
+    def _disk_tables(self) -> list[Table]:
+        with self._lock:
+            return [t for t in self._tables.values() if t.config.storage == "disk"]
+
     def _new_table(self, config: TableConfig) -> Table:
         if (config.ttl_steps is not None or config.ttl_seconds is not None) and not self._expirer.started:
             self._expirer.start()
+        if config.storage == "disk" and self._disk_dir is not None and not self._demoter.started:
+            self._demoter.start()
         disk = None
         if config.storage == "disk" and self._disk_dir is not None:
             folder = f"shard-{self.shard_index:05d}-of-{self.num_shards:05d}"

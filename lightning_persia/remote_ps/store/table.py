@@ -473,6 +473,29 @@ class Table:
         self._disk.write({name: values[room:] for name, values in block.items() if name in self._disk.specs})
         return {name: values[:room] for name, values in block.items()}
 
+    @property
+    def memory_rows(self) -> int:
+        """Rows in memory now (read without the lock: a moment's value)."""
+        return self._live
+
+    def demote(self, count: int) -> int:
+        """Moves ``count`` of the coldest rows of a disk table's memory tier to disk (the shard's demoter calls it
+        between requests); returns how many moved (0: not a disk table, or closed). Holds the lock for this call."""
+        if self._disk is None or count <= 0:
+            return 0
+        with self.lock:
+            if self._disk.closed:
+                return 0
+            before = self._counters["demoted"]
+            self._evict(min(count, self._live))
+            return self._counters["demoted"] - before
+
+    def release_disk_pages(self) -> None:
+        """Unmaps the pages the disk tier's reads mapped (see :meth:`DiskTier.release_pages`)."""
+        if self._disk is not None:
+            with self.lock:
+                self._disk.release_pages()
+
     def attach_disk(self, segments: Iterable) -> None:
         """Takes the disk segments of a checkpoint saved by this shard (see :meth:`DiskTier.attach`)."""
         if self._disk is None:
@@ -628,8 +651,9 @@ class Table:
 
     def _take_rows(self, n: int) -> torch.Tensor:
         room = self.config.capacity - self._live
-        if n > room:
-            self._evict(eviction.bulk_size(n - room, self.config.capacity))
+        if n > room:  # a disk table's demoter keeps room ahead (demoter.py): demote what this request needs, no more
+            self._evict(n - room if self._disk is not None else eviction.bulk_size(n - room, self.config.capacity))
+
         reused = self._free[:n]
         self._free = self._free[reused.numel() :]
         appended = n - reused.numel()

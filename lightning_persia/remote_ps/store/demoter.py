@@ -1,0 +1,112 @@
+"""Demotion off the request path: a shard's thread keeps each disk table's memory tier below its budget.
+
+A request that needs rows the memory tier does not have free would otherwise demote colder rows itself, with the
+table's lock held: a lookup that inserted 131,072 new ids into a full 100M-row table spent up to 1.5 s of CPU so
+(2026-11-25-disk-tier.md). :class:`Demoter` instead demotes a table's coldest rows whenever its memory tier holds
+more than its budget less half of :data:`HEADROOM_FRACTION`, down to the budget less all of it, :data:`SLICE_ROWS` at a
+time, the table's lock held for one slice only. A request then finds free rows, and demotes only when the rows
+it brings in exceed the headroom left (the budget is a hard limit: it demotes what it needs, no more).
+
+It also bounds the resident memory the disk tiers' mapped reads take: when the process's file-backed resident
+memory has grown by more than :data:`MAPPED_BYTES_BUDGET` since the thread started, every disk table unmaps its
+segments' pages (``DiskTier.release_pages``: the page cache keeps them, a later read maps them again).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Iterable
+
+HEADROOM_FRACTION = 1 / 16
+"""Of a disk table's memory budget, kept free for the rows requests bring in (demotion starts at half of it used)."""
+SLICE_ROWS = 1 << 16
+"""Rows demoted with a table's lock held, at most (about 20 ms of CPU on the development VM)."""
+MAPPED_BYTES_BUDGET = 1 << 30
+"""File-backed resident memory the mapped reads may add before their pages are unmapped."""
+_PAGES_CHECK_S = 1.0
+_log = logging.getLogger(__name__)
+
+
+def demotion_target(capacity: int, memory_rows: int) -> int:
+    """How many rows to demote from a disk table of ``capacity`` rows a shard holding ``memory_rows`` in memory: 0
+    until it holds more than its budget less half the headroom; then down to the budget less all of it."""
+    headroom = int(capacity * HEADROOM_FRACTION)
+    if memory_rows <= capacity - headroom // 2:
+        return 0
+    return memory_rows - (capacity - headroom)
+
+
+def file_resident_bytes() -> int:
+    """The process's file-backed resident memory (``RssFile`` of ``/proc/self/status``; 0 where there is none)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("RssFile:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class Demoter:
+    """Demotes the rows of each of ``tables()`` (its disk tables) beyond :func:`demotion_target`, every
+    ``interval_s``, on a daemon thread, until :meth:`stop`."""
+
+    def __init__(self, tables: Callable[[], Iterable], interval_s: float = 0.01) -> None:
+        self._tables = tables
+        self._interval_s = interval_s
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="persia-ps-demoter", daemon=True)
+        self._file_baseline = 0
+        self.errors = 0
+
+    @property
+    def started(self) -> bool:
+        return self._thread.ident is not None
+
+    def start(self) -> None:
+        self._file_baseline = file_resident_bytes()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def run_once(self) -> int:
+        """One pass over the tables: the rows each needs demoted, a slice at a time; returns how many were."""
+        demoted = 0
+        for table in self._tables():
+            try:
+                while not self._stopped.is_set():
+                    count = min(demotion_target(table.config.capacity, table.memory_rows), SLICE_ROWS)
+                    if count <= 0 or not table.demote(count):
+                        break
+                    demoted += count
+                    time.sleep(0)  # a request waiting for the lock gets it between two slices
+
+            except Exception:  # noqa: BLE001 - a failed demotion (a full disk) is retried; requests demote what they must
+                self.errors += 1
+                _log.exception("demoting rows of table %r failed; retried in %.2f s", table.config.name, self._interval_s)
+        return demoted
+
+    def release_pages(self) -> bool:
+        """Unmaps the disk tiers' read pages if they passed :data:`MAPPED_BYTES_BUDGET`; returns whether it did."""
+        if file_resident_bytes() - self._file_baseline <= MAPPED_BYTES_BUDGET:
+            return False
+        for table in self._tables():
+            table.release_disk_pages()
+        return True
+
+    def _run(self) -> None:
+        checked = time.monotonic()
+        while not self._stopped.wait(self._interval_s):
+            self.run_once()
+            if time.monotonic() - checked >= _PAGES_CHECK_S:
+                checked = time.monotonic()
+                try:
+                    self.release_pages()
+                except Exception:  # noqa: BLE001 - the pages stay mapped until the next check
+                    self.errors += 1
+                    _log.exception("unmapping the disk tiers' read pages failed")

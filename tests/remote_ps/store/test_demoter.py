@@ -1,0 +1,101 @@
+"""The demoter: a disk table's memory tier kept below its budget off the request path; mapped pages released."""
+import errno
+import os
+import time
+
+import pytest
+import torch
+
+from lightning_persia.ops import native
+from lightning_persia.remote_ps.store import demoter as demoter_module
+from lightning_persia.remote_ps.store.demoter import HEADROOM_FRACTION, Demoter, demotion_target
+from lightning_persia.remote_ps.store.table import Table
+from lightning_persia.remote_ps.table_config import Adagrad, TableConfig
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the disk tier runs on the native kernels, not built here")
+
+DIM = 4
+CAPACITY = 1600
+HEADROOM = int(CAPACITY * HEADROOM_FRACTION)
+
+
+def _table(tmp_path):
+    config = TableConfig("t", DIM, optimizer=Adagrad(rowwise=True), capacity=CAPACITY, storage="disk", storage_dtype="fp16")
+    return Table(config, seed=0, disk_dir=str(tmp_path / "tier"))
+
+
+def test_the_target_starts_at_half_the_headroom_and_goes_down_to_all_of_it():
+    assert demotion_target(1600, 1600 - HEADROOM // 2) == 0
+    assert demotion_target(1600, 1600 - HEADROOM // 2 + 1) == HEADROOM // 2 + 1
+    assert demotion_target(1600, 1600) == HEADROOM
+    assert demotion_target(1600, 0) == 0
+
+
+def test_a_pass_leaves_headroom_and_requests_then_demote_nothing(tmp_path):
+    table = _table(tmp_path)
+    ids = torch.arange(CAPACITY)
+    before = table.lookup(ids, train=True)
+    assert table.stats()["demoted"] == 0  # a full budget is no excess yet: the request demoted nothing
+    assert Demoter(lambda: [table]).run_once() == HEADROOM
+    stats = table.stats()
+    assert stats["rows"] == CAPACITY - HEADROOM and stats["disk_rows"] == HEADROOM and stats["demoted"] == HEADROOM
+    table.lookup(torch.arange(CAPACITY, CAPACITY + HEADROOM), train=True)  # fits in the headroom
+    assert table.stats()["demoted"] == HEADROOM
+    assert torch.equal(table.lookup(ids, train=False), before)  # the demoted rows read back from disk
+
+
+def test_a_request_past_the_headroom_demotes_what_it_needs_only(tmp_path):
+    table = _table(tmp_path)
+    table.lookup(torch.arange(CAPACITY), train=True)
+    table.lookup(torch.arange(CAPACITY, CAPACITY + 10), train=True)
+    stats = table.stats()
+    assert stats["rows"] == CAPACITY and stats["demoted"] == 10
+
+
+def test_a_failed_demotion_is_counted_and_the_table_serves_on(tmp_path, monkeypatch):
+    table = _table(tmp_path)
+    table.lookup(torch.arange(CAPACITY), train=True)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr("lightning_persia.remote_ps.store.disk_tier._write_all", full)
+    demoter = Demoter(lambda: [table])
+    assert demoter.run_once() == 0 and demoter.errors == 1
+    assert table.stats()["rows"] == CAPACITY and table.stats()["disk_rows"] == 0  # nothing moved, nothing lost
+    assert table.lookup(torch.arange(10), train=False).abs().sum() > 0
+
+
+def test_a_closed_table_is_left_alone(tmp_path):
+    table = _table(tmp_path)
+    table.lookup(torch.arange(CAPACITY), train=True)
+    table.close()
+    assert table.demote(100) == 0
+
+
+def test_read_pages_are_released_past_the_budget_and_read_again(tmp_path, monkeypatch):
+    table = _table(tmp_path)
+    ids = torch.arange(3 * CAPACITY)
+    for batch in ids.split(CAPACITY):
+        table.lookup(batch, train=True)
+    on_disk = table.lookup(ids[:CAPACITY], train=False)
+    demoter = Demoter(lambda: [table])
+    assert not demoter.release_pages()  # well within the budget
+    monkeypatch.setattr(demoter_module, "MAPPED_BYTES_BUDGET", -1)
+    assert demoter.release_pages()
+    assert torch.equal(table.lookup(ids[:CAPACITY], train=False), on_disk)
+
+
+def test_the_thread_demotes_on_its_own(tmp_path):
+    table = _table(tmp_path)
+    table.lookup(torch.arange(CAPACITY), train=True)
+    demoter = Demoter(lambda: [table], interval_s=0.001)
+    demoter.start()
+    try:
+        for _ in range(2000):
+            if table.stats()["disk_rows"] == HEADROOM:
+                break
+            time.sleep(0.005)
+    finally:
+        demoter.stop()
+    assert table.stats()["disk_rows"] == HEADROOM

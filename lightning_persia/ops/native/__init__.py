@@ -315,7 +315,11 @@ SIGNATURES = {
     "lp_dmap_find": ([_P, _P, _I64, _P, _P], None),
     "lp_dmap_remove": ([_P, _P, _P, _I64], _I64),
     "lp_set_bits": ([_P, _P, _I64, ctypes.c_int32], None),
-    "lp_map_file": ([_I64, _I64, _P], _P),
+    "lp_map_file": ([_I64, _I64, _I64, _P], _P),
+    "lp_dmap_save_begin": ([_P, _I64], _I64),
+    "lp_dmap_save_part": ([_P, _I64, _P, _I64, _P], _I64),
+    "lp_dmap_save_end": ([_P], None),
+    "lp_dmap_adopt": ([_P, _I64, _P, _I64, _I64], _I64),
     "lp_unmap_file": ([_P, _I64], None),
     "lp_drop_pages": ([_P, _I64], None),
     "lp_copy_records": ([_P, _P, _I64, _I64, _P, _P, _I64, _P, _P], _I64),
@@ -395,6 +399,45 @@ class DiskMap:
         handle, self._handle = getattr(self, "_handle", None), None
         if handle:
             self._library.lp_dmap_free(handle)
+        for address, nbytes in getattr(self, "_borrowed", ()):  # after the map that pointed into them
+            self._library.lp_unmap_file(address, nbytes)
+
+    PARTS = 4096
+    """Partitions of the map (``DM_PARTS``): a save copies them, and a load adopts them, one at a time."""
+
+    def save_begin(self, boundary: int) -> None:
+        """Takes the map's point for a save: later entries have slots at or past ``boundary``; removals are logged
+        until :meth:`save_part` copied their partition. :meth:`save_end` ends it."""
+        if self._library.lp_dmap_save_begin(self._handle, boundary):
+            raise MemoryError("cannot allocate the disk id map's save logs")
+
+    def save_part(self, part: int) -> tuple[torch.Tensor, int]:
+        """Partition ``part`` as at the save's point: ``(entries (int64), live entries)``; RuntimeError when no save
+        runs or its logs could not grow."""
+        live = ctypes.c_int64(0)
+        out = torch.zeros(0, dtype=torch.int64)
+        while True:
+            size = self._library.lp_dmap_save_part(self._handle, part, out.data_ptr(), out.numel(), ctypes.byref(live))
+            if size >= 0:
+                return out[:size], live.value
+            if size == -(1 << 62):
+                raise RuntimeError("the disk id map is not being saved, or its save logs ran out of memory")
+            out = torch.zeros(-size, dtype=torch.int64)
+
+    def save_end(self) -> None:
+        self._library.lp_dmap_save_end(self._handle)
+
+    def adopt(self, fd: int, nbytes: int, parts: list[tuple[int, int, int]]) -> None:
+        """Maps the first ``nbytes`` of file ``fd`` (a copy on write) and makes each of ``parts``, ``(byte offset,
+        entries, live)`` in partition order, the partition it holds (the map must be empty). ValueError when a
+        partition cannot be as described; the mapping lasts as long as the map."""
+        if len(parts) != self.PARTS or self.info()[0]:
+            raise ValueError(f"an id map is adopted whole ({self.PARTS} partitions) into an empty map")
+        address = map_file(fd, nbytes, private=True)
+        self._borrowed = [*getattr(self, "_borrowed", ()), (address, nbytes)]
+        for part, (offset, size, live) in enumerate(parts):
+            if offset % 8 or offset + size * 8 > nbytes or self._library.lp_dmap_adopt(self._handle, part, address + offset, size, live):
+                raise ValueError(f"partition {part} of the id map ({size} entries, {live} live, at byte {offset}) does not fit")
 
     def info(self) -> tuple[int, int]:
         """``(ids present, bytes)``."""
@@ -440,11 +483,11 @@ def set_bits(bits: torch.Tensor, slots: torch.Tensor, value: bool) -> None:
     _require().lp_set_bits(bits.data_ptr(), slots.data_ptr(), slots.numel(), int(value))
 
 
-def map_file(fd: int, nbytes: int) -> int:
-    """The address of the first ``nbytes`` of file ``fd`` mapped read-only and shared (see :func:`copy_records`);
-    OSError when it cannot be mapped. :func:`unmap_file` ends it."""
+def map_file(fd: int, nbytes: int, private: bool = False) -> int:
+    """The address of the first ``nbytes`` of file ``fd`` mapped read-only and shared (see :func:`copy_records`), or
+    ``private``: a copy on write; OSError when it cannot be mapped. :func:`unmap_file` ends it."""
     error = ctypes.c_int64(0)
-    address = _require().lp_map_file(fd, nbytes, ctypes.byref(error))
+    address = _require().lp_map_file(fd, nbytes, int(private), ctypes.byref(error))
     if not address:
         code = error.value or errno.ENOMEM
         raise OSError(code, f"cannot map {nbytes} bytes of a disk segment: {os.strerror(code)}")

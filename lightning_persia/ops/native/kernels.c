@@ -846,12 +846,22 @@ typedef struct {
     uint64_t size;
     uint64_t live;
     uint64_t limit; /* grows past this */
+    int32_t borrowed; /* entries belong to the caller (a mapped file): never freed here */
 } dm_part_t;
+
+typedef struct { /* the entries removed from one partition since a save's point, until the save copied it */
+    uint64_t *entries;
+    int64_t n, capacity;
+} dm_log_t;
 
 typedef struct {
     dm_part_t parts[DM_PARTS];
     int64_t live;
     int64_t slots; /* entries allocated in all */
+    int64_t boundary; /* while a save runs (see lp_dmap_save_begin): slots at or past it came after its point */
+    dm_log_t *logs;   /* while a save runs: a log per partition not yet copied, NULL once copied */
+    uint8_t *copied;
+    int32_t save_failed;
 } dmap_t;
 
 static inline uint64_t dm_hash(int64_t id) { return mix64((uint64_t)id ^ DISK_SALT); }
@@ -869,6 +879,8 @@ static int dm_part_init(dm_part_t *p, uint32_t part, uint64_t size) {
     p->size = size;
     p->limit = (uint64_t)(dm_max_load(part) * (double)size);
     if (p->limit >= size) p->limit = size - 1; /* an empty entry always ends a probe */
+    p->live = 0;
+    p->borrowed = 0;
     return 0;
 }
 
@@ -886,10 +898,21 @@ void *lp_dmap_new(void) {
     return map;
 }
 
+static void dm_save_clear(dmap_t *map) {
+    if (map->logs)
+        for (uint32_t p = 0; p < DM_PARTS; ++p) free(map->logs[p].entries);
+    free(map->logs);
+    free(map->copied);
+    map->logs = NULL;
+    map->copied = NULL;
+}
+
 void lp_dmap_free(void *handle) {
     dmap_t *map = handle;
     if (!map) return;
-    for (uint32_t p = 0; p < DM_PARTS; ++p) free(map->parts[p].entries);
+    for (uint32_t p = 0; p < DM_PARTS; ++p)
+        if (!map->parts[p].borrowed) free(map->parts[p].entries);
+    dm_save_clear(map);
     free(map);
 }
 
@@ -912,7 +935,7 @@ static int dm_grow(dmap_t *map, uint32_t part) {
         if (p->entries[i]) dm_place(&fresh, p->entries[i]);
     fresh.live = p->live;
     map->slots += (int64_t)fresh.size - (int64_t)p->size;
-    free(p->entries);
+    if (!p->borrowed) free(p->entries);
     *p = fresh;
     return 0;
 }
@@ -985,6 +1008,16 @@ int64_t lp_dmap_remove(void *handle, const int64_t *ids, const int64_t *slots, i
         uint64_t j = dm_home(dm_fp_of(h), size);
         while (p->entries[j] && p->entries[j] != entry) j = dm_next(j, size);
         if (!p->entries[j]) continue;
+        if (map->logs && !map->copied[dm_part_of(h)] && slots[i] < map->boundary) { /* a save still needs it */
+            dm_log_t *log = &map->logs[dm_part_of(h)];
+            if (log->n == log->capacity) {
+                const int64_t capacity = log->capacity ? 2 * log->capacity : 64;
+                uint64_t *grown = realloc(log->entries, (size_t)capacity * sizeof(uint64_t));
+                if (!grown) map->save_failed = 1;
+                else log->entries = grown, log->capacity = capacity;
+            }
+            if (log->n < log->capacity) log->entries[log->n++] = entry;
+        }
         /* backward shift: an entry after the hole moves into it unless its home lies cyclically in (hole, entry] */
         uint64_t hole = j;
         for (uint64_t k = dm_next(hole, size); p->entries[k]; k = dm_next(k, size)) {
@@ -1016,9 +1049,11 @@ void lp_set_bits(uint8_t *bits, const int64_t *slots, int64_t n, int32_t value) 
  * memory copy (and, the first time its page is touched, a minor fault), not a system call. */
 
 /* The first `bytes` of file `fd`, mapped read-only and shared (pages past the file's end are never read: see
- * lp_copy_records); NULL when the mapping fails, its errno in *error. */
-void *lp_map_file(int64_t fd, int64_t bytes, int64_t *error) {
-    void *address = mmap(NULL, (size_t)bytes, PROT_READ, MAP_SHARED, (int)fd, 0);
+ * lp_copy_records), or with `private` a copy on write (what is written stays in the process); NULL when the
+ * mapping fails, its errno in *error. */
+void *lp_map_file(int64_t fd, int64_t bytes, int64_t private, int64_t *error) {
+    void *address = mmap(NULL, (size_t)bytes, private ? PROT_READ | PROT_WRITE : PROT_READ, private ? MAP_PRIVATE : MAP_SHARED,
+                         (int)fd, 0);
     if (address == MAP_FAILED) {
         *error = errno;
         return NULL;
@@ -1059,5 +1094,73 @@ int64_t lp_copy_records(const int64_t *bases, const int64_t *fds, int64_t shift,
         }
         memcpy(out + i * stride, (const char *)(intptr_t)bases[segment] + offset, (size_t)stride);
     }
+    return 0;
+}
+
+/* ---- the id map in a checkpoint ----------------------------------------------------------------------------
+ * A save copies the map as it was at its point one partition at a time, while the table serves between two
+ * partitions: entries added after the point (their slots at or past `boundary`: demotions write new segments) are
+ * left out of a copy, and entries removed after the point (promotions, expiry) are logged until their partition is
+ * copied, then put back into the copy. A restarted shard adopts the copies (mapped from the checkpoint) instead of
+ * indexing every id again. */
+
+/* Starts a save whose point is now: slots at or past `boundary` are written after it. Returns 0, or -1 without
+ * memory for the logs (any earlier save's logs are dropped first). */
+int64_t lp_dmap_save_begin(void *handle, int64_t boundary) {
+    dmap_t *map = handle;
+    dm_save_clear(map);
+    map->logs = calloc(DM_PARTS, sizeof(dm_log_t));
+    map->copied = calloc(DM_PARTS, 1);
+    map->save_failed = 0;
+    map->boundary = boundary;
+    if (!map->logs || !map->copied) {
+        dm_save_clear(map);
+        return -1;
+    }
+    return 0;
+}
+
+/* Partition `part` as at the save's point, into out (zeroed by the caller, `capacity` entries): returns its size in
+ * entries, its live entries in *live; -(size) when out is too small (nothing copied), -1 LL << 62 when no save runs
+ * or a log could not grow (the save must fail). */
+int64_t lp_dmap_save_part(void *handle, int64_t part, uint64_t *out, int64_t capacity, int64_t *live) {
+    dmap_t *map = handle;
+    if (!map->logs || map->save_failed) return -(1LL << 62);
+    const dm_part_t *p = &map->parts[part];
+    if ((int64_t)p->size > capacity) return -(int64_t)p->size;
+    dm_part_t copy = {out, p->size, 0, p->size, 1};
+    for (uint64_t i = 0; i < p->size; ++i) {
+        const uint64_t entry = p->entries[i];
+        if (entry && (int64_t)(entry & 0xFFFFFFFFULL) - 1 < map->boundary) dm_place(&copy, entry), copy.live += 1;
+    }
+    const dm_log_t *log = &map->logs[part];
+    for (int64_t i = 0; i < log->n; ++i) dm_place(&copy, log->entries[i]), copy.live += 1;
+    free(map->logs[part].entries);
+    map->logs[part] = (dm_log_t){0};
+    map->copied[part] = 1;
+    *live = (int64_t)copy.live;
+    return (int64_t)p->size;
+}
+
+/* Ends a save (done or abandoned): nothing is logged any more. */
+void lp_dmap_save_end(void *handle) { dm_save_clear(handle); }
+
+/* Partition `part` of an empty map takes `entries` (`size` entries, `live` of them set, as lp_dmap_save_part wrote
+ * them): the caller's memory, kept until lp_dmap_free, never freed here (a grown partition moves into its own).
+ * Returns 0, or -1 when the partition is not empty or the sizes cannot be. */
+int64_t lp_dmap_adopt(void *handle, int64_t part, uint64_t *entries, int64_t size, int64_t live) {
+    dmap_t *map = handle;
+    dm_part_t *p = &map->parts[part];
+    if (p->live || size < 16 || live < 0 || live >= size) return -1;
+    map->slots += size - (int64_t)p->size;
+    if (!p->borrowed) free(p->entries);
+    p->entries = entries;
+    p->size = (uint64_t)size;
+    p->live = (uint64_t)live;
+    p->limit = (uint64_t)(dm_max_load((uint32_t)part) * (double)size);
+    if (p->limit >= p->size) p->limit = p->size - 1;
+    if (p->limit < p->live) p->limit = p->live; /* full as saved: the next insert grows it */
+    p->borrowed = 1;
+    map->live += live;
     return 0;
 }

@@ -5,24 +5,29 @@ Layout, next to the table's ``.npy`` arrays (which hold the rows it had in memor
     shard-.../t0000.disk/segment-000000.rows   records, linked from the tier (same inode: no byte copied)
     shard-.../t0000.disk/segment-000000.ids    the ids of the records, in slot order
     shard-.../t0000.disk/live.bits             which slots held a live row at the point (a bit each, checksummed)
+    shard-.../t0000.disk/idmap.bin             the id map at the point (disk_map_file.py): what a restart maps
 
 A segment is never written once sealed (:meth:`DiskTier.freeze` seals the open one at the point), so the linked
 files keep the bytes of the point while the tier goes on writing new segments. Promotions after the point only
 clear live bits in the tier's memory; the checkpoint's ``live.bits`` were copied at the point.
-A load into as many shards as saved links the segments into the new tier and indexes their live ids; a load into
+A load into as many shards as saved links the segments into the new tier and maps the saved id map (a checkpoint
+saved without one: indexes their live ids from the ids files); a load into
+
 another shard count reads the live records and keeps the ids of the shard (re-sharding), as for the arrays.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
 
 from lightning_persia import checksum
+from lightning_persia.ops import native
 from lightning_persia.ops.hashing import shard_of
+from lightning_persia.remote_ps.store import disk_map_file
 from lightning_persia.remote_ps.store.chunked_rows import FieldSpec
 from lightning_persia.remote_ps.store.disk_tier import DiskTier, FrozenTier, link, live_slots, unpack
 from lightning_persia.remote_ps.store.errors import CheckpointError
@@ -44,8 +49,11 @@ def write(frozen: FrozenTier, folder: Path, record_bytes: int) -> dict:
         f.write(memoryview(bits))
         f.flush()
         os.fsync(f.fileno())
-    return {"folder": folder.name, "record_bytes": record_bytes, "segments": segments,
-            "live": {"file": _LIVE, "bytes": int(bits.nbytes), **checksum.of_file(folder / _LIVE)}}
+    entry = {"folder": folder.name, "record_bytes": record_bytes, "segments": segments,
+             "live": {"file": _LIVE, "bytes": int(bits.nbytes), **checksum.of_file(folder / _LIVE)}}
+    if frozen.id_map is not None:
+        entry["idmap"] = disk_map_file.write(frozen.id_map, folder / disk_map_file.FILE, frozen.lock)
+    return entry
 
 
 def verify(shard_folder: Path, entry: dict) -> None:
@@ -55,6 +63,10 @@ def verify(shard_folder: Path, entry: dict) -> None:
     live = folder / entry["live"]["file"]
     if not live.is_file() or live.stat().st_size != entry["live"]["bytes"] or not checksum.matches(entry["live"], live):
         raise CheckpointError(f"checkpoint file {live} is missing, truncated or corrupted")
+    if "idmap" in entry:
+        path = folder / entry["idmap"]["file"]
+        if not path.is_file() or path.stat().st_size != entry["idmap"]["bytes"]:
+            raise CheckpointError(f"checkpoint file {path} (the disk tier's id map) is missing or truncated")
     for segment, rows in entry["segments"]:
         records, ids = DiskTier.files_of(folder, segment)
         for path, size in ((records, rows * entry["record_bytes"]), (ids, rows * 8)):
@@ -73,6 +85,15 @@ def segments(shard_folder: Path, entry: dict) -> Iterator[tuple[int, int, Path, 
         records, ids = DiskTier.files_of(folder, segment)
         yield segment, rows, records, ids, bits[start : start + ((rows + 7) >> 3)]
         start += (rows + 7) >> 3
+
+
+def id_map(shard_folder: Path, entry: dict) -> Optional[Callable[[native.DiskMap], None]]:
+    """What maps the checkpoint's saved id map into a tier's empty map (for :meth:`DiskTier.attach`); ``None`` for
+    a checkpoint saved without one (its ids are then indexed from the ids files)."""
+    if "idmap" not in entry:
+        return None
+    path = _folder(shard_folder, entry) / entry["idmap"]["file"]
+    return lambda disk_map: disk_map_file.adopt(disk_map, path, entry["idmap"])
 
 
 def rows(shard_folder: Path, entry: dict, specs: dict[str, FieldSpec], shard_index: int, num_shards: int) -> Iterator[dict[str, torch.Tensor]]:

@@ -22,9 +22,10 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -54,6 +55,14 @@ class FrozenTier:
     directory: Path
     segments: list[tuple[int, int]]
     live: list[torch.Tensor]  # one per segment: a bit per written slot (uint8, little-endian bit order)
+    id_map: Optional[native.DiskMap] = None  # the tier's map, being saved as at the point (DiskMap.save_begin)
+    lock: Optional[threading.Lock] = None  # the table's: held to copy a part of the map
+
+    def release(self) -> None:
+        """Ends the map's save (done or abandoned), taking its table's lock."""
+        if self.id_map is not None:
+            with self.lock:
+                self.id_map.save_end()
 
 
 class DiskTier:
@@ -66,13 +75,15 @@ class DiskTier:
         found, rows = tier.take(ids)     # read back and removed from disk
     """
 
-    def __init__(self, directory: str | os.PathLike, specs: dict[str, FieldSpec]) -> None:
+    def __init__(self, directory: str | os.PathLike, specs: dict[str, FieldSpec], lock: Optional[threading.Lock] = None) -> None:
+        """``lock``: the table's (a checkpoint copies the id map a part at a time holding it); a tier of its own by default."""
         if not native.available():
             raise StoreError("storage 'disk' needs the native kernels (see lightning_persia.ops.native.available)")
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.specs = {name: specs[name] for name in DISK_FIELDS if name in specs and specs[name].row_bytes > 0}
         self.record_bytes = sum(spec.row_bytes for spec in self.specs.values())
+        self._lock = lock if lock is not None else threading.Lock()
         self._map = native.DiskMap()
         self._fds: list[int] = []  # the records' file of each segment (-1: gone)
         self._bases: list[int] = []  # where each segment's records file is mapped (0: not)
@@ -259,13 +270,18 @@ class DiskTier:
         written = [(segment, rows) for segment, rows in enumerate(self._written) if self._fds[segment] >= 0 and rows]
         if self._next & (SEGMENT_ROWS - 1):
             self._next = ((self._next >> SEGMENT_SHIFT) + 1) << SEGMENT_SHIFT
-        return FrozenTier(self.directory, written, [self._live[segment][: (rows + 7) >> 3].clone() for segment, rows in written])
+        self._map.save_begin(self._next)  # every slot written from now on is past the point
+        return FrozenTier(self.directory, written, [self._live[segment][: (rows + 7) >> 3].clone() for segment, rows in written],
+                          self._map, self._lock)
 
-    def attach(self, files: Iterator[tuple[int, int, Path, Path, torch.Tensor]]) -> None:
+    def attach(self, files: Iterator[tuple[int, int, Path, Path, torch.Tensor]],
+               adopt_map: Optional[Callable[[native.DiskMap], None]] = None) -> None:
         """Takes segments of a checkpoint, ``(number, rows, records file, ids file, live bits)`` each: links their
-        files into this (empty) tier, then indexes the ids of their live slots (read from the ids files)."""
+        files into this (empty) tier, then indexes the ids of their live slots: ``adopt_map`` (the checkpoint's saved
+        map: ``disk_map_file.adopt``) maps them, else they are read from the ids files and inserted."""
         if self._fds:
             raise DiskTierError(f"the disk tier at {self.directory} is not empty")
+        live_rows = 0
         for segment, rows, records, ids, live in files:
             while len(self._fds) < segment:  # numbers not in the checkpoint: no file
                 self._fds.append(-1)
@@ -282,13 +298,21 @@ class DiskTier:
             bits[: live.numel()] = live
             self._live.append(bits)
             self._written.append(rows)
+            self._next = (segment + 1) << SEGMENT_SHIFT
+            if adopt_map is not None:
+                live_rows += int(np.bitwise_count(live.numpy()).sum())
+                continue
             stored = torch.from_numpy(np.fromfile(self._path(segment, "ids"), dtype="<i8", count=rows))
             if stored.numel() != rows:
                 raise DiskTierError(f"disk segment {ids} holds {stored.numel()} ids, not {rows}")
             slots = live_slots(live, rows)
             self._map.insert(stored[slots], slots + (segment << SEGMENT_SHIFT))
-            self._next = (segment + 1) << SEGMENT_SHIFT
         self._tables_changed()
+        if adopt_map is not None:
+            adopt_map(self._map)
+            if self._map.info()[0] != live_rows:
+                raise DiskTierError(f"the id map of the checkpoint holds {self._map.info()[0]} ids, its live bits {live_rows}")
+
 
     # ---- bookkeeping -------------------------------------------------------------------------------------
 

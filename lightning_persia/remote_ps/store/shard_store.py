@@ -51,11 +51,14 @@ class ShardStore:
     def __init__(
         self, shard_index: int, num_shards: int, seed: int = 0, table_defaults: dict[str, TableConfig] | None = None,
         fault_save_delay_s: float = 0.0, disk_dir: Optional[str] = None, expiry_interval_s: float = 1.0,
+        demotion_interval_s: Optional[float] = 0.01,
     ) -> None:
         """``disk_dir``: where the disk tiers of the tables of ``storage="disk"`` live (a folder per table and generation
         under ``shard-<i>-of-<n>/``, deleted with its table); ``None``: such tables are refused.
         ``expiry_interval_s``: how often the rows of tables with a TTL are swept (on a thread of the store's own,
-        started with the first such table)."""
+        started with the first such table). ``demotion_interval_s``: how often the demoter looks for disk tables
+        whose memory tier needs room (``demoter.py``; started with the first disk table); ``None``: no demoter, a
+        request that needs room demotes it (the rows in memory then depend on the requests alone)."""
         if not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index must be in [0, {num_shards}), got {shard_index}")
         self.shard_index = shard_index
@@ -72,7 +75,7 @@ class ShardStore:
         self._disk_dir = disk_dir
         self._generation = itertools.count()
         self._expirer = Expirer(self._tables_with_ttl, expiry_interval_s)
-        self._demoter = Demoter(self._disk_tables)
+        self._demoter = Demoter(self._disk_tables, demotion_interval_s) if demotion_interval_s is not None else None
         self.log: Optional[ShardLog] = None  # set once the shard restored itself (wal/shard_log.py)
 
     def configure(self, config: TableConfig) -> TableConfig:
@@ -312,7 +315,8 @@ class ShardStore:
             return
         if source.own_folder(self.num_shards) is not None and table.config.storage == "disk":
             folder, entry = parts[0]
-            table.attach_disk(disk_checkpoint.segments(folder, entry))
+            table.attach_disk(disk_checkpoint.segments(folder, entry), disk_checkpoint.id_map(folder, entry))
+
             return
         for folder, entry in parts:
             table.load(disk_checkpoint.rows(folder, entry, table.disk_specs, self.shard_index, self.num_shards))
@@ -357,7 +361,8 @@ class ShardStore:
     def _new_table(self, config: TableConfig) -> Table:
         if (config.ttl_steps is not None or config.ttl_seconds is not None) and not self._expirer.started:
             self._expirer.start()
-        if config.storage == "disk" and self._disk_dir is not None and not self._demoter.started:
+        if config.storage == "disk" and self._disk_dir is not None and self._demoter is not None and not self._demoter.started:
+
             self._demoter.start()
         disk = None
         if config.storage == "disk" and self._disk_dir is not None:

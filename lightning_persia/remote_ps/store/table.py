@@ -89,7 +89,7 @@ class Table:
             if disk_dir is None:
                 raise StoreError(f"table {config.name!r} has storage 'disk' but its shard has no disk folder (PSConfig.disk_dir, "
                                  "`ps serve disk_dir=...`)")
-            self._disk = DiskTier(disk_dir, self.field_specs)
+            self._disk = DiskTier(disk_dir, self.field_specs, self.lock)
 
     @property
     def disk_specs(self) -> dict[str, FieldSpec]:
@@ -496,12 +496,12 @@ class Table:
             with self.lock:
                 self._disk.release_pages()
 
-    def attach_disk(self, segments: Iterable) -> None:
-        """Takes the disk segments of a checkpoint saved by this shard (see :meth:`DiskTier.attach`)."""
+    def attach_disk(self, segments: Iterable, adopt_map: Optional[Callable] = None) -> None:
+        """Takes the disk segments of a checkpoint saved by this shard, and its id map (see :meth:`DiskTier.attach`)."""
         if self._disk is None:
             raise StoreError(f"table {self.config.name!r} has no disk tier")
         with self.lock:
-            self._disk.attach(segments)
+            self._disk.attach(segments, adopt_map)
 
     def _check_budget(self, n: int) -> None:
         """A disk table's training request must fit in its memory budget: every row it touches comes into memory."""

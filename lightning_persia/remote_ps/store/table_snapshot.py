@@ -147,5 +147,8 @@ class TableSnapshot:
         return self._preimages.chunks(self._state)
 
     def close(self) -> None:
-        """Ends the snapshot (written or abandoned): the table stops keeping pre-images for it."""
+        """Ends the snapshot (written or abandoned): the table stops keeping pre-images for it (and a disk table's id
+        map stops logging for its save)."""
         self._preimages.end(self._state)
+        if self.disk is not None:
+            self.disk.release()

@@ -9,7 +9,9 @@ from lightning_persia.remote_ps.table_config import Adagrad, Normal, TableConfig
 
 
 def _start(tmp_path, *, durability="log", incarnation="one", restore_from=None):
-    store = ShardStore(0, 1, seed=3, disk_dir=str(tmp_path / f"disk-{incarnation}"))
+    # no demoter: which rows of a disk table are in memory (what _contents compares) then depends on the requests alone
+    store = ShardStore(0, 1, seed=3, disk_dir=str(tmp_path / f"disk-{incarnation}"), demotion_interval_s=None)
+
     store.log = open_shard_log(store, str(tmp_path / "wal"), durability, incarnation, restore_from, window=64)
     return store
 

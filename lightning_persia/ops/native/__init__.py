@@ -315,14 +315,13 @@ SIGNATURES = {
     "lp_dmap_find": ([_P, _P, _I64, _P, _P], None),
     "lp_dmap_remove": ([_P, _P, _P, _I64], _I64),
     "lp_set_bits": ([_P, _P, _I64, ctypes.c_int32], None),
-    "lp_map_file": ([_I64, _I64, _I64, _P], _P),
+    "lp_pread_rows": ([_P, _I64, _I64, _P, _I64, _P, _P], _I64),
+    "lp_map_file": ([_I64, _I64, _P], _P),
     "lp_dmap_save_begin": ([_P, _I64], _I64),
     "lp_dmap_save_part": ([_P, _I64, _P, _I64, _P], _I64),
     "lp_dmap_save_end": ([_P], None),
     "lp_dmap_adopt": ([_P, _I64, _P, _I64, _I64], _I64),
     "lp_unmap_file": ([_P, _I64], None),
-    "lp_drop_pages": ([_P, _I64], None),
-    "lp_copy_records": ([_P, _P, _I64, _I64, _P, _P, _I64, _P, _P], _I64),
 }
 """Argument and result types of every function of ``kernels.c`` called here (``tests/ops/test_native_interface.py``
 checks them, and the job structs above, against the C source)."""
@@ -433,7 +432,7 @@ class DiskMap:
         partition cannot be as described; the mapping lasts as long as the map."""
         if len(parts) != self.PARTS or self.info()[0]:
             raise ValueError(f"an id map is adopted whole ({self.PARTS} partitions) into an empty map")
-        address = map_file(fd, nbytes, private=True)
+        address = map_file(fd, nbytes)
         self._borrowed = [*getattr(self, "_borrowed", ()), (address, nbytes)]
         for part, (offset, size, live) in enumerate(parts):
             if offset % 8 or offset + size * 8 > nbytes or self._library.lp_dmap_adopt(self._handle, part, address + offset, size, live):
@@ -483,14 +482,14 @@ def set_bits(bits: torch.Tensor, slots: torch.Tensor, value: bool) -> None:
     _require().lp_set_bits(bits.data_ptr(), slots.data_ptr(), slots.numel(), int(value))
 
 
-def map_file(fd: int, nbytes: int, private: bool = False) -> int:
-    """The address of the first ``nbytes`` of file ``fd`` mapped read-only and shared (see :func:`copy_records`), or
-    ``private``: a copy on write; OSError when it cannot be mapped. :func:`unmap_file` ends it."""
+def map_file(fd: int, nbytes: int) -> int:
+    """The address of the first ``nbytes`` of file ``fd`` mapped as a copy on write (see :meth:`DiskMap.adopt`);
+    OSError when it cannot be mapped. :func:`unmap_file` ends it."""
     error = ctypes.c_int64(0)
-    address = _require().lp_map_file(fd, nbytes, int(private), ctypes.byref(error))
+    address = _require().lp_map_file(fd, nbytes, ctypes.byref(error))
     if not address:
         code = error.value or errno.ENOMEM
-        raise OSError(code, f"cannot map {nbytes} bytes of a disk segment: {os.strerror(code)}")
+        raise OSError(code, f"cannot map {nbytes} bytes of a file: {os.strerror(code)}")
     return address
 
 
@@ -499,31 +498,20 @@ def unmap_file(address: int, nbytes: int) -> None:
     _require().lp_unmap_file(address, nbytes)
 
 
-def drop_pages(address: int, nbytes: int) -> None:
-    """Unmaps the pages of a :func:`map_file` mapping from the process (they stay in the page cache, and map again
-    when read): the process's resident memory no longer counts them."""
-    _require().lp_drop_pages(address, nbytes)
-
-
-def copy_records(bases: torch.Tensor, fds: torch.Tensor, shift: int, slots: torch.Tensor, out: torch.Tensor) -> None:
+def pread_rows(fds: torch.Tensor, shift: int, slots: torch.Tensor, out: torch.Tensor) -> None:
     """``out[i]`` = the record of ``slots[i]`` (``< 0``: left as it is): ``out``'s row size at byte
-    ``(slot & (2**shift - 1)) * row size`` of the segment ``slot >> shift``, mapped at ``bases[segment]`` (0: not
-    mapped) from the file ``fds[segment]``. The records are copied in file order. OSError naming the slot when a
-    record cannot be read whole (its file ends before it, or the segment is not mapped)."""
+    ``(slot & (2**shift - 1)) * row size`` of the file ``fds[slot >> shift]``. OSError naming the slot when a
+    record cannot be read whole."""
     slots = _check(slots, torch.int64, "slots").contiguous()
-    _check(bases, torch.int64, "bases")
     _check(fds, torch.int64, "fds")
     if out.dtype != torch.uint8 or out.dim() != 2 or out.shape[0] != slots.numel() or not out.is_contiguous():
-        raise ValueError(f"copy_records: out must be a contiguous uint8 [{slots.numel()}, record bytes] tensor")
-    if bases.numel() != fds.numel():
-        raise ValueError(f"{bases.numel()} mapped segments and {fds.numel()} files")
+        raise ValueError(f"pread_rows: out must be a contiguous uint8 [{slots.numel()}, record bytes] tensor")
     if slots.numel() and int(slots.max()) >> shift >= fds.numel():
         raise ValueError(f"slot {int(slots.max())} is past the {fds.numel()} files")
-    bases, fds = bases.contiguous(), fds.contiguous()
-    order = torch.argsort(slots)
+    fds = fds.contiguous()
     error = ctypes.c_int64(0)
-    failed = _require().lp_copy_records(bases.data_ptr(), fds.data_ptr(), shift, out.shape[1], slots.data_ptr(), order.data_ptr(),
-                                        slots.numel(), out.data_ptr(), ctypes.byref(error))
+    failed = _require().lp_pread_rows(fds.data_ptr(), shift, out.shape[1], slots.data_ptr(), slots.numel(), out.data_ptr(),
+                                      ctypes.byref(error))
     if failed:
         slot = int(slots[-failed - 1])
         reason = os.strerror(error.value) if error.value else "the file ends before it"

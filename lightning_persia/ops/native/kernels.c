@@ -13,7 +13,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 static const uint64_t SLOT_SALT = 0x9E3779B97F4A7C15ULL;
@@ -1044,58 +1043,36 @@ void lp_set_bits(uint8_t *bits, const int64_t *slots, int64_t n, int32_t value) 
     }
 }
 
-/* ---- the disk tier's segments, mapped -------------------------------------------------------------------
- * A segment's records are read through a shared read-only mapping of its file: a record in the page cache costs a
- * memory copy (and, the first time its page is touched, a minor fault), not a system call. */
+/* Reads the records of `slots` (record r of file fds[r >> shift], `stride` bytes at (r & (2^shift - 1)) * stride)
+ * into out[i]; a slot < 0 leaves out[i] as it is. Returns 0, or -(i + 1) for the first record that could not be
+ * read whole, its errno in *error (0: the file ended before it). */
+int64_t lp_pread_rows(const int64_t *fds, int64_t shift, int64_t stride, const int64_t *slots, int64_t n, char *out,
+                      int64_t *error) {
+    const int64_t mask = (1LL << shift) - 1;
+    for (int64_t i = 0; i < n; ++i) {
+        if (slots[i] < 0) continue;
+        errno = 0;
+        if (pread((int)fds[slots[i] >> shift], out + i * stride, (size_t)stride, (off_t)((slots[i] & mask) * stride)) != stride) {
+            *error = errno;
+            return -(i + 1);
+        }
+    }
+    return 0;
+}
 
-/* The first `bytes` of file `fd`, mapped read-only and shared (pages past the file's end are never read: see
- * lp_copy_records), or with `private` a copy on write (what is written stays in the process); NULL when the
- * mapping fails, its errno in *error. */
-void *lp_map_file(int64_t fd, int64_t bytes, int64_t private, int64_t *error) {
-    void *address = mmap(NULL, (size_t)bytes, private ? PROT_READ | PROT_WRITE : PROT_READ, private ? MAP_PRIVATE : MAP_SHARED,
-                         (int)fd, 0);
+/* The first `bytes` of file `fd` mapped as a copy on write (what is written stays in the process; a saved id map
+ * adopted by lp_dmap_adopt); NULL when the mapping fails, its errno in *error. */
+void *lp_map_file(int64_t fd, int64_t bytes, int64_t *error) {
+    void *address = mmap(NULL, (size_t)bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE, (int)fd, 0);
     if (address == MAP_FAILED) {
         *error = errno;
         return NULL;
     }
-    madvise(address, (size_t)bytes, MADV_RANDOM); /* a record is 48 bytes: no read-ahead of its neighbours */
+    madvise(address, (size_t)bytes, MADV_RANDOM); /* hash probes: no read-ahead of their neighbours */
     return address;
 }
 
 void lp_unmap_file(void *address, int64_t bytes) { munmap(address, (size_t)bytes); }
-
-/* Unmaps the pages of a mapping from the process (they stay in the page cache): its resident memory falls. */
-void lp_drop_pages(void *address, int64_t bytes) { madvise(address, (size_t)bytes, MADV_DONTNEED); }
-
-/* out[i] = the record of slots[i] (`stride` bytes at (r & (2^shift - 1)) * stride of the segment r >> shift mapped
- * at bases[r >> shift], file fds[r >> shift]); a slot < 0 leaves out[i] as it is. `order` visits the slots in file
- * order (ascending), so neighbouring records share their pages and each segment's file size is read once. Returns
- * 0, or -(i + 1) for the first record that cannot be read whole, its errno in *error (0: the file ends before it). */
-int64_t lp_copy_records(const int64_t *bases, const int64_t *fds, int64_t shift, int64_t stride, const int64_t *slots,
-                        const int64_t *order, int64_t n, char *out, int64_t *error) {
-    const int64_t mask = (1LL << shift) - 1;
-    int64_t segment = -1, size = 0;
-    for (int64_t k = 0; k < n; ++k) {
-        const int64_t i = order[k], slot = slots[i];
-        if (slot < 0) continue;
-        if (slot >> shift != segment) { /* a file that shrank under the tier: its missing records are errors, not SIGBUS */
-            struct stat info;
-            segment = slot >> shift;
-            if (!bases[segment] || fstat((int)fds[segment], &info)) {
-                *error = bases[segment] ? errno : EBADF;
-                return -(i + 1);
-            }
-            size = (int64_t)info.st_size;
-        }
-        const int64_t offset = (slot & mask) * stride;
-        if (offset + stride > size) {
-            *error = 0;
-            return -(i + 1);
-        }
-        memcpy(out + i * stride, (const char *)(intptr_t)bases[segment] + offset, (size_t)stride);
-    }
-    return 0;
-}
 
 /* ---- the id map in a checkpoint ----------------------------------------------------------------------------
  * A save copies the map as it was at its point one partition at a time, while the table serves between two

@@ -6,10 +6,6 @@ table's lock held: a lookup that inserted 131,072 new ids into a full 100M-row t
 more than its budget less half of :data:`HEADROOM_FRACTION`, down to the budget less all of it, :data:`SLICE_ROWS` at a
 time, the table's lock held for one slice only. A request then finds free rows, and demotes only when the rows
 it brings in exceed the headroom left (the budget is a hard limit: it demotes what it needs, no more).
-
-It also bounds the resident memory the disk tiers' mapped reads take: when the process's file-backed resident
-memory has grown by more than :data:`MAPPED_BYTES_BUDGET` since the thread started, every disk table unmaps its
-segments' pages (``DiskTier.release_pages``: the page cache keeps them, a later read maps them again).
 """
 from __future__ import annotations
 
@@ -21,10 +17,7 @@ from typing import Callable, Iterable
 HEADROOM_FRACTION = 1 / 16
 """Of a disk table's memory budget, kept free for the rows requests bring in (demotion starts at half of it used)."""
 SLICE_ROWS = 1 << 16
-"""Rows demoted with a table's lock held, at most (about 20 ms of CPU on the development VM)."""
-MAPPED_BYTES_BUDGET = 1 << 30
-"""File-backed resident memory the mapped reads may add before their pages are unmapped."""
-_PAGES_CHECK_S = 1.0
+"""Rows demoted with a table's lock held, at most (as many as eviction.SLICE_ROWS: one sweep slice)."""
 _log = logging.getLogger(__name__)
 
 
@@ -37,18 +30,6 @@ def demotion_target(capacity: int, memory_rows: int) -> int:
     return memory_rows - (capacity - headroom)
 
 
-def file_resident_bytes() -> int:
-    """The process's file-backed resident memory (``RssFile`` of ``/proc/self/status``; 0 where there is none)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("RssFile:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 class Demoter:
     """Demotes the rows of each of ``tables()`` (its disk tables) beyond :func:`demotion_target`, every
     ``interval_s``, on a daemon thread, until :meth:`stop`."""
@@ -58,7 +39,6 @@ class Demoter:
         self._interval_s = interval_s
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="persia-ps-demoter", daemon=True)
-        self._file_baseline = 0
         self.errors = 0
 
     @property
@@ -66,7 +46,6 @@ class Demoter:
         return self._thread.ident is not None
 
     def start(self) -> None:
-        self._file_baseline = file_resident_bytes()
         self._thread.start()
 
     def stop(self) -> None:
@@ -91,22 +70,6 @@ class Demoter:
                 _log.exception("demoting rows of table %r failed; retried in %.2f s", table.config.name, self._interval_s)
         return demoted
 
-    def release_pages(self) -> bool:
-        """Unmaps the disk tiers' read pages if they passed :data:`MAPPED_BYTES_BUDGET`; returns whether it did."""
-        if file_resident_bytes() - self._file_baseline <= MAPPED_BYTES_BUDGET:
-            return False
-        for table in self._tables():
-            table.release_disk_pages()
-        return True
-
     def _run(self) -> None:
-        checked = time.monotonic()
         while not self._stopped.wait(self._interval_s):
             self.run_once()
-            if time.monotonic() - checked >= _PAGES_CHECK_S:
-                checked = time.monotonic()
-                try:
-                    self.release_pages()
-                except Exception:  # noqa: BLE001 - the pages stay mapped until the next check
-                    self.errors += 1
-                    _log.exception("unmapping the disk tiers' read pages failed")

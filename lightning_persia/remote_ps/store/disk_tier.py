@@ -8,11 +8,9 @@ its slot is no longer live.
 
 The id map (``native.DiskMap``) keeps an 8-byte entry an id in memory (a fingerprint and the slot), at loads of 0.6
 to 0.85: a billion rows on disk take ~12 GB of map, against ~60 bytes a row in memory. A lookup confirms each match against the id in
-the record it reads. Records are read through a read-only shared mapping of each segment, in file order, in one
-native call (``native.copy_records``): a record in the page cache costs a copy, not a system call (a ``pread`` of
-each record cost 0.7 to 1.5 us on the development VM, the mapping 0.05 to 0.3 us: 2026-11-25-disk-tier.md).
-The pages reads map count in the shard's resident memory until :meth:`DiskTier.release_pages` unmaps them (the
-page cache keeps them): the shard's demoter does so when they pass a budget (``demoter.py``).
+the record it reads (``pread``, in file order, in one native call: the records read stay in the page cache,
+the kernel's, and add nothing to the shard's resident memory; reading them through a mapping of the segments was
+slower on cold pages, see 2026-11-25-disk-tier.md).
 
 Faults: a write that fails (a full disk) raises :class:`DiskTierError` before anything changes, so the rows stay
 where they were; a segment that is missing or shorter than its rows raises :class:`DiskTierError` naming it.
@@ -86,16 +84,13 @@ class DiskTier:
         self._lock = lock if lock is not None else threading.Lock()
         self._map = native.DiskMap()
         self._fds: list[int] = []  # the records' file of each segment (-1: gone)
-        self._bases: list[int] = []  # where each segment's records file is mapped (0: not)
         self._id_fds: list[int] = []
         self._live: list[torch.Tensor] = []  # a bit per slot of each segment: the slot holds a live row
         self._written: list[int] = []  # records written in each segment
         self._next = 0  # the next slot to write
         self._fd_table = torch.empty(0, dtype=torch.int64)
-        self._base_table = torch.empty(0, dtype=torch.int64)
         self.written_bytes = 0
         self.closed = False
-
 
     # ---- writes ------------------------------------------------------------------------------------------
 
@@ -144,27 +139,11 @@ class DiskTier:
             os.close(records)
             os.unlink(self._path(segment, "rows"))
             raise
-        try:
-            base = native.map_file(records, self._mapped_bytes)
-        except OSError:
-            for fd, kind in ((records, "rows"), (ids, "ids")):
-                os.close(fd)
-                os.unlink(self._path(segment, kind))
-            raise
         self._fds.append(records)
-        self._bases.append(base)
         self._id_fds.append(ids)
         self._live.append(torch.zeros(SEGMENT_ROWS >> 3, dtype=torch.uint8))
         self._written.append(0)
-        self._tables_changed()
-
-    @property
-    def _mapped_bytes(self) -> int:
-        return SEGMENT_ROWS * self.record_bytes
-
-    def _tables_changed(self) -> None:
         self._fd_table = torch.tensor(self._fds, dtype=torch.int64)
-        self._base_table = torch.tensor(self._bases, dtype=torch.int64)
 
     def _path(self, segment: int, kind: str) -> Path:
         return self.directory / f"segment-{segment:06d}.{kind}"
@@ -216,12 +195,13 @@ class DiskTier:
         self._set_live(slots, False)
 
     def _read(self, slots: torch.Tensor, records: torch.Tensor, positions: torch.Tensor) -> None:
+        order = torch.argsort(slots)  # in file order: neighbouring records share the pages read
         buffer = torch.empty(slots.numel(), self.record_bytes, dtype=torch.uint8)
         try:
-            native.copy_records(self._base_table, self._fd_table, SEGMENT_SHIFT, slots, buffer)
+            native.pread_rows(self._fd_table, SEGMENT_SHIFT, slots[order], buffer)
         except OSError as err:
             raise DiskTierError(f"the disk tier at {self.directory} could not read: {err.strerror or err}") from None
-        records[positions] = buffer
+        records[positions[order]] = buffer
 
     # ---- records -----------------------------------------------------------------------------------------
 
@@ -285,14 +265,12 @@ class DiskTier:
         for segment, rows, records, ids, live in files:
             while len(self._fds) < segment:  # numbers not in the checkpoint: no file
                 self._fds.append(-1)
-                self._bases.append(0)
                 self._id_fds.append(-1)
                 self._live.append(torch.zeros(0, dtype=torch.uint8))
                 self._written.append(0)
             for source, target in ((records, self._path(segment, "rows")), (ids, self._path(segment, "ids"))):
                 link(source, target)
             self._fds.append(os.open(self._path(segment, "rows"), os.O_RDWR))
-            self._bases.append(native.map_file(self._fds[-1], self._mapped_bytes))
             self._id_fds.append(os.open(self._path(segment, "ids"), os.O_RDWR))
             bits = torch.zeros(SEGMENT_ROWS >> 3, dtype=torch.uint8)
             bits[: live.numel()] = live
@@ -307,12 +285,11 @@ class DiskTier:
                 raise DiskTierError(f"disk segment {ids} holds {stored.numel()} ids, not {rows}")
             slots = live_slots(live, rows)
             self._map.insert(stored[slots], slots + (segment << SEGMENT_SHIFT))
-        self._tables_changed()
+        self._fd_table = torch.tensor(self._fds, dtype=torch.int64)
         if adopt_map is not None:
             adopt_map(self._map)
             if self._map.info()[0] != live_rows:
                 raise DiskTierError(f"the id map of the checkpoint holds {self._map.info()[0]} ids, its live bits {live_rows}")
-
 
     # ---- bookkeeping -------------------------------------------------------------------------------------
 
@@ -339,26 +316,13 @@ class DiskTier:
         """Bytes the tier's files take on the disk (garbage records included)."""
         return sum(os.fstat(fd).st_blocks * 512 for fd in self._fds + self._id_fds if fd >= 0)
 
-    def release_pages(self) -> None:
-        """Unmaps the pages reads mapped from the shard's resident memory (the page cache keeps them). Safe while
-        another thread reads (a read maps its pages again), not while one closes the tier: call it holding the
-        table's lock."""
-        for base in self._bases:
-            if base:
-                native.drop_pages(base, self._mapped_bytes)
-
     def close(self) -> None:
         """Closes the files (the tier cannot be used after)."""
-        for base in self._bases:
-            if base:
-                native.unmap_file(base, self._mapped_bytes)
         for fd in self._fds + self._id_fds:
             if fd >= 0:
                 os.close(fd)
-        self._fds, self._id_fds, self._bases = [], [], []
-        self._tables_changed()
+        self._fds, self._id_fds = [], []
         self.closed = True
-
 
     def destroy(self) -> None:
         """Closes and deletes the tier's files (a checkpoint that linked them keeps its own links)."""

@@ -490,12 +490,6 @@ class Table:
             self._evict(min(count, self._live))
             return self._counters["demoted"] - before
 
-    def release_disk_pages(self) -> None:
-        """Unmaps the pages the disk tier's reads mapped (see :meth:`DiskTier.release_pages`)."""
-        if self._disk is not None:
-            with self.lock:
-                self._disk.release_pages()
-
     def attach_disk(self, segments: Iterable, adopt_map: Optional[Callable] = None) -> None:
         """Takes the disk segments of a checkpoint saved by this shard, and its id map (see :meth:`DiskTier.attach`)."""
         if self._disk is None:

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from lightning_persia.ops import native
-from lightning_persia.remote_ps.store import demoter as demoter_module
 from lightning_persia.remote_ps.store.demoter import HEADROOM_FRACTION, Demoter, demotion_target
 from lightning_persia.remote_ps.store.table import Table
 from lightning_persia.remote_ps.table_config import Adagrad, TableConfig
@@ -71,19 +70,6 @@ def test_a_closed_table_is_left_alone(tmp_path):
     table.lookup(torch.arange(CAPACITY), train=True)
     table.close()
     assert table.demote(100) == 0
-
-
-def test_read_pages_are_released_past_the_budget_and_read_again(tmp_path, monkeypatch):
-    table = _table(tmp_path)
-    ids = torch.arange(3 * CAPACITY)
-    for batch in ids.split(CAPACITY):
-        table.lookup(batch, train=True)
-    on_disk = table.lookup(ids[:CAPACITY], train=False)
-    demoter = Demoter(lambda: [table])
-    assert not demoter.release_pages()  # well within the budget
-    monkeypatch.setattr(demoter_module, "MAPPED_BYTES_BUDGET", -1)
-    assert demoter.release_pages()
-    assert torch.equal(table.lookup(ids[:CAPACITY], train=False), on_disk)
 
 
 def test_the_thread_demotes_on_its_own(tmp_path):

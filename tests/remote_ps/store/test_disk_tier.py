@@ -193,23 +193,3 @@ def test_a_delta_replaces_or_removes_rows_on_disk(tmp_path):
     fresh = Table(TableConfig("t", DIM, storage_dtype="fp16"), seed=0).lookup(torch.arange(10, 20), train=False)
     assert torch.equal(table.lookup(torch.arange(10, 20), train=False), fresh)  # removed: its initial row again
 
-
-def test_mapped_records_copy_in_any_order_and_refuse_what_is_not_there(tmp_path):
-    records = torch.arange(64 * 16, dtype=torch.int64).view(torch.uint8).view(64, 128)  # 64 records of 128 bytes
-    path = tmp_path / "segment"
-    path.write_bytes(records.numpy().tobytes())
-    fd = os.open(path, os.O_RDONLY)
-    base = native.map_file(fd, 1 << 16)
-    try:
-        bases, fds = torch.tensor([base, 0]), torch.tensor([fd, fd])
-        slots = torch.tensor([40, -1, 3, 63])
-        out = torch.zeros(4, 128, dtype=torch.uint8)
-        native.copy_records(bases, fds, 9, slots, out)
-        assert torch.equal(out[[0, 2, 3]], records[[40, 3, 63]]) and not out[1].any()
-        with pytest.raises(OSError, match="disk slot 64 .*file ends before it"):
-            native.copy_records(bases, fds, 9, torch.tensor([64]), out[:1])
-        with pytest.raises(OSError, match="disk slot 512 .*file 1"):  # a segment that is not mapped
-            native.copy_records(bases, fds, 9, torch.tensor([512]), out[:1])
-    finally:
-        native.unmap_file(base, 1 << 16)
-        os.close(fd)

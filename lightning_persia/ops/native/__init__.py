@@ -315,8 +315,9 @@ SIGNATURES = {
     "lp_dmap_find": ([_P, _P, _I64, _P, _P], None),
     "lp_dmap_remove": ([_P, _P, _P, _I64], _I64),
     "lp_set_bits": ([_P, _P, _I64, ctypes.c_int32], None),
-    "lp_pread_rows": ([_P, _I64, _I64, _P, _I64, _P, _P], _I64),
-    "lp_map_file": ([_I64, _I64, _P], _P),
+    "lp_read_records": ([_P, _P, _P, _P, _I64, _I64, _P, _I64, _P, _P], _I64),
+    "lp_map_file": ([_I64, _I64, _I64, _P], _P),
+    "lp_map_pages": ([_P, _I64, _I64], _I64),
     "lp_dmap_save_begin": ([_P, _I64], _I64),
     "lp_dmap_save_part": ([_P, _I64, _P, _I64, _P], _I64),
     "lp_dmap_save_end": ([_P], None),
@@ -432,7 +433,7 @@ class DiskMap:
         partition cannot be as described; the mapping lasts as long as the map."""
         if len(parts) != self.PARTS or self.info()[0]:
             raise ValueError(f"an id map is adopted whole ({self.PARTS} partitions) into an empty map")
-        address = map_file(fd, nbytes)
+        address = map_file(fd, nbytes, private=True)
         self._borrowed = [*getattr(self, "_borrowed", ()), (address, nbytes)]
         for part, (offset, size, live) in enumerate(parts):
             if offset % 8 or offset + size * 8 > nbytes or self._library.lp_dmap_adopt(self._handle, part, address + offset, size, live):
@@ -482,11 +483,12 @@ def set_bits(bits: torch.Tensor, slots: torch.Tensor, value: bool) -> None:
     _require().lp_set_bits(bits.data_ptr(), slots.data_ptr(), slots.numel(), int(value))
 
 
-def map_file(fd: int, nbytes: int) -> int:
-    """The address of the first ``nbytes`` of file ``fd`` mapped as a copy on write (see :meth:`DiskMap.adopt`);
-    OSError when it cannot be mapped. :func:`unmap_file` ends it."""
+def map_file(fd: int, nbytes: int, private: bool = False) -> int:
+    """The address of the first ``nbytes`` of file ``fd`` mapped read-only and shared (see :func:`read_records`), or
+    ``private``: a copy on write (see :meth:`DiskMap.adopt`); OSError when it cannot be mapped. :func:`unmap_file`
+    ends it."""
     error = ctypes.c_int64(0)
-    address = _require().lp_map_file(fd, nbytes, ctypes.byref(error))
+    address = _require().lp_map_file(fd, nbytes, int(private), ctypes.byref(error))
     if not address:
         code = error.value or errno.ENOMEM
         raise OSError(code, f"cannot map {nbytes} bytes of a file: {os.strerror(code)}")
@@ -498,20 +500,33 @@ def unmap_file(address: int, nbytes: int) -> None:
     _require().lp_unmap_file(address, nbytes)
 
 
-def pread_rows(fds: torch.Tensor, shift: int, slots: torch.Tensor, out: torch.Tensor) -> None:
+def map_pages(address: int, nbytes: int, drop: bool = False) -> None:
+    """Puts ``nbytes`` of a :func:`map_file` mapping at ``address`` into the process's page tables (a read of them then
+    costs no fault), or with ``drop`` takes them out again (the page cache keeps them); OSError when it cannot."""
+    code = _require().lp_map_pages(address, nbytes, int(drop))
+    if code:
+        raise OSError(code, f"cannot {'drop' if drop else 'populate'} {nbytes} mapped bytes: {os.strerror(code)}")
+
+
+def read_records(fds: torch.Tensor, bases: torch.Tensor, mapped: torch.Tensor, reads: torch.Tensor, shift: int,
+                 slots: torch.Tensor, out: torch.Tensor) -> None:
     """``out[i]`` = the record of ``slots[i]`` (``< 0``: left as it is): ``out``'s row size at byte
-    ``(slot & (2**shift - 1)) * row size`` of the file ``fds[slot >> shift]``. OSError naming the slot when a
-    record cannot be read whole."""
+    ``(slot & (2**shift - 1)) * row size`` of the segment ``slot >> shift``: copied from its mapping at
+    ``bases[segment]`` when among its first ``mapped[segment]`` records (populated: :func:`map_pages`), else read
+    from the file ``fds[segment]``; ``reads[segment]`` counts the records read. The slots are read in the order
+    given (sorted, they share pages). OSError naming the slot when a record cannot be read whole."""
     slots = _check(slots, torch.int64, "slots").contiguous()
-    _check(fds, torch.int64, "fds")
+    for name, table in (("fds", fds), ("bases", bases), ("mapped", mapped), ("reads", reads)):
+        _check(table, torch.int64, name)
+        if not table.is_contiguous() or table.numel() != fds.numel():
+            raise ValueError(f"read_records: {name} must be contiguous, one per segment ({fds.numel()})")
     if out.dtype != torch.uint8 or out.dim() != 2 or out.shape[0] != slots.numel() or not out.is_contiguous():
-        raise ValueError(f"pread_rows: out must be a contiguous uint8 [{slots.numel()}, record bytes] tensor")
+        raise ValueError(f"read_records: out must be a contiguous uint8 [{slots.numel()}, record bytes] tensor")
     if slots.numel() and int(slots.max()) >> shift >= fds.numel():
         raise ValueError(f"slot {int(slots.max())} is past the {fds.numel()} files")
-    fds = fds.contiguous()
     error = ctypes.c_int64(0)
-    failed = _require().lp_pread_rows(fds.data_ptr(), shift, out.shape[1], slots.data_ptr(), slots.numel(), out.data_ptr(),
-                                      ctypes.byref(error))
+    failed = _require().lp_read_records(fds.data_ptr(), bases.data_ptr(), mapped.data_ptr(), reads.data_ptr(), shift, out.shape[1],
+                                        slots.data_ptr(), slots.numel(), out.data_ptr(), ctypes.byref(error))
     if failed:
         slot = int(slots[-failed - 1])
         reason = os.strerror(error.value) if error.value else "the file ends before it"

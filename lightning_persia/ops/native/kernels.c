@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 static const uint64_t SLOT_SALT = 0x9E3779B97F4A7C15ULL;
@@ -1043,16 +1044,39 @@ void lp_set_bits(uint8_t *bits, const int64_t *slots, int64_t n, int32_t value) 
     }
 }
 
-/* Reads the records of `slots` (record r of file fds[r >> shift], `stride` bytes at (r & (2^shift - 1)) * stride)
- * into out[i]; a slot < 0 leaves out[i] as it is. Returns 0, or -(i + 1) for the first record that could not be
- * read whole, its errno in *error (0: the file ended before it). */
-int64_t lp_pread_rows(const int64_t *fds, int64_t shift, int64_t stride, const int64_t *slots, int64_t n, char *out,
-                      int64_t *error) {
+/* Reads the records of `slots` (record r of segment r >> shift: `stride` bytes at (r & (2^shift - 1)) * stride of
+ * the file fds[r >> shift]) into out[i], in the order given (the caller sorts them: neighbouring records share their
+ * pages); a slot < 0 leaves out[i] as it is. A record among the first mapped[s] of a segment mapped at bases[s]
+ * (populated: its pages in the process's page tables) is copied from there, any other read with pread; reads[s]
+ * counts the records read of each segment. Returns 0, or -(i + 1) for the first record that could not be read
+ * whole, its errno in *error (0: the file ends before it). */
+int64_t lp_read_records(const int64_t *fds, const int64_t *bases, const int64_t *mapped, int64_t *reads, int64_t shift,
+                        int64_t stride, const int64_t *slots, int64_t n, char *out, int64_t *error) {
     const int64_t mask = (1LL << shift) - 1;
+    int64_t checked = -1, size = 0;
     for (int64_t i = 0; i < n; ++i) {
         if (slots[i] < 0) continue;
+        const int64_t segment = slots[i] >> shift, offset = (slots[i] & mask) * stride;
+        reads[segment] += 1;
+        if (bases[segment] && (slots[i] & mask) < mapped[segment]) {
+            if (segment != checked) { /* a file that shrank under the tier: its lost records are errors, not SIGBUS */
+                struct stat info;
+                if (fstat((int)fds[segment], &info)) {
+                    *error = errno;
+                    return -(i + 1);
+                }
+                checked = segment;
+                size = (int64_t)info.st_size;
+            }
+            if (offset + stride > size) {
+                *error = 0;
+                return -(i + 1);
+            }
+            memcpy(out + i * stride, (const char *)(intptr_t)bases[segment] + offset, (size_t)stride);
+            continue;
+        }
         errno = 0;
-        if (pread((int)fds[slots[i] >> shift], out + i * stride, (size_t)stride, (off_t)((slots[i] & mask) * stride)) != stride) {
+        if (pread((int)fds[segment], out + i * stride, (size_t)stride, (off_t)offset) != stride) {
             *error = errno;
             return -(i + 1);
         }
@@ -1060,19 +1084,31 @@ int64_t lp_pread_rows(const int64_t *fds, int64_t shift, int64_t stride, const i
     return 0;
 }
 
-/* The first `bytes` of file `fd` mapped as a copy on write (what is written stays in the process; a saved id map
- * adopted by lp_dmap_adopt); NULL when the mapping fails, its errno in *error. */
-void *lp_map_file(int64_t fd, int64_t bytes, int64_t *error) {
-    void *address = mmap(NULL, (size_t)bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE, (int)fd, 0);
+/* The first `bytes` of file `fd` mapped read-only and shared (a segment's records, see lp_read_records), or with
+ * `private` as a copy on write (a saved id map adopted by lp_dmap_adopt: what is written stays in the process);
+ * NULL when the mapping fails, its errno in *error. */
+void *lp_map_file(int64_t fd, int64_t bytes, int64_t private, int64_t *error) {
+    void *address = mmap(NULL, (size_t)bytes, private ? PROT_READ | PROT_WRITE : PROT_READ, private ? MAP_PRIVATE : MAP_SHARED,
+                         (int)fd, 0);
     if (address == MAP_FAILED) {
         *error = errno;
         return NULL;
     }
-    madvise(address, (size_t)bytes, MADV_RANDOM); /* hash probes: no read-ahead of their neighbours */
+    madvise(address, (size_t)bytes, MADV_RANDOM); /* records and hash probes: no read-ahead of their neighbours */
     return address;
 }
 
 void lp_unmap_file(void *address, int64_t bytes) { munmap(address, (size_t)bytes); }
+
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22 /* Linux 5.14 */
+#endif
+
+/* Puts `bytes` of a mapping at `address` into the process's page tables (reading what the page cache lacks), or
+ * with `drop` takes them out (the page cache keeps them). Returns 0, or the errno. */
+int64_t lp_map_pages(void *address, int64_t bytes, int64_t drop) {
+    return madvise(address, (size_t)bytes, drop ? MADV_DONTNEED : MADV_POPULATE_READ) ? errno : 0;
+}
 
 /* ---- the id map in a checkpoint ----------------------------------------------------------------------------
  * A save copies the map as it was at its point one partition at a time, while the table serves between two

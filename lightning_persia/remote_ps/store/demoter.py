@@ -6,18 +6,24 @@ table's lock held: a lookup that inserted 131,072 new ids into a full 100M-row t
 more than its budget less half of :data:`HEADROOM_FRACTION`, down to the budget less all of it, :data:`SLICE_ROWS` at a
 time, the table's lock held for one slice only. A request then finds free rows, and demotes only when the rows
 it brings in exceed the headroom left (the budget is a hard limit: it demotes what it needs, no more).
+
+Between demotions it maps the segments that reads hit most into the shard's page tables, a step at a time
+(``DiskTier.map_step``): a read of a mapped record is a memory copy instead of a ``pread``.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from typing import Callable, Iterable
 
 HEADROOM_FRACTION = 1 / 16
 """Of a disk table's memory budget, kept free for the rows requests bring in (demotion starts at half of it used)."""
 SLICE_ROWS = 1 << 16
 """Rows demoted with a table's lock held, at most (as many as eviction.SLICE_ROWS: one sweep slice)."""
+_MAP_STEPS = 8  # map steps of a table a pass (16 MB each), the lock taken for each
 _log = logging.getLogger(__name__)
 
 
@@ -47,6 +53,8 @@ class Demoter:
 
     def start(self) -> None:
         self._thread.start()
+        _started.add(self)
+
 
     def stop(self) -> None:
         self._stopped.set()
@@ -54,7 +62,8 @@ class Demoter:
             self._thread.join()
 
     def run_once(self) -> int:
-        """One pass over the tables: the rows each needs demoted, a slice at a time; returns how many were."""
+        """One pass over the tables: the rows each needs demoted, a slice at a time, then a few steps of mapping its
+        most read segments; returns the rows demoted."""
         demoted = 0
         for table in self._tables():
             try:
@@ -64,7 +73,10 @@ class Demoter:
                         break
                     demoted += count
                     time.sleep(0)  # a request waiting for the lock gets it between two slices
-
+                for _ in range(_MAP_STEPS):
+                    if not table.map_disk_pages():
+                        break
+                    time.sleep(0)
             except Exception:  # noqa: BLE001 - a failed demotion (a full disk) is retried; requests demote what they must
                 self.errors += 1
                 _log.exception("demoting rows of table %r failed; retried in %.2f s", table.config.name, self._interval_s)
@@ -73,3 +85,13 @@ class Demoter:
     def _run(self) -> None:
         while not self._stopped.wait(self._interval_s):
             self.run_once()
+
+
+_started: "weakref.WeakSet[Demoter]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """Stops the demoters still running before the interpreter tears down what their passes call."""
+    for demoter in list(_started):
+        demoter.stop()

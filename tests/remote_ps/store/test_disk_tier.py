@@ -193,3 +193,34 @@ def test_a_delta_replaces_or_removes_rows_on_disk(tmp_path):
     fresh = Table(TableConfig("t", DIM, storage_dtype="fp16"), seed=0).lookup(torch.arange(10, 20), train=False)
     assert torch.equal(table.lookup(torch.arange(10, 20), train=False), fresh)  # removed: its initial row again
 
+
+
+def test_the_most_read_segments_are_mapped_within_the_budget_and_read_the_same(tmp_path, small_segments, monkeypatch):
+    tier = DiskTier(tmp_path / "tier", _specs())
+    ids = torch.arange(3 * 1024) * 5 + 2  # three segments
+    tier.write(_rows(ids))
+    assert tier.map_step() == 0  # nothing read yet: nothing worth mapping
+    expected = tier.unpack(tier.find(ids)[1])
+    for _ in range(3):
+        tier.find(ids[1024:2048])  # segment 1 read most
+    tier.find(ids[:1024])
+    monkeypatch.setattr(disk_tier, "MAPPED_BYTES", 1024 * tier.record_bytes)  # one segment's records
+    assert tier.map_step() == 1024 * tier.record_bytes and tier.mapped_bytes == 1024 * tier.record_bytes
+    assert tier.map_step() == 0  # segment 0 is read less than half as often: it waits
+    mapped = tier.unpack(tier.find(ids)[1])
+    assert all(torch.equal(mapped[name], expected[name]) for name in expected)
+    for _ in range(20):
+        tier.find(ids[2048:])  # segment 2 now read far more than segment 1: it takes its place
+    assert tier.map_step() == 1024 * tier.record_bytes and tier.mapped_bytes == 1024 * tier.record_bytes
+    assert torch.equal(tier.unpack(tier.find(ids[2048:])[1])["ids"], ids[2048:])
+
+
+def test_a_mapped_segment_that_shrank_is_an_error_not_a_crash(tmp_path):
+    tier = DiskTier(tmp_path / "tier", _specs())
+    tier.write(_rows(torch.arange(10)))
+    tier.find(torch.arange(10))
+    assert tier.map_step() > 0
+    os.ftruncate(tier._fds[0], 5 * tier.record_bytes)
+    with pytest.raises(DiskTierError, match=r"could not read: .*disk slot 7"):
+        tier.find(torch.tensor([7]))
+    assert tier.find(torch.tensor([2]))[0].tolist() == [2]

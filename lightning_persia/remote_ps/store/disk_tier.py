@@ -134,6 +134,7 @@ class DiskTier:
         slots = torch.arange(first, first + n)
         self._map.insert(ids, slots)
         self._next = first + n
+        self._map_idle = False
         self._set_live(slots, True)
         self.written_bytes += n * (self.record_bytes + 8)
 
@@ -225,20 +226,23 @@ class DiskTier:
         records[positions[order]] = buffer
 
     def map_step(self) -> int:
-        """Maps a step (16 MB at most) of the segment that reads hit most and is not mapped whole, within
-        :data:`MAPPED_BYTES`; past it, first takes out a mapped segment read less than half as often. Returns the
-        bytes mapped (0: nothing to do). Call it holding the table's lock (reads and :meth:`close` change the tables)."""
+        """Maps a step (16 MB at most) of the segment that reads hit most and is not mapped whole (while there is
+        room: any such segment), within :data:`MAPPED_BYTES`; past it, first takes out a mapped segment read less
+        than half as often. Returns the bytes mapped (0: nothing to do). Call it holding the table's lock (reads,
+        writes and :meth:`close` change the tables)."""
+
         if self._map_idle:  # no read since the last step found nothing to map
             return 0
         if int(self._reads.sum()) > _READS_HALVED_AT:
             self._reads >>= 1
         written = torch.tensor(self._written, dtype=torch.int64)
-        wanted = torch.nonzero((self._mapped < written) & (self._fd_table >= 0) & (self._reads > 0)).squeeze(1)
+        room = MAPPED_BYTES - int(self._mapped.sum()) * self.record_bytes
+        # with room, any segment (the most read first); without, only one that reads hit
+        wanted = torch.nonzero((self._mapped < written) & (self._fd_table >= 0) & ((self._reads > 0) | (room >= self.record_bytes))).squeeze(1)
         if not wanted.numel():
             self._map_idle = True
             return 0
         segment = int(wanted[torch.argmax(self._reads[wanted])])
-        room = MAPPED_BYTES - int(self._mapped.sum()) * self.record_bytes
         if room < self.record_bytes:
             mapped = torch.nonzero(self._mapped > 0).squeeze(1)
             coldest = int(mapped[torch.argmin(self._reads[mapped])])

@@ -195,24 +195,40 @@ def test_a_delta_replaces_or_removes_rows_on_disk(tmp_path):
 
 
 
-def test_the_most_read_segments_are_mapped_within_the_budget_and_read_the_same(tmp_path, small_segments, monkeypatch):
+def test_segments_are_mapped_while_there_is_room_and_read_the_same(tmp_path, small_segments):
     tier = DiskTier(tmp_path / "tier", _specs())
-    ids = torch.arange(3 * 1024) * 5 + 2  # three segments
+    ids = torch.arange(3 * 1024 + 100) * 5 + 2  # three segments and a part of a fourth
     tier.write(_rows(ids))
-    assert tier.map_step() == 0  # nothing read yet: nothing worth mapping
     expected = tier.unpack(tier.find(ids)[1])
-    for _ in range(3):
-        tier.find(ids[1024:2048])  # segment 1 read most
-    tier.find(ids[:1024])
-    monkeypatch.setattr(disk_tier, "MAPPED_BYTES", 1024 * tier.record_bytes)  # one segment's records
-    assert tier.map_step() == 1024 * tier.record_bytes and tier.mapped_bytes == 1024 * tier.record_bytes
-    assert tier.map_step() == 0  # segment 0 is read less than half as often: it waits
+    while tier.map_step():
+        pass
+    assert tier.mapped_bytes == ids.numel() * tier.record_bytes
     mapped = tier.unpack(tier.find(ids)[1])
     assert all(torch.equal(mapped[name], expected[name]) for name in expected)
+    more = torch.arange(200) * 5 + 3
+    tier.write(_rows(more))  # the open segment grows: its new records are mapped by the next step
+    assert tier.map_step() == 200 * tier.record_bytes
+    assert torch.equal(tier.unpack(tier.find(more)[1])["ids"], more)
+
+
+def test_past_the_budget_a_much_more_read_segment_takes_a_mapped_one_s_place(tmp_path, small_segments, monkeypatch):
+    monkeypatch.setattr(disk_tier, "MAPPED_BYTES", 1024 * _record_bytes())  # one segment's records
+    tier = DiskTier(tmp_path / "tier", _specs())
+    ids = torch.arange(3 * 1024) * 5 + 2
+    tier.write(_rows(ids))
+    tier.find(ids)
+    for _ in range(3):
+        tier.find(ids[1024:2048])  # segment 1 read most
+    assert tier.map_step() == 1024 * tier.record_bytes and tier.mapped_bytes == 1024 * tier.record_bytes
+    assert tier.map_step() == 0  # segments 0 and 2 are read less than half as often: they wait
     for _ in range(20):
         tier.find(ids[2048:])  # segment 2 now read far more than segment 1: it takes its place
     assert tier.map_step() == 1024 * tier.record_bytes and tier.mapped_bytes == 1024 * tier.record_bytes
-    assert torch.equal(tier.unpack(tier.find(ids[2048:])[1])["ids"], ids[2048:])
+    assert torch.equal(tier.unpack(tier.find(ids)[1])["ids"], ids)
+
+
+def _record_bytes():
+    return sum(spec.row_bytes for spec in _specs().values())
 
 
 def test_a_mapped_segment_that_shrank_is_an_error_not_a_crash(tmp_path):

@@ -8,11 +8,8 @@ its slot is no longer live.
 
 The id map (``native.DiskMap``) keeps an 8-byte entry an id in memory (a fingerprint and the slot), at loads of 0.6
 to 0.85: a billion rows on disk take ~12 GB of map, against ~60 bytes a row in memory. A lookup confirms each match against the id in
-the record it reads, in file order, in one native call (``native.read_records``). A record of a segment that is
-*mapped* (its pages in the shard's page tables, :data:`MAPPED_BYTES` of them at most) is a memory copy; any other
-a ``pread`` (on the development VM, a record of a mapped segment cost 0.3 to 0.5 us, a ``pread`` 0.8 to 1.8 us, and
-a read through a mapping whose pages were not in the page tables yet, a fault, up to 2 us: 2026-11-25-disk-tier.md).
-:meth:`DiskTier.map_step`, called off the request path by the shard's demoter, maps the segments that reads hit most.
+the record it reads, in file order, in one native call (``native.read_records``): a copy from a segment mapped
+ahead of the reads (``segment_mapping.py``), a ``pread`` from any other.
 
 Faults: a write that fails (a full disk) raises :class:`DiskTierError` before anything changes, so the rows stay
 where they were; a segment that is missing or shorter than its rows raises :class:`DiskTierError` naming it.
@@ -33,15 +30,12 @@ import torch
 from lightning_persia.ops import native
 from lightning_persia.remote_ps.store.chunked_rows import FieldSpec
 from lightning_persia.remote_ps.store.errors import StoreError
+from lightning_persia.remote_ps.store.segment_mapping import SegmentMapping
 
 SEGMENT_SHIFT = 22
 SEGMENT_ROWS = 1 << SEGMENT_SHIFT
 """Records a segment holds (~200 MB at dim 16 in fp16)."""
 _SWEEP_ROWS = 1 << 18  # records an expiry sweep reads at a time
-MAPPED_BYTES = 1 << 30
-"""Records of a tier whose pages the shard keeps in its page tables (they count in its resident memory)."""
-_MAP_STEP_BYTES = 16 << 20  # mapped by one map_step, the table's lock held
-_READS_HALVED_AT = 1 << 22  # reads counted a segment, in all, before the counts halve (recent reads weigh more)
 MAX_SEGMENTS = ((1 << 32) - 2) >> SEGMENT_SHIFT  # slots are 32-bit in the id map
 DISK_FIELDS = ("ids", "weights", "state", "access")
 """The fields of a record on disk, in their order; the id comes first."""
@@ -90,16 +84,12 @@ class DiskTier:
         self._lock = lock if lock is not None else threading.Lock()
         self._map = native.DiskMap()
         self._fds: list[int] = []  # the records' file of each segment (-1: gone)
-        self._bases: list[int] = []  # where each segment's records are mapped (0: not)
-        self._mapped = torch.zeros(0, dtype=torch.int64)  # records of each segment in the page tables
-        self._reads = torch.zeros(0, dtype=torch.int64)  # records read of each segment (halved now and then)
-        self._map_idle = True  # map_step has nothing to do until the next read
+        self._mapping = SegmentMapping(self.record_bytes, SEGMENT_ROWS * self.record_bytes)
         self._id_fds: list[int] = []
         self._live: list[torch.Tensor] = []  # a bit per slot of each segment: the slot holds a live row
         self._written: list[int] = []  # records written in each segment
         self._next = 0  # the next slot to write
         self._fd_table = torch.empty(0, dtype=torch.int64)
-        self._base_table = torch.empty(0, dtype=torch.int64)
         self.written_bytes = 0
         self.closed = False
 
@@ -134,7 +124,7 @@ class DiskTier:
         slots = torch.arange(first, first + n)
         self._map.insert(ids, slots)
         self._next = first + n
-        self._map_idle = False
+        self._mapping.changed()
         self._set_live(slots, True)
         self.written_bytes += n * (self.record_bytes + 8)
 
@@ -158,12 +148,8 @@ class DiskTier:
         self._segments_changed()
 
     def _segments_changed(self) -> None:
-        grown = len(self._fds) - self._mapped.numel()
-        self._bases += [0] * (len(self._fds) - len(self._bases))
-        self._mapped = torch.cat([self._mapped, torch.zeros(grown, dtype=torch.int64)])
-        self._reads = torch.cat([self._reads, torch.zeros(grown, dtype=torch.int64)])
+        self._mapping.grow(len(self._fds))
         self._fd_table = torch.tensor(self._fds, dtype=torch.int64)
-        self._base_table = torch.tensor(self._bases, dtype=torch.int64)
 
     def _path(self, segment: int, kind: str) -> Path:
         return self.directory / f"segment-{segment:06d}.{kind}"
@@ -218,49 +204,17 @@ class DiskTier:
         order = torch.argsort(slots)  # in file order: neighbouring records share the pages read
         buffer = torch.empty(slots.numel(), self.record_bytes, dtype=torch.uint8)
         try:
-            self._map_idle = False
-            native.read_records(self._fd_table, self._base_table, self._mapped, self._reads, SEGMENT_SHIFT, slots[order], buffer)
-
+            self._mapping.changed()
+            mapping = self._mapping
+            native.read_records(self._fd_table, mapping.bases, mapping.mapped, mapping.reads, SEGMENT_SHIFT, slots[order], buffer)
         except OSError as err:
             raise DiskTierError(f"the disk tier at {self.directory} could not read: {err.strerror or err}") from None
         records[positions[order]] = buffer
 
     def map_step(self) -> int:
-        """Maps a step (16 MB at most) of the segment that reads hit most and is not mapped whole (while there is
-        room: any such segment), within :data:`MAPPED_BYTES`; past it, first takes out a mapped segment read less
-        than half as often. Returns the bytes mapped (0: nothing to do). Call it holding the table's lock (reads,
-        writes and :meth:`close` change the tables)."""
-
-        if self._map_idle:  # no read since the last step found nothing to map
-            return 0
-        if int(self._reads.sum()) > _READS_HALVED_AT:
-            self._reads >>= 1
-        written = torch.tensor(self._written, dtype=torch.int64)
-        room = MAPPED_BYTES - int(self._mapped.sum()) * self.record_bytes
-        # with room, any segment (the most read first); without, only one that reads hit
-        wanted = torch.nonzero((self._mapped < written) & (self._fd_table >= 0) & ((self._reads > 0) | (room >= self.record_bytes))).squeeze(1)
-        if not wanted.numel():
-            self._map_idle = True
-            return 0
-        segment = int(wanted[torch.argmax(self._reads[wanted])])
-        if room < self.record_bytes:
-            mapped = torch.nonzero(self._mapped > 0).squeeze(1)
-            coldest = int(mapped[torch.argmin(self._reads[mapped])])
-            if coldest == segment or 2 * int(self._reads[coldest]) >= int(self._reads[segment]):
-                self._map_idle = True
-                return 0
-            native.map_pages(self._bases[coldest], int(self._mapped[coldest]) * self.record_bytes, drop=True)
-            self._mapped[coldest] = 0
-            room = MAPPED_BYTES - int(self._mapped.sum()) * self.record_bytes
-        if not self._bases[segment]:
-            self._bases[segment] = native.map_file(self._fds[segment], SEGMENT_ROWS * self.record_bytes)
-            self._base_table = torch.tensor(self._bases, dtype=torch.int64)
-        first = int(self._mapped[segment]) * self.record_bytes
-        start = first & ~4095  # from the page the mapped records end in
-        end = min(int(written[segment]) * self.record_bytes, first + min(room, _MAP_STEP_BYTES))
-        native.map_pages(self._bases[segment] + start, end - start)
-        self._mapped[segment] = end // self.record_bytes
-        return end - first
+        """A step of mapping the segments ahead of their reads (see :class:`SegmentMapping`); returns the bytes
+        mapped. Call it holding the table's lock (reads, writes and :meth:`close` change the tables)."""
+        return self._mapping.step(self._fd_table, torch.tensor(self._written, dtype=torch.int64))
 
     # ---- records -----------------------------------------------------------------------------------------
 
@@ -324,14 +278,12 @@ class DiskTier:
         for segment, rows, records, ids, live in files:
             while len(self._fds) < segment:  # numbers not in the checkpoint: no file
                 self._fds.append(-1)
-                self._bases.append(0)
                 self._id_fds.append(-1)
                 self._live.append(torch.zeros(0, dtype=torch.uint8))
                 self._written.append(0)
             for source, target in ((records, self._path(segment, "rows")), (ids, self._path(segment, "ids"))):
                 link(source, target)
             self._fds.append(os.open(self._path(segment, "rows"), os.O_RDWR))
-            self._bases.append(0)
             self._id_fds.append(os.open(self._path(segment, "ids"), os.O_RDWR))
             bits = torch.zeros(SEGMENT_ROWS >> 3, dtype=torch.uint8)
             bits[: live.numel()] = live
@@ -380,18 +332,15 @@ class DiskTier:
     @property
     def mapped_bytes(self) -> int:
         """Bytes of records in the shard's page tables (:meth:`map_step`)."""
-        return int(self._mapped.sum()) * self.record_bytes
+        return self._mapping.bytes
 
     def close(self) -> None:
         """Closes the files (the tier cannot be used after)."""
-        for base in self._bases:
-            if base:
-                native.unmap_file(base, SEGMENT_ROWS * self.record_bytes)
+        self._mapping.close()
         for fd in self._fds + self._id_fds:
             if fd >= 0:
                 os.close(fd)
-        self._fds, self._id_fds, self._bases = [], [], []
-        self._mapped = self._reads = torch.zeros(0, dtype=torch.int64)
+        self._fds, self._id_fds = [], []
         self._segments_changed()
 
         self.closed = True

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_persia.ops import native
-from lightning_persia.remote_ps.store import disk_tier
+from lightning_persia.remote_ps.store import disk_tier, segment_mapping
 from lightning_persia.remote_ps.store.chunked_rows import FieldSpec
 from lightning_persia.remote_ps.store.disk_tier import DiskTier, DiskTierError
 from lightning_persia.remote_ps.store.errors import InvalidRequestError, StoreError
@@ -212,7 +212,7 @@ def test_segments_are_mapped_while_there_is_room_and_read_the_same(tmp_path, sma
 
 
 def test_past_the_budget_a_much_more_read_segment_takes_a_mapped_one_s_place(tmp_path, small_segments, monkeypatch):
-    monkeypatch.setattr(disk_tier, "MAPPED_BYTES", 1024 * _record_bytes())  # one segment's records
+    monkeypatch.setattr(segment_mapping, "MAPPED_BYTES", 1024 * _record_bytes())  # one segment's records
     tier = DiskTier(tmp_path / "tier", _specs())
     ids = torch.arange(3 * 1024) * 5 + 2
     tier.write(_rows(ids))

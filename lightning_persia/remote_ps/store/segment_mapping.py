@@ -1,0 +1,89 @@
+"""Which segments of a disk tier are kept in the shard's page tables, so that a read of their records is a copy.
+
+A ``pread`` of a 48-byte record cost 0.8 to 1.8 us on the development VM; a copy from a segment mapped with its
+pages in the process's page tables 0.3 to 0.5 us; a read through a mapping whose page is not there yet costs a
+fault, up to 2 us under load (2026-11-25-disk-tier.md, section 5). So segments are mapped and populated ahead of
+the reads, off the request path (:meth:`SegmentMapping.step`, called by the shard's demoter), and the records of
+the others are read with ``pread``: ``native.read_records`` takes the tables of this class.
+
+While there is room (:data:`MAPPED_BYTES` of records a tier), every segment is mapped as it is written, the most
+read first. Past it, a segment that reads hit more than twice as often as the least read mapped one takes its
+place. The mapped pages count in the shard's resident memory; the page cache holds them either way.
+"""
+from __future__ import annotations
+
+import torch
+
+from lightning_persia.ops import native
+
+MAPPED_BYTES = 1 << 30
+"""Records of a tier whose pages the shard keeps in its page tables, at most."""
+_STEP_BYTES = 16 << 20  # mapped by one step, the table's lock held
+_READS_HALVED_AT = 1 << 22  # reads counted in all before the counts halve (recent reads weigh more)
+
+
+class SegmentMapping:
+    """The mapping of a tier's segments of ``segment_bytes`` each: ``bases`` (where each is mapped, 0: not),
+    ``mapped`` (its records in the page tables) and ``reads`` (records read of it), one int64 a segment."""
+
+    def __init__(self, record_bytes: int, segment_bytes: int) -> None:
+        self.record_bytes = record_bytes
+        self.segment_bytes = segment_bytes
+        self.bases = torch.zeros(0, dtype=torch.int64)
+        self.mapped = torch.zeros(0, dtype=torch.int64)
+        self.reads = torch.zeros(0, dtype=torch.int64)
+        self._idle = True  # step has nothing to do until the next read or write
+
+    def grow(self, segments: int) -> None:
+        """Makes room in the tables for ``segments`` segments in all."""
+        more = segments - self.bases.numel()
+        if more > 0:
+            self.bases, self.mapped, self.reads = (torch.cat([t, torch.zeros(more, dtype=torch.int64)])
+                                                   for t in (self.bases, self.mapped, self.reads))
+
+    def changed(self) -> None:
+        """Records were read or written: the next :meth:`step` looks again."""
+        self._idle = False
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of records in the page tables."""
+        return int(self.mapped.sum()) * self.record_bytes
+
+    def step(self, fds: torch.Tensor, written: torch.Tensor) -> int:
+        """Maps and populates up to 16 MB of the segment to map next (``fds``: each segment's file, -1 gone;
+        ``written``: its records); returns the bytes mapped (0: nothing to do). Call it holding the table's lock."""
+        if self._idle:
+            return 0
+        if int(self.reads.sum()) > _READS_HALVED_AT:
+            self.reads >>= 1
+        room = MAPPED_BYTES - self.bytes
+        wanted = torch.nonzero((self.mapped < written) & (fds >= 0) & ((self.reads > 0) | (room >= self.record_bytes))).squeeze(1)
+        if not wanted.numel():
+            self._idle = True
+            return 0
+        segment = int(wanted[torch.argmax(self.reads[wanted])])
+        if room < self.record_bytes:
+            mapped = torch.nonzero(self.mapped > 0).squeeze(1)
+            coldest = int(mapped[torch.argmin(self.reads[mapped])])
+            if coldest == segment or 2 * int(self.reads[coldest]) >= int(self.reads[segment]):
+                self._idle = True
+                return 0
+            native.map_pages(int(self.bases[coldest]), int(self.mapped[coldest]) * self.record_bytes, drop=True)
+            self.mapped[coldest] = 0
+            room = MAPPED_BYTES - self.bytes
+        if not int(self.bases[segment]):
+            self.bases[segment] = native.map_file(int(fds[segment]), self.segment_bytes)
+        first = int(self.mapped[segment]) * self.record_bytes
+        start = first & ~4095  # from the page the mapped records end in
+        end = min(int(written[segment]) * self.record_bytes, first + min(room, _STEP_BYTES))
+        native.map_pages(int(self.bases[segment]) + start, end - start)
+        self.mapped[segment] = end // self.record_bytes
+        return end - first
+
+    def close(self) -> None:
+        """Unmaps every segment (before their files close)."""
+        for base in self.bases.tolist():
+            if base:
+                native.unmap_file(base, self.segment_bytes)
+        self.bases = self.mapped = self.reads = torch.zeros(0, dtype=torch.int64)

@@ -25,7 +25,9 @@ Grows a table of dim 16 (row-wise Adagrad) through gRPC, as a trainer would (tra
 With ``--storage disk`` the table keeps ``--memory-rows`` rows in memory (its budget) and the rest in the shard's
 disk tier (``--disk-dir``): each size also prints the rows and bytes on disk, and the Zipf(1.1) lookup rate against
 that of an all-in-memory table of ``--memory-baseline-rows`` rows grown first in a shard of its own (the same
-stream: same seed and exponent, each over its own table's rows). Growth stops before the disk's free space falls
+stream: same seed and exponent, each over its own table's rows): the steady rate, after ``--zipf-warmup`` requests
+timed apart (the cold rate: the growth leaves the newest ids in memory, the stream's head on disk), and the worst CPU
+the disk tier's work (reads, promotions, demotions) took in one request or one step of the shard's demoter. Growth stops before the disk's free space falls
 under ``--reserve-disk-gb``.
 
 Then, with ``--multi-shard``, the same table spread over 1, 2 and 4 shard processes on this machine: memory and
@@ -48,7 +50,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -138,11 +140,17 @@ def start(num_shards: int, dtype: str, overrides: Sequence[str], configure: bool
     return Shards(shards, client)
 
 
-def zipf_rate(shards: Shards, rows: int, request_ids: int, repeats: int) -> float:
-    """Training-lookup rows/s of the benchmark's Zipf(1.1) stream over ``rows`` stored rows (a fixed seed)."""
+def zipf_rates(shards: Shards, rows: int, request_ids: int, repeats: int, warmup: int) -> tuple[float, float]:
+    """Training-lookup rows/s of the benchmark's Zipf(1.1) stream over ``rows`` stored rows (a fixed seed): over its
+    first ``warmup`` requests (cold: a disk table's hot rows are where the growth left them), then over the
+    ``repeats`` requests that follow (the stream's steady rate, its head in memory as a trainer's would be)."""
     generator = torch.Generator().manual_seed(1234)
-    zipf = [unique_batch(zipf_indices(rows, request_ids, generator)) for _ in range(repeats)]
-    return rate(lambda b: shards.client.lookup({TABLE: b}, train=True), zipf)
+    batches = [unique_batch(zipf_indices(rows, request_ids, generator)) for _ in range(warmup + repeats)]
+    def call(batch: torch.Tensor) -> None:
+        shards.client.lookup({TABLE: batch}, train=True)
+
+    cold = _timed_rate(call, batches[:warmup]) if warmup else float("nan")
+    return cold, _timed_rate(call, batches[warmup:])
 
 
 def memory_baseline(args, dtype: str) -> dict:
@@ -154,10 +162,12 @@ def memory_baseline(args, dtype: str) -> dict:
             count = min(args.request_ids, args.memory_baseline_rows - rows)
             shards.client.lookup({TABLE: stored_id(torch.arange(rows, rows + count))}, train=True)
             rows += count
-        out = {"rows": rows, "zipf_rows_per_s": zipf_rate(shards, rows, args.request_ids, args.repeats), "rss_bytes": shards.rss()}
+        cold, steady = zipf_rates(shards, rows, args.request_ids, args.repeats, args.zipf_warmup)
+        out = {"rows": rows, "zipf_rows_per_s": steady, "zipf_cold_rows_per_s": cold, "rss_bytes": shards.rss()}
     finally:
         shards.close()
-    print(f"[{dtype}] memory baseline: {rows:,} rows in memory, Zipf lookups {out['zipf_rows_per_s'] / 1e6:.2f} M rows/s, "
+    print(f"[{dtype}] memory baseline: {rows:,} rows in memory, Zipf lookups {out['zipf_rows_per_s'] / 1e6:.2f} M rows/s "
+          f"(its first {args.zipf_warmup} requests {out['zipf_cold_rows_per_s'] / 1e6:.2f}), "
           f"RSS {out['rss_bytes'] / _GB:.2f} GB", flush=True)
     return out
 
@@ -173,6 +183,10 @@ _DISK_DIR: list[str] = []
 def rate(call, batches: list[torch.Tensor]) -> float:
     """Rows per second of ``call`` over ``batches`` (one request at a time), after one warm-up request."""
     call(batches[0])
+    return _timed_rate(call, batches)
+
+
+def _timed_rate(call, batches: list[torch.Tensor]) -> float:
     started = time.perf_counter()
     for batch in batches:
         call(batch)
@@ -418,13 +432,19 @@ def _grow_sizes(args, dtype: str, state: dict, out: dict, baseline: Optional[dic
                           "demoted": stats["demoted"], "promoted": stats["promoted"]})
         entry.update(measure_rates(shards, rows, args.request_ids, args.repeats, seed=rows))
         if args.storage == "disk":
-            entry["zipf_same_stream_rows_per_s"] = zipf_rate(shards, rows, args.request_ids, args.repeats)
+            cold, steady = zipf_rates(shards, rows, args.request_ids, args.repeats, args.zipf_warmup)
+            entry["zipf_same_stream_rows_per_s"], entry["zipf_same_stream_cold_rows_per_s"] = steady, cold
+            entry["worst_disk_work_cpu_s"] = shards.client.stats()[0]["tables"][TABLE]["worst_disk_work_cpu_s"]
             if baseline is not None:
-                entry["lookup_ratio_disk_vs_memory"] = entry["zipf_same_stream_rows_per_s"] / baseline["zipf_rows_per_s"]
+                entry["lookup_ratio_disk_vs_memory"] = steady / baseline["zipf_rows_per_s"]
+                entry["lookup_ratio_disk_vs_memory_cold"] = cold / baseline["zipf_cold_rows_per_s"]
             print(f"[{dtype}] {rows:>13,} rows  disk tier: {entry['memory_rows']:,} rows in memory, {entry['disk_rows']:,} on disk "
                   f"({entry['disk_bytes'] / _GB:.2f} GB; map {entry['disk_map_bytes'] / _GB:.2f} GB)  Zipf lookups "
                   f"{entry['zipf_same_stream_rows_per_s'] / 1e6:.2f} M rows/s"
-                  + (f" = {entry['lookup_ratio_disk_vs_memory']:.2f}x the {baseline['rows']:,}-row table in memory" if baseline else ""),
+                  + (f" = {entry['lookup_ratio_disk_vs_memory']:.2f}x the {baseline['rows']:,}-row table in memory" if baseline else "")
+                  + f" (its first {args.zipf_warmup} requests {cold / 1e6:.2f} M rows/s"
+                  + (f" = {entry['lookup_ratio_disk_vs_memory_cold']:.2f}x" if baseline else "") + ")"
+                  + f"; the worst CPU of the disk tier's work in one request or demoter step {entry['worst_disk_work_cpu_s']:.3f} s",
                   flush=True)
         print(f"[{dtype}] {rows:>13,} rows  lookup {entry['lookup_rows_per_s'] / 1e6:5.2f} M/s  "
               f"update {entry['update_rows_per_s'] / 1e6:5.2f} M/s  insert {_fmt_rate(entry['insert_rows_per_s'])}/s  worst insert {worst_insert:5.3f} s "
@@ -545,6 +565,9 @@ def summary(results: dict) -> dict:
         ratios = [e["lookup_ratio_disk_vs_memory"] for e in disk if "lookup_ratio_disk_vs_memory" in e]
         out["lookup_ratio_disk_vs_memory"] = ratios[-1] if ratios else None
         out["lookup_ratio_disk_vs_memory_min"] = min(ratios) if ratios else None
+        colds = [e["lookup_ratio_disk_vs_memory_cold"] for e in disk if "lookup_ratio_disk_vs_memory_cold" in e]
+        out["lookup_ratio_disk_vs_memory_cold"] = colds[-1] if colds else None
+        out["worst_disk_work_cpu_s"] = max(e["worst_disk_work_cpu_s"] for e in disk)
         for key in ("save_s", "load_s", "restart_load_s", "checkpoint_bytes"):
             if key in largest:
                 out[key] = largest[key]
@@ -582,6 +605,8 @@ def main(argv=None) -> int:
     parser.add_argument("--disk-dir", default=None, help="--storage disk: the shards' disk_dir (a fresh folder under it; deleted after)")
     parser.add_argument("--memory-baseline-rows", type=float, default=1e8,
                         help="--storage disk: rows of the all-in-memory table whose Zipf lookup rate is the baseline (0: none)")
+    parser.add_argument("--zipf-warmup", type=int, default=20,
+                        help="Zipf requests timed apart (cold) before the --repeats that give the stream's steady rate")
     parser.add_argument("--reserve-disk-gb", type=float, default=10.0, help="--storage disk: stop growing with less disk free than this")
     parser.add_argument("--ps-override", action="append", default=[], metavar="KEY=VALUE",
                         help="a PS config setting of the shard processes, e.g. malloc_trim_interval_s=0 (repeatable)")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -37,7 +37,7 @@ from lightning_persia.remote_ps.store.optimizers import make_rule
 from lightning_persia.remote_ps.store.removal_log import RemovalLog
 from lightning_persia.remote_ps.store.table_journal import Journal, Recording
 from lightning_persia.remote_ps.store.table_snapshot import SAVED_FIELDS, Preimages, SnapshotPoint, TableSnapshot
-from lightning_persia.remote_ps.store.thread_clock import Held, WorstHeld
+from lightning_persia.remote_ps.store.thread_clock import DiskWork, Held, WorstHeld
 from lightning_persia.remote_ps.store.wal.changes import TableChange
 from lightning_persia.remote_ps.table_config import STORAGE_DTYPES, TableConfig, Uniform
 
@@ -80,6 +80,7 @@ class Table:
         self._recording: Optional[Recording] = None  # the changes of the journaled operation under way
         self._removals = RemovalLog(config.name)
         self._worst_held = WorstHeld()
+        self._disk_work = DiskWork()
         self._counters = dict(lookups=0, lookup_rows=0, inserted=0, evicted=0, not_admitted=0, updates=0, update_rows=0,
                               dropped_update_rows=0, demoted=0, promoted=0, expired=0)
         self._clock = expiry.StepClock()
@@ -155,12 +156,13 @@ class Table:
         self._counters["lookup_rows"] += ids.numel()
         if not missing:
             return
-        left = self._from_disk(ids, rows, out, train) if self._disk is not None and self._disk.rows else missing
-        if train and left and self._admits_natively(left):
-            self._admit_natively(ids, rows, out, left)
-        elif left:
-            absent = rows == -1  # -2: read from disk by an evaluation lookup
-            out[absent] = self._fill_missing(ids[absent], train)
+        with self._disk_work.operation():
+            left = self._from_disk(ids, rows, out, train) if self._disk is not None and self._disk.rows else missing
+            if train and left and self._admits_natively(left):
+                self._admit_natively(ids, rows, out, left)
+            elif left:
+                absent = rows == -1  # -2: read from disk by an evaluation lookup
+                out[absent] = self._fill_missing(ids[absent], train)
         if not train:
             return
         self._worst_held.record(held)
@@ -418,6 +420,7 @@ class Table:
                 disk_map_bytes=self._disk.map_bytes if self._disk else 0,
                 saving_preimage_rows=snapshot.preimage_rows if snapshot is not None else 0,
                 **self._worst_held.stats(),
+                worst_disk_work_cpu_s=self._disk_work.worst_cpu_s,
             )
 
     # ---- time to live ------------------------------------------------------------------------------
@@ -483,7 +486,7 @@ class Table:
         between requests); returns how many moved (0: not a disk table, or closed). Holds the lock for this call."""
         if self._disk is None or count <= 0:
             return 0
-        with self.lock:
+        with self.lock, self._disk_work.operation():
             if self._disk.closed:
                 return 0
             before = self._counters["demoted"]
@@ -499,7 +502,6 @@ class Table:
             return 0 if self._disk.closed else self._disk.map_step()
 
     def attach_disk(self, segments: Iterable, adopt_map: Optional[Callable] = None) -> None:
-
         """Takes the disk segments of a checkpoint saved by this shard, and its id map (see :meth:`DiskTier.attach`)."""
         if self._disk is None:
             raise StoreError(f"table {self.config.name!r} has no disk tier")
@@ -515,22 +517,23 @@ class Table:
     def _from_disk(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool) -> int:
         """Fills the rows of ``out`` that the memory did not hold from disk; a training lookup brings them into memory
         (their ``rows`` set). Returns the ids still missing. The lock held."""
-        absent = torch.nonzero(rows < 0).squeeze(1)
-        wanted, inverse = torch.unique(ids[absent], return_inverse=True)
-        slots, records = self._disk.find(wanted)
-        hit = slots >= 0
-        if not bool(hit.any()):
-            return absent.numel()
-        values = self._disk.unpack(records[hit])
-        found_rows = torch.full((wanted.numel(),), -2, dtype=torch.int64)
-        if train:
-            found_rows[hit] = self._promote(wanted[hit], slots[hit], values)
-        weights = torch.empty(wanted.numel(), self.config.dim, dtype=self.storage_dtype)
-        weights[hit] = values["weights"]
-        got = hit[inverse]
-        rows[absent[got]] = found_rows[inverse[got]]
-        out[absent[got]] = weights[inverse[got]]
-        return absent.numel() - int(got.sum())
+        with self._disk_work.timed():
+            absent = torch.nonzero(rows < 0).squeeze(1)
+            wanted, inverse = torch.unique(ids[absent], return_inverse=True)
+            slots, records = self._disk.find(wanted)
+            hit = slots >= 0
+            if not bool(hit.any()):
+                return absent.numel()
+            values = self._disk.unpack(records[hit])
+            found_rows = torch.full((wanted.numel(),), -2, dtype=torch.int64)
+            if train:
+                found_rows[hit] = self._promote(wanted[hit], slots[hit], values)
+            weights = torch.empty(wanted.numel(), self.config.dim, dtype=self.storage_dtype)
+            weights[hit] = values["weights"]
+            got = hit[inverse]
+            rows[absent[got]] = found_rows[inverse[got]]
+            out[absent[got]] = weights[inverse[got]]
+            return absent.numel() - int(got.sum())
 
     def _promote_absent(self, ids: torch.Tensor) -> None:
         """Brings the rows of ``ids`` (unique) that are on disk into memory (an update applies to them). The lock held."""
@@ -539,10 +542,11 @@ class Table:
         absent = ids[self._index.find(ids) < 0]
         if not absent.numel():
             return
-        slots, records = self._disk.find(absent)
-        hit = slots >= 0
-        if bool(hit.any()):
-            self._promote(absent[hit], slots[hit], self._disk.unpack(records[hit]))
+        with self._disk_work.operation(), self._disk_work.timed():
+            slots, records = self._disk.find(absent)
+            hit = slots >= 0
+            if bool(hit.any()):
+                self._promote(absent[hit], slots[hit], self._disk.unpack(records[hit]))
 
     def _promote(self, ids: torch.Tensor, slots: torch.Tensor, values: dict[str, torch.Tensor]) -> torch.Tensor:
         """Moves rows read from disk (``ids`` unique, at ``slots``) into memory; returns their rows. The lock held."""
@@ -674,9 +678,10 @@ class Table:
             victims, self._evict_from = eviction.select_victims(in_use, count, self._eviction_sample, self._evict_from)
         gone = self._rows["ids"].gather(victims)
         if self._disk is not None and victims.numel():  # demoted: written to disk first (a failure changes nothing)
-            kept = {name: torch.empty(spec.shape(victims.numel()), dtype=spec.dtype)
-                    for name, spec in self._disk.specs.items() if name != "ids"}
-            self._disk.write({"ids": gone, **self._rows.gather_fields(victims, kept)})
+            with self._disk_work.timed():
+                kept = {name: torch.empty(spec.shape(victims.numel()), dtype=spec.dtype)
+                        for name, spec in self._disk.specs.items() if name != "ids"}
+                self._disk.write({"ids": gone, **self._rows.gather_fields(victims, kept)})
             self._counters["demoted"] += victims.numel()
         self._preserve(victims)
         if self._recording is not None and self._disk is None:  # a demoted row stays (on disk): not a removal

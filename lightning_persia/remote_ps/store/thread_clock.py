@@ -9,8 +9,10 @@ for a running thread is only as recent as the scheduler's last tick, while its w
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 _SCHEDSTAT = "/proc/thread-self/schedstat"
 
@@ -76,3 +78,38 @@ class WorstHeld:
     def stats(self) -> dict[str, float]:
         return dict(worst_insert_s=self.wall_s, worst_insert_cpu_s=self.cpu_s, worst_insert_runnable_s=self.runnable_s,
                     worst_insert_blocked_s=self.blocked_s)
+
+
+class DiskWork:
+    """The CPU a table's lock holder spends in the disk tier's work (reads from disk, promotions, demotions) during
+    one operation (a request, or one step of the shard's demoter), and the worst such operation so far: how long the
+    disk tier held the table's other requests, on a core of its own. Called holding the table's lock."""
+
+    def __init__(self) -> None:
+        self.worst_cpu_s = 0.0
+        self._spent = 0.0
+        self._depth = 0
+        self._started = 0.0
+
+    @contextlib.contextmanager
+    def operation(self) -> Iterator[None]:
+        """One operation: the disk work timed within it is summed, and the sum kept if it is the worst."""
+        self._spent = 0.0
+        try:
+            yield
+        finally:
+            self.worst_cpu_s = max(self.worst_cpu_s, self._spent)
+            self._spent = 0.0
+
+    @contextlib.contextmanager
+    def timed(self) -> Iterator[None]:
+        """Disk work (nested calls count once)."""
+        if self._depth == 0:
+            self._started = time.thread_time()
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self._spent += time.thread_time() - self._started

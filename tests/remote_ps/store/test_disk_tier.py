@@ -240,3 +240,15 @@ def test_a_mapped_segment_that_shrank_is_an_error_not_a_crash(tmp_path):
     with pytest.raises(DiskTierError, match=r"could not read: .*disk slot 7"):
         tier.find(torch.tensor([7]))
     assert tier.find(torch.tensor([2]))[0].tolist() == [2]
+
+
+def test_the_disk_tiers_worst_work_is_timed_per_request_and_zero_without_disk_work(tmp_path):
+    table = _table(tmp_path, capacity=1000)
+    table.lookup(torch.arange(800), train=True)
+    assert table.stats()["worst_disk_work_cpu_s"] == 0.0  # nothing read, promoted or demoted yet
+    table.lookup(torch.arange(800, 20000), train=False)  # evaluation: misses, nothing on disk to read
+    table.lookup(torch.arange(1000, 1900), train=True)  # demotes rows past the budget
+    demoting = table.stats()["worst_disk_work_cpu_s"]
+    assert demoting > 0.0 and table.stats()["demoted"] > 0
+    table.lookup(torch.arange(0, 900), train=True)  # reads and promotes them back
+    assert table.stats()["worst_disk_work_cpu_s"] >= demoting

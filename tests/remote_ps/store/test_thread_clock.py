@@ -1,9 +1,9 @@
-"""A thread's wall time split into running, waiting for a core, and blocked."""
+"""A thread's wall time split into running, waiting for a core, and blocked; the worst disk-tier work of one operation."""
 import threading
 import time
 
 from lightning_persia.remote_ps.store import thread_clock
-from lightning_persia.remote_ps.store.thread_clock import thread_times
+from lightning_persia.remote_ps.store.thread_clock import DiskWork, thread_times
 
 
 def _busy(seconds: float) -> None:
@@ -44,3 +44,27 @@ def test_without_the_kernels_statistics_the_cpu_time_stands_and_no_wait_is_count
     _busy(0.1)
     spent = thread_times() - before
     assert spent.runnable_s == 0.0 and spent.cpu_s > 0.0
+
+
+def _spin(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_the_worst_operation_sums_its_sections_and_nesting_counts_once():
+    work = DiskWork()
+    with work.operation():
+        with work.timed():
+            _spin(0.02)
+            with work.timed():  # nested: already counted by the outer section
+                _spin(0.02)
+        _spin(0.05)  # not disk work
+        with work.timed():
+            _spin(0.02)
+    first = work.worst_cpu_s
+    assert 0.06 <= first < 0.11
+    with work.operation():
+        with work.timed():
+            _spin(0.01)
+    assert work.worst_cpu_s == first  # a lighter operation keeps the worst

@@ -9,10 +9,13 @@ answering it, so such kills land between a log write and its acknowledgement: th
 retried update as a duplicate, which counts it); inside a checkpoint save (after the ``save`` phase mark); and
 inside the replay the previous kill caused (once the restarted shard says it replays). After a shard is back,
 the next kill waits for a step of training. With ``--staleness 0`` the dense weights and every table row must equal the uninterrupted
-run's bit for bit; with ``--staleness > 0`` the test AUCs are compared.
+run's bit for bit; with ``--staleness > 0`` the test AUCs are compared. A τ > 0 run is not deterministic (how many
+earlier updates each lookup misses depends on timing), so ``--repeat N`` runs N pairs (uninterrupted, with kills)
+in turn and compares the means of the AUCs; each run also reports the lag of its lookups (``walbench/lag.py``): how
+many earlier steps' updates were unacknowledged when each lookup went out and when it was answered.
 
-    .venv/bin/python benchmarks/wal_bench.py                       # 20 kills, τ = 0
-    .venv/bin/python benchmarks/wal_bench.py --staleness 4 --json  # τ = 4: AUC against the uninterrupted run
+    .venv/bin/python benchmarks/wal_bench.py                                   # 20 kills, τ = 0
+    .venv/bin/python benchmarks/wal_bench.py --staleness 4 --repeat 3 --json   # τ = 4: mean AUCs of 3 pairs of runs
 """
 from __future__ import annotations
 

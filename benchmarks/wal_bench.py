@@ -284,7 +284,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if summary["auc_diff"] is not None:
         print(f"test AUC {summary['test_auc']:.5f} with kills (runs {', '.join(f'{a:.5f}' for a in summary['test_aucs'])}) vs "
               f"{summary['reference_test_auc']:.5f} uninterrupted (runs {', '.join(f'{a:.5f}' for a in summary['reference_test_aucs'])}): "
-              f"gap {summary['auc_gap']:+.5f}")
+              f"gap {summary['auc_gap']:+.5f}" + (f" (standard error {summary['auc_gap_se']:.5f})" if summary["auc_gap_se"] is not None else ""))
         for side in ("kills", "reference"):
             lag = summary["lag"][side]
             print(f"lag of the lookups ({side}): {lag['at_issue']:.3f} steps when they went out, {lag['at_answer']:.3f} when answered (mean)")

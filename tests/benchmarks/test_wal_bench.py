@@ -48,6 +48,8 @@ def test_auc_figures_compare_the_means_and_give_each_sides_spread():
     assert figures["test_auc"] == 0.7165 and figures["reference_test_auc"] == 0.7146
     assert figures["auc_gap"] == 0.0019 and figures["auc_diff"] == 0.0019
     assert figures["auc_spread"] == 0.001 and figures["reference_auc_spread"] == 0.0008
+    assert figures["auc_gap_se"] == pytest.approx((0.0010 ** 2 / 2 / 2 + 0.0004 ** 2 / 3) ** 0.5, abs=1e-6)  # variances 5e-7, 1.6e-7
+    assert auc_figures([0.70], [0.71, 0.72])["auc_gap_se"] is None
     assert auc_figures([0.70], [0.71])["auc_gap"] == -0.01 and auc_figures([0.70], [0.71])["auc_diff"] == 0.01
     with pytest.raises(ValueError, match="both sides"):
         auc_figures([], [0.71])

@@ -7,28 +7,28 @@ over the steps and the count of steps per lag (the histogram's buckets 0, 1, 2, 
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 HISTOGRAMS = {"at_issue": "persia_trainer_embedding_lag_steps", "at_answer": "persia_trainer_embedding_lag_at_answer_steps"}
 
 
-def lag_figures(registry: CollectorRegistry) -> dict[str, dict]:
-    """``{"at_issue": {"mean": m, "steps": n, "counts": {"0": c0, "1": c1, ..., "+Inf": ...}}, "at_answer": ...}``."""
+def lag_figures(scrape: str) -> dict[str, dict]:
+    """The figures of a trainer's metrics page (``scrape``: the text served at ``PersiaStrategy.metrics_url``):
+    ``{"at_issue": {"mean": m, "steps": n, "counts": {"0": c0, "1": c1, ..., "+Inf": ...}}, "at_answer": ...}``."""
+    samples: dict[str, list] = {}
+    for family in text_string_to_metric_families(scrape):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append(sample)
     out = {}
     for key, name in HISTOGRAMS.items():
-        steps = registry.get_sample_value(f"{name}_count")
-        if steps is None:
-            raise ValueError(f"the registry holds no histogram {name!r}: was the strategy made with metrics_port?")
-        total = registry.get_sample_value(f"{name}_sum") or 0.0
+        if f"{name}_count" not in samples:
+            raise ValueError(f"the metrics hold no histogram {name!r}: was the strategy made with metrics=MetricsEndpoint(...)?")
+        steps = samples[f"{name}_count"][0].value
+        total = samples[f"{name}_sum"][0].value
         counts, below = {}, 0.0
-        for family in registry.collect():
-            if family.name != name:
-                continue
-            for sample in family.samples:
-                if sample.name == f"{name}_bucket":
-                    bound = sample.labels["le"]
-                    counts[_label(bound)] = int(sample.value - below)
-                    below = sample.value
+        for sample in sorted(samples[f"{name}_bucket"], key=lambda s: float(s.labels["le"])):
+            counts[_label(sample.labels["le"])] = int(sample.value - below)
+            below = sample.value
         out[key] = {"mean": round(total / steps, 4) if steps else 0.0, "steps": int(steps),
                     "counts": {k: v for k, v in counts.items() if v}}
     return out

@@ -3,7 +3,7 @@ the shards at ``--ps-addresses`` (started and killed by the bench). Prints the `
 ``lightning_persia.testing.phases`` and ``ROLLBACKS``; at the end writes the dense weights and a PS checkpoint of
 every table row under ``--out``, and in ``result.json`` the test AUC and the lag of the steps' lookups (how many
 earlier steps' updates were unacknowledged when each lookup went out and when it was answered, read from the
-trainer's Prometheus histograms: ``walbench/lag.py``).
+trainer's Prometheus metrics: ``walbench/lag.py``).
 
     python benchmarks/walbench/train.py --ps-addresses 127.0.0.1:5000,127.0.0.1:5001 --out /tmp/run --steps 300
 """
@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -40,6 +41,7 @@ def main() -> None:
     from lightning_persia import Adagrad, PersiaStrategy, PSSettings
     from lightning_persia.data import SyntheticCriteoDataModule
     from lightning_persia.strategy.recovery import RecoveryConfig
+    from lightning_persia.strategy.metrics import MetricsEndpoint
     from lightning_persia.testing.phases import PhaseMarks
     from walbench.lag import lag_figures
 
@@ -51,7 +53,7 @@ def main() -> None:
         ps=PSSettings(addresses=args.ps_addresses.split(","), timeout_s=5.0), staleness=args.staleness,
         embedding_optimizer=Adagrad(lr=0.2, rowwise=True), wire_dtype="fp32",
         recovery=RecoveryConfig(wait_for_shards_s=120, max_rollbacks=50, client_backoff_s=0.05, client_max_backoff_s=0.2),
-        metrics_port=0,  # a free port: the lag histograms are read from its registry below
+        metrics=MetricsEndpoint(port=0),  # a free port: the lag histograms are read from it below
     )
     checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.checkpoint_every,
                                                       save_top_k=1, monitor="step", mode="max")
@@ -59,7 +61,8 @@ def main() -> None:
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                         callbacks=[PhaseMarks(), checkpoints])
     trainer.fit(model, datamodule=data)
-    lag = lag_figures(strategy.metrics.registry)
+    with urllib.request.urlopen(strategy.metrics_url, timeout=30) as page:
+        lag = lag_figures(page.read().decode())
     metrics = trainer.test(model, datamodule=data, verbose=False)[0]
     torch.save({k: v for k, v in model.state_dict().items() if not k.startswith("ebc.")}, args.out / "dense.pt")
     strategy.client.save(str(args.out / "tables"))

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import generate_latest
 
 from lightning_persia.strategy.metrics import TrainerMetrics
 
@@ -25,16 +25,16 @@ def test_the_lag_figures_are_the_means_and_counts_of_the_trainers_histograms():
     try:
         for issued, answered in ((4, 4), (4, 2), (3, 3), (0, 0), (9, 5)):
             metrics.observe_step({"staleness": issued, "staleness_at_answer": answered})
-        figures = lag_figures(metrics.registry)
+        figures = lag_figures(generate_latest(metrics.registry).decode())
     finally:
         metrics.stop()
     assert figures["at_issue"] == {"mean": 4.0, "steps": 5, "counts": {"0": 1, "3": 1, "4": 2, "12": 1}}  # 9 in (8, 12]
     assert figures["at_answer"] == {"mean": 2.8, "steps": 5, "counts": {"0": 1, "2": 1, "3": 1, "4": 1, "6": 1}}
 
 
-def test_lag_figures_of_a_registry_without_the_histograms_say_what_is_missing():
-    with pytest.raises(ValueError, match="no histogram 'persia_trainer_embedding_lag_steps'.*metrics_port"):
-        lag_figures(CollectorRegistry())
+def test_lag_figures_of_metrics_without_the_histograms_say_what_is_missing():
+    with pytest.raises(ValueError, match="no histogram 'persia_trainer_embedding_lag_steps'.*MetricsEndpoint"):
+        lag_figures("# HELP up Up.\n# TYPE up gauge\nup 1.0\n")
 
 
 def test_the_mean_lag_of_several_runs_weighs_each_by_its_steps():

@@ -1,7 +1,9 @@
-"""What ``wal_bench.py`` compares between a run with kills and the uninterrupted one: the dense weights and every table
-row (values and optimizer state), read back from each run's final PS checkpoint."""
+"""What ``wal_bench.py`` compares between runs with kills and uninterrupted ones: the dense weights and every table
+row (values and optimizer state), read back from each run's final PS checkpoint (τ = 0), and the test AUCs (τ > 0)."""
 from __future__ import annotations
 
+import math
+import statistics
 from pathlib import Path
 
 import torch
@@ -43,3 +45,22 @@ def differences(run: Path, reference: Path) -> list[str]:
             if not torch.equal(mine[field], theirs[field]):
                 found.append(f"table {name} {field}: {int((mine[field] != theirs[field]).any(dim=1).sum())} rows differ")
     return found
+
+
+def auc_figures(with_kills: list[float], uninterrupted: list[float]) -> dict:
+    """The test AUCs of runs with kills against uninterrupted runs: each side's mean and spread (max - min), and
+    the gap of the means (``auc_gap``, signed: with kills minus uninterrupted; ``auc_diff``, its size) with its
+    standard error (``auc_gap_se``, from the two sides' sample variances; None with fewer than 2 runs a side)."""
+    if not with_kills or not uninterrupted:
+        raise ValueError(f"AUCs of both sides are needed, got {len(with_kills)} with kills and {len(uninterrupted)} uninterrupted")
+    mean, reference = statistics.fmean(with_kills), statistics.fmean(uninterrupted)
+    se = None
+    if len(with_kills) > 1 and len(uninterrupted) > 1:
+        se = round(math.sqrt(statistics.variance(with_kills) / len(with_kills) + statistics.variance(uninterrupted) / len(uninterrupted)), 6)
+    return {
+        "test_auc": round(mean, 6), "reference_test_auc": round(reference, 6),
+        "auc_gap": round(mean - reference, 6), "auc_diff": round(abs(mean - reference), 6), "auc_gap_se": se,
+        "test_aucs": [round(a, 6) for a in with_kills], "reference_test_aucs": [round(a, 6) for a in uninterrupted],
+        "auc_spread": round(max(with_kills) - min(with_kills), 6),
+        "reference_auc_spread": round(max(uninterrupted) - min(uninterrupted), 6),
+    }

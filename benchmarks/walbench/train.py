@@ -1,7 +1,9 @@
 """One training run of ``wal_bench.py``: a small DLRM on synthetic Criteo batches under PersiaStrategy, its tables on
 the shards at ``--ps-addresses`` (started and killed by the bench). Prints the ``PHASE`` marks of
 ``lightning_persia.testing.phases`` and ``ROLLBACKS``; at the end writes the dense weights and a PS checkpoint of
-every table row under ``--out``, and the test AUC in ``result.json``.
+every table row under ``--out``, and in ``result.json`` the test AUC and the lag of the steps' lookups (how many
+earlier steps' updates were unacknowledged when each lookup went out and when it was answered, read from the
+trainer's Prometheus metrics: ``walbench/lag.py``).
 
     python benchmarks/walbench/train.py --ps-addresses 127.0.0.1:5000,127.0.0.1:5001 --out /tmp/run --steps 300
 """
@@ -11,11 +13,13 @@ import argparse
 import json
 import os
 import sys
+import urllib.request
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # walbench
 
 TEST_BATCHES = 8
 
@@ -37,7 +41,9 @@ def main() -> None:
     from lightning_persia import Adagrad, PersiaStrategy, PSSettings
     from lightning_persia.data import SyntheticCriteoDataModule
     from lightning_persia.strategy.recovery import RecoveryConfig
+    from lightning_persia.strategy.metrics import MetricsEndpoint
     from lightning_persia.testing.phases import PhaseMarks
+    from walbench.lag import lag_figures
 
     L.seed_everything(0)
     data = SyntheticCriteoDataModule(num_train_batches=args.steps, num_val_batches=TEST_BATCHES, num_test_batches=TEST_BATCHES,
@@ -47,6 +53,7 @@ def main() -> None:
         ps=PSSettings(addresses=args.ps_addresses.split(","), timeout_s=5.0), staleness=args.staleness,
         embedding_optimizer=Adagrad(lr=0.2, rowwise=True), wire_dtype="fp32",
         recovery=RecoveryConfig(wait_for_shards_s=120, max_rollbacks=50, client_backoff_s=0.05, client_max_backoff_s=0.2),
+        metrics=MetricsEndpoint(port=0),  # a free port: the lag histograms are read from it below
     )
     checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.checkpoint_every,
                                                       save_top_k=1, monitor="step", mode="max")
@@ -54,10 +61,12 @@ def main() -> None:
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                         callbacks=[PhaseMarks(), checkpoints])
     trainer.fit(model, datamodule=data)
+    with urllib.request.urlopen(strategy.metrics_url, timeout=30) as page:
+        lag = lag_figures(page.read().decode())
     metrics = trainer.test(model, datamodule=data, verbose=False)[0]
     torch.save({k: v for k, v in model.state_dict().items() if not k.startswith("ebc.")}, args.out / "dense.pt")
     strategy.client.save(str(args.out / "tables"))
-    result = {"test_auc": float(metrics["test_auc"]), "rollbacks": len(strategy.rollbacks), "global_step": trainer.global_step}
+    result = {"test_auc": float(metrics["test_auc"]), "rollbacks": len(strategy.rollbacks), "global_step": trainer.global_step, "lag": lag}
     (args.out / "result.json").write_text(json.dumps(result))
     strategy.close()
     os._exit(0)  # the shards belong to the bench; nothing else to wait for

@@ -23,7 +23,8 @@ class StepContext:
     generation: int  # the pipeline's generation when planned: rows of an older one are fetched again
     prefetched: Optional[BatchRows] = None  # one lookup for every module whose input the batch showed
     used: list[BatchRows] = field(default_factory=list)  # rows the step's forwards read: its update
-    lag: int = 0  # earlier steps' updates its lookup missed
+    lag: int = 0  # earlier steps' updates unacknowledged when its lookup went out: the most its rows missed
+    lag_at_answer: int = 0  # ... still unacknowledged when its lookup was answered
     batch: Any = None  # the batch the trainer runs (where a module's input is found)
 
     def use(self, rows: BatchRows) -> None:

@@ -172,7 +172,7 @@ class EmbeddingPipeline:
         try:
             step.lag = self.scheduler.wait_for_turn(step.index, stopped)
             if rows is not None:
-                self._fetch(rows, train=True, observe=True)
+                self._fetch(rows, train=True, observe=True, step=step)
         except BaseException as error:
             if rows is not None:
                 rows.fail(error)
@@ -247,7 +247,8 @@ class EmbeddingPipeline:
             if rows is None:
                 rows = BatchRows([planner.plan(features)])
                 self.scheduler.window.wait_for_lookup(step.index, self.timeout_s)
-                self._fetch(rows, train=True)
+                step.lag = self.scheduler.window.lag(step.index)
+                self._fetch(rows, train=True, step=step)
             with record_function(LOOKUP_WAIT):
                 rows.materialize(self.device, requires_grad=requires_grad, timeout_s=self.timeout_s)
         except Exception as error:  # the handler tells a shard's failure from a defect
@@ -260,7 +261,8 @@ class EmbeddingPipeline:
         return rows.take(key)
 
     def step_metrics(self) -> dict[str, float]:
-        """Figures of the open step so far: lookup wait, rows fetched, unique ratio, wire bytes, staleness."""
+        """Figures of the open step so far: lookup wait, rows fetched, unique ratio, wire bytes, staleness (earlier
+        steps' updates unacknowledged when its lookup went out) and staleness_at_answer (... when it was answered)."""
         step = self._current
         if step is None or not step.used:
             return {}
@@ -271,6 +273,7 @@ class EmbeddingPipeline:
             "unique_ratio": unique / max(sum(rows.num_ids for rows in step.used), 1),
             "wire_bytes": float(sum(rows.wire_bytes(wire.WIRE_DTYPES[self.wire_dtype].itemsize) for rows in step.used)),
             "staleness": float(step.lag),
+            "staleness_at_answer": float(step.lag_at_answer),
         }
 
     def finish_step(self, scale: Union[float, torch.Tensor]) -> None:
@@ -316,16 +319,19 @@ class EmbeddingPipeline:
 
     # ---- internals -----------------------------------------------------------------------------------
 
-    def _fetch(self, rows: BatchRows, train: bool, observe: bool = False) -> None:
+    def _fetch(self, rows: BatchRows, train: bool, observe: bool = False, step: Optional[StepContext] = None) -> None:
         """Issues the lookup of ``rows`` (sharding their ids unless the plan did) and, on a GPU, starts what the
         forward reads on its way to the device; ``observe``: its latency feeds the scheduler's lookahead
-        (prefetched lookups only: a forward's own lookup is not ahead of anything)."""
+        (prefetched lookups only: a forward's own lookup is not ahead of anything); ``step``: the training step
+        whose lag at the answer is noted."""
         sharded = rows.sharded or self.client.shard(rows.keyed)
         rows.prepare(self.transfer, self._fused_lookup)
         issued = time.perf_counter()
         future = self.client.lookup_sharded_async(sharded, train=train, wire_dtype=self.wire_dtype)
         if observe:
             future.add_done_callback(lambda f: self.scheduler.observe("lookup", time.perf_counter() - issued))
+        if step is not None:
+            future = self.scheduler.window.lag_when_done(future, step.index, lambda lag: setattr(step, "lag_at_answer", lag))
         rows.attach(sharded, future, self.transfer)
 
     def _is_planned_input(self, planner: Planner, batch: Any, features: Any) -> bool:

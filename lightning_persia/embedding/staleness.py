@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
 
 
 class StalenessTimeout(TimeoutError):
@@ -63,9 +67,28 @@ class StalenessWindow:
             self._changed.notify_all()
 
     def lag(self, step: int) -> int:
-        """How many earlier batches' updates a lookup for ``step`` issued now would miss."""
+        """How many earlier batches' updates a lookup for ``step`` issued now would miss (the unacknowledged ones
+        among batches ``0 .. step - 1``; updates acknowledged out of order count as in)."""
         with self._changed:
-            return max(0, step - self._acknowledged)
+            return max(0, step - self._acknowledged) - sum(1 for early in self._early if early < step)
+
+    def lag_when_done(self, future: "Future[T]", step: int, note: Callable[[int], None]) -> "Future[T]":
+        """``future``'s outcome, passed on only after ``note(lag)`` was told :meth:`lag` of ``step`` at the moment
+        ``future`` completed: how many earlier batches' updates were still unacknowledged when a lookup was answered
+        (whoever waits for the returned future reads the lag after it is noted)."""
+        passed: Future = Future()
+
+        def done(source: Future) -> None:
+            note(self.lag(step))
+            if source.cancelled():
+                passed.cancel()
+            elif source.exception() is not None:
+                passed.set_exception(source.exception())
+            else:
+                passed.set_result(source.result())
+
+        future.add_done_callback(done)
+        return passed
 
     def wait_for_lookup(self, step: int, timeout_s: float | None = None) -> None:
         """Blocks until batch ``step`` may look up."""

@@ -4,8 +4,10 @@ Served at ``http://<host>:<port + local rank>/metrics``:
 
 - per step, from the embedding pipeline's figures of the step (:meth:`TrainerMetrics.observe_step`):
   ``persia_trainer_steps_total``, ``persia_trainer_lookup_wait_seconds`` (histogram: how long the forward
-  waited for its rows), ``persia_trainer_embedding_lag_steps`` (histogram: how many earlier steps' updates the
-  step's rows missed), ``persia_trainer_rows_fetched_total``, ``persia_trainer_wire_bytes_total``;
+  waited for its rows), ``persia_trainer_embedding_lag_steps`` (histogram: how many earlier steps' updates were
+  unacknowledged when the step's lookup went out: the most its rows missed), ``persia_trainer_embedding_lag_at_answer_steps``
+  (histogram: ... still unacknowledged when the lookup was answered; lower when a lookup waited, e.g. for a restarted
+  shard), ``persia_trainer_rows_fetched_total``, ``persia_trainer_wire_bytes_total``;
 - read when Prometheus scrapes (a collector over a figures callable): ``persia_trainer_rollbacks_total``,
   ``persia_trainer_dropped_nonfinite_rows_total``, ``persia_trainer_prefetch_misses_total``;
 - every parameter-server call, by method and status code (``grpc_client_handled_total``,
@@ -86,20 +88,25 @@ class TrainerMetrics:
         self._steps = Counter("persia_trainer_steps", "Training steps whose embedding rows this rank fetched.", registry=self.registry)
         self._wait = Histogram("persia_trainer_lookup_wait_seconds", "Time a step's forward waited for its embedding rows.",
                                buckets=LATENCY_BUCKETS, registry=self.registry)
-        self._lag = Histogram("persia_trainer_embedding_lag_steps", "Earlier steps' embedding updates a step's rows missed.",
+        self._lag = Histogram("persia_trainer_embedding_lag_steps", "Earlier steps' embedding updates unacknowledged when a step's lookup went out.",
                               buckets=LAG_BUCKETS, registry=self.registry)
+        self._lag_at_answer = Histogram("persia_trainer_embedding_lag_at_answer_steps",
+                                        "Earlier steps' embedding updates unacknowledged when a step's lookup was answered.",
+                                        buckets=LAG_BUCKETS, registry=self.registry)
         self._rows = Counter("persia_trainer_rows_fetched", "Embedding rows fetched (unique per table and step).", registry=self.registry)
         self._wire = Counter("persia_trainer_wire_bytes", "Bytes of embedding rows received from the shards.", registry=self.registry)
         self._server = serve_metrics(self.registry, host, port, what=f"trainer metrics (metrics.port, rank {identity.get('global_rank', '?')})")
         self.url = metrics_url(self._server, host)
 
     def observe_step(self, figures: Mapping[str, float]) -> None:
-        """Folds in one step's figures (``EmbeddingPipeline.step_metrics()``: lookup_wait_ms, staleness, rows_fetched, wire_bytes)."""
+        """Folds in one step's figures (``EmbeddingPipeline.step_metrics()``: lookup_wait_ms, staleness, staleness_at_answer,
+        rows_fetched, wire_bytes)."""
         if not figures:
             return
         self._steps.inc()
         self._wait.observe(figures.get("lookup_wait_ms", 0.0) / 1000.0)
         self._lag.observe(figures.get("staleness", 0.0))
+        self._lag_at_answer.observe(figures.get("staleness_at_answer", 0.0))
         self._rows.inc(figures.get("rows_fetched", 0.0))
         self._wire.inc(figures.get("wire_bytes", 0.0))
 

@@ -163,17 +163,22 @@ def test_a_lookup_misses_the_updates_of_at_most_staleness_earlier_steps(shards, 
     shards._update = slow
     batches = [torch.zeros(1, dtype=torch.int64) for _ in range(12)]
     loader = PrefetchingLoader(batches, pipeline)
-    seen = []
+    seen, lags = [], []
     for step, batch in enumerate(loader):
         pipeline.begin_step(batch)
         row = model["emb"](batch)
         seen.append(-int(row.item()))  # updates applied before this step's lookup
+        figures = pipeline.step_metrics()
+        lags.append((figures["staleness"], figures["staleness_at_answer"]))
         row.sum().backward()
         pipeline.finish_step(scale=1.0)
     pipeline.drain()
     loader.close()
     missed = [step - applied for step, applied in enumerate(seen)]
     assert all(0 <= m <= staleness for m in missed), missed
+    # acknowledged before the lookup went out means applied before it read: the lag at issue bounds what was missed,
+    # and the acknowledgements only grow until the answer
+    assert all(m <= issued and answered <= issued <= staleness for m, (issued, answered) in zip(missed, lags)), (missed, lags)
     if staleness:
         assert max(missed) > 0, "the updates were slow: some lookup should have gone out before the last one was applied"
     assert shards.rows("emb", torch.zeros(1, dtype=torch.int64)).item() == -len(batches)

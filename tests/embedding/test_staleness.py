@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+from concurrent.futures import CancelledError, Future
 
 import pytest
 
@@ -12,7 +13,8 @@ def test_acknowledgements_count_from_the_first_batch_in_any_order():
     window = StalenessWindow(staleness=2)
     window.acknowledge(1)
     window.acknowledge(2)
-    assert window.acknowledged == 0 and window.lag(3) == 3  # batch 0 is still out
+    assert window.acknowledged == 0 and window.lag(3) == 1 and window.lag(2) == 1  # batch 0 is still out, 1 and 2 are in
+    assert window.lag(4) == 2  # ... and 3
     window.acknowledge(0)
     assert window.acknowledged == 3 and window.lag(3) == 0 and window.lag(1) == 0
 
@@ -52,3 +54,31 @@ def test_a_failure_wakes_every_waiter_with_its_error():
 def test_staleness_must_not_be_negative():
     with pytest.raises(ValueError, match="staleness must be >= 0"):
         StalenessWindow(-1)
+
+
+def test_the_lag_at_an_answer_is_noted_before_whoever_waits_for_the_answer_wakes():
+    window = StalenessWindow(staleness=3)
+    answer: Future = Future()
+    noted: list[int] = []
+    passed = window.lag_when_done(answer, step=3, note=noted.append)
+    passed.add_done_callback(lambda f: noted.append(-1))  # runs only after the lag was noted
+    assert window.lag(3) == 3 and not passed.done()
+    window.acknowledge(0)
+    window.acknowledge(2)
+    answer.set_result("rows")
+    assert noted == [1, -1] and passed.result() == "rows"  # batch 1's update was still out when the rows came
+
+
+def test_a_failed_or_cancelled_answer_passes_through_with_its_lag_noted():
+    window = StalenessWindow(staleness=1)
+    failed, cancelled = Future(), Future()
+    noted: list[int] = []
+    failing = window.lag_when_done(failed, step=1, note=noted.append)
+    cancelling = window.lag_when_done(cancelled, step=2, note=noted.append)
+    failed.set_exception(ConnectionError("shard 1 down"))
+    cancelled.cancel()
+    with pytest.raises(ConnectionError, match="shard 1 down"):
+        failing.result()
+    with pytest.raises(CancelledError):
+        cancelling.result()
+    assert noted == [1, 2]

@@ -57,6 +57,9 @@ def test_each_rank_serves_its_embedding_and_ps_call_figures_on_its_own_port(tmp_
         assert samples[("persia_trainer_lookup_wait_seconds_count", frozenset())] == STEPS
         assert samples[("persia_trainer_embedding_lag_steps_count", frozenset())] == STEPS
         assert samples[("persia_trainer_embedding_lag_steps_bucket", frozenset({"le": "2.0"}.items()))] == STEPS  # staleness 2
+        assert samples[("persia_trainer_embedding_lag_at_answer_steps_count", frozenset())] == STEPS
+        # the acknowledgements only grow between a lookup going out and its answer
+        assert samples[("persia_trainer_embedding_lag_at_answer_steps_sum", frozenset())] <= samples[("persia_trainer_embedding_lag_steps_sum", frozenset())]
         assert samples[("persia_trainer_rows_fetched_total", frozenset())] > 0
         assert samples[("persia_trainer_wire_bytes_total", frozenset())] >= 4 * 4 * samples[("persia_trainer_rows_fetched_total", frozenset())]
         assert samples[("persia_trainer_rollbacks_total", frozenset())] == 0

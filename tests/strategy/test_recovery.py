@@ -1,7 +1,8 @@
 """PersiaStrategy and faults of its parameter server (in-process Trainers, embedded shards):
 
 - a shard SIGKILLed in the middle of training replays its write-ahead log when the launcher restarts it, and
-  training goes on with no rollback: the final model equals uninterrupted training;
+  training goes on with no rollback: the final model equals uninterrupted training; with staleness, every row
+  counts every update once;
 
 The other tests run the shards with ``durability: none`` (what a shard whose log is lost falls back to):
 - a shard SIGKILLed in the middle of training is restarted by the embedded launcher from the last checkpoint,
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_persia import SGD, PersiaStrategy, PSSettings
+from lightning_persia import SGD, Constant, PersiaStrategy, PSSettings
 from lightning_persia.embedding.pipeline import EmbeddingLookupError
 from lightning_persia.remote_ps.protocol import COMMIT_MARKER
 from lightning_persia.strategy import local_cluster
@@ -97,6 +98,47 @@ def test_a_killed_shard_replays_its_log_and_training_goes_on_with_no_rollback_an
         replay = strategy.client.stats()[1]["server"]["wal"]["replay"]
         assert replay["replayed"] and replay["records"] > 0 and "step=10.ckpt.ps/" in replay["checkpoint"]
         _assert_equals_plain_training(strategy, remote, local, batches)  # every batch, none lost or applied twice
+    finally:
+        strategy.close()
+
+
+class _CountingRecommender(ToyRecommender):
+    """Its loss is the sum of the pooled rows: each step's gradient of a row is how often the batch holds its id,
+    whatever the row's value. With SGD(lr=1) from rows of zeros, every row ends at minus its id's count over the
+    batches trained, however stale each lookup was: a lost or doubled update shows as a wrong count."""
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        return self.ebc(batch["sparse"]).values().sum()
+
+
+def _id_counts(batches: list[dict]) -> dict[str, torch.Tensor]:
+    counts = {name: torch.zeros(NUM_IDS) for name in ("ebc.t0", "ebc.t1")}
+    for batch in batches:
+        for feature, ids in batch["sparse"].to_dict().items():
+            counts["ebc.t0" if feature == "f0" else "ebc.t1"] += torch.bincount(ids.values(), minlength=NUM_IDS).float()
+    return counts
+
+
+def test_with_staleness_a_killed_shard_replays_its_log_and_no_update_in_flight_is_lost_or_applied_twice(tmp_path, monkeypatch):
+    """τ = 4: up to four updates are in flight when a shard dies, and lookups of later steps wait for it too; each
+    update is applied once (the rows count every id of every batch), with no rollback."""
+    monkeypatch.setattr(local_cluster, "EMBEDDED_DURABILITY", "log")
+    steps = 24
+    batches = make_batches(steps)
+    remote = _CountingRecommender(device="meta")
+    strategy = PersiaStrategy(staleness=4, embedding_optimizer=SGD(lr=1.0), embedding_init=Constant(0.0), wire_dtype="fp32",
+                              ps=PSSettings(timeout_s=20), recovery=FAST)
+    kills = [_KillShard(after=7, shard=0), _KillShard(after=15, shard=1)]
+    try:
+        _trainer(strategy, steps, kills, checkpoint_dir=tmp_path / "ckpt").fit(remote, loader(batches))
+        assert strategy._recovery.events == []
+        kinds = sorted((e.shard, e.kind) for e in strategy._cluster.events)
+        assert kinds == [(0, "exited"), (0, "restarted"), (1, "exited"), (1, "restarted")], strategy._cluster.events
+        ids = torch.arange(NUM_IDS)
+        tables = strategy.client.lookup({"ebc.t0": ids, "ebc.t1": ids}, train=False, wire_dtype="fp32")
+        for name, counts in _id_counts(batches).items():
+            assert counts.sum() > 0
+            torch.testing.assert_close(tables[name], -counts[:, None].expand(-1, 4), rtol=0, atol=0)
     finally:
         strategy.close()
 

@@ -12,12 +12,11 @@ Between demotions it maps the segments that reads hit most into the shard's page
 """
 from __future__ import annotations
 
-import atexit
 import logging
-import threading
 import time
-import weakref
 from typing import Callable, Iterable
+
+from lightning_persia.remote_ps.store.background import TablePass
 
 HEADROOM_FRACTION = 1 / 16
 """Of a disk table's memory budget, kept free for the rows requests bring in (demotion starts at half of it used)."""
@@ -36,30 +35,12 @@ def demotion_target(capacity: int, memory_rows: int) -> int:
     return memory_rows - (capacity - headroom)
 
 
-class Demoter:
+class Demoter(TablePass):
     """Demotes the rows of each of ``tables()`` (its disk tables) beyond :func:`demotion_target`, every
     ``interval_s``, on a daemon thread, until :meth:`stop`."""
 
     def __init__(self, tables: Callable[[], Iterable], interval_s: float = 0.01) -> None:
-        self._tables = tables
-        self._interval_s = interval_s
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="persia-ps-demoter", daemon=True)
-        self.errors = 0
-
-    @property
-    def started(self) -> bool:
-        return self._thread.ident is not None
-
-    def start(self) -> None:
-        self._thread.start()
-        _started.add(self)
-
-
-    def stop(self) -> None:
-        self._stopped.set()
-        if self._thread.is_alive():
-            self._thread.join()
+        super().__init__(tables, interval_s, "persia-ps-demoter")
 
     def run_once(self) -> int:
         """One pass over the tables: the rows each needs demoted, a slice at a time, then a few steps of mapping its
@@ -67,7 +48,7 @@ class Demoter:
         demoted = 0
         for table in self._tables():
             try:
-                while not self._stopped.is_set():
+                while not self.stopping:
                     count = min(demotion_target(table.config.capacity, table.memory_rows), SLICE_ROWS)
                     if count <= 0 or not table.demote(count):
                         break
@@ -81,17 +62,3 @@ class Demoter:
                 self.errors += 1
                 _log.exception("demoting rows of table %r failed; retried in %.2f s", table.config.name, self._interval_s)
         return demoted
-
-    def _run(self) -> None:
-        while not self._stopped.wait(self._interval_s):
-            self.run_once()
-
-
-_started: "weakref.WeakSet[Demoter]" = weakref.WeakSet()
-
-
-@atexit.register
-def _stop_all() -> None:
-    """Stops the demoters still running before the interpreter tears down what their passes call."""
-    for demoter in list(_started):
-        demoter.stop()

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import bisect
 import logging
-import threading
 import time
 from typing import Callable, Iterable, Optional
+
+from lightning_persia.remote_ps.store.background import TablePass
 
 SLICE_ROWS = 1 << 18
 """Access values read with the table's lock held, at most, by one step of a sweep."""
@@ -54,33 +55,18 @@ def expiry_step(step: int, now: float, clock: StepClock, ttl_steps: Optional[int
     return max(limits) if limits else None
 
 
-class Expirer:
+class Expirer(TablePass):
     """Calls ``expire(now)`` of each of ``tables()`` every ``interval_s`` on a daemon thread, until :meth:`stop`."""
 
     def __init__(self, tables: Callable[[], Iterable], interval_s: float) -> None:
-        self._tables = tables
-        self._interval_s = interval_s
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="persia-ps-expiry", daemon=True)
-        self.errors = 0
+        super().__init__(tables, interval_s, "persia-ps-expiry")
 
-    @property
-    def started(self) -> bool:
-        return self._thread.ident is not None
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stopped.set()
-        if self._thread.is_alive():
-            self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stopped.wait(self._interval_s):
-            for table in self._tables():
-                try:
-                    table.expire(time.monotonic())
-                except Exception:  # noqa: BLE001 - a failed sweep is retried at the next interval; the table serves on
-                    self.errors += 1
-                    _log.exception("the expiry sweep of table %r failed; it is retried in %.1f s", table.config.name, self._interval_s)
+    def run_once(self) -> int:
+        expired = 0
+        for table in self._tables():
+            try:
+                expired += table.expire(time.monotonic())
+            except Exception:  # noqa: BLE001 - a failed sweep is retried at the next interval; the table serves on
+                self.errors += 1
+                _log.exception("the expiry sweep of table %r failed; it is retried in %.1f s", table.config.name, self._interval_s)
+        return expired

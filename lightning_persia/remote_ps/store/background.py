@@ -1,0 +1,59 @@
+"""A shard's background work over its tables (demotion, expiry): a daemon thread that runs a pass every interval.
+
+Every thread started is stopped at interpreter exit, before the interpreter tears down what a pass calls (a pass
+caught mid-way by the teardown aborted the process with "terminate called" in the native kernels).
+"""
+from __future__ import annotations
+
+import atexit
+import threading
+import weakref
+from typing import Callable, Iterable
+
+
+class TablePass:
+    """Runs :meth:`run_once` every ``interval_s`` on a daemon thread named ``name``, until :meth:`stop`.
+
+    ``tables()`` gives the tables of each pass; :attr:`errors` counts the passes' failures (a subclass logs them and
+    goes on: a failed pass is retried at the next interval)."""
+
+    def __init__(self, tables: Callable[[], Iterable], interval_s: float, name: str) -> None:
+        self._tables = tables
+        self._interval_s = interval_s
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.errors = 0
+
+    @property
+    def started(self) -> bool:
+        return self._thread.ident is not None
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopped.is_set()
+
+    def start(self) -> None:
+        self._thread.start()
+        _started.add(self)
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def run_once(self) -> int:
+        """One pass over the tables; returns how much it did (rows)."""
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self._interval_s):
+            self.run_once()
+
+
+_started: "weakref.WeakSet[TablePass]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for running in list(_started):
+        running.stop()

@@ -6,9 +6,9 @@ from lightning_persia.remote_ps.store import thread_clock
 from lightning_persia.remote_ps.store.thread_clock import DiskWork, thread_times
 
 
-def _busy(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+def _busy(seconds: float, clock=time.perf_counter) -> None:
+    end = clock() + seconds
+    while clock() < end:
         pass
 
 
@@ -46,25 +46,19 @@ def test_without_the_kernels_statistics_the_cpu_time_stands_and_no_wait_is_count
     assert spent.runnable_s == 0.0 and spent.cpu_s > 0.0
 
 
-def _spin(seconds: float) -> None:
-    end = time.thread_time() + seconds
-    while time.thread_time() < end:
-        pass
-
-
 def test_the_worst_operation_sums_its_sections_and_nesting_counts_once():
     work = DiskWork()
     with work.operation():
         with work.timed():
-            _spin(0.02)
+            _busy(0.02, time.thread_time)
             with work.timed():  # nested: already counted by the outer section
-                _spin(0.02)
-        _spin(0.05)  # not disk work
+                _busy(0.02, time.thread_time)
+        _busy(0.05, time.thread_time)  # not disk work
         with work.timed():
-            _spin(0.02)
+            _busy(0.02, time.thread_time)
     first = work.worst_cpu_s
     assert 0.06 <= first < 0.11
     with work.operation():
         with work.timed():
-            _spin(0.01)
+            _busy(0.01, time.thread_time)
     assert work.worst_cpu_s == first  # a lighter operation keeps the worst

@@ -52,12 +52,24 @@ def native_kernels() -> None:
     CI machines have a compiler, and ``make test`` builds the library first.
     """
     if not native.available():
-        why = (f"{native.NATIVE_ENV}=0 switches them off for this run" if os.environ.get(native.NATIVE_ENV) == "0"
-               else "the library is not built from this kernels.c (`make native`; a build without a working C "
-               "compiler skips it; the warning above says more)")
-        pytest.skip(f"the native kernels are not in use: {why}. The library then runs its tensor implementation, "
-                    "which has its own tests (test_index.py 'tensor' cases, test_hashing.py)")
+        pytest.skip(f"the native kernels are not in use: {_why_no_native()}. The library then runs its tensor "
+                    "implementation, which has its own tests (test_index.py 'tensor' cases, test_hashing.py)")
 
+
+@pytest.fixture
+def disk_tier_kernels() -> None:
+    """For tests of ``storage: disk`` tables: the disk tier's id map and record reads exist in C only, so without
+    the native kernels a disk table is refused (with an error naming why), and there is nothing to test."""
+    if not native.available():
+        pytest.skip(f"the disk tier needs the native kernels, which are not in use: {_why_no_native()}. Without "
+                    "them a disk table is refused with an error saying so (remote_ps/store/disk_tier.py)")
+
+
+def _why_no_native() -> str:
+    if os.environ.get(native.NATIVE_ENV) == "0":
+        return f"{native.NATIVE_ENV}=0 switches them off for this run"
+    return ("the library is not built from this kernels.c (`make native`; a build without a working C compiler "
+            "skips it; the warning above says more)")
 
 @pytest.fixture(scope="session")
 def start_ps_cluster():

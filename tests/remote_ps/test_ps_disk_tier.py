@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_persia.ops import native
 from lightning_persia.remote_ps.client import PSError
 from lightning_persia.remote_ps.table_config import Adagrad, TableConfig
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="the disk tier runs on the native kernels, not built here")
+pytestmark = pytest.mark.usefixtures("disk_tier_kernels")
 
 CONFIG = TableConfig("big", 8, optimizer=Adagrad(rowwise=True), capacity=2000, storage="disk", storage_dtype="fp16")
 IDS = torch.arange(10_000) * 13 + 5

@@ -2,7 +2,6 @@
 import pytest
 import torch
 
-from lightning_persia.ops import native
 from lightning_persia.remote_ps.store.admission import CountingFilter
 from lightning_persia.remote_ps.store.table import Table
 from lightning_persia.remote_ps.table_config import ConfigError, TableConfig
@@ -20,9 +19,9 @@ def test_counts_rise_per_sighting_and_decay_with_traffic():
 
 
 @pytest.mark.parametrize("storage", ["memory", "disk"])
-def test_an_id_is_stored_at_its_kth_lookup_and_served_its_initial_row_before(tmp_path, storage):
-    if storage == "disk" and not native.available():
-        pytest.skip("the disk tier runs on the native kernels, not built here")
+def test_an_id_is_stored_at_its_kth_lookup_and_served_its_initial_row_before(tmp_path, storage, request):
+    if storage == "disk":
+        request.getfixturevalue("disk_tier_kernels")
     config = TableConfig("t", DIM, admit_after=3, storage=storage, capacity=1000)
     table = Table(config, seed=0, disk_dir=str(tmp_path / "tier") if storage == "disk" else None)
     reference = Table(TableConfig("t", DIM), seed=0)

@@ -6,12 +6,11 @@ import time
 import pytest
 import torch
 
-from lightning_persia.ops import native
 from lightning_persia.remote_ps.store.demoter import HEADROOM_FRACTION, Demoter, demotion_target
 from lightning_persia.remote_ps.store.table import Table
 from lightning_persia.remote_ps.table_config import Adagrad, TableConfig
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="the disk tier runs on the native kernels, not built here")
+pytestmark = pytest.mark.usefixtures("disk_tier_kernels")
 
 DIM = 4
 CAPACITY = 1600

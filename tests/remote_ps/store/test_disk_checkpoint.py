@@ -5,13 +5,12 @@ import os
 import pytest
 import torch
 
-from lightning_persia.ops import native
 from lightning_persia.ops.hashing import shard_of
 from lightning_persia.remote_ps.store import CheckpointError
 from lightning_persia.remote_ps.store.shard_store import ShardStore
 from lightning_persia.remote_ps.table_config import Adagrad, TableConfig
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="the disk tier runs on the native kernels, not built here")
+pytestmark = pytest.mark.usefixtures("disk_tier_kernels")
 
 DIM = 4
 ROWS = 6000

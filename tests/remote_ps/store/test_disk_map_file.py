@@ -12,7 +12,7 @@ from lightning_persia.remote_ps.store.disk_tier import DiskTier
 from lightning_persia.remote_ps.store.shard_store import ShardStore
 from lightning_persia.remote_ps.table_config import Adagrad, TableConfig
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="the disk tier runs on the native kernels, not built here")
+pytestmark = pytest.mark.usefixtures("disk_tier_kernels")
 
 DIM = 4
 

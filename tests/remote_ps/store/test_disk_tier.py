@@ -13,7 +13,7 @@ from lightning_persia.remote_ps.store.errors import InvalidRequestError, StoreEr
 from lightning_persia.remote_ps.store.table import Table
 from lightning_persia.remote_ps.table_config import Adagrad, ConfigError, TableConfig
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="the disk tier runs on the native kernels, not built here")
+pytestmark = pytest.mark.usefixtures("disk_tier_kernels")
 
 DIM = 4
 

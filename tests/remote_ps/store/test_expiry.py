@@ -2,7 +2,6 @@
 import pytest
 import torch
 
-from lightning_persia.ops import native
 from lightning_persia.remote_ps.store.expiry import StepClock, expiry_step
 from lightning_persia.remote_ps.store.shard_store import ShardStore
 from lightning_persia.remote_ps.store.table import Table
@@ -47,7 +46,7 @@ def test_rows_untouched_for_ttl_seconds_are_deleted():
     assert table.stats()["rows"] == 10
 
 
-@pytest.mark.skipif(not native.available(), reason="the disk tier runs on the native kernels, not built here")
+@pytest.mark.usefixtures("disk_tier_kernels")
 def test_a_disk_table_expires_rows_on_disk_too(tmp_path):
     store = ShardStore(0, 1, disk_dir=str(tmp_path))
     store.configure(TableConfig("t", DIM, capacity=100, storage="disk", ttl_steps=5))

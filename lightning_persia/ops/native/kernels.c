@@ -617,20 +617,40 @@ int64_t lp_index_reserve(void *handle, const int64_t *chunks, int64_t shift, int
     return 0;
 }
 
-/* Drops the ids present (tombstones); returns how many were. */
+/* Drops the ids present (tombstones); returns how many were. A block's home buckets, then the records their tags
+ * point to, are on their way before any of its ids is probed (a tombstone moves no bucket). */
 int64_t lp_index_remove(void *handle, const int64_t *chunks, int64_t shift, int64_t stride, const int64_t *ids, int64_t n) {
     index_t *index = handle;
     const rows_t t = {chunks, shift, stride};
     int64_t removed = 0;
-    for (int64_t i = 0; i < n; ++i) {
-        const uint64_t h = hash_of(ids[i]);
-        part_t *p = &index->parts[part_of(h)];
-        const int64_t slot = probe(p, h, ids[i], &t);
-        if (slot < 0) continue;
-        p->buckets[slot / SLOTS].tags[slot % SLOTS] = TOMB_TAG;
-        p->live -= 1;
-        index->live -= 1;
-        removed += 1;
+    for (int64_t start = 0; start < n; start += BLOCK) {
+        const int64_t end = start + BLOCK < n ? start + BLOCK : n;
+        uint64_t hashes[BLOCK];
+        const bucket_t *homes[BLOCK];
+        for (int64_t i = start; i < end; ++i) {
+            const uint64_t h = hashes[i - start] = hash_of(ids[i]);
+            const part_t *p = &index->parts[part_of(h)];
+            homes[i - start] = &p->buckets[home_of(h, p->count)];
+            PREFETCH_WRITE(homes[i - start]);
+        }
+        for (int64_t i = start; i < end; ++i) {
+            const uint8_t tag = tag_of(hashes[i - start]);
+            for (int s = 0; s < SLOTS; ++s)
+                if (homes[i - start]->tags[s] == tag) {
+                    PREFETCH(record(&t, homes[i - start]->rows[s]));
+                    break;
+                }
+        }
+        for (int64_t i = start; i < end; ++i) {
+            const uint64_t h = hashes[i - start];
+            part_t *p = &index->parts[part_of(h)];
+            const int64_t slot = probe(p, h, ids[i], &t);
+            if (slot < 0) continue;
+            p->buckets[slot / SLOTS].tags[slot % SLOTS] = TOMB_TAG;
+            p->live -= 1;
+            index->live -= 1;
+            removed += 1;
+        }
     }
     return removed;
 }

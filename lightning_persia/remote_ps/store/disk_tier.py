@@ -213,8 +213,21 @@ class DiskTier:
 
     def map_step(self) -> int:
         """A step of mapping the segments ahead of their reads (see :class:`SegmentMapping`); returns the bytes
-        mapped. Call it holding the table's lock (reads, writes and :meth:`close` change the tables)."""
-        return self._mapping.step(self._fd_table, torch.tensor(self._written, dtype=torch.int64))
+        mapped. Takes the table's lock to choose the pages and to publish them, not while it reads them in."""
+        with self._lock:
+            if self.closed:
+                return 0
+            job = self._mapping.plan(self._fd_table, torch.tensor(self._written, dtype=torch.int64))
+        if job is None:
+            return 0
+        populated = False
+        try:
+            self._mapping.populate(job)
+            populated = True
+        finally:
+            with self._lock:
+                mapped = self._mapping.publish(job, populated)
+        return mapped
 
     # ---- records -----------------------------------------------------------------------------------------
 

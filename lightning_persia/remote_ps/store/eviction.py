@@ -83,10 +83,12 @@ def _sweep(access: Sequence[torch.Tensor], threshold: int, count: int, start: in
 def _threshold(access: Sequence[torch.Tensor], count: float, total: int, generator: torch.Generator) -> tuple[int, float]:
     """The access value at or below which about ``count`` live rows lie, or the coldest :data:`BULK_FRACTION` of
     them if more (from a sample), and the live fraction."""
-    picks = torch.randint(0, total, (_SAMPLE,), generator=generator)
+    picks = torch.sort(torch.randint(0, total, (_SAMPLE,), generator=generator)).values  # grouped by chunk
     bounds = torch.tensor([0] + [a.numel() for a in access]).cumsum(0)
     chunk_of = torch.searchsorted(bounds, picks, right=True) - 1
-    sample = torch.cat([access[c][picks[chunk_of == c] - bounds[c]] for c in torch.unique(chunk_of).tolist()])
+    counts = torch.bincount(chunk_of, minlength=len(access)).tolist()
+    local = (picks - bounds[chunk_of]).split(counts)
+    sample = torch.cat([access[c][local[c]] for c, n in enumerate(counts) if n])
     sample = sample[sample != FREE]
     live_fraction = sample.numel() / _SAMPLE
     if not sample.numel():

@@ -3,8 +3,10 @@
 A ``pread`` of a 48-byte record cost 0.8 to 1.8 us on the development VM; a copy from a segment mapped with its
 pages in the process's page tables 0.3 to 0.5 us; a read through a mapping whose page is not there yet costs a
 fault, up to 2 us under load (2026-11-25-disk-tier.md, section 5). So segments are mapped and populated ahead of
-the reads, off the request path (:meth:`SegmentMapping.step`, called by the shard's demoter), and the records of
-the others are read with ``pread``: ``native.read_records`` takes the tables of this class.
+the reads, off the request path (called by the shard's demoter), and the records of the others are read with
+``pread``: ``native.read_records`` takes the tables of this class. A step chooses what to map and publishes it with
+the table's lock held, but reads the pages in without it: where the page cache no longer holds them (a billion
+rows on this VM), that read is disk I/O that would otherwise hold every request, and a checkpoint, behind it.
 
 While there is room (:data:`MAPPED_BYTES` of records a tier), every segment is mapped as it is written, the most
 read first. Past it, a segment that reads hit more than twice as often as the least read mapped one takes its
@@ -12,14 +14,28 @@ place. The mapped pages count in the shard's resident memory; the page cache hol
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
 from lightning_persia.ops import native
 
 MAPPED_BYTES = 1 << 30
 """Records of a tier whose pages the shard keeps in its page tables, at most."""
-_STEP_BYTES = 16 << 20  # mapped by one step, the table's lock held
+_STEP_BYTES = 16 << 20  # populated by one step
 _READS_HALVED_AT = 1 << 22  # reads counted in all before the counts halve (recent reads weigh more)
+
+
+@dataclass(frozen=True)
+class MapJob:
+    """One step of mapping: ``nbytes`` from ``address`` to populate, records ``[first, end)`` (bytes) of ``segment``."""
+
+    segment: int
+    address: int
+    nbytes: int
+    first: int
+    end: int
 
 
 class SegmentMapping:
@@ -33,6 +49,8 @@ class SegmentMapping:
         self.mapped = torch.zeros(0, dtype=torch.int64)
         self.reads = torch.zeros(0, dtype=torch.int64)
         self._idle = True  # step has nothing to do until the next read or write
+        self._in_flight: Optional[MapJob] = None
+        self._closing = False
 
     def grow(self, segments: int) -> None:
         """Makes room in the tables for ``segments`` segments in all."""
@@ -51,24 +69,33 @@ class SegmentMapping:
         return int(self.mapped.sum()) * self.record_bytes
 
     def step(self, fds: torch.Tensor, written: torch.Tensor) -> int:
-        """Maps and populates up to 16 MB of the segment to map next (``fds``: each segment's file, -1 gone;
-        ``written``: its records); returns the bytes mapped (0: nothing to do). Call it holding the table's lock."""
-        if self._idle:
+        """:meth:`plan`, :meth:`populate` and :meth:`publish` in one call (a tier no other thread uses)."""
+        job = self.plan(fds, written)
+        if job is None:
             return 0
+        self.populate(job)
+        return self.publish(job)
+
+    def plan(self, fds: torch.Tensor, written: torch.Tensor) -> Optional[MapJob]:
+        """The next up to 16 MB of the segment to map next (``fds``: each segment's file, -1 gone; ``written``: its
+        records), mapped but not yet populated, or None (nothing to do, or a step in flight). Call it holding the
+        table's lock; then :meth:`populate` without it and :meth:`publish` with it."""
+        if self._idle or self._in_flight is not None:
+            return None
         if int(self.reads.sum()) > _READS_HALVED_AT:
             self.reads >>= 1
         room = MAPPED_BYTES - self.bytes
         wanted = torch.nonzero((self.mapped < written) & (fds >= 0) & ((self.reads > 0) | (room >= self.record_bytes))).squeeze(1)
         if not wanted.numel():
             self._idle = True
-            return 0
+            return None
         segment = int(wanted[torch.argmax(self.reads[wanted])])
         if room < self.record_bytes:
             mapped = torch.nonzero(self.mapped > 0).squeeze(1)
             coldest = int(mapped[torch.argmin(self.reads[mapped])])
             if coldest == segment or 2 * int(self.reads[coldest]) >= int(self.reads[segment]):
                 self._idle = True
-                return 0
+                return None
             native.map_pages(int(self.bases[coldest]), int(self.mapped[coldest]) * self.record_bytes, drop=True)
             self.mapped[coldest] = 0
             room = MAPPED_BYTES - self.bytes
@@ -77,12 +104,35 @@ class SegmentMapping:
         first = int(self.mapped[segment]) * self.record_bytes
         start = first & ~4095  # from the page the mapped records end in
         end = min(int(written[segment]) * self.record_bytes, first + min(room, _STEP_BYTES))
-        native.map_pages(int(self.bases[segment]) + start, end - start)
-        self.mapped[segment] = end // self.record_bytes
-        return end - first
+        self._in_flight = MapJob(segment, int(self.bases[segment]) + start, end - start, first, end)
+        return self._in_flight
+
+    @staticmethod
+    def populate(job: MapJob) -> None:
+        """Reads the job's pages into the page tables: from the disk, where the page cache lacks them. Call it
+        without the table's lock (a segment's written records never change; the mapping stays until :meth:`publish`)."""
+        native.map_pages(job.address, job.nbytes)
+
+    def publish(self, job: MapJob, populated: bool = True) -> int:
+        """Makes the populated records of ``job`` readable through the mapping (``populated`` False: a failed
+        :meth:`populate`, nothing changes); returns the bytes mapped. Call it holding the table's lock."""
+        self._in_flight = None
+        if self._closing:
+            self._unmap_all()
+            return 0
+        if not populated:
+            return 0
+        self.mapped[job.segment] = job.end // self.record_bytes
+        return job.end - job.first
 
     def close(self) -> None:
-        """Unmaps every segment (before their files close)."""
+        """Unmaps every segment (the table's lock held), or, while a step is in flight, has its :meth:`publish` do it."""
+        if self._in_flight is not None:
+            self._closing = True
+        else:
+            self._unmap_all()
+
+    def _unmap_all(self) -> None:
         for base in self.bases.tolist():
             if base:
                 native.unmap_file(base, self.segment_bytes)

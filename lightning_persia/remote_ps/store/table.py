@@ -495,11 +495,8 @@ class Table:
 
     def map_disk_pages(self) -> int:
         """A step of mapping the disk tier's most read segments (see :meth:`DiskTier.map_step`); returns the bytes
-        mapped. Holds the lock for this call (the shard's demoter calls it between requests)."""
-        if self._disk is None:
-            return 0
-        with self.lock:
-            return 0 if self._disk.closed else self._disk.map_step()
+        mapped. The shard's demoter calls it between requests; the lock is held only to choose and publish the pages."""
+        return 0 if self._disk is None else self._disk.map_step()
 
     def attach_disk(self, segments: Iterable, adopt_map: Optional[Callable] = None) -> None:
         """Takes the disk segments of a checkpoint saved by this shard, and its id map (see :meth:`DiskTier.attach`)."""

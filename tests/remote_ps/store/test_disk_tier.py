@@ -1,6 +1,7 @@
 """The disk tier under a table: demotion, promotion, the id map, faults (a full disk, a missing or damaged segment)."""
 import errno
 import os
+import threading
 
 import pytest
 import torch
@@ -225,6 +226,30 @@ def test_past_the_budget_a_much_more_read_segment_takes_a_mapped_one_s_place(tmp
         tier.find(ids[2048:])  # segment 2 now read far more than segment 1: it takes its place
     assert tier.map_step() == 1024 * tier.record_bytes and tier.mapped_bytes == 1024 * tier.record_bytes
     assert torch.equal(tier.unpack(tier.find(ids)[1])["ids"], ids)
+
+
+def test_a_map_step_reads_its_pages_in_without_the_tables_lock_and_a_close_meanwhile_waits_for_it(tmp_path, small_segments, monkeypatch):
+    lock = threading.Lock()
+    tier = DiskTier(tmp_path / "tier", _specs(), lock)
+    ids = torch.arange(2 * 1024) * 5 + 2
+    tier.write(_rows(ids))
+    held_while_populating, unmapped = [], []
+    real_populate = segment_mapping.SegmentMapping.populate
+
+    def populate(job):
+        held_while_populating.append(lock.locked())
+        with lock:  # a request (here: the close) gets the lock while the pages are read in
+            if len(held_while_populating) == 2:
+                tier.close()
+                assert not unmapped  # the mapping stays until the step has published
+        real_populate(job)
+
+    monkeypatch.setattr(segment_mapping.SegmentMapping, "populate", staticmethod(populate))
+    monkeypatch.setattr(native, "unmap_file", lambda address, nbytes: unmapped.append(address))
+    assert tier.map_step() == 1024 * tier.record_bytes
+    assert tier.map_step() == 0 and tier.closed  # closed during the step: published as unmapped
+    assert held_while_populating == [False, False] and len(unmapped) == 2  # both segments' mappings ended
+    assert tier.map_step() == 0
 
 
 def _record_bytes():

@@ -259,14 +259,19 @@ def disk_speeds(directory: str, nbytes: int, block: int = 8 << 20) -> tuple[floa
     return write, read
 
 
+def _fmt_s(seconds: Optional[float]) -> str:
+    return "-" if seconds is None else f"{seconds:.3f} s"
+
+
 def folder_bytes(directory: str) -> int:
     """Bytes of every file under ``directory`` (a checkpoint's size)."""
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(directory) for f in files)
 
 
-def save_and_load(shards: Shards, directory: str, rows: int, request_ids: int) -> dict:
+def save_and_load(shards: Shards, directory: str, rows: int, request_ids: int, train_during_save: bool = True) -> dict:
     """Saves the shard(s) twice, alone (its speed) and with a training client running (the client's worst round
-    trip: how long the save stops training), then loads the checkpoint back in place."""
+    trip: how long the save stops training; left out without ``train_during_save``), then loads the checkpoint back
+    in place."""
     shutil.rmtree(directory, ignore_errors=True)
     disk_write, disk_read = disk_speeds(directory, min(2 << 30, rows * 100))
     before = shards.rss()
@@ -277,19 +282,21 @@ def save_and_load(shards: Shards, directory: str, rows: int, request_ids: int) -
     save_cpu = [after - before for before, after in zip(cpu, shards.cpu_s())]
     save_peak = shards.peaks() - before
     size = folder_bytes(directory)
-    shutil.rmtree(directory, ignore_errors=True)
     trainer = _Trainer(shards.shards.addresses, rows, request_ids)
-    shards.reset_peaks()
-    trainer.start()
-    time.sleep(0.5)
-    started = time.perf_counter()
-    shards.client.save(directory)
-    trained_save_s = time.perf_counter() - started
-    trainer.stop.set()
-    trainer.join()
-    if trainer.error is not None:
-        raise RuntimeError(f"the training client failed during the save: {trainer.error}")
-    trained_save_peak = shards.peaks() - before
+    trained_save_s = trained_save_peak = None
+    if train_during_save:
+        shutil.rmtree(directory, ignore_errors=True)
+        shards.reset_peaks()
+        trainer.start()
+        time.sleep(0.5)
+        started = time.perf_counter()
+        shards.client.save(directory)
+        trained_save_s = time.perf_counter() - started
+        trainer.stop.set()
+        trainer.join()
+        if trainer.error is not None:
+            raise RuntimeError(f"the training client failed during the save: {trainer.error}")
+        trained_save_peak = shards.peaks() - before
     before_load = shards.rss()
     shards.reset_peaks()
     cpu, started = shards.cpu_s(), time.perf_counter()
@@ -298,12 +305,12 @@ def save_and_load(shards: Shards, directory: str, rows: int, request_ids: int) -
     load_cpu = [after - before for before, after in zip(cpu, shards.cpu_s())]
     load_peak = shards.peaks()
     return {"disk_write_gb_per_s": disk_write, "disk_read_gb_per_s": disk_read,
-            "save_s": save_s, "save_peak_extra_bytes": max(save_peak, trained_save_peak), "checkpoint_bytes": size,
+            "save_s": save_s, "save_peak_extra_bytes": max(save_peak, trained_save_peak or 0), "checkpoint_bytes": size,
             "save_gb_per_s": size / save_s / _GB, "save_while_training_s": trained_save_s,
             "save_user_cpu_s": save_cpu[0], "save_kernel_cpu_s": save_cpu[1],
             "load_s": load_s, "load_gb_per_s": size / load_s / _GB, "load_user_cpu_s": load_cpu[0], "load_kernel_cpu_s": load_cpu[1],
-            "load_peak_bytes": load_peak, "rss_before_load": before_load, "worst_train_round_during_save_s": trainer.worst,
-            "train_rounds_during_save": trainer.rounds}
+            "load_peak_bytes": load_peak, "rss_before_load": before_load, "worst_train_round_during_save_s": trainer.worst if train_during_save else None,
+            "train_rounds_during_save": trainer.rounds if train_during_save else None}
 
 
 def restart_and_load(shards: Shards, directory: str, dtype: str, cold: bool, overrides: Sequence[str]) -> tuple[Shards, dict]:
@@ -456,7 +463,7 @@ def _grow_sizes(args, dtype: str, state: dict, out: dict, baseline: Optional[dic
               f"{entry['controls']} lookups of stored ids", flush=True)
         if rows >= args.save_from and (not args.save_sizes or rows in args.save_sizes):
             try:
-                entry.update(save_and_load(shards, checkpoint_dir, rows, args.request_ids))
+                entry.update(save_and_load(shards, checkpoint_dir, rows, args.request_ids, not args.no_train_during_save))
                 if args.restart:
                     shards, restarted = restart_and_load(shards, checkpoint_dir, dtype, args.cold, args.ps_override)
                     state["shards"] = shards
@@ -467,7 +474,7 @@ def _grow_sizes(args, dtype: str, state: dict, out: dict, baseline: Optional[dic
                 return out
             print(f"[{dtype}] {rows:>13,} rows  save {entry['save_s']:.1f} s ({entry['save_gb_per_s']:.2f} GB/s; plain write "
                   f"{entry['disk_write_gb_per_s']:.2f}; +{entry['save_peak_extra_bytes'] / _GB:.2f} GB peak, worst train round "
-                  f"{entry['worst_train_round_during_save_s']:.3f} s)  load {entry['load_s']:.1f} s ({entry['load_gb_per_s']:.2f} GB/s; "
+                  f"{_fmt_s(entry['worst_train_round_during_save_s'])})  load {entry['load_s']:.1f} s ({entry['load_gb_per_s']:.2f} GB/s; "
                   f"plain read {entry['disk_read_gb_per_s']:.2f})", flush=True)
             print(f"[{dtype}] {rows:>13,} rows  shard CPU: save {entry['save_user_cpu_s']:.1f} s own code + {entry['save_kernel_cpu_s']:.1f} s kernel, "
                   f"load {entry['load_user_cpu_s']:.1f} s own code + {entry['load_kernel_cpu_s']:.1f} s kernel", flush=True)
@@ -525,7 +532,7 @@ def print_tables(results: dict) -> None:
                   f"| {e['rss_bytes'] / _GB:.2f} GB "
                   f"| {e['bytes_per_row']:.1f} | {e['bytes_per_param']:.2f} "
                   + (f"| {e['save_s']:.1f} ({e['save_gb_per_s']:.2f}; {e['disk_write_gb_per_s']:.2f}) | {e['save_peak_extra_bytes'] / _GB:.2f} GB "
-                     f"| {e['worst_train_round_during_save_s']:.3f} s | {e['load_s']:.1f} ({e['load_gb_per_s']:.2f}; {e['disk_read_gb_per_s']:.2f}) [{e['load_user_cpu_s']:.1f} + {e['load_kernel_cpu_s']:.1f}] "
+                     f"| {_fmt_s(e['worst_train_round_during_save_s'])} | {e['load_s']:.1f} ({e['load_gb_per_s']:.2f}; {e['disk_read_gb_per_s']:.2f}) [{e['load_user_cpu_s']:.1f} + {e['load_kernel_cpu_s']:.1f}] "
                      f"| {e['load_peak_bytes'] / _GB:.2f} GB |" if saved else "| - | - | - | - | - |"))
     if results["multi_shard"]:
         print("\n### one table over several shard processes on this machine (fp16 storage)")
@@ -592,6 +599,9 @@ def main(argv=None) -> int:
     parser.add_argument("--request-ids", type=int, default=65536)
     parser.add_argument("--repeats", type=int, default=20, help="requests per rate figure")
     parser.add_argument("--control-every", type=int, default=4, help="a lookup of stored ids after this many inserting requests")
+    parser.add_argument("--no-train-during-save", action="store_true",
+                        help="save once, without the training client beside it (whose uniform lookups of stored ids, at a "
+                             "billion rows on this VM, are reads of the disk that hold the table for seconds each)")
     parser.add_argument("--restart", action="store_true", help="after each load, also load the checkpoint into a restarted shard")
     parser.add_argument("--cold", action="store_true", help="--restart from the disk: drop the page cache first (root)")
     parser.add_argument("--reserve-gb", type=float, default=1.5, help="stop growing when less memory than this would be left")

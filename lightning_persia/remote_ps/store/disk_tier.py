@@ -63,6 +63,40 @@ class FrozenTier:
                 self.id_map.save_end()
 
 
+class ReadAhead:
+    """Records of a tier read without its table's lock (:meth:`DiskTier.begin_read`): ``ids`` (sorted, unique),
+    their ``slots`` then (-1: not on disk), and, once :meth:`read`, their ``records`` (None: not read)."""
+
+    def __init__(self, ids: torch.Tensor, slots: torch.Tensor, tables: tuple, record_bytes: int) -> None:
+        self.ids, self.slots = ids, slots
+        self.records: Optional[torch.Tensor] = None
+        self._tables = tables  # the tier's file and mapping tables when the read began: valid until end_read
+        self._record_bytes = record_bytes
+
+    def read(self) -> None:
+        """Reads the records (without the table's lock). A failure leaves them unread: the lookup then reads them
+        under the lock, where the failure is reported."""
+        found = torch.nonzero(self.slots >= 0).squeeze(1)
+        order = found[torch.argsort(self.slots[found])]  # in file order: neighbouring records share the pages read
+        buffer = torch.empty(order.numel(), self._record_bytes, dtype=torch.uint8)
+        try:
+            native.read_records(*self._tables, SEGMENT_SHIFT, self.slots[order], buffer)
+        except Exception:  # noqa: BLE001 - read again under the lock, which reports what failed
+            return
+        self.records = torch.empty(self.ids.numel(), self._record_bytes, dtype=torch.uint8)
+        self.records[order] = buffer
+
+    def fill(self, ids: torch.Tensor, slots: torch.Tensor, records: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
+        """Copies into ``records`` the read records of the ``pending`` positions of ``ids`` whose slot is still the one
+        read; returns the positions left to read."""
+        if self.records is None or not pending.numel() or not self.ids.numel():
+            return pending
+        at = torch.searchsorted(self.ids, ids[pending]).clamp_(max=self.ids.numel() - 1)
+        same = (self.ids[at] == ids[pending]) & (self.slots[at] == slots[pending])
+        records[pending[same]] = self.records[at[same]]
+        return pending[~same]
+
+
 class DiskTier:
     """The rows of one table kept on disk under ``directory`` (created; its files belong to this tier alone).
 
@@ -92,6 +126,8 @@ class DiskTier:
         self._fd_table = torch.empty(0, dtype=torch.int64)
         self.written_bytes = 0
         self.closed = False
+        self._readers = 0  # reads under way without the table's lock (begin_read)
+        self._close_deferred = False
 
     # ---- writes ------------------------------------------------------------------------------------------
 
@@ -161,15 +197,18 @@ class DiskTier:
 
     # ---- reads -------------------------------------------------------------------------------------------
 
-    def find(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def find(self, ids: torch.Tensor, ahead: Optional["ReadAhead"] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(slots, records)``: each id's slot (-1 when not on disk) and its record (uint8 ``[n, record_bytes]``,
-        read for the ids found)."""
+        read for the ids found). ``ahead``: records read without the lock (:meth:`begin_read`); an id whose slot is
+        still the one read takes its record from there (a written record never changes, a slot is never reused)."""
         slots = self._map.find(ids)
         records = torch.empty(ids.numel(), self.record_bytes, dtype=torch.uint8)
         skip = None
         pending = torch.nonzero(slots >= 0).squeeze(1)
+        unread = pending if ahead is None else ahead.fill(ids, slots, records, pending)
         while pending.numel():
-            self._read(slots[pending], records, pending)
+            if unread.numel():
+                self._read(slots[unread], records, unread)
             stored = records[pending, :8].contiguous().view(torch.int64).squeeze(1)
             wrong = pending[stored != ids[pending]]
             if not wrong.numel():
@@ -177,8 +216,25 @@ class DiskTier:
             skip = torch.zeros_like(ids) if skip is None else skip
             skip[wrong] += 1  # a fingerprint shared with another id (odds ~2^-32): the next match, if any
             slots[wrong] = self._map.find(ids[wrong], skip[wrong])
-            pending = wrong[slots[wrong] >= 0]
+            pending = unread = wrong[slots[wrong] >= 0]
         return slots, records
+
+    def begin_read(self, ids: torch.Tensor) -> Optional["ReadAhead"]:
+        """The slots of ``ids`` (sorted, unique) on disk, to read with :meth:`ReadAhead.read` without the table's
+        lock, or None (closed). Call it holding the lock, and :meth:`end_read` holding it once the read is used: the
+        files stay open until then, whatever closes the tier meanwhile."""
+        if self.closed:
+            return None
+        self._readers += 1
+        self._mapping.changed()
+        mapping = self._mapping
+        return ReadAhead(ids, self._map.find(ids), (self._fd_table, mapping.bases, mapping.mapped, mapping.reads), self.record_bytes)
+
+    def end_read(self) -> None:
+        """A read of :meth:`begin_read` is over (the table's lock held); the last one closes a tier closed meanwhile."""
+        self._readers -= 1
+        if self._close_deferred and not self._readers:
+            self._close_files()
 
     def take(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The rows of ``ids`` found on disk, removed from it: ``(positions in ids, {field: values})``."""
@@ -348,15 +404,22 @@ class DiskTier:
         return self._mapping.bytes
 
     def close(self) -> None:
-        """Closes the files (the tier cannot be used after)."""
+        """Closes the files (the tier cannot be used after); with reads under way (:meth:`begin_read`), the last
+        one's :meth:`end_read` does."""
+        self.closed = True
+        if self._readers:
+            self._close_deferred = True
+        else:
+            self._close_files()
+
+    def _close_files(self) -> None:
+        self._close_deferred = False
         self._mapping.close()
         for fd in self._fds + self._id_fds:
             if fd >= 0:
                 os.close(fd)
         self._fds, self._id_fds = [], []
         self._segments_changed()
-
-        self.closed = True
 
     def destroy(self) -> None:
         """Closes and deletes the tier's files (a checkpoint that linked them keeps its own links)."""

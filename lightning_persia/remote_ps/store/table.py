@@ -28,7 +28,7 @@ from lightning_persia.ops.hashing import name_hash
 from lightning_persia.remote_ps.store import eviction, expiry
 from lightning_persia.remote_ps.store.admission import CountingFilter
 from lightning_persia.remote_ps.store.chunked_rows import ChunkedRows, FieldSpec
-from lightning_persia.remote_ps.store.disk_tier import DISK_FIELDS, DiskTier
+from lightning_persia.remote_ps.store.disk_tier import DISK_FIELDS, DiskTier, ReadAhead
 from lightning_persia.remote_ps.store.errors import InvalidRequestError, StoreError
 from lightning_persia.ops import native
 from lightning_persia.remote_ps.store.index import NativeIdIndex, make_index
@@ -106,16 +106,24 @@ class Table:
     def lookup(self, ids: torch.Tensor, train: bool, dtype: torch.dtype = torch.float32, journal: Optional[Journal] = None) -> torch.Tensor:
         """Rows of ``ids`` as ``[n, dim]`` of ``dtype``; training lookups admit unseen ids.
 
-        ``journal`` hears of the ids the lookup admitted or evicted, if any (see :data:`Journal`)."""
+        ``journal`` hears of the ids the lookup admitted or evicted, if any (see :data:`Journal`). A disk table reads
+        the records of the ids its memory lacks without the lock (:meth:`_read_ahead`), then takes it again to finish."""
         if train:
             self._check_budget(ids.numel())
         out = torch.empty(ids.numel(), self.config.dim, dtype=self.storage_dtype)
         with self.lock:
             held = Held.now(ids.numel(), train)
-            self._start_recording(journal if train else None)
-            rows = self._index.find(ids, copy=(self._rows["weights"], out), touch=self._touch(train))
-            self._finish_lookup(ids, rows, out, train, held, int((rows < 0).sum()))
-            _journal([self], journal, always=False)
+            touch = self._touch(train)
+            rows = self._index.find(ids, copy=(self._rows["weights"], out), touch=touch)
+            ahead = self._read_ahead(ids, rows)
+            if ahead is None:
+                self._finish(ids, rows, out, train, journal, held)
+                return out.to(dtype)
+        ahead.read()
+        with self.lock:
+            held = Held.now(ids.numel(), train)
+            self._rejoin(ids, rows, out, touch, ahead)
+            self._finish(ids, rows, out, train, journal, held, ahead)
         return out.to(dtype)
 
     @staticmethod
@@ -132,15 +140,62 @@ class Table:
         rows = [torch.empty_like(ids) for _, ids in requests]
         with _all_locked(tables):
             held = Held.now(sum(ids.numel() for _, ids in requests), train)
-            for table in tables:
-                table._start_recording(journal if train else None)
-            jobs = [table._index.find_job(ids, found, (table._rows["weights"], out), table._touch(train))
-                    for (table, ids), found, out in zip(requests, rows, outs)]
+            touches = [table._touch(train) for table in tables]
+            jobs = [table._index.find_job(ids, found, (table._rows["weights"], out), touch)
+                    for (table, ids), found, out, touch in zip(requests, rows, outs, touches)]
             native.find_many(jobs)
-            for (table, ids), found, out, job in zip(requests, rows, outs, jobs):
-                table._finish_lookup(ids, found, out, train, held, job.missing)
-            _journal(tables, journal, always=False)
+            aheads = [table._read_ahead(ids, found) if job.missing else None for (table, ids), found, job in zip(requests, rows, jobs)]
+            if not any(aheads):
+                Table._finish_together(requests, rows, outs, train, journal, held, aheads)
+                return [out.to(dtype) for out in outs]
+        for ahead in aheads:
+            if ahead is not None:
+                ahead.read()
+        with _all_locked(tables):
+            held = Held.now(sum(ids.numel() for _, ids in requests), train)
+            for (table, ids), found, out, touch, ahead in zip(requests, rows, outs, touches, aheads):
+                if ahead is not None:
+                    table._rejoin(ids, found, out, touch, ahead)
+            Table._finish_together(requests, rows, outs, train, journal, held, aheads)
         return [out.to(dtype) for out in outs]
+
+    @staticmethod
+    def _finish_together(requests, rows, outs, train, journal, held, aheads) -> None:
+        """:meth:`_finish` of each table of :meth:`lookup_together`; every lock held."""
+        tables = [table for table, _ in requests]
+        for table in tables:
+            table._start_recording(journal if train else None)
+        for (table, ids), found, out, ahead in zip(requests, rows, outs, aheads):
+            table._finish_lookup(ids, found, out, train, held, int((found < 0).sum()), ahead)
+        _journal(tables, journal, always=False)
+
+    def _finish(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, journal: Optional[Journal],
+                held: Held, ahead: Optional[ReadAhead] = None) -> None:
+        """The rest of a lookup once the memory was probed: its misses from disk or admitted, its journal; lock held."""
+        self._start_recording(journal if train else None)
+        self._finish_lookup(ids, rows, out, train, held, int((rows < 0).sum()), ahead)
+        _journal([self], journal, always=False)
+
+    def _read_ahead(self, ids: torch.Tensor, rows: torch.Tensor) -> Optional[ReadAhead]:
+        """Where a disk table's probe missed ids that are on disk, their slots, to read without the lock; else None.
+        The lock held."""
+        if self._disk is None or not self._disk.rows:
+            return None
+        absent = rows < 0
+        return self._disk.begin_read(torch.unique(ids[absent])) if bool(absent.any()) else None
+
+    def _rejoin(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, touch: Optional[tuple], ahead: ReadAhead) -> None:
+        """Back under the lock after a read ahead: the ids the first probe missed are probed again (another request
+        may have brought them in meanwhile), and the read ends (see :meth:`DiskTier.end_read`)."""
+        self._disk.end_read()
+        if self._disk.closed:
+            raise StoreError(f"table {self.config.name!r} was dropped during the lookup")
+        absent = torch.nonzero(rows < 0).squeeze(1)
+        again = torch.empty(absent.numel(), self.config.dim, dtype=self.storage_dtype)
+        found = self._index.find(ids[absent], copy=(self._rows["weights"], again), touch=touch)
+        hit = found >= 0
+        rows[absent[hit]] = found[hit]
+        out[absent[hit]] = again[hit]
 
     def _touch(self, train: bool) -> Optional[tuple]:
         """What a lookup writes into its rows' access values (a training one; an evaluation one leaves them)."""
@@ -150,14 +205,14 @@ class Table:
         return (self._rows["access"], *eviction.touch_value(self.config.eviction, self._step))
 
     def _finish_lookup(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, held: Held,
-                       missing: int) -> None:
+                       missing: int, ahead: Optional[ReadAhead] = None) -> None:
         """The rows of the ``missing`` ids the probe did not find (admitted when training), and the counters; lock held."""
         self._counters["lookups"] += 1
         self._counters["lookup_rows"] += ids.numel()
         if not missing:
             return
         with self._disk_work.operation():
-            left = self._from_disk(ids, rows, out, train) if self._disk is not None and self._disk.rows else missing
+            left = self._from_disk(ids, rows, out, train, ahead) if self._disk is not None and self._disk.rows else missing
             if train and left and self._admits_natively(left):
                 self._admit_natively(ids, rows, out, left)
             elif left:
@@ -511,13 +566,13 @@ class Table:
             raise InvalidRequestError(f"table {self.config.name!r}: a request of {n} ids is larger than the table's memory "
                                       f"budget of {self.config.capacity} rows a shard (its capacity); split the request or raise it")
 
-    def _from_disk(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool) -> int:
-        """Fills the rows of ``out`` that the memory did not hold from disk; a training lookup brings them into memory
-        (their ``rows`` set). Returns the ids still missing. The lock held."""
+    def _from_disk(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, ahead: Optional[ReadAhead] = None) -> int:
+        """Fills the rows of ``out`` that the memory did not hold from disk (the records of ``ahead`` where still
+        valid); a training lookup brings them into memory (their ``rows`` set). Returns the ids still missing. The lock held."""
         with self._disk_work.timed():
             absent = torch.nonzero(rows < 0).squeeze(1)
             wanted, inverse = torch.unique(ids[absent], return_inverse=True)
-            slots, records = self._disk.find(wanted)
+            slots, records = self._disk.find(wanted, ahead)
             hit = slots >= 0
             if not bool(hit.any()):
                 return absent.numel()

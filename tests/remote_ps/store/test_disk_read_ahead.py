@@ -1,0 +1,99 @@
+"""A disk table reads the records of a lookup's misses without its lock: what another request changes meanwhile."""
+import os
+
+import pytest
+import torch
+
+from lightning_persia.remote_ps.store import disk_tier
+from lightning_persia.remote_ps.store.errors import StoreError
+from lightning_persia.remote_ps.store.table import Table
+from lightning_persia.remote_ps.table_config import Adagrad, TableConfig
+
+pytestmark = pytest.mark.usefixtures("disk_tier_kernels")
+
+DIM = 4
+
+
+def _table(tmp_path, capacity=100):
+    config = TableConfig("t", DIM, optimizer=Adagrad(rowwise=True), capacity=capacity, storage="disk", storage_dtype="fp16")
+    return Table(config, seed=0, disk_dir=str(tmp_path / "tier"))
+
+
+def _grown(tmp_path):
+    """A table whose ids 0..99 are on disk, with values an update moved away from their initial rows."""
+    table = _table(tmp_path)
+    for batch in torch.arange(300).split(100):
+        table.lookup(batch, train=True)
+        table.update(batch, torch.ones(100, DIM))
+    assert table.stats()["disk_rows"] == 200 and table.stats()["rows"] == 100
+    return table
+
+
+def _during_read(monkeypatch, table, meanwhile):
+    """Runs ``meanwhile()`` inside the next read ahead, checking that it runs without the table's lock."""
+    real_read = disk_tier.ReadAhead.read
+    calls = []
+
+    def read(ahead):
+        assert not table.lock.locked()
+        if not calls:
+            calls.append(1)
+            meanwhile()
+        real_read(ahead)
+
+    monkeypatch.setattr(disk_tier.ReadAhead, "read", read)
+    return calls
+
+
+def test_the_misses_are_read_without_the_lock_and_serve_the_same_rows(tmp_path, monkeypatch):
+    table = _grown(tmp_path)
+    expected = table.lookup(torch.arange(100), train=False)  # evaluation: read, not brought in
+    calls = _during_read(monkeypatch, table, lambda: None)
+    assert torch.equal(table.lookup(torch.arange(100), train=True), expected)
+    assert calls and table.stats()["promoted"] >= 100
+
+
+def test_rows_another_request_brought_in_meanwhile_are_taken_from_memory(tmp_path, monkeypatch):
+    table = _grown(tmp_path)
+    cold = torch.arange(50)
+    expected = table.lookup(cold, train=False)
+    _during_read(monkeypatch, table, lambda: table.lookup(cold[:20], train=True))  # promotes 20 of them meanwhile
+    promoted = table.stats()["promoted"]
+    assert torch.equal(table.lookup(cold, train=True), expected)
+    assert table.stats()["promoted"] == promoted + 50  # 20 by the other request, 30 by this one: none twice
+    assert table.stats()["rows"] + table.stats()["disk_rows"] == 300
+
+
+def test_a_row_that_moved_to_another_slot_meanwhile_is_read_again_under_the_lock(tmp_path, monkeypatch):
+    table = _grown(tmp_path)
+    cold = torch.arange(50)
+    expected = table.lookup(cold, train=False)
+
+    def promote_then_demote_again():
+        table.lookup(cold, train=True)  # in memory now...
+        table.lookup(torch.arange(200, 300), train=True)  # ...and back on disk, in new slots
+
+    _during_read(monkeypatch, table, promote_then_demote_again)
+    assert torch.equal(table.lookup(cold, train=True), expected)
+    assert table.stats()["rows"] + table.stats()["disk_rows"] == 300
+
+
+def _open_segments(tmp_path) -> int:
+    """Files of the tier this process holds open (deleted ones included)."""
+    fds = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{fd}")]
+    return sum(str(tmp_path / "tier" / "segment-") in target for target in fds)
+
+
+def test_a_table_dropped_during_the_read_fails_the_lookup_and_then_closes_its_files(tmp_path, monkeypatch):
+    table = _grown(tmp_path)
+    open_during_read = []
+
+    def drop():
+        table.close()
+        open_during_read.append(_open_segments(tmp_path))
+
+    _during_read(monkeypatch, table, drop)
+    with pytest.raises(StoreError, match="table 't' was dropped during the lookup"):
+        table.lookup(torch.arange(50), train=True)
+    assert list((tmp_path / "tier").glob("segment-*")) == []  # deleted by the drop
+    assert open_during_read == [2] and _open_segments(tmp_path) == 0  # kept open for the read, closed after it

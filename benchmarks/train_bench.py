@@ -64,7 +64,7 @@ def make_configs(args: argparse.Namespace, meta: Dict[str, Any]) -> List[Dict[st
         batch_size=args.batch_size, steps=args.steps, warmup=args.warmup, window=args.window,
         test_batches=args.test_batches, data_path=meta["path"], cardinalities=meta["cardinalities"],
         dim=args.dim, seed=args.seed, ps_seed=args.seed, emb_lr=args.emb_lr, emb_eps=1e-8, dense_lr=args.dense_lr,
-        wire_dtype=args.wire_dtype, shards=args.shards, profile=args.profile, data_parallel_max_rows=args.data_parallel_max_rows,
+        wire_dtype=args.wire_dtype, shards=args.shards, profile=args.profile or bool(args.trace), trace=args.trace, data_parallel_max_rows=args.data_parallel_max_rows,
         merge_rank_gradients=not args.per_rank_updates, storage_dtype=args.storage_dtype,
         accelerator=args.accelerator, data=args.data, loader_workers=args.loader_workers,
     )
@@ -336,6 +336,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch threads per trainer rank (default: cores / ranks)")
     parser.add_argument("--netem", metavar="DELAY_MS,RATE", help="shards behind an emulated network, e.g. 1,10gbit (root, iproute2)")
     parser.add_argument("--profile", action="store_true", help="instrument the runs and print where a step's time goes")
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help="with --profile (implied): append to FILE, for each run, the calls of the profiled steps that may "
+                             "wait for the device, with the spans around them, and the busiest ops (trainbench/probe.py: write_trace)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     parser.add_argument("--durability", nargs="+", choices=DURABILITY,
                         help="also run the headline hybrid configuration with the embedded shards at each of these "

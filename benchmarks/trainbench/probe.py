@@ -49,6 +49,7 @@ from collections import defaultdict
 from typing import Any, Dict, List, Optional
 
 import lightning as L
+import torch
 from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile
 
 from lightning_persia.embedding.phases import GRADIENT_ENCODE, GRADIENT_PUSH, LOOKUP_WAIT, MERGE, PHASES, PLAN, POOLED_LOOKUP
@@ -219,8 +220,9 @@ class StepProbe(L.Callback):
         steps: the run's steps (the CPU figures end with the last one, before the loaders close).
     """
 
-    def __init__(self, warmup: int, steps: int) -> None:
-        self.warmup, self.total = warmup, steps
+    def __init__(self, warmup: int, steps: int, trace: Optional[str] = None) -> None:
+        """``trace``: a file the profiled steps' device waits and busiest ops are appended to (see :func:`write_trace`)."""
+        self.warmup, self.total, self._trace = warmup, steps, trace
         self.profile_from = max(warmup + 1, steps - PROFILED_STEPS)  # the hooks and CPU figures stop there
         self.steps: List[Dict[str, float]] = []
         self.lags: List[float] = []  # updates each step's lookup missed (at most the staleness bound)
@@ -269,7 +271,8 @@ class StepProbe(L.Callback):
             if pipeline is not None:
                 scheduler = pipeline.scheduler
                 self.latencies = {"lookup": scheduler.lookup_seconds, "update": scheduler.update_seconds}
-            self._profiler = profile(activities=[ProfilerActivity.CPU], experimental_config=_ExperimentalConfig(profile_all_threads=True))
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self._trace and torch.cuda.is_available() else [])
+            self._profiler = profile(activities=activities, experimental_config=_ExperimentalConfig(profile_all_threads=True))
             self._profiler.__enter__()
         elif count == self.total and self._profiler is not None:
             self._stop_profiler(count - self.profile_from)
@@ -282,6 +285,8 @@ class StepProbe(L.Callback):
         profiler, self._profiler = self._profiler, None
         assert profiler is not None
         profiler.__exit__(None, None, None)
+        if self._trace:
+            write_trace(profiler, self._trace, max(steps, 1))
         totals: Dict[str, float] = defaultdict(float)
         for event in profiler.events():
             if event.name in PHASES:
@@ -316,3 +321,30 @@ class StepProbe(L.Callback):
                 out[part] = delta[part] / timed
             out["cpu_total"] = sum(out[p] for p in CPU_PARTS)
         return out
+
+
+WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cudaMemcpyAsync",
+         "aten::item", "aten::nonzero", "cudaHostAlloc", "cudaMalloc", "cudaFree")
+"""The calls a trace counts: those that may wait for the device (a synchronisation, a copy, a value read back) or
+allocate on it."""
+
+
+def write_trace(profiler: profile, path: str, steps: int) -> None:
+    """Appends to ``path`` every call of :data:`WAITS` of the profiled steps, grouped by thread and by the spans and ops
+    around it (count and ms of CPU per step), then the ops with the most CPU: where a GPU step's time goes."""
+    calls: Dict[str, List[float]] = defaultdict(lambda: [0, 0.0])
+    events = list(profiler.events())
+    for event in events:
+        if event.name in WAITS:
+            chain, parent = [event.name], event.cpu_parent
+            while parent is not None and len(chain) < 7:
+                chain.append(parent.name)
+                parent = parent.cpu_parent
+            key = f"[thread {event.thread}] " + " < ".join(chain)
+            calls[key][0] += 1
+            calls[key][1] += event.cpu_time_total / 1e3
+    with open(path, "a") as out:
+        out.write(f"==== {steps} profiled steps, {len(events)} events; calls that may wait: per step, count and ms of CPU\n")
+        for key, (count, ms) in sorted(calls.items(), key=lambda item: -item[1][1]):
+            out.write(f"{count / steps:8.1f} {ms / steps:9.3f} ms  {key}\n")
+        out.write(profiler.key_averages().table(sort_by="cpu_time_total", row_limit=40) + "\n")

@@ -132,7 +132,7 @@ def run(config: Dict[str, Any]) -> None:
     callbacks = [clock.callback, cpu]
     probe = None
     if config.get("profile"):
-        probe = StepProbe(warmup=config["warmup"], steps=config["steps"])
+        probe = StepProbe(warmup=config["warmup"], steps=config["steps"], trace=config.get("trace"))
         callbacks.append(probe)
 
     trainer = L.Trainer(

@@ -122,6 +122,7 @@ class Table:
         ahead.read()
         with self.lock:
             held = Held.now(ids.numel(), train)
+            self._disk.end_read()
             self._rejoin(ids, rows, out, touch, ahead)
             self._finish(ids, rows, out, train, journal, held, ahead)
         return out.to(dtype)
@@ -153,6 +154,9 @@ class Table:
                 ahead.read()
         with _all_locked(tables):
             held = Held.now(sum(ids.numel() for _, ids in requests), train)
+            for table, ahead in zip(tables, aheads):
+                if ahead is not None:  # every read ended before any table's rejoin may fail
+                    table._disk.end_read()
             for (table, ids), found, out, touch, ahead in zip(requests, rows, outs, touches, aheads):
                 if ahead is not None:
                     table._rejoin(ids, found, out, touch, ahead)
@@ -185,9 +189,8 @@ class Table:
         return self._disk.begin_read(torch.unique(ids[absent])) if bool(absent.any()) else None
 
     def _rejoin(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, touch: Optional[tuple], ahead: ReadAhead) -> None:
-        """Back under the lock after a read ahead: the ids the first probe missed are probed again (another request
-        may have brought them in meanwhile), and the read ends (see :meth:`DiskTier.end_read`)."""
-        self._disk.end_read()
+        """Back under the lock after a read ahead (ended: :meth:`DiskTier.end_read`): the ids the first probe missed are
+        probed again (another request may have brought them in meanwhile)."""
         if self._disk.closed:
             raise StoreError(f"table {self.config.name!r} was dropped during the lookup")
         absent = torch.nonzero(rows < 0).squeeze(1)

@@ -97,3 +97,18 @@ def test_a_table_dropped_during_the_read_fails_the_lookup_and_then_closes_its_fi
         table.lookup(torch.arange(50), train=True)
     assert list((tmp_path / "tier").glob("segment-*")) == []  # deleted by the drop
     assert open_during_read == [2] and _open_segments(tmp_path) == 0  # kept open for the read, closed after it
+
+
+def test_a_request_of_several_tables_reads_each_ahead_and_ends_every_read_when_one_table_was_dropped(tmp_path, monkeypatch):
+    first, second = _grown(tmp_path / "a"), _grown(tmp_path / "b")
+    cold = torch.arange(50)
+    expected = [first.lookup(cold, train=False), second.lookup(cold, train=False)]
+    calls = _during_read(monkeypatch, first, lambda: None)
+    got = Table.lookup_together([(first, cold), (second, cold)], train=True, dtype=torch.float32)
+    assert calls and all(torch.equal(g, e.float()) for g, e in zip(got, expected))
+    _during_read(monkeypatch, first, second.close)
+    with pytest.raises(StoreError, match="dropped during the lookup"):
+        Table.lookup_together([(first, torch.arange(50, 100)), (second, torch.arange(50, 100))], train=True, dtype=torch.float32)
+    assert _open_segments(tmp_path / "b") == 0 and _open_segments(tmp_path / "a") == 2
+    first.close()
+    assert _open_segments(tmp_path / "a") == 0  # its read ended too: nothing kept it open

@@ -221,14 +221,18 @@ class DiskTier:
 
     def begin_read(self, ids: torch.Tensor) -> Optional["ReadAhead"]:
         """The slots of ``ids`` (sorted, unique) on disk, to read with :meth:`ReadAhead.read` without the table's
-        lock, or None (closed). Call it holding the lock, and :meth:`end_read` holding it once the read is used: the
+        lock, or None (none of them on disk, or closed). Call it holding the lock, and :meth:`end_read` holding it once the read is used: the
         files stay open until then, whatever closes the tier meanwhile."""
         if self.closed:
             return None
-        self._readers += 1
+        slots = self._map.find(ids)
+        if not bool((slots >= 0).any()):
+            return None
         self._mapping.changed()
         mapping = self._mapping
-        return ReadAhead(ids, self._map.find(ids), (self._fd_table, mapping.bases, mapping.mapped, mapping.reads), self.record_bytes)
+        ahead = ReadAhead(ids, slots, (self._fd_table, mapping.bases, mapping.mapped, mapping.reads), self.record_bytes)
+        self._readers += 1
+        return ahead
 
     def end_read(self) -> None:
         """A read of :meth:`begin_read` is over (the table's lock held); the last one closes a tier closed meanwhile."""
@@ -303,6 +307,17 @@ class DiskTier:
         Reads each segment's records a block at a time without ``lock`` (a written record never changes), then takes
         ``lock`` (the table's) only to drop the block's expired rows that are still live.
         """
+        with lock:
+            if self.closed:
+                return 0
+            self._readers += 1  # the files stay open for the sweep, whatever closes the tier meanwhile
+        try:
+            return self._expire(limit, lock)
+        finally:
+            with lock:
+                self.end_read()
+
+    def _expire(self, limit: int, lock) -> int:
         offset = sum(spec.row_bytes for name, spec in self.specs.items() if name in DISK_FIELDS[: DISK_FIELDS.index("access")])
         dropped = 0
         for segment in range(len(self._fds)):

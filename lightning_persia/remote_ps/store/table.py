@@ -119,11 +119,18 @@ class Table:
             if ahead is None:
                 self._finish(ids, rows, out, train, journal, held)
                 return out.to(dtype)
-        ahead.read()
+            if train:
+                self._worst_held.record(held)
+        try:
+            ahead.read()
+        except BaseException:
+            with self.lock:
+                self._disk.end_read()
+            raise
         with self.lock:
             held = Held.now(ids.numel(), train)
             self._disk.end_read()
-            self._rejoin(ids, rows, out, touch, ahead)
+            self._rejoin(ids, rows, out, train, ahead)
             self._finish(ids, rows, out, train, journal, held, ahead)
         return out.to(dtype)
 
@@ -145,21 +152,32 @@ class Table:
             jobs = [table._index.find_job(ids, found, (table._rows["weights"], out), touch)
                     for (table, ids), found, out, touch in zip(requests, rows, outs, touches)]
             native.find_many(jobs)
-            aheads = [table._read_ahead(ids, found) if job.missing else None for (table, ids), found, job in zip(requests, rows, jobs)]
+            aheads: list[Optional[ReadAhead]] = []
+            try:
+                for (table, ids), found, job in zip(requests, rows, jobs):
+                    aheads.append(table._read_ahead(ids, found) if job.missing else None)
+            except BaseException:
+                _end_reads(tables, aheads)
+                raise
             if not any(aheads):
                 Table._finish_together(requests, rows, outs, train, journal, held, aheads)
                 return [out.to(dtype) for out in outs]
-        for ahead in aheads:
-            if ahead is not None:
-                ahead.read()
+            for table in tables if train else ():
+                table._worst_held.record(held)
+        try:
+            for ahead in aheads:
+                if ahead is not None:
+                    ahead.read()
+        except BaseException:
+            with _all_locked(tables):
+                _end_reads(tables, aheads)
+            raise
         with _all_locked(tables):
             held = Held.now(sum(ids.numel() for _, ids in requests), train)
-            for table, ahead in zip(tables, aheads):
-                if ahead is not None:  # every read ended before any table's rejoin may fail
-                    table._disk.end_read()
-            for (table, ids), found, out, touch, ahead in zip(requests, rows, outs, touches, aheads):
+            _end_reads(tables, aheads)  # every read ended before any table's rejoin may fail
+            for (table, ids), found, out, ahead in zip(requests, rows, outs, aheads):
                 if ahead is not None:
-                    table._rejoin(ids, found, out, touch, ahead)
+                    table._rejoin(ids, found, out, train, ahead)
             Table._finish_together(requests, rows, outs, train, journal, held, aheads)
         return [out.to(dtype) for out in outs]
 
@@ -186,25 +204,31 @@ class Table:
         if self._disk is None or not self._disk.rows:
             return None
         absent = rows < 0
-        return self._disk.begin_read(torch.unique(ids[absent])) if bool(absent.any()) else None
+        if not bool(absent.any()):
+            return None
+        with self._disk_work.operation(), self._disk_work.timed():
+            return self._disk.begin_read(torch.unique(ids[absent]))
 
-    def _rejoin(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, touch: Optional[tuple], ahead: ReadAhead) -> None:
+    def _rejoin(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, ahead: ReadAhead) -> None:
         """Back under the lock after a read ahead (ended: :meth:`DiskTier.end_read`): the ids the first probe missed are
         probed again (another request may have brought them in meanwhile)."""
         if self._disk.closed:
             raise StoreError(f"table {self.config.name!r} was dropped during the lookup")
         absent = torch.nonzero(rows < 0).squeeze(1)
         again = torch.empty(absent.numel(), self.config.dim, dtype=self.storage_dtype)
-        found = self._index.find(ids[absent], copy=(self._rows["weights"], again), touch=touch)
+        found = self._index.find(ids[absent], copy=(self._rows["weights"], again), touch=self._touch(train, advance=False))
         hit = found >= 0
         rows[absent[hit]] = found[hit]
         out[absent[hit]] = again[hit]
 
-    def _touch(self, train: bool) -> Optional[tuple]:
-        """What a lookup writes into its rows' access values (a training one; an evaluation one leaves them)."""
+    def _touch(self, train: bool, advance: bool = True) -> Optional[tuple]:
+        """What a lookup writes into its rows' access values (a training one; an evaluation one leaves them); the
+        lookup step advances unless ``advance`` is False (a lookup's second probe, after a read ahead: the table's
+        step now, which other lookups may have advanced meanwhile)."""
         if not train:
             return None
-        self._step += 1
+        if advance:
+            self._step += 1
         return (self._rows["access"], *eviction.touch_value(self.config.eviction, self._step))
 
     def _finish_lookup(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, held: Held,
@@ -765,6 +789,13 @@ def _all_locked(tables: Sequence[Table]) -> contextlib.ExitStack:
     for table in sorted(tables, key=lambda t: t.config.name):
         held.enter_context(table.lock)
     return held
+
+
+def _end_reads(tables: Sequence[Table], aheads: Sequence[Optional[ReadAhead]]) -> None:
+    """Ends the reads ahead begun for ``tables`` (their locks held)."""
+    for table, ahead in zip(tables, aheads):
+        if ahead is not None:
+            table._disk.end_read()
 
 
 def _journal(tables: Sequence[Table], journal: Optional[Journal], always: bool) -> None:

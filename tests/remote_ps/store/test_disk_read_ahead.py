@@ -112,3 +112,10 @@ def test_a_request_of_several_tables_reads_each_ahead_and_ends_every_read_when_o
     assert _open_segments(tmp_path / "b") == 0 and _open_segments(tmp_path / "a") == 2
     first.close()
     assert _open_segments(tmp_path / "a") == 0  # its read ended too: nothing kept it open
+
+
+def test_misses_none_of_which_are_on_disk_are_admitted_without_a_read(tmp_path, monkeypatch):
+    table = _grown(tmp_path)
+    calls = _during_read(monkeypatch, table, lambda: None)
+    table.lookup(torch.arange(1000, 1050), train=True)  # new ids: the id map answers, nothing to read
+    assert not calls and table.stats()["inserted"] == 350

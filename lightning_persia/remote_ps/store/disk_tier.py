@@ -221,8 +221,8 @@ class DiskTier:
 
     def begin_read(self, ids: torch.Tensor) -> Optional["ReadAhead"]:
         """The slots of ``ids`` (sorted, unique) on disk, to read with :meth:`ReadAhead.read` without the table's
-        lock, or None (none of them on disk, or closed). Call it holding the lock, and :meth:`end_read` holding it once the read is used: the
-        files stay open until then, whatever closes the tier meanwhile."""
+        lock, or None (none of them on disk, or closed). Call it holding the lock, and :meth:`end_read` holding it
+        once the read is used: the files stay open until then, whatever closes the tier meanwhile."""
         if self.closed:
             return None
         slots = self._map.find(ids)

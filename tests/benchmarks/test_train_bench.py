@@ -24,11 +24,12 @@ REQUIRED = ("local_samples_per_s", "sync_samples_per_s", "hybrid_samples_per_s",
 
 def test_tiny_run_reports_every_figure(tmp_path):
     """1 rank, batch 256, 6 steps of local, sync and hybrid (τ=2) on tiny tables, two rounds, the small tables kept
-    on the trainer: the JSON has every figure."""
+    on the trainer: the JSON has every figure, and --trace a section for each run."""
     command = [
         sys.executable, str(SCRIPT), "--json", "--steps", "6", "--warmup", "2", "--window", "2", "--batch-size", "256",
         "--test-batches", "2", "--ranks", "1", "--staleness", "2", "--cardinality-scale", "0.001",
         "--cache-dir", str(tmp_path / "cache"), "--profile", "--timeout", "120", "--repeat", "2", "--data-parallel-max-rows", "20",
+        "--trace", str(tmp_path / "trace.txt"),
     ]
     start = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True, timeout=170, cwd=ROOT)
@@ -42,6 +43,8 @@ def test_tiny_run_reports_every_figure(tmp_path):
     profile = next(r["profile"] for r in summary["runs"] if r["name"] == "hybrid-2")
     assert profile["step"] > 0 and profile["cpu_total"] > 0
     assert "where a step's time goes" in done.stdout
+    trace = (tmp_path / "trace.txt").read_text()
+    assert trace.count("profiled steps") == 6 and trace.count("Self CPU %") == 6  # each run's waits, then its ops
     print(f"smoke run took {time.monotonic() - start:.0f} s")
 
 

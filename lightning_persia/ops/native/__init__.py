@@ -120,11 +120,12 @@ class Index:
         if handle:
             self._library.lp_index_free(handle)
 
-    def info(self) -> tuple[int, int, int, int]:
-        """``(ids present, bytes, partition rebuilds so far, rebuilds an insert put off to a later one so far)``."""
-        out = (ctypes.c_int64 * 4)()
+    def info(self) -> tuple[int, int, int, int, int]:
+        """``(ids present, bytes, partition rebuilds so far, rebuilds an insert put off to a later one so far, ids
+        inserted so far)``."""
+        out = (ctypes.c_int64 * 5)()
         self._library.lp_index_info(self._handle, out)
-        return out[0], out[1], out[2], out[3]
+        return out[0], out[1], out[2], out[3], out[4]
 
     def find(
         self, ids: torch.Tensor, chunks: Chunks, copy: Optional[tuple[int, torch.Tensor]] = None,

@@ -200,6 +200,7 @@ typedef struct {
     int64_t bucket_count;
     int64_t grown; /* partition rebuilds so far */
     int64_t put_off; /* rebuilds an insert call left to a later one (its budget spent) */
+    int64_t inserted; /* ids inserted so far: unchanged, no id became present */
 } index_t;
 
 static inline uint32_t part_of(uint64_t h) { return (uint32_t)(h >> (64 - PART_BITS)); }
@@ -334,13 +335,14 @@ void lp_index_free(void *handle) {
     free(index);
 }
 
-/* [live ids, bytes of buckets, partition rebuilds so far, rebuilds put off so far] */
+/* [live ids, bytes of buckets, partition rebuilds so far, rebuilds put off so far, ids inserted so far] */
 void lp_index_info(const void *handle, int64_t *out) {
     const index_t *index = handle;
     out[0] = index->live;
     out[1] = index->bucket_count * (int64_t)sizeof(bucket_t) + (int64_t)sizeof(index_t);
     out[2] = index->grown;
     out[3] = index->put_off;
+    out[4] = index->inserted;
 }
 
 /* rows[i]: the row of ids[i], or -1 when absent. With `out`, also copies the field of `width` bytes at
@@ -579,6 +581,7 @@ static int insert_one(index_t *index, const rows_t *t, uint64_t h, int32_t row, 
     p->live += 1;
     p->used += !reused;
     index->live += 1;
+    index->inserted += 1;
     return 0;
 }
 

@@ -67,9 +67,10 @@ class ReadAhead:
     """Records of a tier read without its table's lock (:meth:`DiskTier.begin_read`): ``ids`` (sorted, unique),
     their ``slots`` then (-1: not on disk), and, once :meth:`read`, their ``records`` (None: not read)."""
 
-    def __init__(self, ids: torch.Tensor, slots: torch.Tensor, tables: tuple, record_bytes: int) -> None:
+    def __init__(self, ids: torch.Tensor, slots: torch.Tensor, tables: tuple, record_bytes: int, forgotten: int) -> None:
         self.ids, self.slots = ids, slots
         self.records: Optional[torch.Tensor] = None
+        self.forgotten = forgotten  # the tier's removals from its id map when the read began
         self._tables = tables  # the tier's file and mapping tables when the read began: valid until end_read
         self._record_bytes = record_bytes
 
@@ -127,6 +128,7 @@ class DiskTier:
         self.written_bytes = 0
         self.closed = False
         self._readers = 0  # reads under way without the table's lock (begin_read)
+        self._forgotten = 0  # removals from the id map so far (forget): a read ahead's slots hold while it stays
         self._close_deferred = False
 
     # ---- writes ------------------------------------------------------------------------------------------
@@ -201,11 +203,18 @@ class DiskTier:
         """``(slots, records)``: each id's slot (-1 when not on disk) and its record (uint8 ``[n, record_bytes]``,
         read for the ids found). ``ahead``: records read without the lock (:meth:`begin_read`); an id whose slot is
         still the one read takes its record from there (a written record never changes, a slot is never reused)."""
-        slots = self._map.find(ids)
-        records = torch.empty(ids.numel(), self.record_bytes, dtype=torch.uint8)
+        if ahead is not None and ahead.records is not None and ahead.forgotten == self._forgotten and torch.equal(ids, ahead.ids):
+            # nothing left the id map since the read began: every slot read is still its id's (an entry added
+            # meanwhile is another id's: an id comes to disk only from memory, and these were not in memory)
+            slots, records = ahead.slots.clone(), ahead.records
+            pending = torch.nonzero(slots >= 0).squeeze(1)
+            unread = pending[:0]
+        else:
+            slots = self._map.find(ids)
+            records = torch.empty(ids.numel(), self.record_bytes, dtype=torch.uint8)
+            pending = torch.nonzero(slots >= 0).squeeze(1)
+            unread = pending if ahead is None else ahead.fill(ids, slots, records, pending)
         skip = None
-        pending = torch.nonzero(slots >= 0).squeeze(1)
-        unread = pending if ahead is None else ahead.fill(ids, slots, records, pending)
         while pending.numel():
             if unread.numel():
                 self._read(slots[unread], records, unread)
@@ -230,7 +239,8 @@ class DiskTier:
             return None
         self._mapping.changed()
         mapping = self._mapping
-        ahead = ReadAhead(ids, slots, (self._fd_table, mapping.bases, mapping.mapped, mapping.reads), self.record_bytes)
+        ahead = ReadAhead(ids, slots, (self._fd_table, mapping.bases, mapping.mapped, mapping.reads), self.record_bytes,
+                          self._forgotten)
         self._readers += 1
         return ahead
 
@@ -258,6 +268,7 @@ class DiskTier:
     def forget(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         """Drops the rows of ``ids`` at ``slots`` (as :meth:`find` gave them): their records become garbage."""
         self._map.remove(ids, slots)
+        self._forgotten += 1
         self._set_live(slots, False)
 
     def _read(self, slots: torch.Tensor, records: torch.Tensor, positions: torch.Tensor) -> None:

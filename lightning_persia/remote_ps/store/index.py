@@ -46,6 +46,10 @@ class IdIndex(Protocol):
         """Makes room for ``rows`` ids in all (a bulk insert of known size then grows nothing on the way)."""
 
     @property
+    def inserted(self) -> int:
+        """Ids inserted so far: while it stays the same, no absent id became present."""
+
+    @property
     def nbytes(self) -> int:
         """Memory the index holds."""
 
@@ -77,6 +81,11 @@ class NativeIdIndex:
     def put_off(self) -> int:
         """Rebuilds an insert left to a later insert so far, its budget of rows to rehash spent."""
         return self._index.info()[3]
+
+    @property
+    def inserted(self) -> int:
+        """Ids inserted so far: while it stays the same, no absent id became present."""
+        return self._index.info()[4]
 
     def find(self, ids: torch.Tensor, copy: Optional[tuple[ChunkedField, torch.Tensor]] = None,
              touch: Optional[tuple[ChunkedField, int, bool]] = None) -> torch.Tensor:
@@ -124,6 +133,7 @@ class TensorIdIndex:
         self._slots = torch.full((_MIN_SLOTS,), EMPTY, dtype=torch.int32)
         self._used = 0  # live entries + tombstones: what lengthens probe chains
         self._tombstones = 0
+        self.inserted = 0
 
     @property
     def nbytes(self) -> int:
@@ -139,6 +149,7 @@ class TensorIdIndex:
         return rows
 
     def insert(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        self.inserted += ids.numel()
         live = self._used + ids.numel()
         if live > _MAX_LOAD * self._slots.numel():
             self._rebuild(live - self._tombstones)

@@ -119,6 +119,7 @@ class Table:
             if ahead is None:
                 self._finish(ids, rows, out, train, journal, held)
                 return out.to(dtype)
+            inserted = self._index.inserted
             if train:
                 self._worst_held.record(held)
         try:
@@ -130,7 +131,7 @@ class Table:
         with self.lock:
             held = Held.now(ids.numel(), train)
             self._disk.end_read()
-            self._rejoin(ids, rows, out, train, ahead)
+            self._rejoin(ids, rows, out, train, inserted)
             self._finish(ids, rows, out, train, journal, held, ahead)
         return out.to(dtype)
 
@@ -162,6 +163,7 @@ class Table:
             if not any(aheads):
                 Table._finish_together(requests, rows, outs, train, journal, held, aheads)
                 return [out.to(dtype) for out in outs]
+            inserted = [table._index.inserted for table in tables]
             for table in tables if train else ():
                 table._worst_held.record(held)
         try:
@@ -175,9 +177,9 @@ class Table:
         with _all_locked(tables):
             held = Held.now(sum(ids.numel() for _, ids in requests), train)
             _end_reads(tables, aheads)  # every read ended before any table's rejoin may fail
-            for (table, ids), found, out, ahead in zip(requests, rows, outs, aheads):
+            for (table, ids), found, out, ahead, before in zip(requests, rows, outs, aheads, inserted):
                 if ahead is not None:
-                    table._rejoin(ids, found, out, train, ahead)
+                    table._rejoin(ids, found, out, train, before)
             Table._finish_together(requests, rows, outs, train, journal, held, aheads)
         return [out.to(dtype) for out in outs]
 
@@ -209,11 +211,14 @@ class Table:
         with self._disk_work.operation(), self._disk_work.timed():
             return self._disk.begin_read(torch.unique(ids[absent]))
 
-    def _rejoin(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, ahead: ReadAhead) -> None:
-        """Back under the lock after a read ahead (ended: :meth:`DiskTier.end_read`): the ids the first probe missed are
-        probed again (another request may have brought them in meanwhile)."""
+    def _rejoin(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, inserted: int) -> None:
+        """Back under the lock after a read ahead (ended: :meth:`DiskTier.end_read`): where ids were inserted since the
+        index counted ``inserted``, the ids the first probe missed are probed again (another request may have brought
+        them in meanwhile)."""
         if self._disk.closed:
             raise StoreError(f"table {self.config.name!r} was dropped during the lookup")
+        if self._index.inserted == inserted:
+            return
         absent = torch.nonzero(rows < 0).squeeze(1)
         again = torch.empty(absent.numel(), self.config.dim, dtype=self.storage_dtype)
         found = self._index.find(ids[absent], copy=(self._rows["weights"], again), touch=self._touch(train, advance=False))

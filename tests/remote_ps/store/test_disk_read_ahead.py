@@ -64,6 +64,14 @@ def test_rows_another_request_brought_in_meanwhile_are_taken_from_memory(tmp_pat
     assert table.stats()["rows"] + table.stats()["disk_rows"] == 300
 
 
+def test_an_evaluation_lookup_finds_in_memory_the_rows_promoted_meanwhile(tmp_path, monkeypatch):
+    table = _grown(tmp_path)
+    cold = torch.arange(50)
+    expected = table.lookup(cold, train=False)
+    _during_read(monkeypatch, table, lambda: table.lookup(cold[:20], train=True))  # off the disk, into memory
+    assert torch.equal(table.lookup(cold, train=False), expected)
+
+
 def test_a_row_that_moved_to_another_slot_meanwhile_is_read_again_under_the_lock(tmp_path, monkeypatch):
     table = _grown(tmp_path)
     cold = torch.arange(50)
@@ -119,3 +127,19 @@ def test_misses_none_of_which_are_on_disk_are_admitted_without_a_read(tmp_path, 
     calls = _during_read(monkeypatch, table, lambda: None)
     table.lookup(torch.arange(1000, 1050), train=True)  # new ids: the id map answers, nothing to read
     assert not calls and table.stats()["inserted"] == 350
+
+
+def test_rows_removed_from_disk_meanwhile_are_not_served_from_the_read(tmp_path, monkeypatch):
+    table = _grown(tmp_path)
+    cold = torch.arange(50)
+    expected = table.lookup(cold, train=False)
+
+    def remove_ten():
+        with table.lock:
+            table.remove_ids_locked(cold[:10])  # a delta drops them: nothing inserted, the id map changed
+
+    _during_read(monkeypatch, table, remove_ten)
+    got = table.lookup(cold, train=False)
+    initial = _table(tmp_path / "fresh").lookup(cold[:10], train=False)  # what an id the table does not hold gets
+    assert torch.equal(got[:10], initial) and not torch.equal(got[:10], expected[:10])
+    assert torch.equal(got[10:], expected[10:])

@@ -282,9 +282,9 @@ def save_and_load(shards: Shards, directory: str, rows: int, request_ids: int, t
     save_cpu = [after - before for before, after in zip(cpu, shards.cpu_s())]
     save_peak = shards.peaks() - before
     size = folder_bytes(directory)
-    trainer = _Trainer(shards.shards.addresses, rows, request_ids)
-    trained_save_s = trained_save_peak = None
+    trained_save_s = trained_save_peak = worst_round = rounds = None
     if train_during_save:
+        trainer = _Trainer(shards.shards.addresses, rows, request_ids)
         shutil.rmtree(directory, ignore_errors=True)
         shards.reset_peaks()
         trainer.start()
@@ -297,6 +297,7 @@ def save_and_load(shards: Shards, directory: str, rows: int, request_ids: int, t
         if trainer.error is not None:
             raise RuntimeError(f"the training client failed during the save: {trainer.error}")
         trained_save_peak = shards.peaks() - before
+        worst_round, rounds = trainer.worst, trainer.rounds
     before_load = shards.rss()
     shards.reset_peaks()
     cpu, started = shards.cpu_s(), time.perf_counter()
@@ -309,8 +310,8 @@ def save_and_load(shards: Shards, directory: str, rows: int, request_ids: int, t
             "save_gb_per_s": size / save_s / _GB, "save_while_training_s": trained_save_s,
             "save_user_cpu_s": save_cpu[0], "save_kernel_cpu_s": save_cpu[1],
             "load_s": load_s, "load_gb_per_s": size / load_s / _GB, "load_user_cpu_s": load_cpu[0], "load_kernel_cpu_s": load_cpu[1],
-            "load_peak_bytes": load_peak, "rss_before_load": before_load, "worst_train_round_during_save_s": trainer.worst if train_during_save else None,
-            "train_rounds_during_save": trainer.rounds if train_during_save else None}
+            "load_peak_bytes": load_peak, "rss_before_load": before_load, "worst_train_round_during_save_s": worst_round,
+            "train_rounds_during_save": rounds}
 
 
 def restart_and_load(shards: Shards, directory: str, dtype: str, cold: bool, overrides: Sequence[str]) -> tuple[Shards, dict]:

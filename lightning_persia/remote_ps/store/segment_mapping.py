@@ -48,7 +48,7 @@ class SegmentMapping:
         self.bases = torch.zeros(0, dtype=torch.int64)
         self.mapped = torch.zeros(0, dtype=torch.int64)
         self.reads = torch.zeros(0, dtype=torch.int64)
-        self._idle = True  # step has nothing to do until the next read or write
+        self._idle = True  # plan has nothing to do until the next read or write
         self._in_flight: Optional[MapJob] = None
         self._closing = False
 
@@ -60,21 +60,13 @@ class SegmentMapping:
                                                    for t in (self.bases, self.mapped, self.reads))
 
     def changed(self) -> None:
-        """Records were read or written: the next :meth:`step` looks again."""
+        """Records were read or written: the next :meth:`plan` looks again."""
         self._idle = False
 
     @property
     def bytes(self) -> int:
         """Bytes of records in the page tables."""
         return int(self.mapped.sum()) * self.record_bytes
-
-    def step(self, fds: torch.Tensor, written: torch.Tensor) -> int:
-        """:meth:`plan`, :meth:`populate` and :meth:`publish` in one call (a tier no other thread uses)."""
-        job = self.plan(fds, written)
-        if job is None:
-            return 0
-        self.populate(job)
-        return self.publish(job)
 
     def plan(self, fds: torch.Tensor, written: torch.Tensor) -> Optional[MapJob]:
         """The next up to 16 MB of the segment to map next (``fds``: each segment's file, -1 gone; ``written``: its

@@ -122,12 +122,7 @@ class Table:
             inserted = self._index.inserted
             if train:
                 self._worst_held.record(held)
-        try:
-            ahead.read()
-        except BaseException:
-            with self.lock:
-                self._disk.end_read()
-            raise
+        _read_without_locks([self], [ahead])
         with self.lock:
             held = Held.now(ids.numel(), train)
             self._disk.end_read()
@@ -166,14 +161,7 @@ class Table:
             inserted = [table._index.inserted for table in tables]
             for table in tables if train else ():
                 table._worst_held.record(held)
-        try:
-            for ahead in aheads:
-                if ahead is not None:
-                    ahead.read()
-        except BaseException:
-            with _all_locked(tables):
-                _end_reads(tables, aheads)
-            raise
+        _read_without_locks(tables, aheads)
         with _all_locked(tables):
             held = Held.now(sum(ids.numel() for _, ids in requests), train)
             _end_reads(tables, aheads)  # every read ended before any table's rejoin may fail
@@ -794,6 +782,19 @@ def _all_locked(tables: Sequence[Table]) -> contextlib.ExitStack:
     for table in sorted(tables, key=lambda t: t.config.name):
         held.enter_context(table.lock)
     return held
+
+
+def _read_without_locks(tables: Sequence[Table], aheads: Sequence[Optional[ReadAhead]]) -> None:
+    """Reads the records of ``aheads`` (one or None per table) with no table's lock held; on an error, ends every
+    read (taking the locks) before it goes on up."""
+    try:
+        for ahead in aheads:
+            if ahead is not None:
+                ahead.read()
+    except BaseException:
+        with _all_locked(tables):
+            _end_reads(tables, aheads)
+        raise
 
 
 def _end_reads(tables: Sequence[Table], aheads: Sequence[Optional[ReadAhead]]) -> None:

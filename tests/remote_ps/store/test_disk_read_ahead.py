@@ -77,12 +77,20 @@ def test_a_row_that_moved_to_another_slot_meanwhile_is_read_again_under_the_lock
     cold = torch.arange(50)
     expected = table.lookup(cold, train=False)
 
+    real_read_records, locked = disk_tier.native.read_records, []
+
+    def read_records(*args):
+        locked.append(table.lock.locked())
+        real_read_records(*args)
+
     def promote_then_demote_again():
         table.lookup(cold, train=True)  # in memory now...
         table.lookup(torch.arange(200, 300), train=True)  # ...and back on disk, in new slots
+        monkeypatch.setattr(disk_tier.native, "read_records", read_records)  # this lookup's reads from here on
 
     _during_read(monkeypatch, table, promote_then_demote_again)
     assert torch.equal(table.lookup(cold, train=True), expected)
+    assert locked == [False, True]  # read ahead without the lock, then the moved rows again with it
     assert table.stats()["rows"] + table.stats()["disk_rows"] == 300
 
 

@@ -316,7 +316,7 @@ SIGNATURES = {
     "lp_dmap_find": ([_P, _P, _I64, _P, _P], None),
     "lp_dmap_remove": ([_P, _P, _P, _I64], _I64),
     "lp_set_bits": ([_P, _P, _I64, ctypes.c_int32], None),
-    "lp_read_records": ([_P, _P, _P, _P, _I64, _I64, _P, _I64, _P, _P], _I64),
+    "lp_read_records": ([_P, _P, _P, _P, _I64, _I64, _P, _I64, _P, _P, _P], _I64),
     "lp_map_file": ([_I64, _I64, _I64, _P], _P),
     "lp_map_pages": ([_P, _I64, _I64], _I64),
     "lp_dmap_save_begin": ([_P, _I64], _I64),
@@ -510,10 +510,10 @@ def map_pages(address: int, nbytes: int, drop: bool = False) -> None:
 
 
 def read_records(fds: torch.Tensor, bases: torch.Tensor, mapped: torch.Tensor, reads: torch.Tensor, shift: int,
-                 slots: torch.Tensor, out: torch.Tensor) -> None:
-    """``out[i]`` = the record of ``slots[i]`` (``< 0``: left as it is): ``out``'s row size at byte
-    ``(slot & (2**shift - 1)) * row size`` of the segment ``slot >> shift``: copied from its mapping at
-    ``bases[segment]`` when among its first ``mapped[segment]`` records (populated: :func:`map_pages`), else read
+                 slots: torch.Tensor, out: torch.Tensor, into: Optional[torch.Tensor] = None) -> None:
+    """``out[into[i]]`` (``into`` None: ``out[i]``) = the record of ``slots[i]`` (``< 0``: left as it is): ``out``'s
+    row size at byte ``(slot & (2**shift - 1)) * row size`` of the segment ``slot >> shift``: copied from its mapping
+    at ``bases[segment]`` when among its first ``mapped[segment]`` records (populated: :func:`map_pages`), else read
     from the file ``fds[segment]``; ``reads[segment]`` counts the records read. The slots are read in the order
     given (sorted, they share pages). OSError naming the slot when a record cannot be read whole."""
     slots = _check(slots, torch.int64, "slots").contiguous()
@@ -521,13 +521,19 @@ def read_records(fds: torch.Tensor, bases: torch.Tensor, mapped: torch.Tensor, r
         _check(table, torch.int64, name)
         if not table.is_contiguous() or table.numel() != fds.numel():
             raise ValueError(f"read_records: {name} must be contiguous, one per segment ({fds.numel()})")
-    if out.dtype != torch.uint8 or out.dim() != 2 or out.shape[0] != slots.numel() or not out.is_contiguous():
-        raise ValueError(f"read_records: out must be a contiguous uint8 [{slots.numel()}, record bytes] tensor")
+    rows = slots.numel() if into is None else out.shape[0]
+    if out.dtype != torch.uint8 or out.dim() != 2 or out.shape[0] != rows or not out.is_contiguous():
+        raise ValueError(f"read_records: out must be a contiguous uint8 [{rows}, record bytes] tensor")
+    if into is not None:
+        into = _check(into, torch.int64, "into").contiguous()
+        if into.numel() != slots.numel() or (into.numel() and (int(into.min()) < 0 or int(into.max()) >= rows)):
+            raise ValueError(f"read_records: into must hold a row of out (0..{rows - 1}) for each of the {slots.numel()} slots")
     if slots.numel() and int(slots.max()) >> shift >= fds.numel():
         raise ValueError(f"slot {int(slots.max())} is past the {fds.numel()} files")
     error = ctypes.c_int64(0)
     failed = _require().lp_read_records(fds.data_ptr(), bases.data_ptr(), mapped.data_ptr(), reads.data_ptr(), shift, out.shape[1],
-                                        slots.data_ptr(), slots.numel(), out.data_ptr(), ctypes.byref(error))
+                                        slots.data_ptr(), slots.numel(), into.data_ptr() if into is not None else None,
+                                        out.data_ptr(), ctypes.byref(error))
     if failed:
         slot = int(slots[-failed - 1])
         reason = os.strerror(error.value) if error.value else "the file ends before it"

@@ -1068,18 +1068,19 @@ void lp_set_bits(uint8_t *bits, const int64_t *slots, int64_t n, int32_t value) 
 }
 
 /* Reads the records of `slots` (record r of segment r >> shift: `stride` bytes at (r & (2^shift - 1)) * stride of
- * the file fds[r >> shift]) into out[i], in the order given (the caller sorts them: neighbouring records share their
- * pages); a slot < 0 leaves out[i] as it is. A record among the first mapped[s] of a segment mapped at bases[s]
+ * the file fds[r >> shift]) into out[into[i]] (into NULL: out[i]), in the order given (the caller sorts them:
+ * neighbouring records share their pages); a slot < 0 leaves its row of out as it is. A record among the first mapped[s] of a segment mapped at bases[s]
  * (populated: its pages in the process's page tables) is copied from there, any other read with pread; reads[s]
  * counts the records read of each segment. Returns 0, or -(i + 1) for the first record that could not be read
  * whole, its errno in *error (0: the file ends before it). */
 int64_t lp_read_records(const int64_t *fds, const int64_t *bases, const int64_t *mapped, int64_t *reads, int64_t shift,
-                        int64_t stride, const int64_t *slots, int64_t n, char *out, int64_t *error) {
+                        int64_t stride, const int64_t *slots, int64_t n, const int64_t *into, char *out, int64_t *error) {
     const int64_t mask = (1LL << shift) - 1;
     int64_t checked = -1, size = 0;
     for (int64_t i = 0; i < n; ++i) {
         if (slots[i] < 0) continue;
         const int64_t segment = slots[i] >> shift, offset = (slots[i] & mask) * stride;
+        char *row = out + (into ? into[i] : i) * stride;
         reads[segment] += 1;
         if (bases[segment] && (slots[i] & mask) < mapped[segment]) {
             if (segment != checked) { /* a file that shrank under the tier: its lost records are errors, not SIGBUS */
@@ -1095,11 +1096,11 @@ int64_t lp_read_records(const int64_t *fds, const int64_t *bases, const int64_t 
                 *error = 0;
                 return -(i + 1);
             }
-            memcpy(out + i * stride, (const char *)(intptr_t)bases[segment] + offset, (size_t)stride);
+            memcpy(row, (const char *)(intptr_t)bases[segment] + offset, (size_t)stride);
             continue;
         }
         errno = 0;
-        if (pread((int)fds[segment], out + i * stride, (size_t)stride, (off_t)offset) != stride) {
+        if (pread((int)fds[segment], row, (size_t)stride, (off_t)offset) != stride) {
             *error = errno;
             return -(i + 1);
         }

@@ -64,12 +64,15 @@ class FrozenTier:
 
 
 class ReadAhead:
-    """Records of a tier read without its table's lock (:meth:`DiskTier.begin_read`): ``ids`` (sorted, unique),
-    their ``slots`` then (-1: not on disk), and, once :meth:`read`, their ``records`` (None: not read)."""
+    """Records of a tier read without its table's lock (:meth:`DiskTier.begin_read`): the ``positions`` of a request
+    whose ids its memory lacked, those ``ids``, their ``slots`` then (-1: not on disk), and, once :meth:`read`, their
+    ``records`` (a row per position; None: not read) and whether an id ``repeats`` among those on disk."""
 
-    def __init__(self, ids: torch.Tensor, slots: torch.Tensor, tables: tuple, record_bytes: int, forgotten: int) -> None:
-        self.ids, self.slots = ids, slots
+    def __init__(self, positions: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, tables: tuple, record_bytes: int,
+                 forgotten: int) -> None:
+        self.positions, self.ids, self.slots = positions, ids, slots
         self.records: Optional[torch.Tensor] = None
+        self.repeats = True
         self.forgotten = forgotten  # the tier's removals from its id map when the read began
         self._tables = tables  # the tier's file and mapping tables when the read began: valid until end_read
         self._record_bytes = record_bytes
@@ -78,24 +81,14 @@ class ReadAhead:
         """Reads the records (without the table's lock). A failure leaves them unread: the lookup then reads them
         under the lock, where the failure is reported."""
         found = torch.nonzero(self.slots >= 0).squeeze(1)
-        order = found[torch.argsort(self.slots[found])]  # in file order: neighbouring records share the pages read
-        buffer = torch.empty(order.numel(), self._record_bytes, dtype=torch.uint8)
+        sorted_slots, order = torch.sort(self.slots[found])  # file order: neighbouring records share the pages read
+        records = torch.empty(self.ids.numel(), self._record_bytes, dtype=torch.uint8)
         try:
-            native.read_records(*self._tables, SEGMENT_SHIFT, self.slots[order], buffer)
+            native.read_records(*self._tables, SEGMENT_SHIFT, sorted_slots, records, into=found[order])
         except Exception:  # noqa: BLE001 - read again under the lock, which reports what failed
             return
-        self.records = torch.empty(self.ids.numel(), self._record_bytes, dtype=torch.uint8)
-        self.records[order] = buffer
-
-    def fill(self, ids: torch.Tensor, slots: torch.Tensor, records: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
-        """Copies into ``records`` the read records of the ``pending`` positions of ``ids`` whose slot is still the one
-        read; returns the positions left to read."""
-        if self.records is None or not pending.numel() or not self.ids.numel():
-            return pending
-        at = torch.searchsorted(self.ids, ids[pending]).clamp_(max=self.ids.numel() - 1)
-        same = (self.ids[at] == ids[pending]) & (self.slots[at] == slots[pending])
-        records[pending[same]] = self.records[at[same]]
-        return pending[~same]
+        self.records = records
+        self.repeats = bool((sorted_slots[1:] == sorted_slots[:-1]).any())  # an id's positions share its slot
 
 
 class DiskTier:
@@ -201,19 +194,22 @@ class DiskTier:
 
     def find(self, ids: torch.Tensor, ahead: Optional["ReadAhead"] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(slots, records)``: each id's slot (-1 when not on disk) and its record (uint8 ``[n, record_bytes]``,
-        read for the ids found). ``ahead``: records read without the lock (:meth:`begin_read`); an id whose slot is
-        still the one read takes its record from there (a written record never changes, a slot is never reused)."""
-        if ahead is not None and ahead.records is not None and ahead.forgotten == self._forgotten and torch.equal(ids, ahead.ids):
-            # nothing left the id map since the read began: every slot read is still its id's (an entry added
-            # meanwhile is another id's: an id comes to disk only from memory, and these were not in memory)
-            slots, records = ahead.slots.clone(), ahead.records
+        read for the ids found). ``ahead``: records of these same ``ids`` read without the lock (:meth:`begin_read`);
+        an id whose slot is still the one read keeps its record (a written record never changes, a slot is never
+        reused), any other is read now."""
+        if ahead is not None and ahead.records is not None:
+            slots, records = ahead.slots, ahead.records
+            unread = slots[:0]
+            if ahead.forgotten != self._forgotten:  # entries left the map meanwhile: an id whose slot changed is read again
+                now = self._map.find(ids)
+                moved = torch.nonzero(now != slots).squeeze(1)
+                slots, unread = now, moved[now[moved] >= 0]
+            # an entry added meanwhile is another id's: an id comes to disk only from memory, and these were not in memory
             pending = torch.nonzero(slots >= 0).squeeze(1)
-            unread = pending[:0]
         else:
             slots = self._map.find(ids)
             records = torch.empty(ids.numel(), self.record_bytes, dtype=torch.uint8)
-            pending = torch.nonzero(slots >= 0).squeeze(1)
-            unread = pending if ahead is None else ahead.fill(ids, slots, records, pending)
+            pending = unread = torch.nonzero(slots >= 0).squeeze(1)
         skip = None
         while pending.numel():
             if unread.numel():
@@ -222,16 +218,17 @@ class DiskTier:
             wrong = pending[stored != ids[pending]]
             if not wrong.numel():
                 break
-            skip = torch.zeros_like(ids) if skip is None else skip
+            if skip is None:
+                skip, slots = torch.zeros_like(ids), slots.clone()  # the read ahead's slots stay as they were read
             skip[wrong] += 1  # a fingerprint shared with another id (odds ~2^-32): the next match, if any
             slots[wrong] = self._map.find(ids[wrong], skip[wrong])
             pending = unread = wrong[slots[wrong] >= 0]
         return slots, records
 
-    def begin_read(self, ids: torch.Tensor) -> Optional["ReadAhead"]:
-        """The slots of ``ids`` (sorted, unique) on disk, to read with :meth:`ReadAhead.read` without the table's
-        lock, or None (none of them on disk, or closed). Call it holding the lock, and :meth:`end_read` holding it
-        once the read is used: the files stay open until then, whatever closes the tier meanwhile."""
+    def begin_read(self, positions: torch.Tensor, ids: torch.Tensor) -> Optional["ReadAhead"]:
+        """The slots of ``ids`` (at ``positions`` of a request) on disk, to read with :meth:`ReadAhead.read` without
+        the table's lock, or None (none of them on disk, or closed). Call it holding the lock, and :meth:`end_read`
+        holding it once the read is used: the files stay open until then, whatever closes the tier meanwhile."""
         if self.closed:
             return None
         slots = self._map.find(ids)
@@ -239,8 +236,8 @@ class DiskTier:
             return None
         self._mapping.changed()
         mapping = self._mapping
-        ahead = ReadAhead(ids, slots, (self._fd_table, mapping.bases, mapping.mapped, mapping.reads), self.record_bytes,
-                          self._forgotten)
+        ahead = ReadAhead(positions, ids, slots, (self._fd_table, mapping.bases, mapping.mapped, mapping.reads),
+                          self.record_bytes, self._forgotten)
         self._readers += 1
         return ahead
 
@@ -272,15 +269,14 @@ class DiskTier:
         self._set_live(slots, False)
 
     def _read(self, slots: torch.Tensor, records: torch.Tensor, positions: torch.Tensor) -> None:
-        order = torch.argsort(slots)  # in file order: neighbouring records share the pages read
-        buffer = torch.empty(slots.numel(), self.record_bytes, dtype=torch.uint8)
+        slots, order = torch.sort(slots)  # in file order: neighbouring records share the pages read
         try:
             self._mapping.changed()
             mapping = self._mapping
-            native.read_records(self._fd_table, mapping.bases, mapping.mapped, mapping.reads, SEGMENT_SHIFT, slots[order], buffer)
+            native.read_records(self._fd_table, mapping.bases, mapping.mapped, mapping.reads, SEGMENT_SHIFT, slots, records,
+                                into=positions[order])
         except OSError as err:
             raise DiskTierError(f"the disk tier at {self.directory} could not read: {err.strerror or err}") from None
-        records[positions[order]] = buffer
 
     def map_step(self) -> int:
         """A step of mapping the segments ahead of their reads (see :class:`SegmentMapping`); returns the bytes

@@ -193,11 +193,11 @@ class Table:
         The lock held."""
         if self._disk is None or not self._disk.rows:
             return None
-        absent = rows < 0
-        if not bool(absent.any()):
+        positions = torch.nonzero(rows < 0).squeeze(1)
+        if not positions.numel():
             return None
         with self._disk_work.operation(), self._disk_work.timed():
-            return self._disk.begin_read(torch.unique(ids[absent]))
+            return self._disk.begin_read(positions, ids[positions])
 
     def _rejoin(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, inserted: int) -> None:
         """Back under the lock after a read ahead (ended: :meth:`DiskTier.end_read`): where ids were inserted since the
@@ -588,24 +588,34 @@ class Table:
 
     def _from_disk(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, ahead: Optional[ReadAhead] = None) -> int:
         """Fills the rows of ``out`` that the memory did not hold from disk (the records of ``ahead`` where still
-        valid); a training lookup brings them into memory (their ``rows`` set). Returns the ids still missing. The lock held."""
+        valid); a training lookup brings them into memory (their ``rows`` set; an evaluation lookup's read from disk
+        are -2). Returns the ids still missing (-1). The lock held."""
         with self._disk_work.timed():
-            absent = torch.nonzero(rows < 0).squeeze(1)
-            wanted, inverse = torch.unique(ids[absent], return_inverse=True)
-            slots, records = self._disk.find(wanted, ahead)
+            if ahead is None:
+                positions = torch.nonzero(rows < 0).squeeze(1)
+                wanted = ids[positions]
+                slots, records = self._disk.find(wanted)
+            else:
+                positions, wanted = ahead.positions, ahead.ids
+                slots, records = self._disk.find(wanted, ahead)
             hit = slots >= 0
-            if not bool(hit.any()):
-                return absent.numel()
-            values = self._disk.unpack(records[hit])
-            found_rows = torch.full((wanted.numel(),), -2, dtype=torch.int64)
-            if train:
-                found_rows[hit] = self._promote(wanted[hit], slots[hit], values)
-            weights = torch.empty(wanted.numel(), self.config.dim, dtype=self.storage_dtype)
-            weights[hit] = values["weights"]
-            got = hit[inverse]
-            rows[absent[got]] = found_rows[inverse[got]]
-            out[absent[got]] = weights[inverse[got]]
-            return absent.numel() - int(got.sum())
+            if ahead is not None:
+                hit &= rows[positions] < 0  # the second probe found the others in memory
+            at = torch.nonzero(hit).squeeze(1)
+            if at.numel():
+                values = self._disk.unpack(records[at])
+                where = positions[at]
+                out[where] = values["weights"]
+                if not train:
+                    rows[where] = -2
+                elif ahead is not None and not ahead.repeats:
+                    rows[where] = self._promote(wanted[at], slots[at], values)
+                else:  # an id the request repeats is promoted once, its positions given its one row
+                    unique, inverse = torch.unique(wanted[at], return_inverse=True)
+                    first = torch.empty(unique.numel(), dtype=torch.int64).scatter_(0, inverse, torch.arange(at.numel()))
+                    promoted = self._promote(unique, slots[at][first], {name: v[first] for name, v in values.items()})
+                    rows[where] = promoted[inverse]
+            return int((rows[positions] == -1).sum())
 
     def _promote_absent(self, ids: torch.Tensor) -> None:
         """Brings the rows of ``ids`` (unique) that are on disk into memory (an update applies to them). The lock held."""

@@ -79,9 +79,9 @@ def test_a_row_that_moved_to_another_slot_meanwhile_is_read_again_under_the_lock
 
     real_read_records, locked = disk_tier.native.read_records, []
 
-    def read_records(*args):
+    def read_records(*args, **kwargs):
         locked.append(table.lock.locked())
-        real_read_records(*args)
+        real_read_records(*args, **kwargs)
 
     def promote_then_demote_again():
         table.lookup(cold, train=True)  # in memory now...

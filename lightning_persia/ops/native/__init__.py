@@ -315,7 +315,7 @@ SIGNATURES = {
     "lp_dmap_insert": ([_P, _P, _P, _I64], _I64),
     "lp_dmap_find": ([_P, _P, _I64, _P, _P], None),
     "lp_dmap_remove": ([_P, _P, _P, _I64], _I64),
-    "lp_set_bits": ([_P, _P, _I64, ctypes.c_int32], None),
+    "lp_set_bits": ([_P, _I64, _I64, _P, _I64, ctypes.c_int32], _I64),
     "lp_read_records": ([_P, _P, _P, _P, _I64, _I64, _P, _I64, _P, _P, _P], _I64),
     "lp_map_file": ([_I64, _I64, _I64, _P], _P),
     "lp_map_pages": ([_P, _I64, _I64], _I64),
@@ -472,16 +472,18 @@ class DiskMap:
         return self._library.lp_dmap_remove(self._handle, ids.data_ptr(), slots.data_ptr(), ids.numel())
 
 
-def set_bits(bits: torch.Tensor, slots: torch.Tensor, value: bool) -> None:
-    """Bit ``slot & 7`` of ``bits[slot >> 3]`` becomes ``value`` for every slot (little-endian bit order, as
-    ``numpy.packbits(..., bitorder="little")``)."""
+def set_bits(pages: torch.Tensor, shift: int, slots: torch.Tensor, value: bool) -> None:
+    """For every slot, bit ``slot & 7`` of byte ``(slot & (2**shift - 1)) >> 3`` of the bits at address
+    ``pages[slot >> shift]`` becomes ``value`` (little-endian bit order, as ``numpy.packbits(..., bitorder="little")``;
+    ``2**shift`` bits a page, each a live tensor of the caller's). ValueError naming the first slot whose page is
+    absent (address 0, or past ``pages``), the bits of the slots before it set."""
     slots = _check(slots, torch.int64, "slots").contiguous()
-    _check(bits, torch.uint8, "bits")
-    if not bits.is_contiguous():
-        raise ValueError("bits must be contiguous")
-    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >> 3 >= bits.numel()):
-        raise ValueError(f"a slot is outside the {bits.numel() * 8} bits")
-    _require().lp_set_bits(bits.data_ptr(), slots.data_ptr(), slots.numel(), int(value))
+    _check(pages, torch.int64, "pages")
+    if not pages.is_contiguous():
+        raise ValueError("pages must be contiguous")
+    failed = _require().lp_set_bits(pages.data_ptr(), pages.numel(), shift, slots.data_ptr(), slots.numel(), int(value))
+    if failed >= 0:
+        raise ValueError(f"slot {int(slots[failed])} has no bits (its page {int(slots[failed]) >> shift} is absent)")
 
 
 def map_file(fd: int, nbytes: int, private: bool = False) -> int:

@@ -1058,13 +1058,20 @@ int64_t lp_dmap_remove(void *handle, const int64_t *ids, const int64_t *slots, i
     return removed;
 }
 
-/* Bit slots[i] & 7 of bits[slots[i] >> 3] becomes `value` (a segment's live slots, a bit each). */
-void lp_set_bits(uint8_t *bits, const int64_t *slots, int64_t n, int32_t value) {
+/* For each slot s = slots[i], bit s & 7 of byte (s & (2^shift - 1)) >> 3 of the bits at pages[s >> shift] becomes
+ * `value` (each segment's live slots, a bit each, 2^shift bits a segment). Returns -1, or the first i whose page is
+ * absent (0, or past num_pages), having set the bits before it. */
+int64_t lp_set_bits(const int64_t *pages, int64_t num_pages, int64_t shift, const int64_t *slots, int64_t n, int32_t value) {
+    const int64_t mask = (1LL << shift) - 1;
     for (int64_t i = 0; i < n; ++i) {
+        const int64_t page = slots[i] >> shift;
+        if (slots[i] < 0 || page >= num_pages || !pages[page]) return i;
+        uint8_t *bits = (uint8_t *)(intptr_t)pages[page];
         const uint8_t bit = (uint8_t)(1u << (slots[i] & 7));
-        if (value) bits[slots[i] >> 3] |= bit;
-        else bits[slots[i] >> 3] &= (uint8_t)~bit;
+        if (value) bits[(slots[i] & mask) >> 3] |= bit;
+        else bits[(slots[i] & mask) >> 3] &= (uint8_t)~bit;
     }
+    return -1;
 }
 
 /* Reads the records of `slots` (record r of segment r >> shift: `stride` bytes at (r & (2^shift - 1)) * stride of

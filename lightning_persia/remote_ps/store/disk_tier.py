@@ -118,6 +118,7 @@ class DiskTier:
         self._written: list[int] = []  # records written in each segment
         self._next = 0  # the next slot to write
         self._fd_table = torch.empty(0, dtype=torch.int64)
+        self._live_table = torch.empty(0, dtype=torch.int64)  # the address of each segment's live bits (0: none)
         self.written_bytes = 0
         self.closed = False
         self._readers = 0  # reads under way without the table's lock (begin_read)
@@ -181,6 +182,7 @@ class DiskTier:
     def _segments_changed(self) -> None:
         self._mapping.grow(len(self._fds))
         self._fd_table = torch.tensor(self._fds, dtype=torch.int64)
+        self._live_table = torch.tensor([bits.data_ptr() if bits.numel() else 0 for bits in self._live], dtype=torch.int64)
 
     def _path(self, segment: int, kind: str) -> Path:
         return self.directory / f"segment-{segment:06d}.{kind}"
@@ -398,13 +400,7 @@ class DiskTier:
     # ---- bookkeeping -------------------------------------------------------------------------------------
 
     def _set_live(self, slots: torch.Tensor, value: bool) -> None:
-        if not slots.numel():
-            return
-        segments = slots >> SEGMENT_SHIFT
-        first, last = int(segments.min()), int(segments.max())
-        for segment in [first] if first == last else torch.unique(segments).tolist():
-            mine = slots if first == last else slots[segments == segment]
-            native.set_bits(self._live[segment], mine & (SEGMENT_ROWS - 1), value)
+        native.set_bits(self._live_table, SEGMENT_SHIFT, slots, value)
 
     @property
     def rows(self) -> int:

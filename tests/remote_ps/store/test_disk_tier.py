@@ -99,6 +99,42 @@ def test_a_full_disk_changes_nothing_and_says_so(tmp_path, monkeypatch):
     assert tier.find(torch.tensor([3, 104]))[0].tolist() == [3, 14]
 
 
+def test_records_are_read_into_the_rows_named_and_live_bits_set_across_segments(tmp_path, small_segments):
+    tier = DiskTier(tmp_path / "tier", _specs())
+    ids = torch.arange(2500) * 7 + 1  # three segments
+    tier.write(_rows(ids))
+    fds = torch.tensor([os.open(tmp_path / "tier" / f"segment-{s:06d}.rows", os.O_RDONLY) for s in range(3)])
+    none, reads = torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)
+    out = torch.zeros(4, tier.record_bytes, dtype=torch.uint8)
+    native.read_records(fds, none, none, reads, 10, torch.tensor([5, 1500, 2499]), out, into=torch.tensor([3, 0, 1]))
+    assert tier.unpack(out)["ids"].tolist() == [ids[1500], ids[2499], 0, ids[5]]  # row 2 named by no slot: left as it was
+    assert reads.tolist() == [1, 1, 1]
+    with pytest.raises(ValueError, match="into"):
+        native.read_records(fds, none, none, reads, 10, torch.tensor([5]), out, into=torch.tensor([4]))
+    for fd in fds.tolist():
+        os.close(fd)
+    pages = [torch.zeros(128, dtype=torch.uint8), torch.zeros(128, dtype=torch.uint8)]
+    table = torch.tensor([pages[0].data_ptr(), 0, pages[1].data_ptr()])
+    native.set_bits(table, 10, torch.tensor([3, 2048 + 9]), True)
+    assert pages[0][0] == 8 and pages[1][1] == 2
+    with pytest.raises(ValueError, match="slot 1030 has no bits"):  # segment 1 has none
+        native.set_bits(table, 10, torch.tensor([4, 1030]), True)
+    assert pages[0][0] == 8 | 16  # the slot before it was set
+
+
+def test_a_training_lookup_that_repeats_an_id_on_disk_promotes_it_once(tmp_path):
+    table = _table(tmp_path, capacity=1000)
+    for i in range(0, 3000, 500):
+        table.lookup(torch.arange(i, i + 500), train=True)
+    cold = torch.tensor([3, 7, 3, 11, 7])  # on disk (the coldest), two of them twice
+    expected = table.lookup(cold, train=False)
+    promoted = table.stats()["promoted"]
+    assert torch.equal(table.lookup(cold, train=True), expected)
+    stats = table.stats()
+    assert stats["promoted"] == promoted + 3 and stats["rows"] + stats["disk_rows"] == 3000
+    assert torch.equal(table.lookup(cold, train=False), expected)  # from memory now, one row each
+
+
 def test_table_demotes_then_promotes_with_values_and_state(tmp_path):
     table = _table(tmp_path, capacity=1000)
     ids = torch.arange(5000)

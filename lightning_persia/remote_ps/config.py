@@ -83,6 +83,10 @@ class PSConfig:
     disk_dir: Optional[str] = None
     """Where the disk tiers of the tables of ``storage: disk`` live (a folder of this shard's own; it needs the disk
     space of the rows past the tables' memory budgets, ~56 bytes a row at dim 16 in fp16); ``None`` refuses such tables."""
+    disk_mapped_mb: int = 1024
+    """Of each disk table's records, how many MB the shard keeps mapped into its page tables, the most read first: a
+    read of a mapped record is a memory copy, of any other a ``pread`` (docs/disk_tier.md, *Reads*). The mapped pages
+    count in the shard's resident memory (the page cache holds them either way): raise it where memory allows."""
     durability: str = "none"
     """What an acknowledged update survives (docs/reliability.md, *Durability*): ``"none"``: nothing (a restarted shard
     starts from ``restore_from`` and its clients roll back to a checkpoint); ``"log"``: the shard process dying
@@ -124,6 +128,8 @@ class PSConfig:
             raise ConfigError(f"PS config: scheduling must be one of {', '.join(SCHEDULING)}, got {self.scheduling!r}")
         if self.scheduling == "idle" and not hasattr(os, "SCHED_IDLE"):
             raise ConfigError("PS config: scheduling 'idle' needs Linux's SCHED_IDLE, which this platform does not have")
+        if self.disk_mapped_mb < 0:
+            raise ConfigError(f"PS config: disk_mapped_mb must be >= 0, got {self.disk_mapped_mb}")
         if self.malloc_trim_interval_s < 0:
             raise ConfigError(f"PS config: malloc_trim_interval_s must be >= 0, got {self.malloc_trim_interval_s}")
         for name in ("fault_delay_s", "fault_save_delay_s", "fault_ack_delay_s", "fault_replay_delay_s"):

@@ -36,6 +36,7 @@ def test_yaml_env_and_overrides(tmp_path, monkeypatch):
         (["server_threads=0"], "server_threads must be >= 1"),
         (["nice=20"], "nice must be in [0, 19], got 20"),
         (["scheduling=batch"], "scheduling must be one of normal, idle, got 'batch'"),
+        (["disk_mapped_mb=-1"], "disk_mapped_mb must be >= 0, got -1"),
         (["tables.t.dim=0"], "tables.t: table 't': dim must be in 1..65536"),
         (["tables.t.dim=2", "tables.t.optimizer.kind=Lion"], "unknown optimizer kind 'Lion'"),
         (["seed"], "overrides must be key=value"),

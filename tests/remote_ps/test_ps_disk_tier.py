@@ -2,6 +2,8 @@
 from its checkpoint's linked segments, re-sharding 1 -> 2, and the errors a client sees."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -28,14 +30,20 @@ def test_disk_table_trains_saves_and_restarts_from_linked_segments(tmp_path, sta
     stats = client.stats()[0]["tables"]["big"]
     assert stats["rows"] <= 2000 and stats["rows"] + stats["disk_rows"] == IDS.numel() and stats["disk_bytes"] > 0
     expected = _read(client, IDS)
+    deadline = time.monotonic() + 30
+    while client.stats()[0]["tables"]["big"]["disk_mapped_bytes"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the demoter maps the segments it finds written, a step at a time
+    assert client.stats()[0]["tables"]["big"]["disk_mapped_bytes"] > 0
     with pytest.raises(PSError, match="INVALID_ARGUMENT.*larger than the table's memory budget of 2000 rows"):
         client.lookup({"big": torch.arange(2001)}, train=True)
     client.save(str(tmp_path / "ckpt"))
     shards.stop()
 
-    restarted = start_ps_cluster(1, overrides=[f"disk_dir={tmp_path / 'tier'}", f"restore_from={tmp_path / 'ckpt'}"])
+    restarted = start_ps_cluster(1, overrides=[f"disk_dir={tmp_path / 'tier'}", f"restore_from={tmp_path / 'ckpt'}", "disk_mapped_mb=0"])
     again = make_client(restarted.addresses)
     assert torch.equal(_read(again, IDS), expected)
+    time.sleep(0.2)  # passes of the demoter, which maps nothing with no room to map
+    assert again.stats()[0]["tables"]["big"]["disk_mapped_bytes"] == 0
     resharded = start_ps_cluster(2, overrides=[f"disk_dir={tmp_path / 'tier2'}", f"restore_from={tmp_path / 'ckpt'}"])
     assert torch.equal(_read(make_client(resharded.addresses), IDS), expected)
 

@@ -30,7 +30,7 @@ import torch
 from lightning_persia.ops import native
 from lightning_persia.remote_ps.store.chunked_rows import FieldSpec
 from lightning_persia.remote_ps.store.errors import StoreError
-from lightning_persia.remote_ps.store.segment_mapping import SegmentMapping
+from lightning_persia.remote_ps.store.segment_mapping import MAPPED_BYTES, SegmentMapping
 
 SEGMENT_SHIFT = 22
 SEGMENT_ROWS = 1 << SEGMENT_SHIFT
@@ -101,8 +101,10 @@ class DiskTier:
         found, rows = tier.take(ids)     # read back and removed from disk
     """
 
-    def __init__(self, directory: str | os.PathLike, specs: dict[str, FieldSpec], lock: Optional[threading.Lock] = None) -> None:
-        """``lock``: the table's (a checkpoint copies the id map a part at a time holding it); a tier of its own by default."""
+    def __init__(self, directory: str | os.PathLike, specs: dict[str, FieldSpec], lock: Optional[threading.Lock] = None,
+                 mapped_bytes: int = MAPPED_BYTES) -> None:
+        """``lock``: the table's (a checkpoint copies the id map a part at a time holding it); a tier of its own by default.
+        ``mapped_bytes``: records kept in the shard's page tables, at most (:class:`SegmentMapping`)."""
         if not native.available():
             raise StoreError("storage 'disk' needs the native kernels (see lightning_persia.ops.native.available)")
         self.directory = Path(directory)
@@ -112,7 +114,7 @@ class DiskTier:
         self._lock = lock if lock is not None else threading.Lock()
         self._map = native.DiskMap()
         self._fds: list[int] = []  # the records' file of each segment (-1: gone)
-        self._mapping = SegmentMapping(self.record_bytes, SEGMENT_ROWS * self.record_bytes)
+        self._mapping = SegmentMapping(self.record_bytes, SEGMENT_ROWS * self.record_bytes, mapped_bytes)
         self._id_fds: list[int] = []
         self._live: list[torch.Tensor] = []  # a bit per slot of each segment: the slot holds a live row
         self._written: list[int] = []  # records written in each segment

@@ -8,7 +8,7 @@ the reads, off the request path (called by the shard's demoter), and the records
 the table's lock held, but reads the pages in without it: where the page cache no longer holds them (a billion
 rows on this VM), that read is disk I/O that would otherwise hold every request, and a checkpoint, behind it.
 
-While there is room (:data:`MAPPED_BYTES` of records a tier), every segment is mapped as it is written, the most
+While there is room (:data:`MAPPED_BYTES` of records a tier by default; ``PSConfig.disk_mapped_mb``), every segment is mapped as it is written, the most
 read first. Past it, a segment that reads hit more than twice as often as the least read mapped one takes its
 place. The mapped pages count in the shard's resident memory; the page cache holds them either way.
 """
@@ -22,7 +22,7 @@ import torch
 from lightning_persia.ops import native
 
 MAPPED_BYTES = 1 << 30
-"""Records of a tier whose pages the shard keeps in its page tables, at most."""
+"""Records of a tier whose pages the shard keeps in its page tables, at most, unless the shard says otherwise."""
 _STEP_BYTES = 16 << 20  # populated by one step
 _READS_HALVED_AT = 1 << 22  # reads counted in all before the counts halve (recent reads weigh more)
 
@@ -40,11 +40,13 @@ class MapJob:
 
 class SegmentMapping:
     """The mapping of a tier's segments of ``segment_bytes`` each: ``bases`` (where each is mapped, 0: not),
-    ``mapped`` (its records in the page tables) and ``reads`` (records read of it), one int64 a segment."""
+    ``mapped`` (its records in the page tables) and ``reads`` (records read of it), one int64 a segment; at most
+    ``budget`` bytes of records mapped."""
 
-    def __init__(self, record_bytes: int, segment_bytes: int) -> None:
+    def __init__(self, record_bytes: int, segment_bytes: int, budget: int = MAPPED_BYTES) -> None:
         self.record_bytes = record_bytes
         self.segment_bytes = segment_bytes
+        self.budget = budget
         self.bases = torch.zeros(0, dtype=torch.int64)
         self.mapped = torch.zeros(0, dtype=torch.int64)
         self.reads = torch.zeros(0, dtype=torch.int64)
@@ -76,7 +78,7 @@ class SegmentMapping:
             return None
         if int(self.reads.sum()) > _READS_HALVED_AT:
             self.reads >>= 1
-        room = MAPPED_BYTES - self.bytes
+        room = self.budget - self.bytes
         wanted = torch.nonzero((self.mapped < written) & (fds >= 0) & ((self.reads > 0) | (room >= self.record_bytes))).squeeze(1)
         if not wanted.numel():
             self._idle = True
@@ -90,7 +92,7 @@ class SegmentMapping:
                 return None
             native.map_pages(int(self.bases[coldest]), int(self.mapped[coldest]) * self.record_bytes, drop=True)
             self.mapped[coldest] = 0
-            room = MAPPED_BYTES - self.bytes
+            room = self.budget - self.bytes
         if not int(self.bases[segment]):
             self.bases[segment] = native.map_file(int(fds[segment]), self.segment_bytes)
         first = int(self.mapped[segment]) * self.record_bytes

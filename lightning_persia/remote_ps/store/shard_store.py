@@ -18,6 +18,7 @@ from lightning_persia.remote_ps.store.expiry import Expirer
 
 from lightning_persia.remote_ps.store.errors import CheckpointError, InvalidRequestError, StoreError, UnknownTableError
 from lightning_persia.remote_ps.store.progress import Progress
+from lightning_persia.remote_ps.store.segment_mapping import MAPPED_BYTES
 from lightning_persia.remote_ps.store.table import Table
 from lightning_persia.remote_ps.store.table_journal import Journal
 from lightning_persia.remote_ps.store.table_snapshot import TableSnapshot
@@ -51,14 +52,15 @@ class ShardStore:
     def __init__(
         self, shard_index: int, num_shards: int, seed: int = 0, table_defaults: dict[str, TableConfig] | None = None,
         fault_save_delay_s: float = 0.0, disk_dir: Optional[str] = None, expiry_interval_s: float = 1.0,
-        demotion_interval_s: Optional[float] = 0.01,
+        demotion_interval_s: Optional[float] = 0.01, disk_mapped_bytes: int = MAPPED_BYTES,
     ) -> None:
         """``disk_dir``: where the disk tiers of the tables of ``storage="disk"`` live (a folder per table and generation
         under ``shard-<i>-of-<n>/``, deleted with its table); ``None``: such tables are refused.
         ``expiry_interval_s``: how often the rows of tables with a TTL are swept (on a thread of the store's own,
         started with the first such table). ``demotion_interval_s``: how often the demoter looks for disk tables
         whose memory tier needs room (``demoter.py``; started with the first disk table); ``None``: no demoter, a
-        request that needs room demotes it (the rows in memory then depend on the requests alone)."""
+        request that needs room demotes it (the rows in memory then depend on the requests alone).
+        ``disk_mapped_bytes``: of each disk table's records, how many bytes are kept mapped at most (``segment_mapping.py``)."""
         if not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index must be in [0, {num_shards}), got {shard_index}")
         self.shard_index = shard_index
@@ -73,6 +75,7 @@ class ShardStore:
         #: how far each table's last save, load or re-shard is (logged, and read by the metrics)
         self.progress = Progress(f"shard {shard_index}/{num_shards}")
         self._disk_dir = disk_dir
+        self._disk_mapped_bytes = disk_mapped_bytes
         self._generation = itertools.count()
         self._expirer = Expirer(self._tables_with_ttl, expiry_interval_s)
         self._demoter = Demoter(self._disk_tables, demotion_interval_s) if demotion_interval_s is not None else None
@@ -368,7 +371,7 @@ class ShardStore:
         if config.storage == "disk" and self._disk_dir is not None:
             folder = f"shard-{self.shard_index:05d}-of-{self.num_shards:05d}"
             disk = str(Path(self._disk_dir) / folder / f"{config.name}.{os.getpid()}.{next(self._generation)}")
-        return Table(config, self.seed, disk_dir=disk)
+        return Table(config, self.seed, disk_dir=disk, disk_mapped_bytes=self._disk_mapped_bytes)
 
     def _check_ids(self, name: str, ids: torch.Tensor) -> None:
         if ids.dtype != torch.int64 or ids.dim() != 1:

@@ -35,6 +35,7 @@ from lightning_persia.remote_ps.store.index import NativeIdIndex, make_index
 from lightning_persia.remote_ps.store.initializers import initial_rows, table_key
 from lightning_persia.remote_ps.store.optimizers import make_rule
 from lightning_persia.remote_ps.store.removal_log import RemovalLog
+from lightning_persia.remote_ps.store.segment_mapping import MAPPED_BYTES
 from lightning_persia.remote_ps.store.table_journal import Journal, Recording
 from lightning_persia.remote_ps.store.table_snapshot import SAVED_FIELDS, Preimages, SnapshotPoint, TableSnapshot
 from lightning_persia.remote_ps.store.thread_clock import DiskWork, Held, WorstHeld
@@ -49,8 +50,9 @@ class Table:
     tables holds all their locks while it calls :meth:`begin_snapshot` on each.
     """
 
-    def __init__(self, config: TableConfig, seed: int, disk_dir: Optional[str] = None) -> None:
-        """``disk_dir``: the folder of the table's disk tier, for a table of ``storage="disk"`` (created; its own)."""
+    def __init__(self, config: TableConfig, seed: int, disk_dir: Optional[str] = None, disk_mapped_bytes: int = MAPPED_BYTES) -> None:
+        """``disk_dir``: the folder of the table's disk tier, for a table of ``storage="disk"`` (created; its own);
+        ``disk_mapped_bytes``: of its records, how many bytes the shard keeps mapped at most (``segment_mapping.py``)."""
         self.config = config
         self.seed = seed
         self.rule = make_rule(config.optimizer, config.dim)
@@ -90,7 +92,7 @@ class Table:
             if disk_dir is None:
                 raise StoreError(f"table {config.name!r} has storage 'disk' but its shard has no disk folder (PSConfig.disk_dir, "
                                  "`ps serve disk_dir=...`)")
-            self._disk = DiskTier(disk_dir, self.field_specs, self.lock)
+            self._disk = DiskTier(disk_dir, self.field_specs, self.lock, disk_mapped_bytes)
 
     @property
     def disk_specs(self) -> dict[str, FieldSpec]:
@@ -493,6 +495,7 @@ class Table:
                 disk_rows=self._disk.rows if self._disk else 0,
                 disk_bytes=self._disk.disk_bytes if self._disk else 0,
                 disk_map_bytes=self._disk.map_bytes if self._disk else 0,
+                disk_mapped_bytes=self._disk.mapped_bytes if self._disk else 0,
                 saving_preimage_rows=snapshot.preimage_rows if snapshot is not None else 0,
                 **self._worst_held.stats(),
                 worst_disk_work_cpu_s=self._disk_work.worst_cpu_s,

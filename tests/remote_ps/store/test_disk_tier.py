@@ -248,9 +248,8 @@ def test_segments_are_mapped_while_there_is_room_and_read_the_same(tmp_path, sma
     assert torch.equal(tier.unpack(tier.find(more)[1])["ids"], more)
 
 
-def test_past_the_budget_a_much_more_read_segment_takes_a_mapped_one_s_place(tmp_path, small_segments, monkeypatch):
-    monkeypatch.setattr(segment_mapping, "MAPPED_BYTES", 1024 * _record_bytes())  # one segment's records
-    tier = DiskTier(tmp_path / "tier", _specs())
+def test_past_the_budget_a_much_more_read_segment_takes_a_mapped_one_s_place(tmp_path, small_segments):
+    tier = DiskTier(tmp_path / "tier", _specs(), mapped_bytes=1024 * _record_bytes())  # one segment's records
     ids = torch.arange(3 * 1024) * 5 + 2
     tier.write(_rows(ids))
     tier.find(ids)

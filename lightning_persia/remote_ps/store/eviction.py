@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from itertools import accumulate
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -26,6 +26,7 @@ its capacity at a time)."""
 SLICE_ROWS = 1 << 16
 """The most rows one eviction takes beyond those a request needs."""
 _SAMPLE = 1 << 16
+_MARGIN = 1.25  # aim above count: a sample's quantile may fall short of it, and the sweep would read the whole table
 _SWEEP_ROWS = 1 << 18  # access values read per step of the sweep
 
 
@@ -39,14 +40,25 @@ def first_access(policy: str, step: int) -> int:
     return step if policy == "lru" else 1
 
 
-def select_victims(access: Sequence[torch.Tensor], count: int, generator: torch.Generator, start: int = 0) -> tuple[torch.Tensor, int]:
+def estimate(access: Sequence[torch.Tensor], count: int, generator: torch.Generator) -> Optional[tuple[int, float]]:
+    """The first estimate :func:`select_victims` makes for ``count`` victims, ``(threshold, live fraction)`` from a
+    sample, or None where the table fits in a sample (its victims are then chosen exactly). It only reads ``access``,
+    so it may run while the values change (a shard's demoter runs it without the table's lock: a value changed
+    meanwhile moves the estimate a little, nothing else)."""
+    total = sum(a.numel() for a in access)
+    return None if total <= _SAMPLE else _threshold(access, _MARGIN * count, total, generator)
+
+
+def select_victims(access: Sequence[torch.Tensor], count: int, generator: torch.Generator, start: int = 0,
+                   estimated: Optional[tuple[int, float]] = None) -> tuple[torch.Tensor, int]:
     """Row numbers of ``count`` cold rows (fewer if fewer are live), free rows excluded, and where the next
     eviction starts.
 
     ``access[c]`` is the access value of the rows of chunk ``c`` in use; every chunk but the last is full, so a
     position in their concatenation is a row number. A table that fits in a sample gives exactly its ``count``
     coldest rows. A larger one gives the first ``count`` rows from row ``start`` on (wrapping around) whose access
-    value is at or below the sample's estimate of the coldest :data:`BULK_FRACTION` (or of ``count`` rows, if more).
+    value is at or below the sample's estimate of the coldest :data:`BULK_FRACTION` (or of ``count`` rows, if more):
+    ``estimated`` (by :func:`estimate`), or estimated now.
     """
     total = sum(a.numel() for a in access)
     if total <= _SAMPLE:
@@ -54,9 +66,10 @@ def select_victims(access: Sequence[torch.Tensor], count: int, generator: torch.
         live = torch.nonzero(keyed != FREE).squeeze(1)
         order = torch.topk(keyed[live], min(count, live.numel()), largest=False, sorted=False).indices
         return live[order], start
-    margin = 1.25  # aim above count: a sample's quantile may fall short of it, and the sweep would read the whole table
+    margin = _MARGIN
     while True:
-        threshold, live_fraction = _threshold(access, margin * count, total, generator)
+        threshold, live_fraction = estimated if estimated is not None else _threshold(access, margin * count, total, generator)
+        estimated = None  # a second try samples again, aiming higher
         rows, stop = _sweep(access, threshold, count, start % total, total)
         if rows.numel() >= count or margin * count >= live_fraction * total:
             return rows, stop

@@ -72,6 +72,7 @@ class Table:
         self._initial_state = self.rule.initial_state(1).reshape(-1)
         self._admission = torch.Generator().manual_seed((seed ^ name_hash(config.name)) & ((1 << 63) - 1))
         self._eviction_sample = torch.Generator().manual_seed(seed)
+        self._demotion_sample = torch.Generator().manual_seed(seed + 1)  # the demoter's, used without the lock
         self._evict_from = 0  # the row where the next eviction's sweep starts (eviction.select_victims)
         self._size = 0  # rows allocated so far (live or free)
         self._live = 0
@@ -561,14 +562,18 @@ class Table:
 
     def demote(self, count: int) -> int:
         """Moves ``count`` of the coldest rows of a disk table's memory tier to disk (the shard's demoter calls it
-        between requests); returns how many moved (0: not a disk table, or closed). Holds the lock for this call."""
+        between requests); returns how many moved (0: not a disk table, or closed). Samples the access values without
+        the lock (an estimate of the cold ones), then holds it to choose and move the rows."""
         if self._disk is None or count <= 0:
             return 0
+        with self.lock:
+            access = self._access_in_use()
+        estimated = eviction.estimate(access, count, self._demotion_sample)  # a sample's reads: no need of the lock
         with self.lock, self._disk_work.operation():
             if self._disk.closed:
                 return 0
             before = self._counters["demoted"]
-            self._evict(min(count, self._live))
+            self._evict(min(count, self._live), estimated)
             return self._counters["demoted"] - before
 
     def map_disk_pages(self) -> int:
@@ -754,13 +759,19 @@ class Table:
         self._size += appended
         return torch.cat([reused, fresh])
 
-    def _evict(self, count: int) -> None:
+    def _access_in_use(self) -> list[torch.Tensor]:
+        """The access values of the rows allocated so far, a view a chunk (the lock held)."""
         access = self._rows["access"]
-        in_use = [access.chunk(c, min(self._rows.chunk_rows, self._size - (c << self._rows.shift)))
-                  for c in range((self._size + self._rows.chunk_rows - 1) >> self._rows.shift)]
+        return [access.chunk(c, min(self._rows.chunk_rows, self._size - (c << self._rows.shift)))
+                for c in range((self._size + self._rows.chunk_rows - 1) >> self._rows.shift)]
+
+    def _evict(self, count: int, estimated: Optional[tuple[int, float]] = None) -> None:
+        """Evicts (a disk table: demotes) ``count`` cold rows; ``estimated``: their threshold (:func:`eviction.estimate`)."""
+        access = self._rows["access"]
+        in_use = self._access_in_use()
         victims = torch.empty(0, dtype=torch.int64)
         if in_use:
-            victims, self._evict_from = eviction.select_victims(in_use, count, self._eviction_sample, self._evict_from)
+            victims, self._evict_from = eviction.select_victims(in_use, count, self._eviction_sample, self._evict_from, estimated)
         gone = self._rows["ids"].gather(victims)
         if self._disk is not None and victims.numel():  # demoted: written to disk first (a failure changes nothing)
             with self._disk_work.timed():

@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 
+from lightning_persia.remote_ps.store import eviction
 from lightning_persia.remote_ps.store.demoter import HEADROOM_FRACTION, Demoter, demotion_target
 from lightning_persia.remote_ps.store.table import Table
 from lightning_persia.remote_ps.table_config import Adagrad, TableConfig
@@ -84,3 +85,18 @@ def test_the_thread_demotes_on_its_own(tmp_path):
     finally:
         demoter.stop()
     assert table.stats()["disk_rows"] == HEADROOM
+
+
+def test_a_demotion_samples_the_access_values_without_the_lock(tmp_path, monkeypatch):
+    config = TableConfig("t", DIM, optimizer=Adagrad(rowwise=True), capacity=100_000, storage="disk", storage_dtype="fp16")
+    table = Table(config, seed=0, disk_dir=str(tmp_path / "tier"))
+    table.lookup(torch.arange(100_000), train=True)  # more rows than a sample: the threshold is estimated
+    real, locked = eviction.estimate, []
+
+    def estimate(*args):
+        locked.append(table.lock.locked())
+        return real(*args)
+
+    monkeypatch.setattr(eviction, "estimate", estimate)
+    assert table.demote(1000) == 1000
+    assert locked == [False] and table.stats()["disk_rows"] == 1000

@@ -52,3 +52,14 @@ def test_an_eviction_takes_at_most_a_slice_more_than_it_needs():
     assert eviction.bulk_size(10, 1_000) == 50  # a small table: 5% of its capacity
     assert eviction.bulk_size(10, 1 << 26) == eviction.SLICE_ROWS  # a large one: a slice, not 5% (3.3M rows)
     assert eviction.bulk_size(200_000, 1 << 26) == 200_000
+
+
+def test_an_estimate_made_beforehand_is_used_and_no_sample_taken_under_the_lock():
+    access = _access()
+    estimated = eviction.estimate(access, 1000, torch.Generator().manual_seed(3))
+    generator = torch.Generator().manual_seed(1)
+    state = generator.get_state()
+    victims, _ = select_victims(access, 1000, generator, 0, estimated)
+    assert victims.numel() == 1000 and int(torch.cat(access)[victims].max()) <= estimated[0]
+    assert torch.equal(generator.get_state(), state)  # the estimate sufficed: nothing sampled again
+    assert eviction.estimate([torch.tensor([5, 1, 9], dtype=torch.int32)], 1, generator) is None  # chosen exactly

@@ -30,6 +30,7 @@ from lightning_persia.remote_ps.store.admission import CountingFilter
 from lightning_persia.remote_ps.store.chunked_rows import ChunkedRows, FieldSpec
 from lightning_persia.remote_ps.store.disk_tier import DISK_FIELDS, DiskTier, ReadAhead
 from lightning_persia.remote_ps.store.errors import InvalidRequestError, StoreError
+from lightning_persia.remote_ps.store.free_rows import FreeRows
 from lightning_persia.ops import native
 from lightning_persia.remote_ps.store.index import NativeIdIndex, make_index
 from lightning_persia.remote_ps.store.initializers import initial_rows, table_key
@@ -76,7 +77,7 @@ class Table:
         self._evict_from = 0  # the row where the next eviction's sweep starts (eviction.select_victims)
         self._size = 0  # rows allocated so far (live or free)
         self._live = 0
-        self._free = torch.empty(0, dtype=torch.int64)
+        self._free = FreeRows()
         self._step = 0
         self._version = 1  # written into every changed row; never-written rows read 0
         self._preimages = Preimages(self._rows, self.field_specs, self.lock)
@@ -406,7 +407,7 @@ class Table:
         self._index.remove(self._rows["ids"].gather(rows))
         self._rows["access"].fill(rows, eviction.FREE)
         self._rows["version"].fill(rows, self._version)
-        self._free = torch.cat([self._free, rows])
+        self._free.push(rows)
         self._live -= rows.numel()
 
     def restore_step(self, step: int) -> None:
@@ -541,7 +542,7 @@ class Table:
         self._removals.add(self._version, gone)
         self._rows["access"].fill(rows, eviction.FREE)
         self._rows["version"].fill(rows, self._version)
-        self._free = torch.cat([self._free, rows])
+        self._free.push(rows)
         self._live -= rows.numel()
 
     # ---- the disk tier -----------------------------------------------------------------------------
@@ -702,7 +703,7 @@ class Table:
             unused = fresh[used:]
             if unused.numel():
                 access.fill(unused, eviction.FREE)
-                self._free = torch.cat([self._free, unused])
+                self._free.push(unused)
 
     def _fill_missing(self, ids: torch.Tensor, train: bool) -> torch.Tensor:
         unique, inverse = torch.unique(ids, return_inverse=True)
@@ -751,8 +752,7 @@ class Table:
         if n > room:  # a disk table's demoter keeps room ahead (demoter.py): demote what this request needs, no more
             self._evict(n - room if self._disk is not None else eviction.bulk_size(n - room, self.config.capacity))
 
-        reused = self._free[:n]
-        self._free = self._free[reused.numel() :]
+        reused = self._free.take(n)
         appended = n - reused.numel()
         self._rows.reserve(self._size + appended, ahead_limit=self.config.capacity)
         fresh = torch.arange(self._size, self._size + appended)
@@ -787,7 +787,7 @@ class Table:
             self._removals.add(self._version, gone)
         access.fill(victims, eviction.FREE)
         self._rows["version"].fill(victims, self._version)
-        self._free = torch.cat([self._free, victims])
+        self._free.push(victims)
         self._live -= victims.numel()
         self._counters["evicted"] += victims.numel()
 

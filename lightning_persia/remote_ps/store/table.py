@@ -200,7 +200,7 @@ class Table:
         positions = torch.nonzero(rows < 0).squeeze(1)
         if not positions.numel():
             return None
-        with self._disk_work.operation(), self._disk_work.timed():
+        with self._disk_work.operation("lookup's id map probe"), self._disk_work.timed():
             return self._disk.begin_read(positions, ids[positions])
 
     def _rejoin(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, inserted: int) -> None:
@@ -235,7 +235,7 @@ class Table:
         self._counters["lookup_rows"] += ids.numel()
         if not missing:
             return
-        with self._disk_work.operation():
+        with self._disk_work.operation("lookup"):
             left = self._from_disk(ids, rows, out, train, ahead) if self._disk is not None and self._disk.rows else missing
             if train and left and self._admits_natively(left):
                 self._admit_natively(ids, rows, out, left)
@@ -501,6 +501,7 @@ class Table:
                 saving_preimage_rows=snapshot.preimage_rows if snapshot is not None else 0,
                 **self._worst_held.stats(),
                 worst_disk_work_cpu_s=self._disk_work.worst_cpu_s,
+                worst_disk_work_of=self._disk_work.worst_of,
             )
 
     # ---- time to live ------------------------------------------------------------------------------
@@ -570,7 +571,7 @@ class Table:
         with self.lock:
             access = self._access_in_use()
         estimated = eviction.estimate(access, count, self._demotion_sample)  # a sample's reads: no need of the lock
-        with self.lock, self._disk_work.operation():
+        with self.lock, self._disk_work.operation("demotion"):
             if self._disk.closed:
                 return 0
             before = self._counters["demoted"]
@@ -633,7 +634,7 @@ class Table:
         absent = ids[self._index.find(ids) < 0]
         if not absent.numel():
             return
-        with self._disk_work.operation(), self._disk_work.timed():
+        with self._disk_work.operation("update"), self._disk_work.timed():
             slots, records = self._disk.find(absent)
             hit = slots >= 0
             if bool(hit.any()):

@@ -82,23 +82,27 @@ class WorstHeld:
 
 class DiskWork:
     """The CPU a table's lock holder spends in the disk tier's work (reads from disk, promotions, demotions) during
-    one operation (a request, or one step of the shard's demoter), and the worst such operation so far: how long the
-    disk tier held the table's other requests, on a core of its own. Called holding the table's lock."""
+    one operation (a request, or one step of the shard's demoter), and the worst such operation so far, with its
+    kind (:attr:`worst_of`): how long the disk tier held the table's other requests, on a core of its own. Called
+    holding the table's lock."""
 
     def __init__(self) -> None:
         self.worst_cpu_s = 0.0
+        self.worst_of = ""
         self._spent = 0.0
         self._depth = 0
         self._started = 0.0
 
     @contextlib.contextmanager
-    def operation(self) -> Iterator[None]:
-        """One operation: the disk work timed within it is summed, and the sum kept if it is the worst."""
+    def operation(self, kind: str) -> Iterator[None]:
+        """One operation of ``kind`` (what it was, e.g. ``"lookup"``): the disk work timed within it is summed, and
+        the sum kept if it is the worst."""
         self._spent = 0.0
         try:
             yield
         finally:
-            self.worst_cpu_s = max(self.worst_cpu_s, self._spent)
+            if self._spent > self.worst_cpu_s:
+                self.worst_cpu_s, self.worst_of = self._spent, kind
             self._spent = 0.0
 
     @contextlib.contextmanager

@@ -305,10 +305,10 @@ def test_a_mapped_segment_that_shrank_is_an_error_not_a_crash(tmp_path):
 def test_the_disk_tiers_worst_work_is_timed_per_request_and_zero_without_disk_work(tmp_path):
     table = _table(tmp_path, capacity=1000)
     table.lookup(torch.arange(800), train=True)
-    assert table.stats()["worst_disk_work_cpu_s"] == 0.0  # nothing read, promoted or demoted yet
+    assert table.stats()["worst_disk_work_cpu_s"] == 0.0 and table.stats()["worst_disk_work_of"] == ""  # nothing yet
     table.lookup(torch.arange(800, 20000), train=False)  # evaluation: misses, nothing on disk to read
     table.lookup(torch.arange(1000, 1900), train=True)  # demotes rows past the budget
     demoting = table.stats()["worst_disk_work_cpu_s"]
-    assert demoting > 0.0 and table.stats()["demoted"] > 0
+    assert demoting > 0.0 and table.stats()["demoted"] > 0 and table.stats()["worst_disk_work_of"] == "lookup"
     table.lookup(torch.arange(0, 900), train=True)  # reads and promotes them back
     assert table.stats()["worst_disk_work_cpu_s"] >= demoting

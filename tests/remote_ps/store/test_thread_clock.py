@@ -48,7 +48,7 @@ def test_without_the_kernels_statistics_the_cpu_time_stands_and_no_wait_is_count
 
 def test_the_worst_operation_sums_its_sections_and_nesting_counts_once():
     work = DiskWork()
-    with work.operation():
+    with work.operation("demotion"):
         with work.timed():
             _busy(0.02, time.thread_time)
             with work.timed():  # nested: already counted by the outer section
@@ -58,7 +58,7 @@ def test_the_worst_operation_sums_its_sections_and_nesting_counts_once():
             _busy(0.02, time.thread_time)
     first = work.worst_cpu_s
     assert 0.06 <= first < 0.11
-    with work.operation():
+    with work.operation("lookup"):
         with work.timed():
             _busy(0.01, time.thread_time)
-    assert work.worst_cpu_s == first  # a lighter operation keeps the worst
+    assert work.worst_cpu_s == first and work.worst_of == "demotion"  # a lighter operation keeps the worst, and its kind

@@ -1,0 +1,27 @@
+"""Smoke tests of benchmarks/disk_zipf_profile.py: a tiny run prints both rates and both profiles; bad sizes are named."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import disk_zipf_profile  # noqa: E402
+
+
+@pytest.mark.usefixtures("disk_tier_kernels")
+def test_tiny_run_prints_both_rates_and_both_profiles(tmp_path, capsys):
+    assert disk_zipf_profile.main(["--rows", "3e5", "--memory-rows", "1e5", "--warmup", "2", "--requests", "2",
+                                   "--disk-dir", str(tmp_path), "--profile-rows", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "memory table:" in out and "disk table:" in out and "the memory table's rate" in out
+    assert "--- the requests" in out and "--- the demoter's demotions" in out
+    assert list(tmp_path.iterdir()) == []  # the disk table's folder is gone
+
+
+def test_a_budget_not_below_the_rows_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        disk_zipf_profile.main(["--rows", "1e5", "--memory-rows", "2e5", "--disk-dir", str(tmp_path)])
+    assert "needs 0 < --memory-rows < --rows" in capsys.readouterr().err

@@ -76,6 +76,8 @@ def _run(table: Table, rows: int, batches: list[torch.Tensor], warmup: int, prof
 
 
 def _top(profile: cProfile.Profile, lines: int) -> str:
+    if not profile.getstats():
+        return "(none ran)"
     out = io.StringIO()
     pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(lines)
     return "\n".join(line for line in out.getvalue().splitlines() if line.strip())

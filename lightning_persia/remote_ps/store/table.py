@@ -598,8 +598,8 @@ class Table:
 
     def _from_disk(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, ahead: Optional[ReadAhead] = None) -> int:
         """Fills the rows of ``out`` that the memory did not hold from disk (the records of ``ahead`` where still
-        valid); a training lookup brings them into memory (their ``rows`` set; an evaluation lookup's read from disk
-        are -2). Returns the ids still missing (-1). The lock held."""
+        valid); a training lookup brings them into memory (their ``rows`` set; the rows of an evaluation lookup's reads
+        from disk are -2). Returns the ids still missing (-1). The lock held."""
         with self._disk_work.timed():
             if ahead is None:
                 positions = torch.nonzero(rows < 0).squeeze(1)

@@ -440,11 +440,13 @@ def _grow_sizes(args, dtype: str, state: dict, out: dict, baseline: Optional[dic
                           "demoted": stats["demoted"], "promoted": stats["promoted"]})
         entry.update(measure_rates(shards, rows, args.request_ids, args.repeats, seed=rows))
         if args.storage == "disk":
+            promoted = shards.client.stats()[0]["tables"][TABLE]["promoted"]
             cold, steady = zipf_rates(shards, rows, args.request_ids, args.repeats, args.zipf_warmup)
             entry["zipf_same_stream_rows_per_s"], entry["zipf_same_stream_cold_rows_per_s"] = steady, cold
             table_stats = shards.client.stats()[0]["tables"][TABLE]
             entry["worst_disk_work_cpu_s"], entry["worst_disk_work_of"] = table_stats["worst_disk_work_cpu_s"], table_stats["worst_disk_work_of"]
             entry["disk_mapped_bytes"], entry["rss_after_zipf_bytes"] = table_stats["disk_mapped_bytes"], shards.rss()
+            entry["disk_bytes_after_zipf"], entry["promoted_in_zipf"] = table_stats["disk_bytes"], table_stats["promoted"] - promoted
             if baseline is not None:
                 entry["lookup_ratio_disk_vs_memory"] = steady / baseline["zipf_rows_per_s"]
                 entry["lookup_ratio_disk_vs_memory_cold"] = cold / baseline["zipf_cold_rows_per_s"]
@@ -456,7 +458,8 @@ def _grow_sizes(args, dtype: str, state: dict, out: dict, baseline: Optional[dic
                   + (f" = {entry['lookup_ratio_disk_vs_memory_cold']:.2f}x" if baseline else "") + ")"
                   + f"; the worst CPU of the disk tier's work in one request or demoter step {entry['worst_disk_work_cpu_s']:.3f} s"
                   + f" ({entry['worst_disk_work_of']}); after them {entry['disk_mapped_bytes'] / _GB:.2f} GB of records mapped,"
-                  + f" RSS {entry['rss_after_zipf_bytes'] / _GB:.2f} GB",
+                  + f" RSS {entry['rss_after_zipf_bytes'] / _GB:.2f} GB, {entry['promoted_in_zipf']:,} rows promoted,"
+                  + f" disk {entry['disk_bytes_after_zipf'] / _GB:.2f} GB",
                   flush=True)
         print(f"[{dtype}] {rows:>13,} rows  lookup {entry['lookup_rows_per_s'] / 1e6:5.2f} M/s  "
               f"update {entry['update_rows_per_s'] / 1e6:5.2f} M/s  insert {_fmt_rate(entry['insert_rows_per_s'])}/s  worst insert {worst_insert:5.3f} s "

@@ -315,7 +315,7 @@ SIGNATURES = {
     "lp_dmap_insert": ([_P, _P, _P, _I64], _I64),
     "lp_dmap_find": ([_P, _P, _I64, _P, _P], None),
     "lp_dmap_remove": ([_P, _P, _P, _I64], _I64),
-    "lp_set_bits": ([_P, _I64, _I64, _P, _I64, ctypes.c_int32], _I64),
+    "lp_set_bits": ([_P, _I64, _I64, _P, _I64, ctypes.c_int32, _P], _I64),
     "lp_read_records": ([_P, _P, _P, _P, _I64, _I64, _P, _I64, _P, _P, _P], _I64),
     "lp_map_file": ([_I64, _I64, _I64, _P], _P),
     "lp_map_pages": ([_P, _I64, _I64], _I64),
@@ -472,18 +472,22 @@ class DiskMap:
         return self._library.lp_dmap_remove(self._handle, ids.data_ptr(), slots.data_ptr(), ids.numel())
 
 
-def set_bits(pages: torch.Tensor, shift: int, slots: torch.Tensor, value: bool) -> None:
+def set_bits(pages: torch.Tensor, shift: int, slots: torch.Tensor, value: bool) -> torch.Tensor:
     """For every slot, bit ``slot & 7`` of byte ``(slot & (2**shift - 1)) >> 3`` of the bits at address
     ``pages[slot >> shift]`` becomes ``value`` (little-endian bit order, as ``numpy.packbits(..., bitorder="little")``;
-    ``2**shift`` bits a page, each a live tensor of the caller's). ValueError naming the first slot whose page is
-    absent (address 0, or past ``pages``), the bits of the slots before it set."""
+    ``2**shift`` bits a page, each a live tensor of the caller's). Returns, for each page, how many of its bits
+    changed. ValueError naming the first slot whose page is absent (address 0, or past ``pages``), the bits of the
+    slots before it set."""
     slots = _check(slots, torch.int64, "slots").contiguous()
     _check(pages, torch.int64, "pages")
     if not pages.is_contiguous():
         raise ValueError("pages must be contiguous")
-    failed = _require().lp_set_bits(pages.data_ptr(), pages.numel(), shift, slots.data_ptr(), slots.numel(), int(value))
+    changed = torch.zeros(pages.numel(), dtype=torch.int64)
+    failed = _require().lp_set_bits(pages.data_ptr(), pages.numel(), shift, slots.data_ptr(), slots.numel(), int(value),
+                                    changed.data_ptr())
     if failed >= 0:
         raise ValueError(f"slot {int(slots[failed])} has no bits (its page {int(slots[failed]) >> shift} is absent)")
+    return changed
 
 
 def map_file(fd: int, nbytes: int, private: bool = False) -> int:

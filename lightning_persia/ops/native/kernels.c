@@ -1059,17 +1059,20 @@ int64_t lp_dmap_remove(void *handle, const int64_t *ids, const int64_t *slots, i
 }
 
 /* For each slot s = slots[i], bit s & 7 of byte (s & (2^shift - 1)) >> 3 of the bits at pages[s >> shift] becomes
- * `value` (each segment's live slots, a bit each, 2^shift bits a segment). Returns -1, or the first i whose page is
- * absent (0, or past num_pages), having set the bits before it. */
-int64_t lp_set_bits(const int64_t *pages, int64_t num_pages, int64_t shift, const int64_t *slots, int64_t n, int32_t value) {
+ * `value` (each segment's live slots, a bit each, 2^shift bits a segment); changed[page] counts the bits of each
+ * page that were not `value` before. Returns -1, or the first i whose page is absent (0, or past num_pages), having
+ * set the bits before it. */
+int64_t lp_set_bits(const int64_t *pages, int64_t num_pages, int64_t shift, const int64_t *slots, int64_t n, int32_t value,
+                    int64_t *changed) {
     const int64_t mask = (1LL << shift) - 1;
     for (int64_t i = 0; i < n; ++i) {
         const int64_t page = slots[i] >> shift;
         if (slots[i] < 0 || page >= num_pages || !pages[page]) return i;
-        uint8_t *bits = (uint8_t *)(intptr_t)pages[page];
+        uint8_t *byte = (uint8_t *)(intptr_t)pages[page] + ((slots[i] & mask) >> 3);
         const uint8_t bit = (uint8_t)(1u << (slots[i] & 7));
-        if (value) bits[(slots[i] & mask) >> 3] |= bit;
-        else bits[(slots[i] & mask) >> 3] &= (uint8_t)~bit;
+        changed[page] += ((*byte & bit) != 0) != (value != 0);
+        if (value) *byte |= bit;
+        else *byte &= (uint8_t)~bit;
     }
     return -1;
 }

@@ -8,7 +8,8 @@ time, the table's lock held for one slice only. A request then finds free rows, 
 it brings in exceed the headroom left (the budget is a hard limit: it demotes what it needs, no more).
 
 Between demotions it maps the segments that reads hit most into the shard's page tables, a step at a time
-(``DiskTier.map_step``): a read of a mapped record is a memory copy instead of a ``pread``.
+(``DiskTier.map_step``): a read of a mapped record is a memory copy instead of a ``pread``; and it compacts a
+segment that holds more garbage than live rows, a step a pass (``DiskTier.compact_step``).
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ class Demoter(TablePass):
 
     def run_once(self) -> int:
         """One pass over the tables: the rows each needs demoted, a slice at a time, then a few steps of mapping its
-        most read segments; returns the rows demoted."""
+        most read segments and a step of compacting its sparsest one; returns the rows demoted."""
         demoted = 0
         for table in self._tables():
             try:
@@ -58,7 +59,9 @@ class Demoter(TablePass):
                     if not table.map_disk_pages():
                         break
                     time.sleep(0)
+                if not self.stopping:
+                    table.compact_disk()
             except Exception:  # noqa: BLE001 - a failed demotion (a full disk) is retried; requests demote what they must
                 self.errors += 1
-                _log.exception("demoting rows of table %r failed; retried in %.2f s", table.config.name, self._interval_s)
+                _log.exception("the demoter's pass over table %r failed; retried in %.2f s", table.config.name, self._interval_s)
         return demoted

@@ -4,7 +4,10 @@ A row leaves memory (a *demotion*) as one record, ``[id | weights | optimizer st
 table's open segment; a segment holds :data:`SEGMENT_ROWS` records and is never written again once full (a
 checkpoint links it instead of copying it). Each segment has a sidecar of its ids, so the id map can be rebuilt
 without reading the records. A row read back into memory (a *promotion*) leaves its record behind as garbage:
-its slot is no longer live.
+its slot is no longer live. A full segment whose live rows fell below :data:`COMPACT_BELOW` of its records is
+*compacted* (:meth:`DiskTier.compact_step`, called by the shard's demoter): its live rows are written anew at the end
+of the tier, then its files are deleted, so that a workload that brings the same rows in and out again and again
+does not grow the files without end.
 
 The id map (``native.DiskMap``) keeps an 8-byte entry an id in memory (a fingerprint and the slot), at loads of 0.6
 to 0.85: a billion rows on disk take ~12 GB of map, against ~60 bytes a row in memory. A lookup confirms each match against the id in
@@ -36,6 +39,9 @@ SEGMENT_SHIFT = 22
 SEGMENT_ROWS = 1 << SEGMENT_SHIFT
 """Records a segment holds (~200 MB at dim 16 in fp16)."""
 _SWEEP_ROWS = 1 << 18  # records an expiry sweep reads at a time
+COMPACT_BELOW = 0.5
+"""A full segment is compacted once fewer than this fraction of its records are live rows."""
+_COMPACT_ROWS = 1 << 16  # live rows a compaction step moves at most (the table's lock held to move them)
 MAX_SEGMENTS = ((1 << 32) - 2) >> SEGMENT_SHIFT  # slots are 32-bit in the id map
 DISK_FIELDS = ("ids", "weights", "state", "access")
 """The fields of a record on disk, in their order; the id comes first."""
@@ -55,12 +61,15 @@ class FrozenTier:
     live: list[torch.Tensor]  # one per segment: a bit per written slot (uint8, little-endian bit order)
     id_map: Optional[native.DiskMap] = None  # the tier's map, being saved as at the point (DiskMap.save_begin)
     lock: Optional[threading.Lock] = None  # the table's: held to copy a part of the map
+    released: Optional[Callable[[], None]] = None  # tells the tier (its lock held): its segments may be deleted again
 
     def release(self) -> None:
         """Ends the map's save (done or abandoned), taking its table's lock."""
         if self.id_map is not None:
             with self.lock:
                 self.id_map.save_end()
+                if self.released is not None:
+                    self.released()
 
 
 class ReadAhead:
@@ -121,6 +130,8 @@ class DiskTier:
         self._next = 0  # the next slot to write
         self._fd_table = torch.empty(0, dtype=torch.int64)
         self._live_table = torch.empty(0, dtype=torch.int64)  # the address of each segment's live bits (0: none)
+        self._live_counts = torch.empty(0, dtype=torch.int64)  # live rows of each segment
+        self._saves = 0  # checkpoints being saved (freeze until FrozenTier.release): they link the segments
         self.written_bytes = 0
         self.closed = False
         self._readers = 0  # reads under way without the table's lock (begin_read)
@@ -134,11 +145,12 @@ class DiskTier:
 
         Raises :class:`DiskTierError` when the disk refuses the bytes: the tier is then as it was.
         """
-        ids = rows["ids"]
+        if rows["ids"].numel():
+            self._append(self._pack(rows), rows["ids"], "in memory")
+
+    def _append(self, records: torch.Tensor, ids: torch.Tensor, rows_stay: str) -> None:
+        """:meth:`write` of packed ``records`` of ``ids``; ``rows_stay``: where the rows stay if the disk refuses them."""
         n = ids.numel()
-        if not n:
-            return
-        records = self._pack(rows)
         first = self._next
         try:
             position = 0
@@ -154,7 +166,7 @@ class DiskTier:
                 position += count
         except OSError as err:
             raise DiskTierError(f"the disk tier at {self.directory} could not write {n} rows: {err.strerror or err}"
-                                " (the rows stay in memory)") from None
+                                f" (the rows stay {rows_stay})") from None
         slots = torch.arange(first, first + n)
         self._map.insert(ids, slots)
         self._next = first + n
@@ -185,6 +197,9 @@ class DiskTier:
         self._mapping.grow(len(self._fds))
         self._fd_table = torch.tensor(self._fds, dtype=torch.int64)
         self._live_table = torch.tensor([bits.data_ptr() if bits.numel() else 0 for bits in self._live], dtype=torch.int64)
+        more = len(self._live) - self._live_counts.numel()
+        if more > 0:
+            self._live_counts = torch.cat([self._live_counts, torch.zeros(more, dtype=torch.int64)])
 
     def _path(self, segment: int, kind: str) -> Path:
         return self.directory / f"segment-{segment:06d}.{kind}"
@@ -351,6 +366,73 @@ class DiskTier:
                 dropped += old.numel()
         return dropped
 
+    # ---- compaction --------------------------------------------------------------------------------------
+
+    def compact_step(self) -> int:
+        """Moves up to 65,536 live rows of the full segment with the fewest of them, below :data:`COMPACT_BELOW`, to
+        the end of the tier; deletes the segments left without a live row (once no read is under way and no save
+        holds them). Returns the rows moved. Takes the table's lock to choose and to move the rows, not while it
+        reads their records; a row that left the segment meanwhile is not moved."""
+        with self._lock:
+            if self.closed:
+                return 0
+            self._delete_emptied()
+            segment = self._sparsest()
+            if segment is None:
+                return 0
+            slots = live_slots(self._live[segment], self._written[segment])[:_COMPACT_ROWS] + (segment << SEGMENT_SHIFT)
+            self._readers += 1  # the segment's file stays open for the read
+            tables = (self._fd_table, self._mapping.bases, self._mapping.mapped, self._mapping.reads)
+        records = torch.empty(slots.numel(), self.record_bytes, dtype=torch.uint8)
+        try:
+            native.read_records(*tables, SEGMENT_SHIFT, slots, records)
+        except OSError as err:
+            with self._lock:
+                self.end_read()
+            raise DiskTierError(f"the disk tier at {self.directory} could not read segment {segment} to compact it: "
+                                f"{err.strerror or err}") from None
+        with self._lock:
+            self.end_read()
+            if self.closed:
+                return 0
+            local = slots & (SEGMENT_ROWS - 1)
+            still = ((self._live[segment][local >> 3] >> (local & 7)) & 1).bool()
+            slots, records = slots[still], records[still]
+            ids = records[:, :8].contiguous().view(torch.int64).squeeze(1)
+            self._append(records, ids, f"in segment {segment}")  # written anew (a failure changes nothing), then forgotten there
+            self.forget(ids, slots)
+            return slots.numel()
+
+    def _sparsest(self) -> Optional[int]:
+        """The full segment (sealed: the tier writes past it) with the fewest live rows, if below :data:`COMPACT_BELOW`
+        of its records and above none (one without any is deleted instead)."""
+        full = len(self._fds) if not self._next & (SEGMENT_ROWS - 1) else self._next >> SEGMENT_SHIFT
+        written = torch.tensor(self._written[:full], dtype=torch.float64)
+        live = self._live_counts[:full].to(torch.float64)
+        candidates = torch.nonzero((torch.tensor(self._fds[:full]) >= 0) & (live > 0) & (live < COMPACT_BELOW * written)).squeeze(1)
+        if not candidates.numel():
+            return None
+        return int(candidates[torch.argmin(live[candidates])])
+
+    def _delete_emptied(self) -> None:
+        """Deletes the files of the full segments without a live row, unless a read is under way (its tables name
+        them) or a save holds them (it links them)."""
+        if self._readers or self._saves:
+            return
+        full = len(self._fds) if not self._next & (SEGMENT_ROWS - 1) else self._next >> SEGMENT_SHIFT
+        emptied = [s for s in range(full) if self._fds[s] >= 0 and self._written[s] and not int(self._live_counts[s])
+                   and not self._mapping.in_flight(s)]
+        for segment in emptied:
+            self._mapping.drop(segment)
+            for fd in (self._fds[segment], self._id_fds[segment]):
+                os.close(fd)
+            self._fds[segment] = self._id_fds[segment] = -1
+            self._live[segment] = torch.zeros(0, dtype=torch.uint8)
+            for kind in ("rows", "ids"):
+                self._path(segment, kind).unlink(missing_ok=True)
+        if emptied:
+            self._segments_changed()
+
     # ---- checkpoints -------------------------------------------------------------------------------------
 
     def freeze(self) -> FrozenTier:
@@ -359,8 +441,12 @@ class DiskTier:
         if self._next & (SEGMENT_ROWS - 1):
             self._next = ((self._next >> SEGMENT_SHIFT) + 1) << SEGMENT_SHIFT
         self._map.save_begin(self._next)  # every slot written from now on is past the point
+        self._saves += 1
         return FrozenTier(self.directory, written, [self._live[segment][: (rows + 7) >> 3].clone() for segment, rows in written],
-                          self._map, self._lock)
+                          self._map, self._lock, self._save_ended)
+
+    def _save_ended(self) -> None:
+        self._saves -= 1
 
     def attach(self, files: Iterator[tuple[int, int, Path, Path, torch.Tensor]],
                adopt_map: Optional[Callable[[native.DiskMap], None]] = None) -> None:
@@ -394,6 +480,7 @@ class DiskTier:
             slots = live_slots(live, rows)
             self._map.insert(stored[slots], slots + (segment << SEGMENT_SHIFT))
         self._segments_changed()
+        self._live_counts = torch.tensor([int(np.bitwise_count(bits.numpy()).sum()) for bits in self._live], dtype=torch.int64)
         if adopt_map is not None:
             adopt_map(self._map)
             if self._map.info()[0] != live_rows:
@@ -402,7 +489,8 @@ class DiskTier:
     # ---- bookkeeping -------------------------------------------------------------------------------------
 
     def _set_live(self, slots: torch.Tensor, value: bool) -> None:
-        native.set_bits(self._live_table, SEGMENT_SHIFT, slots, value)
+        changed = native.set_bits(self._live_table, SEGMENT_SHIFT, slots, value)
+        self._live_counts += changed if value else -changed
 
     @property
     def rows(self) -> int:

@@ -119,6 +119,16 @@ class SegmentMapping:
         self.mapped[job.segment] = job.end // self.record_bytes
         return job.end - job.first
 
+    def in_flight(self, segment: int) -> bool:
+        """Whether a step of mapping ``segment`` is under way (planned, not yet published)."""
+        return self._in_flight is not None and self._in_flight.segment == segment
+
+    def drop(self, segment: int) -> None:
+        """Unmaps ``segment`` (deleted; the table's lock held, no read under way)."""
+        if int(self.bases[segment]):
+            native.unmap_file(int(self.bases[segment]), self.segment_bytes)
+        self.bases[segment] = self.mapped[segment] = self.reads[segment] = 0
+
     def close(self) -> None:
         """Unmaps every segment (the table's lock held), or, while a step is in flight, has its :meth:`publish` do it."""
         if self._in_flight is not None:

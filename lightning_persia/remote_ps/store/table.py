@@ -578,6 +578,11 @@ class Table:
             self._evict(min(count, self._live), estimated)
             return self._counters["demoted"] - before
 
+    def compact_disk(self) -> int:
+        """A step of compacting the disk tier's sparsest segment (see :meth:`DiskTier.compact_step`); returns the rows
+        moved. The shard's demoter calls it between requests."""
+        return 0 if self._disk is None else self._disk.compact_step()
+
     def map_disk_pages(self) -> int:
         """A step of mapping the disk tier's most read segments (see :meth:`DiskTier.map_step`); returns the bytes
         mapped. The shard's demoter calls it between requests; the lock is held only to choose and publish the pages."""

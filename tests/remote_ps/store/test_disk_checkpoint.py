@@ -1,12 +1,13 @@
 """Checkpoints of disk tables: segments linked (not copied), loads that link them back or re-shard, damage refused."""
 import json
 import os
+import time
 
 import pytest
 import torch
 
 from lightning_persia.ops.hashing import shard_of
-from lightning_persia.remote_ps.store import CheckpointError
+from lightning_persia.remote_ps.store import CheckpointError, disk_tier
 from lightning_persia.remote_ps.store.shard_store import ShardStore
 from lightning_persia.remote_ps.table_config import Adagrad, TableConfig
 
@@ -109,3 +110,22 @@ def test_a_missing_or_damaged_disk_file_refuses_the_load_and_keeps_the_tables(tm
     with pytest.raises(CheckpointError, match=f"disk segment .*{segment.name} of the checkpoint is missing"):
         other.load(str(tmp_path / "ckpt"))
     assert torch.equal(other.lookup("t", torch.arange(10), train=False), kept)
+
+
+def test_a_tier_compacted_by_the_demoter_saves_and_loads_without_its_deleted_segments(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_tier, "SEGMENT_SHIFT", 10)  # segments of 1,024 records: training leaves sparse ones
+    monkeypatch.setattr(disk_tier, "SEGMENT_ROWS", 1 << 10)
+    store, ids = _trained(tmp_path)
+    for _ in range(3):  # rows in and out again: their old records are garbage
+        for batch in ids.split(500):
+            store.lookup("t", batch, train=True)
+    expected = _read(store, ids)
+    deadline = time.monotonic() + 30
+    while list((tmp_path / "disk-a").rglob("segment-000000.rows")) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the demoter compacts a step a pass
+    assert not list((tmp_path / "disk-a").rglob("segment-000000.rows"))  # compacted, then deleted
+    assert torch.equal(_read(store, ids), expected)
+    store.save(str(tmp_path / "ckpt"))
+    restarted = ShardStore(0, 1, disk_dir=str(tmp_path / "disk-b"))
+    restarted.load(str(tmp_path / "ckpt"))
+    assert torch.equal(_read(restarted, ids), expected)

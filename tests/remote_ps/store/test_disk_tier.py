@@ -312,3 +312,64 @@ def test_the_disk_tiers_worst_work_is_timed_per_request_and_zero_without_disk_wo
     assert demoting > 0.0 and table.stats()["demoted"] > 0 and table.stats()["worst_disk_work_of"] == "lookup"
     table.lookup(torch.arange(0, 900), train=True)  # reads and promotes them back
     assert table.stats()["worst_disk_work_cpu_s"] >= demoting
+
+
+def _segment_files(tmp_path) -> list[str]:
+    return sorted(path.name for path in (tmp_path / "tier").glob("segment-*.rows"))
+
+
+def test_a_full_segment_mostly_garbage_is_compacted_then_deleted(tmp_path, small_segments):
+    tier = DiskTier(tmp_path / "tier", _specs())
+    ids = torch.arange(3000) * 7 + 1  # segments 0 and 1 full, 2 open
+    tier.write(_rows(ids))
+    tier.take(ids[:800])  # segment 0: 224 of its 1,024 records live
+    tier.take(ids[1024:1500])  # segment 1: 548 live, above half: left alone
+    before = tier.disk_bytes
+    assert tier.compact_step() == 224  # its live rows written anew at the end
+    assert tier.compact_step() == 0  # segment 0 deleted; nothing else below half
+    assert _segment_files(tmp_path) == ["segment-000001.rows", "segment-000002.rows", "segment-000003.rows"]
+    assert tier.disk_bytes < before and tier.rows == 3000 - 800 - 476
+    kept = torch.cat([ids[800:1024], ids[1500:]])
+    slots, records = tier.find(kept)
+    assert bool((slots >= 0).all()) and torch.equal(tier.unpack(records)["weights"], _rows(kept)["weights"].half())
+    assert bool((tier.find(ids[:800])[0] == -1).all())
+
+
+def test_a_segment_is_deleted_only_once_no_read_or_save_needs_it(tmp_path, small_segments):
+    lock = threading.Lock()
+    tier = DiskTier(tmp_path / "tier", _specs(), lock)
+    ids = torch.arange(2500) * 7 + 1
+    tier.write(_rows(ids))
+    tier.take(ids[:1000])
+    with lock:
+        ahead = tier.begin_read(torch.arange(2), ids[1000:1002])  # a lookup's read under way
+        frozen = tier.freeze()  # and a save
+    assert tier.compact_step() == 24
+    assert tier.compact_step() == 0 and "segment-000000.rows" in _segment_files(tmp_path)  # both still need it
+    ahead.read()
+    with lock:
+        tier.end_read()
+    tier.compact_step()
+    assert "segment-000000.rows" in _segment_files(tmp_path)  # the save still does
+    frozen.release()
+    tier.compact_step()
+    assert "segment-000000.rows" not in _segment_files(tmp_path)
+    assert bool((tier.find(ids[1000:])[0] >= 0).all())
+
+
+def test_a_full_disk_while_compacting_moves_nothing(tmp_path, small_segments, monkeypatch):
+    tier = DiskTier(tmp_path / "tier", _specs())
+    ids = torch.arange(2500) * 7 + 1
+    tier.write(_rows(ids))
+    tier.take(ids[:1000])
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(disk_tier, "_write_all", full)
+    with pytest.raises(DiskTierError, match=r"could not write 24 rows: No space left on device \(the rows stay in segment 0\)"):
+        tier.compact_step()
+    monkeypatch.undo()
+    slots, records = tier.find(ids[1000:1024])
+    assert slots.tolist() == list(range(1000, 1024))  # still where they were
+    assert torch.equal(tier.unpack(records)["ids"], ids[1000:1024]) and tier.rows == 1500

@@ -86,6 +86,9 @@ class SegmentMapping:
         segment = int(wanted[torch.argmax(self.reads[wanted])])
         if room < self.record_bytes:
             mapped = torch.nonzero(self.mapped > 0).squeeze(1)
+            if not mapped.numel():  # a budget below one record: nothing is ever mapped
+                self._idle = True
+                return None
             coldest = int(mapped[torch.argmin(self.reads[mapped])])
             if coldest == segment or 2 * int(self.reads[coldest]) >= int(self.reads[segment]):
                 self._idle = True

@@ -263,6 +263,15 @@ def test_past_the_budget_a_much_more_read_segment_takes_a_mapped_one_s_place(tmp
     assert torch.equal(tier.unpack(tier.find(ids)[1])["ids"], ids)
 
 
+def test_a_budget_of_nothing_maps_nothing(tmp_path, small_segments):
+    tier = DiskTier(tmp_path / "tier", _specs(), mapped_bytes=0)
+    ids = torch.arange(2000) * 5 + 2
+    tier.write(_rows(ids))
+    tier.find(ids)
+    assert tier.map_step() == 0 and tier.mapped_bytes == 0
+    assert torch.equal(tier.unpack(tier.find(ids)[1])["ids"], ids)
+
+
 def test_a_map_step_reads_its_pages_in_without_the_tables_lock_and_a_close_meanwhile_waits_for_it(tmp_path, small_segments, monkeypatch):
     lock = threading.Lock()
     tier = DiskTier(tmp_path / "tier", _specs(), lock)

@@ -30,6 +30,7 @@ from lightning_persia.remote_ps.store.table import Table  # noqa: E402
 from lightning_persia.remote_ps.table_config import Adagrad, TableConfig  # noqa: E402
 
 _GROW_BATCH = 131_072
+_RECORD_AND_ID_BYTES = 56  # this script's table (dim 16, fp16, row-wise Adagrad): a record, and its id in the ids file
 
 
 class _ProfiledDemotions(Table):
@@ -61,6 +62,7 @@ def _run(table: Table, rows: int, batches: list[torch.Tensor], warmup: int, prof
     step = min(_GROW_BATCH, table.config.capacity)  # a training request fits in a disk table's budget
     for start in range(0, rows, step):
         table.lookup(stored_id(torch.arange(start, min(rows, start + step))), train=True)
+    _disk_use(table, "grown")
     for batch in batches[:warmup]:
         table.lookup(batch, train=True)
     profiler = cProfile.Profile()
@@ -72,7 +74,18 @@ def _run(table: Table, rows: int, batches: list[torch.Tensor], warmup: int, prof
         table.lookup(batch, train=True)
     profiler.disable()
     _ProfiledDemotions.profiling = False
-    return time.perf_counter() - started, profiler
+    elapsed = time.perf_counter() - started
+    _disk_use(table, "after the stream")
+    return elapsed, profiler
+
+
+def _disk_use(table: Table, when: str) -> None:
+    """A disk table's files against its live records (the rest is garbage compaction has not taken yet)."""
+    stats = table.stats()
+    if stats["storage"] == "disk":
+        live = stats["disk_rows"] * _RECORD_AND_ID_BYTES
+        print(f"  {when}: {stats['disk_rows']:,} rows on disk, files {stats['disk_bytes'] / 1e9:.2f} GB for "
+              f"{live / 1e9:.2f} GB of live records; {stats['promoted']:,} rows promoted so far", flush=True)
 
 
 def _top(profile: cProfile.Profile, lines: int) -> str:

@@ -57,8 +57,9 @@ def _stream(rows: int, requests: int) -> list[torch.Tensor]:
     return [unique_batch(zipf_indices(rows, _GROW_BATCH, generator)) for _ in range(requests)]
 
 
-def _run(table: Table, rows: int, batches: list[torch.Tensor], warmup: int, profile: bool) -> tuple[float, cProfile.Profile]:
-    """Grows ``table`` to ``rows``, runs the ``warmup`` first batches, then times (and profiles) the others."""
+def _run(table: Table, rows: int, batches: list[torch.Tensor], warmup: int, profile: bool) -> tuple[float, cProfile.Profile, int]:
+    """Grows ``table`` to ``rows``, runs the ``warmup`` first batches, then times (and profiles) the others; returns
+    their time, their profile and the rows they promoted."""
     step = min(_GROW_BATCH, table.config.capacity)  # a training request fits in a disk table's budget
     for start in range(0, rows, step):
         table.lookup(stored_id(torch.arange(start, min(rows, start + step))), train=True)
@@ -66,6 +67,7 @@ def _run(table: Table, rows: int, batches: list[torch.Tensor], warmup: int, prof
     for batch in batches[:warmup]:
         table.lookup(batch, train=True)
     profiler = cProfile.Profile()
+    promoted = table.stats()["promoted"]
     _ProfiledDemotions.profiling = profile
     started = time.perf_counter()
     if profile:
@@ -76,7 +78,7 @@ def _run(table: Table, rows: int, batches: list[torch.Tensor], warmup: int, prof
     _ProfiledDemotions.profiling = False
     elapsed = time.perf_counter() - started
     _disk_use(table, "after the stream")
-    return elapsed, profiler
+    return elapsed, profiler, table.stats()["promoted"] - promoted
 
 
 def _disk_use(table: Table, when: str) -> None:
@@ -116,7 +118,7 @@ def main(argv=None) -> int:
           f"warmup, {args.requests} timed ({ids / args.requests:,.0f} distinct ids each)", flush=True)
 
     memory = Table(TableConfig("memory", 16, optimizer=optimizer, storage_dtype="fp16", capacity=(1 << 31) - 1), seed=0)
-    memory_s, _ = _run(memory, rows, batches, args.warmup, profile=False)
+    memory_s, _, _ = _run(memory, rows, batches, args.warmup, profile=False)
     del memory
     print(f"memory table: {ids / memory_s / 1e6:.2f} M rows/s, {memory_s / args.requests * 1e3:.2f} ms a request", flush=True)
 
@@ -126,15 +128,12 @@ def main(argv=None) -> int:
         demoter = Demoter(lambda: [disk])
         demoter.start()
         try:
-            before = disk.stats()
-            disk_s, profile = _run(disk, rows, batches, args.warmup, profile=True)
-            after = disk.stats()
+            disk_s, profile, promoted = _run(disk, rows, batches, args.warmup, profile=True)
         finally:
             demoter.stop()
             disk.close()
-    promoted = (after["promoted"] - before["promoted"]) / args.requests
     print(f"disk table: {ids / disk_s / 1e6:.2f} M rows/s, {disk_s / args.requests * 1e3:.2f} ms a request "
-          f"({memory_s / disk_s:.2f}x the memory table's rate); the last {args.requests} requests promoted {promoted:,.0f} rows each, "
+          f"({memory_s / disk_s:.2f}x the memory table's rate); the last {args.requests} requests promoted {promoted / args.requests:,.0f} rows each, "
           f"the demoter's demotions took {_ProfiledDemotions.spent_s / args.requests * 1e3:.2f} ms a request")
     print("--- the requests (the request thread; a wait for the table's lock counts in Table.lookup)")
     print(_top(profile, args.profile_rows))

@@ -42,7 +42,7 @@ _SWEEP_ROWS = 1 << 18  # records an expiry sweep reads at a time
 COMPACT_BELOW = 0.5
 """A full segment is compacted once fewer than this fraction of its records are live rows."""
 _COMPACT_ROWS = 1 << 16  # live rows a compaction step moves at most (the table's lock held to move them)
-MAX_SEGMENTS = ((1 << 32) - 2) >> SEGMENT_SHIFT  # slots are 32-bit in the id map
+MAX_SEGMENTS = ((1 << 32) - 2) >> SEGMENT_SHIFT  # at once: slots are 32-bit in the id map (compaction frees numbers)
 DISK_FIELDS = ("ids", "weights", "state", "access")
 """The fields of a record on disk, in their order; the id comes first."""
 
@@ -78,11 +78,11 @@ class ReadAhead:
     ``records`` (a row per position; None: not read) and whether an id ``repeats`` among those on disk."""
 
     def __init__(self, positions: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, tables: tuple, record_bytes: int,
-                 forgotten: int) -> None:
+                 map_changes: int) -> None:
         self.positions, self.ids, self.slots = positions, ids, slots
         self.records: Optional[torch.Tensor] = None
         self.repeats = True
-        self.forgotten = forgotten  # the tier's removals from its id map when the read began
+        self.map_changes = map_changes  # the tier's changes of its id map when the read began
         self._tables = tables  # the tier's file and mapping tables when the read began: valid until end_read
         self._record_bytes = record_bytes
 
@@ -135,7 +135,7 @@ class DiskTier:
         self.written_bytes = 0
         self.closed = False
         self._readers = 0  # reads under way without the table's lock (begin_read)
-        self._forgotten = 0  # removals from the id map so far (forget): a read ahead's slots hold while it stays
+        self._map_changes = 0  # entries added to or removed from the id map so far: a read ahead's slots hold while it stays
         self._close_deferred = False
 
     # ---- writes ------------------------------------------------------------------------------------------
@@ -149,36 +149,48 @@ class DiskTier:
             self._append(self._pack(rows), rows["ids"], "in memory")
 
     def _append(self, records: torch.Tensor, ids: torch.Tensor, rows_stay: str) -> None:
-        """:meth:`write` of packed ``records`` of ``ids``; ``rows_stay``: where the rows stay if the disk refuses them."""
+        """:meth:`write` of packed ``records`` of ``ids``; ``rows_stay``: where the rows stay if the disk refuses them.
+        A segment is written from its start only once the one before is full (or sealed by a save): the lowest
+        number compaction deleted, unless a save is under way (it counts the slots past its point as later ones)."""
         n = ids.numel()
-        first = self._next
+        chunks, at, position = [], self._next, 0
         try:
-            position = 0
             while position < n:
-                slot = first + position
-                segment = slot >> SEGMENT_SHIFT
-                count = min(n - position, SEGMENT_ROWS - (slot & (SEGMENT_ROWS - 1)))
+                if not at & (SEGMENT_ROWS - 1):
+                    at = self._segment_to_open() << SEGMENT_SHIFT
+                segment, offset = at >> SEGMENT_SHIFT, at & (SEGMENT_ROWS - 1)
+                count = min(n - position, SEGMENT_ROWS - offset)
                 self._open_segment(segment)
-                offset = slot & (SEGMENT_ROWS - 1)
                 _write_all(self._fds[segment], records[position : position + count], offset * self.record_bytes)
                 _write_all(self._id_fds[segment], ids[position : position + count].contiguous().view(torch.uint8), offset * 8)
-                self._written[segment] = offset + count
-                position += count
+                self._written[segment] = max(self._written[segment], offset + count)
+                chunks.append(torch.arange(at, at + count))
+                position, at = position + count, at + count
         except OSError as err:
             raise DiskTierError(f"the disk tier at {self.directory} could not write {n} rows: {err.strerror or err}"
                                 f" (the rows stay {rows_stay})") from None
-        slots = torch.arange(first, first + n)
+        slots = torch.cat(chunks)
         self._map.insert(ids, slots)
-        self._next = first + n
+        self._map_changes += 1  # an id a read ahead found nowhere may have been admitted and demoted meanwhile
+        self._next = at
         self._mapping.changed()
         self._set_live(slots, True)
         self.written_bytes += n * (self.record_bytes + 8)
 
+    def _segment_to_open(self) -> int:
+        """The segment to write next, the last one full: the lowest number compaction deleted (or a checkpoint left
+        out) where no save is under way, else a new one."""
+        if not self._saves:
+            for segment, fd in enumerate(self._fds):
+                if fd < 0:
+                    return segment
+        return len(self._fds)
+
     def _open_segment(self, segment: int) -> None:
-        if segment < len(self._fds):
+        if segment < len(self._fds) and self._fds[segment] >= 0:
             return
         if segment >= MAX_SEGMENTS:
-            raise OSError(0, f"the tier holds at most {MAX_SEGMENTS} segments")
+            raise OSError(0, f"the tier holds at most {MAX_SEGMENTS} segments at once")
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
         records = os.open(self._path(segment, "rows"), flags, 0o644)
         try:
@@ -187,10 +199,14 @@ class DiskTier:
             os.close(records)
             os.unlink(self._path(segment, "rows"))
             raise
-        self._fds.append(records)
-        self._id_fds.append(ids)
-        self._live.append(torch.zeros(SEGMENT_ROWS >> 3, dtype=torch.uint8))
-        self._written.append(0)
+        bits = torch.zeros(SEGMENT_ROWS >> 3, dtype=torch.uint8)
+        if segment < len(self._fds):  # a number compaction deleted (or a checkpoint left out), written anew
+            self._fds[segment], self._id_fds[segment], self._live[segment], self._written[segment] = records, ids, bits, 0
+        else:
+            self._fds.append(records)
+            self._id_fds.append(ids)
+            self._live.append(bits)
+            self._written.append(0)
         self._segments_changed()
 
     def _segments_changed(self) -> None:
@@ -219,11 +235,10 @@ class DiskTier:
         if ahead is not None and ahead.records is not None:
             slots, records = ahead.slots, ahead.records
             unread = slots[:0]
-            if ahead.forgotten != self._forgotten:  # entries left the map meanwhile: an id whose slot changed is read again
+            if ahead.map_changes != self._map_changes:  # the map changed meanwhile: an id whose slot changed is read again
                 now = self._map.find(ids)
                 moved = torch.nonzero(now != slots).squeeze(1)
                 slots, unread = now, moved[now[moved] >= 0]
-            # an entry added meanwhile is another id's: an id comes to disk only from memory, and these were not in memory
             pending = torch.nonzero(slots >= 0).squeeze(1)
         else:
             slots = self._map.find(ids)
@@ -256,7 +271,7 @@ class DiskTier:
         self._mapping.changed()
         mapping = self._mapping
         ahead = ReadAhead(positions, ids, slots, (self._fd_table, mapping.bases, mapping.mapped, mapping.reads),
-                          self.record_bytes, self._forgotten)
+                          self.record_bytes, self._map_changes)
         self._readers += 1
         return ahead
 
@@ -284,7 +299,7 @@ class DiskTier:
     def forget(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         """Drops the rows of ``ids`` at ``slots`` (as :meth:`find` gave them): their records become garbage."""
         self._map.remove(ids, slots)
-        self._forgotten += 1
+        self._map_changes += 1
         self._set_live(slots, False)
 
     def _read(self, slots: torch.Tensor, records: torch.Tensor, positions: torch.Tensor) -> None:
@@ -387,41 +402,49 @@ class DiskTier:
         try:
             native.read_records(*tables, SEGMENT_SHIFT, slots, records)
         except OSError as err:
-            with self._lock:
-                self.end_read()
             raise DiskTierError(f"the disk tier at {self.directory} could not read segment {segment} to compact it: "
                                 f"{err.strerror or err}") from None
+        finally:
+            with self._lock:
+                self.end_read()
         with self._lock:
-            self.end_read()
             if self.closed:
                 return 0
             local = slots & (SEGMENT_ROWS - 1)
             still = ((self._live[segment][local >> 3] >> (local & 7)) & 1).bool()
             slots, records = slots[still], records[still]
-            ids = records[:, :8].contiguous().view(torch.int64).squeeze(1)
+            if not slots.numel():
+                return 0
+            ids = records[:, :8].clone(memory_format=torch.contiguous_format).view(torch.int64).squeeze(1)
             self._append(records, ids, f"in segment {segment}")  # written anew (a failure changes nothing), then forgotten there
             self.forget(ids, slots)
             return slots.numel()
 
     def _sparsest(self) -> Optional[int]:
-        """The full segment (sealed: the tier writes past it) with the fewest live rows, if below :data:`COMPACT_BELOW`
-        of its records and above none (one without any is deleted instead)."""
-        full = len(self._fds) if not self._next & (SEGMENT_ROWS - 1) else self._next >> SEGMENT_SHIFT
-        written = torch.tensor(self._written[:full], dtype=torch.float64)
-        live = self._live_counts[:full].to(torch.float64)
-        candidates = torch.nonzero((torch.tensor(self._fds[:full]) >= 0) & (live > 0) & (live < COMPACT_BELOW * written)).squeeze(1)
+        """The sealed segment with the fewest live rows, if below :data:`COMPACT_BELOW` of its records and above none
+        (one without any is deleted instead)."""
+        sealed = self._sealed()
+        written = torch.tensor(self._written, dtype=torch.float64)
+        live = self._live_counts.to(torch.float64)
+        candidates = torch.nonzero(sealed & (live > 0) & (live < COMPACT_BELOW * written)).squeeze(1)
         if not candidates.numel():
             return None
         return int(candidates[torch.argmin(live[candidates])])
+
+    def _sealed(self) -> torch.Tensor:
+        """Which segments the tier writes no more (a mask): every one with files but the one it writes into next."""
+        sealed = torch.tensor([fd >= 0 for fd in self._fds], dtype=torch.bool)
+        if (self._next >> SEGMENT_SHIFT) < sealed.numel():
+            sealed[self._next >> SEGMENT_SHIFT] = False
+        return sealed
 
     def _delete_emptied(self) -> None:
         """Deletes the files of the full segments without a live row, unless a read is under way (its tables name
         them) or a save holds them (it links them)."""
         if self._readers or self._saves:
             return
-        full = len(self._fds) if not self._next & (SEGMENT_ROWS - 1) else self._next >> SEGMENT_SHIFT
-        emptied = [s for s in range(full) if self._fds[s] >= 0 and self._written[s] and not int(self._live_counts[s])
-                   and not self._mapping.in_flight(s)]
+        empty = torch.nonzero(self._sealed() & (self._live_counts == 0)).squeeze(1).tolist()
+        emptied = [segment for segment in empty if not self._mapping.in_flight(segment)]
         for segment in emptied:
             self._mapping.drop(segment)
             for fd in (self._fds[segment], self._id_fds[segment]):
@@ -438,8 +461,7 @@ class DiskTier:
     def freeze(self) -> FrozenTier:
         """The tier at this point (its table's lock held): the open segment is sealed, later rows go to a new one."""
         written = [(segment, rows) for segment, rows in enumerate(self._written) if self._fds[segment] >= 0 and rows]
-        if self._next & (SEGMENT_ROWS - 1):
-            self._next = ((self._next >> SEGMENT_SHIFT) + 1) << SEGMENT_SHIFT
+        self._next = len(self._fds) << SEGMENT_SHIFT  # past every segment: no slot below it is written until the save ends
         self._map.save_begin(self._next)  # every slot written from now on is past the point
         self._saves += 1
         return FrozenTier(self.directory, written, [self._live[segment][: (rows + 7) >> 3].clone() for segment, rows in written],

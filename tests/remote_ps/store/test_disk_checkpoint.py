@@ -120,10 +120,15 @@ def test_a_tier_compacted_by_the_demoter_saves_and_loads_without_its_deleted_seg
         for batch in ids.split(500):
             store.lookup("t", batch, train=True)
     expected = _read(store, ids)
+    written = store.stats()["t"]["demoted"] // 1024  # full segments written in all (each demoted row is a record)
+
+    def files() -> int:
+        return len(list((tmp_path / "disk-a").rglob("segment-*.rows")))
+
     deadline = time.monotonic() + 30
-    while list((tmp_path / "disk-a").rglob("segment-000000.rows")) and time.monotonic() < deadline:
-        time.sleep(0.05)  # the demoter compacts a step a pass
-    assert not list((tmp_path / "disk-a").rglob("segment-000000.rows"))  # compacted, then deleted
+    while files() >= written / 2 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the demoter compacts a step a pass, and deletes what it emptied
+    assert files() < written / 2
     assert torch.equal(_read(store, ids), expected)
     store.save(str(tmp_path / "ckpt"))
     restarted = ShardStore(0, 1, disk_dir=str(tmp_path / "disk-b"))

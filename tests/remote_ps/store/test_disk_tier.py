@@ -375,10 +375,54 @@ def test_a_full_disk_while_compacting_moves_nothing(tmp_path, small_segments, mo
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
+    real = disk_tier._write_all
     monkeypatch.setattr(disk_tier, "_write_all", full)
     with pytest.raises(DiskTierError, match=r"could not write 24 rows: No space left on device \(the rows stay in segment 0\)"):
         tier.compact_step()
-    monkeypatch.undo()
+    monkeypatch.setattr(disk_tier, "_write_all", real)  # (undo would also undo the small segments)
     slots, records = tier.find(ids[1000:1024])
     assert slots.tolist() == list(range(1000, 1024))  # still where they were
     assert torch.equal(tier.unpack(records)["ids"], ids[1000:1024]) and tier.rows == 1500
+
+
+def test_a_step_moving_one_row_and_the_deleted_numbers_written_anew_once_no_save_is_under_way(tmp_path, small_segments):
+    lock = threading.Lock()
+    tier = DiskTier(tmp_path / "tier", _specs(), lock)
+    ids = torch.arange(3000) * 7 + 1
+    tier.write(_rows(ids))
+    tier.take(ids[1:1024])  # segment 0: one live row
+    assert tier.compact_step() == 1 and tier.compact_step() == 0
+    assert "segment-000000.rows" not in _segment_files(tmp_path)
+    with lock:
+        frozen = tier.freeze()
+    tier.write(_rows(torch.arange(5000, 6100) * 7 + 1))  # a save is under way: above every segment, not in 0
+    assert "segment-000000.rows" not in _segment_files(tmp_path)
+    frozen.release()
+    more = torch.arange(7000, 8100) * 7 + 1
+    tier.write(_rows(more))  # the sealed segment filled, the next one is the deleted number 0, written anew
+    assert "segment-000000.rows" in _segment_files(tmp_path)
+    assert bool((tier.find(more)[0] >> 10 == 0).any())
+    everything = torch.cat([ids[:1], ids[1024:], torch.arange(5000, 6100) * 7 + 1, more])
+    slots, records = tier.find(everything)
+    assert bool((slots >= 0).all()) and torch.equal(tier.unpack(records)["ids"], everything)
+
+
+def test_a_failed_write_at_a_segments_start_leaves_the_segment_it_opened_to_be_written(tmp_path, small_segments, monkeypatch):
+    tier = DiskTier(tmp_path / "tier", _specs())
+    tier.write(_rows(torch.arange(1024) * 7 + 1))  # segment 0 full: the next write starts segment 1
+    real, calls = disk_tier._write_all, []
+
+    def fails_third(*args):
+        calls.append(1)
+        if len(calls) == 3:  # segment 1 written, segment 2's records refused
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(*args)
+
+    monkeypatch.setattr(disk_tier, "_write_all", fails_third)
+    with pytest.raises(DiskTierError):
+        tier.write(_rows(torch.arange(2000, 3500) * 7 + 1))
+    monkeypatch.setattr(disk_tier, "_write_all", real)
+    tier.compact_step()  # nothing live in segment 1, but the tier writes into it next: not deleted
+    again = torch.arange(4000, 5500) * 7 + 1
+    tier.write(_rows(again))
+    assert torch.equal(tier.unpack(tier.find(again)[1])["ids"], again)

@@ -1079,9 +1079,9 @@ int64_t lp_set_bits(const int64_t *pages, int64_t num_pages, int64_t shift, cons
 
 /* Reads the records of `slots` (record r of segment r >> shift: `stride` bytes at (r & (2^shift - 1)) * stride of
  * the file fds[r >> shift]) into out[into[i]] (into NULL: out[i]), in the order given (the caller sorts them:
- * neighbouring records share their pages); a slot < 0 leaves its row of out as it is. A record among the first mapped[s] of a segment mapped at bases[s]
- * (populated: its pages in the process's page tables) is copied from there, any other read with pread; reads[s]
- * counts the records read of each segment. Returns 0, or -(i + 1) for the first record that could not be read
+ * neighbouring records share their pages); a slot < 0 leaves its row of out as it is. A record among the first
+ * mapped[s] of a segment mapped at bases[s] (populated: its pages in the process's page tables) is copied from
+ * there, any other read with pread; reads[s] counts the records read of each segment. Returns 0, or -(i + 1) for the first record that could not be read
  * whole, its errno in *error (0: the file ends before it). */
 int64_t lp_read_records(const int64_t *fds, const int64_t *bases, const int64_t *mapped, int64_t *reads, int64_t shift,
                         int64_t stride, const int64_t *slots, int64_t n, const int64_t *into, char *out, int64_t *error) {

@@ -384,7 +384,7 @@ class DiskTier:
     # ---- compaction --------------------------------------------------------------------------------------
 
     def compact_step(self) -> int:
-        """Moves up to 65,536 live rows of the full segment with the fewest of them, below :data:`COMPACT_BELOW`, to
+        """Moves up to 65,536 live rows of the sealed segment with the fewest of them, below :data:`COMPACT_BELOW`, to
         the end of the tier; deletes the segments left without a live row (once no read is under way and no save
         holds them). Returns the rows moved. Takes the table's lock to choose and to move the rows, not while it
         reads their records; a row that left the segment meanwhile is not moved."""
@@ -439,7 +439,7 @@ class DiskTier:
         return sealed
 
     def _delete_emptied(self) -> None:
-        """Deletes the files of the full segments without a live row, unless a read is under way (its tables name
+        """Deletes the files of the sealed segments without a live row, unless a read is under way (its tables name
         them) or a save holds them (it links them)."""
         if self._readers or self._saves:
             return
@@ -477,7 +477,6 @@ class DiskTier:
         map: ``disk_map_file.adopt``) maps them, else they are read from the ids files and inserted."""
         if self._fds:
             raise DiskTierError(f"the disk tier at {self.directory} is not empty")
-        live_rows = 0
         for segment, rows, records, ids, live in files:
             while len(self._fds) < segment:  # numbers not in the checkpoint: no file
                 self._fds.append(-1)
@@ -494,7 +493,6 @@ class DiskTier:
             self._written.append(rows)
             self._next = (segment + 1) << SEGMENT_SHIFT
             if adopt_map is not None:
-                live_rows += int(np.bitwise_count(live.numpy()).sum())
                 continue
             stored = torch.from_numpy(np.fromfile(self._path(segment, "ids"), dtype="<i8", count=rows))
             if stored.numel() != rows:
@@ -505,6 +503,7 @@ class DiskTier:
         self._live_counts = torch.tensor([int(np.bitwise_count(bits.numpy()).sum()) for bits in self._live], dtype=torch.int64)
         if adopt_map is not None:
             adopt_map(self._map)
+            live_rows = int(self._live_counts.sum())
             if self._map.info()[0] != live_rows:
                 raise DiskTierError(f"the id map of the checkpoint holds {self._map.info()[0]} ids, its live bits {live_rows}")
 

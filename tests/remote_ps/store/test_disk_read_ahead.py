@@ -151,3 +151,18 @@ def test_rows_removed_from_disk_meanwhile_are_not_served_from_the_read(tmp_path,
     initial = _table(tmp_path / "fresh").lookup(cold[:10], train=False)  # what an id the table does not hold gets
     assert torch.equal(got[:10], initial) and not torch.equal(got[:10], expected[:10])
     assert torch.equal(got[10:], expected[10:])
+
+
+def test_an_id_admitted_and_demoted_meanwhile_is_read_from_disk_not_admitted_twice(tmp_path, monkeypatch):
+    table = _grown(tmp_path)
+    new = torch.tensor([1000])
+
+    def admit_then_demote():
+        table.lookup(new, train=True)  # admitted...
+        table.lookup(torch.arange(2000, 2100), train=True)  # ...and demoted, the coldest row for these 100
+        assert table.stats()["disk_rows"] == 200 + 1 + 100
+
+    calls = _during_read(monkeypatch, table, admit_then_demote)
+    table.lookup(torch.cat([torch.arange(10), new]), train=True)  # 1000 was nowhere when this read began
+    stats = table.stats()
+    assert calls and stats["rows"] + stats["disk_rows"] == 300 + 1 + 100  # each id once: 1000 brought back, not admitted again

@@ -19,13 +19,14 @@ where they were; a segment that is missing or shorter than its rows raises :clas
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, ContextManager, Iterator, Optional
 
 import numpy as np
 import torch
@@ -40,7 +41,12 @@ SEGMENT_ROWS = 1 << SEGMENT_SHIFT
 """Records a segment holds (~200 MB at dim 16 in fp16)."""
 _SWEEP_ROWS = 1 << 18  # records an expiry sweep reads at a time
 COMPACT_BELOW = 0.5
-"""A full segment is compacted once fewer than this fraction of its records are live rows."""
+"""A full segment is compacted once fewer than this fraction of its records are live rows ..."""
+COMPACT_GARBAGE = 1 / 8
+"""... and garbage is more than this fraction of the tier's records. A step moves live rows with the table's lock
+held, so the garbage a Zipf stream's promotions leave is let gather to this bound before any is moved: the first
+hundreds of requests after a table grew promote from the same few segments, and compacting them at once cost the
+requests more time than their reads (benchmarks/results/2026-11-25-disk-tier.md, section 16)."""
 _COMPACT_ROWS = 1 << 16  # live rows a compaction step moves at most (the table's lock held to move them)
 MAX_SEGMENTS = ((1 << 32) - 2) >> SEGMENT_SHIFT  # at once: slots are 32-bit in the id map (compaction frees numbers)
 DISK_FIELDS = ("ids", "weights", "state", "access")
@@ -383,12 +389,13 @@ class DiskTier:
 
     # ---- compaction --------------------------------------------------------------------------------------
 
-    def compact_step(self) -> int:
+    def compact_step(self, holding: Callable[[], ContextManager] = contextlib.nullcontext) -> int:
         """Moves up to 65,536 live rows of the sealed segment with the fewest of them, below :data:`COMPACT_BELOW`, to
         the end of the tier; deletes the segments left without a live row (once no read is under way and no save
         holds them). Returns the rows moved. Takes the table's lock to choose and to move the rows, not while it
-        reads their records; a row that left the segment meanwhile is not moved."""
-        with self._lock:
+        reads their records; a row that left the segment meanwhile is not moved. Each hold of the lock runs within
+        ``holding()`` (the table times its disk work so)."""
+        with self._lock, holding():
             if self.closed:
                 return 0
             self._delete_emptied()
@@ -407,7 +414,7 @@ class DiskTier:
         finally:
             with self._lock:
                 self.end_read()
-        with self._lock:
+        with self._lock, holding():
             if self.closed:
                 return 0
             local = slots & (SEGMENT_ROWS - 1)
@@ -422,10 +429,13 @@ class DiskTier:
 
     def _sparsest(self) -> Optional[int]:
         """The sealed segment with the fewest live rows, if below :data:`COMPACT_BELOW` of its records and above none
-        (one without any is deleted instead)."""
+        (one without any is deleted instead), once the tier's garbage passed :data:`COMPACT_GARBAGE`."""
         sealed = self._sealed()
         written = torch.tensor(self._written, dtype=torch.float64)
         live = self._live_counts.to(torch.float64)
+        records = float(written[torch.tensor([fd >= 0 for fd in self._fds], dtype=torch.bool)].sum())  # deleted: none
+        if records - float(live.sum()) <= COMPACT_GARBAGE * records:
+            return None
         candidates = torch.nonzero(sealed & (live > 0) & (live < COMPACT_BELOW * written)).squeeze(1)
         if not candidates.numel():
             return None

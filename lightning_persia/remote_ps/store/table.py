@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -580,8 +580,13 @@ class Table:
 
     def compact_disk(self) -> int:
         """A step of compacting the disk tier's sparsest segment (see :meth:`DiskTier.compact_step`); returns the rows
-        moved. The shard's demoter calls it between requests."""
-        return 0 if self._disk is None else self._disk.compact_step()
+        moved. The shard's demoter calls it between requests; its holds of the lock count as disk work."""
+        return 0 if self._disk is None else self._disk.compact_step(self._compaction_work)
+
+    @contextlib.contextmanager
+    def _compaction_work(self) -> Iterator[None]:
+        with self._disk_work.operation("compaction"), self._disk_work.timed():
+            yield
 
     def map_disk_pages(self) -> int:
         """A step of mapping the disk tier's most read segments (see :meth:`DiskTier.map_step`); returns the bytes

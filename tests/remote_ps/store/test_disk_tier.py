@@ -1,4 +1,5 @@
 """The disk tier under a table: demotion, promotion, the id map, faults (a full disk, a missing or damaged segment)."""
+import contextlib
 import errno
 import os
 import threading
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from lightning_persia.ops import native
-from lightning_persia.remote_ps.store import disk_tier, segment_mapping
+from lightning_persia.remote_ps.store import disk_tier, segment_mapping, thread_clock
 from lightning_persia.remote_ps.store.chunked_rows import FieldSpec
 from lightning_persia.remote_ps.store.disk_tier import DiskTier, DiskTierError
 from lightning_persia.remote_ps.store.errors import InvalidRequestError, StoreError
@@ -342,6 +343,44 @@ def test_a_full_segment_mostly_garbage_is_compacted_then_deleted(tmp_path, small
     slots, records = tier.find(kept)
     assert bool((slots >= 0).all()) and torch.equal(tier.unpack(records)["weights"], _rows(kept)["weights"].half())
     assert bool((tier.find(ids[:800])[0] == -1).all())
+
+
+def test_a_sparse_segment_waits_until_the_tiers_garbage_passes_its_bound(tmp_path, small_segments):
+    tier = DiskTier(tmp_path / "tier", _specs())
+    ids = torch.arange(9300) * 7 + 1  # nine full segments, a tenth open
+    tier.write(_rows(ids))
+    tier.take(ids[:600])  # segment 0 below half live, but 600 of 9,300 records are garbage: under 1/8
+    assert disk_tier.COMPACT_GARBAGE == 1 / 8 and tier.compact_step() == 0
+    assert "segment-000000.rows" in _segment_files(tmp_path)
+    tier.take(ids[1024:1724])  # 1,300 garbage records of 9,300: past the bound
+    assert tier.compact_step() == 324  # the sparsest first: segment 1
+    assert tier.compact_step() == 0  # segment 1 deleted: 600 garbage records of 8,600, under the bound again
+    assert _segment_files(tmp_path)[:2] == ["segment-000000.rows", "segment-000002.rows"]
+    kept = torch.cat([ids[600:1024], ids[1724:]])
+    assert bool((tier.find(kept)[0] >= 0).all()) and tier.rows == kept.numel()
+
+
+def test_a_compaction_steps_holds_of_the_lock_count_as_the_tables_disk_work(tmp_path, small_segments, monkeypatch):
+    lock = threading.Lock()
+    tier = DiskTier(tmp_path / "tier", _specs(), lock)
+    ids = torch.arange(3000) * 7 + 1
+    tier.write(_rows(ids))
+    tier.take(ids[:800])
+    held = []
+
+    @contextlib.contextmanager
+    def holding():
+        held.append(lock.locked())
+        yield
+
+    assert tier.compact_step(holding) == 224 and held == [True, True]  # choosing, then moving; not the read between
+    table = _table(tmp_path / "table", capacity=1000)
+    for start in list(range(0, 4000, 500)) + list(range(0, 2000, 500)):  # rows in, out and in again: garbage
+        table.lookup(torch.arange(start, start + 500), train=True)
+    clock = iter(range(10**6))
+    monkeypatch.setattr(thread_clock.time, "thread_time", lambda: 100.0 * next(clock))  # each reading 100 s on
+    assert table.compact_disk() > 0
+    assert table.stats()["worst_disk_work_of"] == "compaction" and table.stats()["worst_disk_work_cpu_s"] >= 100
 
 
 def test_a_segment_is_deleted_only_once_no_read_or_save_needs_it(tmp_path, small_segments):

@@ -9,7 +9,8 @@ it brings in exceed the headroom left (the budget is a hard limit: it demotes wh
 
 Between demotions it maps the segments that reads hit most into the shard's page tables, a step at a time
 (``DiskTier.map_step``): a read of a mapped record is a memory copy instead of a ``pread``; and it compacts a
-segment that holds more garbage than live rows, a step a pass (``DiskTier.compact_step``).
+segment that holds more garbage than live rows, once the tier holds more than its bound of garbage, a step a pass
+(``DiskTier.compact_step``).
 """
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ from lightning_persia.remote_ps.store.background import TablePass
 
 HEADROOM_FRACTION = 1 / 16
 """Of a disk table's memory budget, kept free for the rows requests bring in (demotion starts at half of it used)."""
-SLICE_ROWS = 1 << 16
-"""Rows demoted with a table's lock held, at most (as many as eviction.SLICE_ROWS: one sweep slice)."""
+SLICE_ROWS = 1 << 13
+"""Rows demoted with a table's lock held, at most. A request that waits for the lock waits for what is left of a
+slice, so slices are kept short; the cold threshold is estimated once a pass, not once a slice."""
 _MAP_STEPS = 8  # map steps of a table a pass (16 MB each), the lock taken for each
 _log = logging.getLogger(__name__)
 
@@ -49,11 +51,13 @@ class Demoter(TablePass):
         demoted = 0
         for table in self._tables():
             try:
-                while not self.stopping:
-                    count = min(demotion_target(table.config.capacity, table.memory_rows), SLICE_ROWS)
-                    if count <= 0 or not table.demote(count):
+                target = demotion_target(table.config.capacity, table.memory_rows)
+                estimated = table.cold_estimate(target) if target > 0 else None
+                while target > 0 and not self.stopping:
+                    moved = table.demote(min(target, SLICE_ROWS), estimated)
+                    if not moved:
                         break
-                    demoted += count
+                    demoted, target = demoted + moved, target - moved
                     time.sleep(0)  # a request waiting for the lock gets it between two slices
                 for _ in range(_MAP_STEPS):
                     if not table.map_disk_pages():

@@ -502,6 +502,8 @@ class Table:
                 **self._worst_held.stats(),
                 worst_disk_work_cpu_s=self._disk_work.worst_cpu_s,
                 worst_disk_work_of=self._disk_work.worst_of,
+                worst_disk_work_sys_s=self._disk_work.worst_sys_s,
+                worst_disk_work_demoting_s=self._disk_work.worst_demoting_s,
             )
 
     # ---- time to live ------------------------------------------------------------------------------
@@ -562,15 +564,22 @@ class Table:
         """Rows in memory now (read without the lock: a moment's value)."""
         return self._live
 
-    def demote(self, count: int) -> int:
-        """Moves ``count`` of the coldest rows of a disk table's memory tier to disk (the shard's demoter calls it
-        between requests); returns how many moved (0: not a disk table, or closed). Samples the access values without
-        the lock (an estimate of the cold ones), then holds it to choose and move the rows."""
-        if self._disk is None or count <= 0:
-            return 0
+    def cold_estimate(self, count: int) -> Optional[tuple[int, float]]:
+        """The access value at or below which the ``count`` coldest rows lie, from a sample read without the lock
+        (:func:`eviction.estimate`): what :meth:`demote` selects by. One estimate serves several demotions: the
+        coldest :data:`eviction.BULK_FRACTION` of the rows lie below it, and an access value only grows."""
         with self.lock:
             access = self._access_in_use()
-        estimated = eviction.estimate(access, count, self._demotion_sample)  # a sample's reads: no need of the lock
+        return eviction.estimate(access, count, self._demotion_sample)
+
+    def demote(self, count: int, estimated: Optional[tuple[int, float]] = None) -> int:
+        """Moves ``count`` of the coldest rows of a disk table's memory tier to disk (the shard's demoter calls it
+        between requests); returns how many moved (0: not a disk table, or closed). Selects them by ``estimated``
+        (:meth:`cold_estimate`; made now if None), holding the lock to choose and move the rows."""
+        if self._disk is None or count <= 0:
+            return 0
+        if estimated is None:
+            estimated = self.cold_estimate(count)
         with self.lock, self._disk_work.operation("demotion"):
             if self._disk.closed:
                 return 0
@@ -785,7 +794,7 @@ class Table:
             victims, self._evict_from = eviction.select_victims(in_use, count, self._eviction_sample, self._evict_from, estimated)
         gone = self._rows["ids"].gather(victims)
         if self._disk is not None and victims.numel():  # demoted: written to disk first (a failure changes nothing)
-            with self._disk_work.timed():
+            with self._disk_work.timed(demoting=True):
                 kept = {name: torch.empty(spec.shape(victims.numel()), dtype=spec.dtype)
                         for name, spec in self._disk.specs.items() if name != "ids"}
                 self._disk.write({"ids": gone, **self._rows.gather_fields(victims, kept)})

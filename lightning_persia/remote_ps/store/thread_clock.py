@@ -14,7 +14,13 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
+try:
+    import resource
+except ImportError:  # Windows has no per-thread counts
+    resource = None
+
 _SCHEDSTAT = "/proc/thread-self/schedstat"
+_RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None) if resource is not None else None
 
 
 @dataclass(frozen=True)
@@ -83,37 +89,51 @@ class WorstHeld:
 class DiskWork:
     """The CPU a table's lock holder spends in the disk tier's work (reads from disk, promotions, demotions) during
     one operation (a request, or one step of the shard's demoter), and the worst such operation so far, with its
-    kind (:attr:`worst_of`): how long the disk tier held the table's other requests, on a core of its own. Called
-    holding the table's lock."""
+    kind (:attr:`worst_of`): how long the disk tier held the table's other requests, on a core of its own. Of the
+    worst, :attr:`worst_sys_s` is the kernel's part (page faults, reclaim, ``pread``/``pwrite``) and
+    :attr:`worst_demoting_s` the part that demoted rows (a request demotes what it needs when the demoter lags): the
+    two remedies differ. Called holding the table's lock."""
 
     def __init__(self) -> None:
-        self.worst_cpu_s = 0.0
+        self.worst_cpu_s = self.worst_sys_s = self.worst_demoting_s = 0.0
         self.worst_of = ""
-        self._spent = 0.0
+        self._spent = self._sys = self._demoting = 0.0
         self._depth = 0
-        self._started = 0.0
+        self._started = (0.0, 0.0)
 
     @contextlib.contextmanager
     def operation(self, kind: str) -> Iterator[None]:
         """One operation of ``kind`` (what it was, e.g. ``"lookup"``): the disk work timed within it is summed, and
         the sum kept if it is the worst."""
-        self._spent = 0.0
+        self._spent = self._sys = self._demoting = 0.0
         try:
             yield
         finally:
             if self._spent > self.worst_cpu_s:
                 self.worst_cpu_s, self.worst_of = self._spent, kind
-            self._spent = 0.0
+                self.worst_sys_s, self.worst_demoting_s = min(self._sys, self._spent), min(self._demoting, self._spent)
+            self._spent = self._sys = self._demoting = 0.0
 
     @contextlib.contextmanager
-    def timed(self) -> Iterator[None]:
-        """Disk work (nested calls count once)."""
+    def timed(self, demoting: bool = False) -> Iterator[None]:
+        """Disk work (nested calls count once); ``demoting``: it demotes rows."""
+        started = (time.thread_time(), _kernel_time()) if self._depth == 0 or demoting else None
         if self._depth == 0:
-            self._started = time.thread_time()
+            self._started = started
         self._depth += 1
         try:
             yield
         finally:
             self._depth -= 1
+            if demoting:
+                self._demoting += time.thread_time() - started[0]
             if self._depth == 0:
-                self._spent += time.thread_time() - self._started
+                self._spent += time.thread_time() - self._started[0]
+                self._sys += _kernel_time() - self._started[1]
+
+
+def _kernel_time() -> float:
+    """Seconds the calling thread ran in the kernel (0 where the platform does not count it per thread)."""
+    if _RUSAGE_THREAD is None:
+        return 0.0
+    return resource.getrusage(_RUSAGE_THREAD).ru_stime

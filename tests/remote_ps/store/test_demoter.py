@@ -100,3 +100,28 @@ def test_a_demotion_samples_the_access_values_without_the_lock(tmp_path, monkeyp
     monkeypatch.setattr(eviction, "estimate", estimate)
     assert table.demote(1000) == 1000
     assert locked == [False] and table.stats()["disk_rows"] == 1000
+
+
+def test_a_pass_demotes_in_short_slices_by_one_estimate(tmp_path, monkeypatch):
+    monkeypatch.setattr("lightning_persia.remote_ps.store.demoter.SLICE_ROWS", 16)
+    monkeypatch.setattr(eviction, "_SAMPLE", 256)  # the table does not fit in a sample: its victims are estimated
+    table = _table(tmp_path)
+    table.lookup(torch.arange(CAPACITY), train=True)
+    estimates, slices = [], []
+    real_estimate, real_demote = table.cold_estimate, table.demote
+
+    def cold_estimate(count):
+        estimates.append(count)
+        return real_estimate(count)
+
+    def demote(count, estimated=None):
+        slices.append((count, estimated))
+        return real_demote(count, estimated)
+
+    monkeypatch.setattr(table, "cold_estimate", cold_estimate)
+    monkeypatch.setattr(table, "demote", demote)
+    assert Demoter(lambda: [table]).run_once() == HEADROOM
+    assert estimates == [HEADROOM]  # once for the pass's target
+    assert [count for count, _ in slices] == [16] * (HEADROOM // 16) + ([HEADROOM % 16] if HEADROOM % 16 else [])
+    assert len({estimated for _, estimated in slices}) == 1 and slices[0][1] is not None
+    assert table.stats()["disk_rows"] == HEADROOM

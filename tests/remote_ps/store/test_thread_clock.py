@@ -62,3 +62,24 @@ def test_the_worst_operation_sums_its_sections_and_nesting_counts_once():
         with work.timed():
             _busy(0.01, time.thread_time)
     assert work.worst_cpu_s == first and work.worst_of == "demotion"  # a lighter operation keeps the worst, and its kind
+
+
+def test_the_worst_operation_keeps_its_kernel_time_and_its_demotions_apart():
+    work = DiskWork()
+    with work.operation("lookup"):
+        with work.timed():
+            _busy(0.02, time.thread_time)
+            with work.timed(demoting=True):  # nested, and counted as demoting too
+                _busy(0.03, time.thread_time)
+                start = thread_clock._kernel_time()
+                with open("/dev/zero", "rb") as zeros:  # the kernel's time: copying out zeros
+                    while thread_clock._kernel_time() - start < 0.01:
+                        zeros.read(1 << 20)
+    assert 0.06 <= work.worst_cpu_s < 0.2
+    assert 0.04 <= work.worst_demoting_s <= work.worst_cpu_s - 0.02
+    assert 0.01 <= work.worst_sys_s <= work.worst_cpu_s
+    demoting, kernel = work.worst_demoting_s, work.worst_sys_s
+    with work.operation("update"):
+        with work.timed():
+            _busy(0.005, time.thread_time)
+    assert (work.worst_demoting_s, work.worst_sys_s, work.worst_of) == (demoting, kernel, "lookup")

@@ -22,7 +22,7 @@ from lightning_persia.remote_ps.store.background import TablePass
 
 HEADROOM_FRACTION = 1 / 16
 """Of a disk table's memory budget, kept free for the rows requests bring in (demotion starts at half of it used)."""
-SLICE_ROWS = 1 << 13
+SLICE_ROWS = 1 << 14
 """Rows demoted with a table's lock held, at most. A request that waits for the lock waits for what is left of a
 slice, so slices are kept short; the cold threshold is estimated once a pass, not once a slice."""
 _MAP_STEPS = 8  # map steps of a table a pass (16 MB each), the lock taken for each

@@ -106,6 +106,7 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=50)
     parser.add_argument("--disk-dir", required=True, help="a folder for the disk table's segments (deleted after)")
     parser.add_argument("--profile-rows", type=int, default=14)
+    parser.add_argument("--eviction", choices=("lru", "lfu"), default="lru", help="which rows the disk table demotes")
     args = parser.parse_args(argv)
     rows, memory_rows = int(args.rows), int(args.memory_rows)
     if not 0 < memory_rows < rows or args.warmup < 0 or args.requests < 1:
@@ -123,7 +124,8 @@ def main(argv=None) -> int:
     print(f"memory table: {ids / memory_s / 1e6:.2f} M rows/s, {memory_s / args.requests * 1e3:.2f} ms a request", flush=True)
 
     with tempfile.TemporaryDirectory(dir=args.disk_dir) as folder:
-        config = TableConfig("disk", 16, optimizer=optimizer, storage_dtype="fp16", capacity=memory_rows, storage="disk")
+        config = TableConfig("disk", 16, optimizer=optimizer, storage_dtype="fp16", capacity=memory_rows, storage="disk",
+                             eviction=args.eviction)
         disk = _ProfiledDemotions(config, seed=0, disk_dir=folder)
         demoter = Demoter(lambda: [disk])
         demoter.start()

@@ -128,15 +128,17 @@ class Shards:
         self.shards.stop()
 
 
-def start(num_shards: int, dtype: str, overrides: Sequence[str], configure: bool = True, memory_rows: int = 0) -> Shards:
+def start(num_shards: int, dtype: str, overrides: Sequence[str], configure: bool = True, memory_rows: int = 0,
+          eviction: str = "lru") -> Shards:
     """Shard processes and a client; ``memory_rows`` makes the table a disk table of that memory budget (the
-    overrides then name the shards' ``disk_dir``)."""
+    overrides then name the shards' ``disk_dir``), whose ``eviction`` policy chooses the rows it demotes."""
     shards = LocalShards(num_shards, overrides=["max_ids_per_request=4194304", "torch_threads=1", *overrides])
     client = PSClient(shards.addresses, timeout_s=600.0, checkpoint_timeout_s=7200.0)
     client.wait_healthy(120)
     if configure:
         storage = {"capacity": memory_rows, "storage": "disk"} if memory_rows else {"capacity": (1 << 31) - 1}
-        client.configure([TableConfig(TABLE, DIM, optimizer=Adagrad(lr=0.01, rowwise=True), storage_dtype=dtype, **storage)])
+        client.configure([TableConfig(TABLE, DIM, optimizer=Adagrad(lr=0.01, rowwise=True), storage_dtype=dtype, eviction=eviction,
+                                      **storage)])
     return Shards(shards, client)
 
 
@@ -374,7 +376,8 @@ def memory_available() -> int:
 def grow(args, dtype: str) -> dict:
     """Grows one shard's table through ``args.sizes``; returns what was measured at each size."""
     baseline = memory_baseline(args, dtype) if args.storage == "disk" and args.memory_baseline_rows else None
-    shards = start(1, dtype, args.ps_override, memory_rows=args.memory_rows if args.storage == "disk" else 0)
+    shards = start(1, dtype, args.ps_override, memory_rows=args.memory_rows if args.storage == "disk" else 0,
+                   eviction=args.eviction)
     out = {"dtype": dtype, "storage": args.storage, "sizes": [], "max_rows": 0, "stopped": "", "memory_baseline": baseline}
     checkpoint_dir = tempfile.mkdtemp(prefix="scale-bench-", dir=args.checkpoint_dir)
     state = {"shards": shards}
@@ -624,6 +627,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     parser.add_argument("--storage", choices=("memory", "disk"), default="memory", help="the table's storage")
     parser.add_argument("--memory-rows", type=float, default=5e7, help="--storage disk: the table's memory budget (rows)")
+    parser.add_argument("--eviction", choices=("lru", "lfu"), default="lru",
+                        help="--storage disk: which rows the table demotes (the least recently or least often looked up)")
     parser.add_argument("--disk-dir", default=None, help="--storage disk: the shards' disk_dir (a fresh folder under it; deleted after)")
     parser.add_argument("--memory-baseline-rows", type=float, default=1e8,
                         help="--storage disk: rows of the all-in-memory table whose Zipf lookup rate is the baseline (0: none)")

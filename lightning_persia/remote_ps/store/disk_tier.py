@@ -47,7 +47,7 @@ COMPACT_GARBAGE = 1 / 8
 held, so the garbage a Zipf stream's promotions leave is let gather to this bound before any is moved: the first
 hundreds of requests after a table grew promote from the same few segments, and compacting them at once cost the
 requests more time than their reads (benchmarks/results/2026-11-25-disk-tier.md, section 16)."""
-_COMPACT_ROWS = 1 << 16  # live rows a compaction step moves at most (the table's lock held to move them)
+_COMPACT_ROWS = 1 << 14  # live rows a compaction step moves at most (the table's lock held to move them): a slice
 MAX_SEGMENTS = ((1 << 32) - 2) >> SEGMENT_SHIFT  # at once: slots are 32-bit in the id map (compaction frees numbers)
 DISK_FIELDS = ("ids", "weights", "state", "access")
 """The fields of a record on disk, in their order; the id comes first."""
@@ -390,7 +390,7 @@ class DiskTier:
     # ---- compaction --------------------------------------------------------------------------------------
 
     def compact_step(self, holding: Callable[[], ContextManager] = contextlib.nullcontext) -> int:
-        """Moves up to 65,536 live rows of the sealed segment with the fewest of them, below :data:`COMPACT_BELOW`, to
+        """Moves up to 16,384 live rows of the sealed segment with the fewest of them, below :data:`COMPACT_BELOW`, to
         the end of the tier; deletes the segments left without a live row (once no read is under way and no save
         holds them). Returns the rows moved. Takes the table's lock to choose and to move the rows, not while it
         reads their records; a row that left the segment meanwhile is not moved. Each hold of the lock runs within

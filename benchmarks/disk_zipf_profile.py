@@ -6,7 +6,7 @@ in memory and against a disk table, and a profile of the disk table's requests a
 
 Each table is grown by training lookups of ``--rows`` new ids, 131,072 a request (as ``scale_bench.py`` grows its
 shard); then ``--warmup`` requests of the Zipf(1.1) stream bring its head into memory, and the ``--requests`` after
-them are timed and profiled (cProfile: the request thread, and the demoter's demotions on their own thread).
+them are timed and profiled (cProfile: the request thread, and the demoter's estimates and demotions on their own thread).
 ``--profile-rows`` lines of each profile, by time spent in the function itself.
 """
 from __future__ import annotations
@@ -34,19 +34,26 @@ _RECORD_AND_ID_BYTES = 56  # this script's table (dim 16, fp16, row-wise Adagrad
 
 
 class _ProfiledDemotions(Table):
-    """A table whose demotions (the demoter's calls) are profiled and timed while ``profiling`` is set."""
+    """A table whose demotions (the demoter's calls: the estimates of the cold threshold, made without the lock, and
+    the demotions) are profiled and timed while ``profiling`` is set."""
 
     profiling = False
     profile = cProfile.Profile()
     spent_s = 0.0
 
+    def cold_estimate(self, count: int):
+        return self._profiled(super().cold_estimate, count)
+
     def demote(self, count: int, estimated=None) -> int:
+        return self._profiled(super().demote, count, estimated)
+
+    def _profiled(self, call, *args):
         if not self.profiling:
-            return super().demote(count, estimated)
+            return call(*args)
         started = time.perf_counter()
         self.profile.enable()
         try:
-            return super().demote(count, estimated)
+            return call(*args)
         finally:
             self.profile.disable()
             type(self).spent_s += time.perf_counter() - started
@@ -136,10 +143,10 @@ def main(argv=None) -> int:
             disk.close()
     print(f"disk table: {ids / disk_s / 1e6:.2f} M rows/s, {disk_s / args.requests * 1e3:.2f} ms a request "
           f"({memory_s / disk_s:.2f}x the memory table's rate); the last {args.requests} requests promoted {promoted / args.requests:,.0f} rows each, "
-          f"the demoter's demotions took {_ProfiledDemotions.spent_s / args.requests * 1e3:.2f} ms a request")
+          f"the demoter's estimates and demotions took {_ProfiledDemotions.spent_s / args.requests * 1e3:.2f} ms a request")
     print("--- the requests (the request thread; a wait for the table's lock counts in Table.lookup)")
     print(_top(profile, args.profile_rows))
-    print("--- the demoter's demotions")
+    print("--- the demoter's estimates and demotions")
     print(_top(_ProfiledDemotions.profile, args.profile_rows))
     if demoter.errors:  # the requests then demoted for it: the figures above are not the demoter's
         print(f"the demoter failed {demoter.errors} passes (logged above)", file=sys.stderr)

@@ -17,7 +17,7 @@ def test_tiny_run_prints_both_rates_and_both_profiles(tmp_path, capsys):
                                    "--disk-dir", str(tmp_path), "--profile-rows", "3"]) == 0
     out = capsys.readouterr().out
     assert "memory table:" in out and "disk table:" in out and "the memory table's rate" in out
-    assert "--- the requests" in out and "--- the demoter's demotions" in out
+    assert "--- the requests" in out and "--- the demoter's estimates and demotions" in out
     assert list(tmp_path.iterdir()) == []  # the disk table's folder is gone
 
 

@@ -24,7 +24,8 @@ HEADROOM_FRACTION = 1 / 16
 """Of a disk table's memory budget, kept free for the rows requests bring in (demotion starts at half of it used)."""
 SLICE_ROWS = 1 << 14
 """Rows demoted with a table's lock held, at most. A request that waits for the lock waits for what is left of a
-slice, so slices are kept short; the cold threshold is estimated once a pass, not once a slice."""
+slice, so slices are kept short; the cold threshold is estimated once every few slices, not once a slice."""
+_SLICES_AN_ESTIMATE = 8  # slices demoted by one estimate of the cold threshold (a sample of 65,536 access values)
 _MAP_STEPS = 8  # map steps of a table a pass (16 MB each), the lock taken for each
 _log = logging.getLogger(__name__)
 
@@ -52,12 +53,14 @@ class Demoter(TablePass):
         for table in self._tables():
             try:
                 target = demotion_target(table.config.capacity, table.memory_rows)
-                estimated = table.cold_estimate(target) if target > 0 else None
+                slices = 0
                 while target > 0 and not self.stopping:
+                    if slices % _SLICES_AN_ESTIMATE == 0:  # the rows requests touched meanwhile left the cold ones
+                        estimated = table.cold_estimate(target)
                     moved = table.demote(min(target, SLICE_ROWS), estimated)
                     if not moved:
                         break
-                    demoted, target = demoted + moved, target - moved
+                    demoted, target, slices = demoted + moved, target - moved, slices + 1
                     time.sleep(0)  # a request waiting for the lock gets it between two slices
                 for _ in range(_MAP_STEPS):
                     if not table.map_disk_pages():

@@ -28,6 +28,7 @@ SLICE_ROWS = 1 << 16
 _SAMPLE = 1 << 16
 _MARGIN = 1.25  # aim above count: a sample's quantile may fall short of it, and the sweep would read the whole table
 _SWEEP_ROWS = 1 << 18  # access values read per step of the sweep
+_STALE_READS = 4  # a sweep by an estimate made earlier reads at most this many times what a fresh one needs on average
 
 
 def touch_value(policy: str, step: int) -> tuple[int, bool]:
@@ -58,7 +59,9 @@ def select_victims(access: Sequence[torch.Tensor], count: int, generator: torch.
     position in their concatenation is a row number. A table that fits in a sample gives exactly its ``count``
     coldest rows. A larger one gives the first ``count`` rows from row ``start`` on (wrapping around) whose access
     value is at or below the sample's estimate of the coldest :data:`BULK_FRACTION` (or of ``count`` rows, if more):
-    ``estimated`` (by :func:`estimate`), or estimated now.
+    ``estimated`` (by :func:`estimate`, perhaps several evictions ago: rows touched since may have left too few
+    below it, so a sweep by it gives up after a few times the values it should need and a new sample is taken), or
+    estimated now.
     """
     total = sum(a.numel() for a in access)
     if total <= _SAMPLE:
@@ -67,24 +70,28 @@ def select_victims(access: Sequence[torch.Tensor], count: int, generator: torch.
         order = torch.topk(keyed[live], min(count, live.numel()), largest=False, sorted=False).indices
         return live[order], start
     margin = _MARGIN
+    reads = total
+    if estimated is not None and estimated[1] > 0:  # made earlier: the rows touched since may have left it short
+        reads = min(total, math.ceil(_STALE_READS * count / (BULK_FRACTION * estimated[1])))
     while True:
         threshold, live_fraction = estimated if estimated is not None else _threshold(access, margin * count, total, generator)
         estimated = None  # a second try samples again, aiming higher
-        rows, stop = _sweep(access, threshold, count, start % total, total)
+        rows, stop = _sweep(access, threshold, count, start % total, total, reads)
         if rows.numel() >= count or margin * count >= live_fraction * total:
             return rows, stop
+        reads = total
         margin *= 2
 
 
-def _sweep(access: Sequence[torch.Tensor], threshold: int, count: int, start: int, total: int) -> tuple[torch.Tensor, int]:
+def _sweep(access: Sequence[torch.Tensor], threshold: int, count: int, start: int, total: int, reads: int) -> tuple[torch.Tensor, int]:
     """Up to ``count`` live rows at or below ``threshold``, read from row ``start`` on (wrapping, at most once
-    around); and the row after the last one taken (or read)."""
+    around), reading at most ``reads`` values; and the row after the last one taken (or read)."""
     bounds = list(accumulate((a.numel() for a in access), initial=0))
     found, taken, position, read = [], 0, start, 0
-    while taken < count and read < total:
+    while taken < count and read < reads:
         chunk = bisect_right(bounds, position) - 1
         offset = position - bounds[chunk]
-        values = access[chunk][offset : offset + min(_SWEEP_ROWS, total - read)]
+        values = access[chunk][offset : offset + min(_SWEEP_ROWS, reads - read)]
         hits = torch.nonzero((values <= threshold) & (values != FREE)).squeeze(1)[: count - taken]
         found.append(hits + position)
         taken += hits.numel()

@@ -92,7 +92,9 @@ class DiskWork:
     kind (:attr:`worst_of`): how long the disk tier held the table's other requests, on a core of its own. Of the
     worst, :attr:`worst_sys_s` is the kernel's part (page faults, reclaim, ``pread``/``pwrite``) and
     :attr:`worst_demoting_s` the part that demoted rows (a request demotes what it needs when the demoter lags): the
-    two remedies differ. Called holding the table's lock."""
+    two remedies differ. The kernel's part is as fine as the kernel's split of a thread's time, by its scheduler
+    ticks (1 to 4 ms): it says something of operations of tens of ms, nothing of shorter ones. Called holding the
+    table's lock."""
 
     def __init__(self) -> None:
         self.worst_cpu_s = self.worst_sys_s = self.worst_demoting_s = 0.0

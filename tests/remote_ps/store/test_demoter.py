@@ -102,8 +102,8 @@ def test_a_demotion_samples_the_access_values_without_the_lock(tmp_path, monkeyp
     assert locked == [False] and table.stats()["disk_rows"] == 1000
 
 
-def test_a_pass_demotes_in_short_slices_by_one_estimate(tmp_path, monkeypatch):
-    monkeypatch.setattr("lightning_persia.remote_ps.store.demoter.SLICE_ROWS", 16)
+def test_a_pass_demotes_in_short_slices_each_few_by_one_estimate(tmp_path, monkeypatch):
+    monkeypatch.setattr("lightning_persia.remote_ps.store.demoter.SLICE_ROWS", 4)
     monkeypatch.setattr(eviction, "_SAMPLE", 256)  # the table does not fit in a sample: its victims are estimated
     table = _table(tmp_path)
     table.lookup(torch.arange(CAPACITY), train=True)
@@ -120,8 +120,9 @@ def test_a_pass_demotes_in_short_slices_by_one_estimate(tmp_path, monkeypatch):
 
     monkeypatch.setattr(table, "cold_estimate", cold_estimate)
     monkeypatch.setattr(table, "demote", demote)
-    assert Demoter(lambda: [table]).run_once() == HEADROOM
-    assert estimates == [HEADROOM]  # once for the pass's target
-    assert [count for count, _ in slices] == [16] * (HEADROOM // 16) + ([HEADROOM % 16] if HEADROOM % 16 else [])
-    assert len({estimated for _, estimated in slices}) == 1 and slices[0][1] is not None
+    assert HEADROOM == 100 and Demoter(lambda: [table]).run_once() == HEADROOM
+    assert estimates == [100, 68, 36, 4]  # the rows left of the pass's target, every 8 slices
+    assert [count for count, _ in slices] == [4] * 25
+    assert all(estimated is not None for _, estimated in slices)
+    assert all(slices[i][1] == slices[i - i % 8][1] for i in range(25))  # each slice by its group's estimate
     assert table.stats()["disk_rows"] == HEADROOM

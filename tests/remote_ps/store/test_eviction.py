@@ -63,3 +63,23 @@ def test_an_estimate_made_beforehand_is_used_and_no_sample_taken_under_the_lock(
     assert victims.numel() == 1000 and int(torch.cat(access)[victims].max()) <= estimated[0]
     assert torch.equal(generator.get_state(), state)  # the estimate sufficed: nothing sampled again
     assert eviction.estimate([torch.tensor([5, 1, 9], dtype=torch.int32)], 1, generator) is None  # chosen exactly
+
+
+def test_a_stale_estimate_sweeps_a_bounded_part_then_samples_anew(monkeypatch):
+    access = _access()
+    estimated = eviction.estimate(access, 1000, torch.Generator().manual_seed(3))
+    flat = torch.cat(access)
+    flat[(flat != FREE) & (flat <= estimated[0])] = 10**9  # every row below it touched since: none left there
+    access = list(flat.split(100_000))
+    sweeps = []
+    real = eviction._sweep
+
+    def sweep(access, threshold, count, start, total, reads):
+        sweeps.append(reads)
+        return real(access, threshold, count, start, total, reads)
+
+    monkeypatch.setattr(eviction, "_sweep", sweep)
+    victims, _ = select_victims(access, 1000, torch.Generator().manual_seed(1), 0, estimated)
+    assert victims.numel() == 1000 and bool((flat[victims] != FREE).all()) and bool((flat[victims] < 10**9).all())
+    limit = eviction._STALE_READS * 1000 / (eviction.BULK_FRACTION * estimated[1])
+    assert len(sweeps) == 2 and sweeps[0] <= limit + 1 < 400_000 and sweeps[1] == 400_000  # gave up, then sampled

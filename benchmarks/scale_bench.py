@@ -79,6 +79,9 @@ def stored_id(index: torch.Tensor) -> torch.Tensor:
     return index * _MULTIPLIER + 7
 
 
+_WORST_DISK_WORK = ("cpu_s", "of", "sys_s", "demoting_s")  # the table stats worst_disk_work_<key> a run keeps
+
+
 def zipf_indices(n: int, count: int, generator: torch.Generator, exponent: float = 1.1) -> torch.Tensor:
     """``count`` indices in ``[0, n)`` drawn from a (continuous, truncated) power law of ``exponent``: index 0 hottest."""
     u = torch.rand(count, generator=generator, dtype=torch.float64)
@@ -447,7 +450,7 @@ def _grow_sizes(args, dtype: str, state: dict, out: dict, baseline: Optional[dic
             cold, steady = zipf_rates(shards, rows, args.request_ids, args.repeats, args.zipf_warmup)
             entry["zipf_same_stream_rows_per_s"], entry["zipf_same_stream_cold_rows_per_s"] = steady, cold
             table_stats = shards.client.stats()[0]["tables"][TABLE]
-            for key in ("cpu_s", "of", "sys_s", "demoting_s"):
+            for key in _WORST_DISK_WORK:
                 entry[f"worst_disk_work_{key}"] = table_stats[f"worst_disk_work_{key}"]
             entry["disk_mapped_bytes"], entry["rss_after_zipf_bytes"] = table_stats["disk_mapped_bytes"], shards.rss()
             entry["disk_bytes_after_zipf"], entry["promoted_in_zipf"] = table_stats["disk_bytes"], table_stats["promoted"] - promoted
@@ -588,7 +591,7 @@ def summary(results: dict) -> dict:
         colds = [e["lookup_ratio_disk_vs_memory_cold"] for e in disk if "lookup_ratio_disk_vs_memory_cold" in e]
         out["lookup_ratio_disk_vs_memory_cold"] = colds[-1] if colds else None
         worst = max(disk, key=lambda e: e["worst_disk_work_cpu_s"])
-        for key in ("cpu_s", "of", "sys_s", "demoting_s"):
+        for key in _WORST_DISK_WORK:
             out[f"worst_disk_work_{key}"] = worst[f"worst_disk_work_{key}"]
         for key in ("save_s", "load_s", "restart_load_s", "checkpoint_bytes"):
             if key in largest:

@@ -47,7 +47,7 @@ COMPACT_GARBAGE = 1 / 8
 held, so the garbage a Zipf stream's promotions leave is let gather to this bound before any is moved: the first
 hundreds of requests after a table grew promote from the same few segments, and compacting them at once cost the
 requests more time than their reads (benchmarks/results/2026-11-25-disk-tier.md, section 16)."""
-_COMPACT_ROWS = 1 << 14  # live rows a compaction step moves at most (the table's lock held to move them): a slice
+_COMPACT_ROWS = 1 << 14  # live rows a compaction step moves at most, the table's lock held: a demotion slice's worth
 MAX_SEGMENTS = ((1 << 32) - 2) >> SEGMENT_SHIFT  # at once: slots are 32-bit in the id map (compaction frees numbers)
 DISK_FIELDS = ("ids", "weights", "state", "access")
 """The fields of a record on disk, in their order; the id comes first."""
@@ -430,20 +430,19 @@ class DiskTier:
     def _sparsest(self) -> Optional[int]:
         """The sealed segment with the fewest live rows, if below :data:`COMPACT_BELOW` of its records and above none
         (one without any is deleted instead), once the tier's garbage passed :data:`COMPACT_GARBAGE`."""
-        sealed = self._sealed()
         written = torch.tensor(self._written, dtype=torch.float64)
         live = self._live_counts.to(torch.float64)
-        records = float(written[torch.tensor([fd >= 0 for fd in self._fds], dtype=torch.bool)].sum())  # deleted: none
+        records = float(written[self._fd_table >= 0].sum())  # a deleted segment's number holds none
         if records - float(live.sum()) <= COMPACT_GARBAGE * records:
             return None
-        candidates = torch.nonzero(sealed & (live > 0) & (live < COMPACT_BELOW * written)).squeeze(1)
+        candidates = torch.nonzero(self._sealed() & (live > 0) & (live < COMPACT_BELOW * written)).squeeze(1)
         if not candidates.numel():
             return None
         return int(candidates[torch.argmin(live[candidates])])
 
     def _sealed(self) -> torch.Tensor:
         """Which segments the tier writes no more (a mask): every one with files but the one it writes into next."""
-        sealed = torch.tensor([fd >= 0 for fd in self._fds], dtype=torch.bool)
+        sealed = self._fd_table >= 0
         if (self._next >> SEGMENT_SHIFT) < sealed.numel():
             sealed[self._next >> SEGMENT_SHIFT] = False
         return sealed

@@ -119,18 +119,19 @@ class DiskWork:
     @contextlib.contextmanager
     def timed(self, demoting: bool = False) -> Iterator[None]:
         """Disk work (nested calls count once); ``demoting``: it demotes rows."""
-        started = (time.thread_time(), _kernel_time()) if self._depth == 0 or demoting else None
+        started = time.thread_time()
         if self._depth == 0:
-            self._started = started
+            self._started = (started, _kernel_time())
         self._depth += 1
         try:
             yield
         finally:
             self._depth -= 1
+            now = time.thread_time()
             if demoting:
-                self._demoting += time.thread_time() - started[0]
+                self._demoting += now - started
             if self._depth == 0:
-                self._spent += time.thread_time() - self._started[0]
+                self._spent += now - self._started[0]
                 self._sys += _kernel_time() - self._started[1]
 
 

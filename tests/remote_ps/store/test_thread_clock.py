@@ -66,7 +66,9 @@ def test_the_worst_operation_sums_its_sections_and_nesting_counts_once():
     assert work.worst_cpu_s == first and work.worst_of == "demotion"  # a lighter operation keeps the worst, and its kind
 
 
-@pytest.mark.skipif(thread_clock._RUSAGE_THREAD is None, reason="the platform counts no kernel time per thread")
+@pytest.mark.skipif(thread_clock._RUSAGE_THREAD is None,
+                    reason="Python offers a thread's kernel time only on Linux (resource.RUSAGE_THREAD); elsewhere the "
+                           "stats report 0 for it, and there is nothing to measure")
 def test_the_worst_operation_keeps_its_kernel_time_and_its_demotions_apart():
     work = DiskWork()
     with work.operation("lookup"):

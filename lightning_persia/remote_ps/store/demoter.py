@@ -7,6 +7,9 @@ more than its budget less half of :data:`HEADROOM_FRACTION`, down to the budget 
 time, the table's lock held for one slice only. A request then finds free rows, and demotes only when the rows
 it brings in exceed the headroom left (the budget is a hard limit: it demotes what it needs, no more).
 
+Before demoting, it promotes the rows training lookups read from disk and queued for it (``promotions.py``): the
+lookup answered with them, and bringing them into memory is left to this thread, :data:`SLICE_ROWS` with the lock held.
+
 Between demotions it maps the segments that reads hit most into the shard's page tables, a step at a time
 (``DiskTier.map_step``): a read of a mapped record is a memory copy instead of a ``pread``; and it compacts a
 segment that holds more garbage than live rows, once the tier holds more than its bound of garbage, a step a pass
@@ -26,6 +29,7 @@ SLICE_ROWS = 1 << 14
 """Rows demoted with a table's lock held, at most. A request that waits for the lock waits for what is left of a
 slice, so slices are kept short; the cold threshold is estimated once every few slices, not once a slice."""
 _SLICES_AN_ESTIMATE = 8  # slices demoted by one estimate of the cold threshold (a sample of 65,536 access values)
+_PROMOTIONS_A_PASS = 16  # slices of queued promotions a pass (SLICE_ROWS each at most), the lock taken for each
 _MAP_STEPS = 8  # map steps of a table a pass (16 MB each), the lock taken for each
 _log = logging.getLogger(__name__)
 
@@ -47,11 +51,16 @@ class Demoter(TablePass):
         super().__init__(tables, interval_s, "persia-ps-demoter")
 
     def run_once(self) -> int:
-        """One pass over the tables: the rows each needs demoted, a slice at a time, then a few steps of mapping its
-        most read segments and a step of compacting its sparsest one; returns the rows demoted."""
+        """One pass over the tables: the promotions its lookups queued (``promotions.py``), then the rows each needs
+        demoted, a slice at a time, then a few steps of mapping its most read segments and a step of compacting its
+        sparsest one; returns the rows demoted."""
         demoted = 0
         for table in self._tables():
             try:
+                for _ in range(_PROMOTIONS_A_PASS):
+                    if not table.promote_pending(SLICE_ROWS):
+                        break
+                    time.sleep(0)
                 target = demotion_target(table.config.capacity, table.memory_rows)
                 slices = 0
                 while target > 0 and not self.stopping:

@@ -84,11 +84,11 @@ class ReadAhead:
     ``records`` (a row per position; None: not read) and whether an id ``repeats`` among those on disk."""
 
     def __init__(self, positions: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, tables: tuple, record_bytes: int,
-                 map_changes: int) -> None:
+                 map_changes: tuple[int, int]) -> None:
         self.positions, self.ids, self.slots = positions, ids, slots
         self.records: Optional[torch.Tensor] = None
         self.repeats = True
-        self.map_changes = map_changes  # the tier's changes of its id map when the read began
+        self.map_changes = map_changes  # the id map's (removals, inserts) so far when the read began
         self._tables = tables  # the tier's file and mapping tables when the read began: valid until end_read
         self._record_bytes = record_bytes
 
@@ -141,8 +141,10 @@ class DiskTier:
         self.written_bytes = 0
         self.closed = False
         self._readers = 0  # reads under way without the table's lock (begin_read)
-        self._map_changes = 0  # entries added to or removed from the id map so far: a read ahead's slots hold while it stays
+        self._map_removals = self._map_inserts = 0  # calls that removed from (added to) the id map: a read ahead's slots
+        # hold while no entry was removed; an added one may only name an id the read found nowhere
         self._close_deferred = False
+        self._generation = 0  # segment numbers written anew so far: a slot's record holds while this stays
 
     # ---- writes ------------------------------------------------------------------------------------------
 
@@ -177,7 +179,7 @@ class DiskTier:
                                 f" (the rows stay {rows_stay})") from None
         slots = torch.cat(chunks)
         self._map.insert(ids, slots)
-        self._map_changes += 1  # an id a read ahead found nowhere may have been admitted and demoted meanwhile
+        self._map_inserts += 1  # an id a read ahead found nowhere may have been admitted and demoted meanwhile
         self._next = at
         self._mapping.changed()
         self._set_live(slots, True)
@@ -207,6 +209,7 @@ class DiskTier:
             raise
         bits = torch.zeros(SEGMENT_ROWS >> 3, dtype=torch.uint8)
         if segment < len(self._fds):  # a number compaction deleted (or a checkpoint left out), written anew
+            self._generation += 1
             self._fds[segment], self._id_fds[segment], self._live[segment], self._written[segment] = records, ids, bits, 0
         else:
             self._fds.append(records)
@@ -236,15 +239,22 @@ class DiskTier:
     def find(self, ids: torch.Tensor, ahead: Optional["ReadAhead"] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(slots, records)``: each id's slot (-1 when not on disk) and its record (uint8 ``[n, record_bytes]``,
         read for the ids found). ``ahead``: records of these same ``ids`` read without the lock (:meth:`begin_read`);
-        an id whose slot is still the one read keeps its record (a written record never changes, a slot is never
-        reused), any other is read now."""
+        an id whose slot is still the one read keeps its record (a written record never changes, and no segment is
+        deleted while a read is under way), any other is read now."""
         if ahead is not None and ahead.records is not None:
             slots, records = ahead.slots, ahead.records
             unread = slots[:0]
-            if ahead.map_changes != self._map_changes:  # the map changed meanwhile: an id whose slot changed is read again
+            removals, inserts = ahead.map_changes
+            if removals != self._map_removals:  # an entry was removed meanwhile: an id whose slot changed is read again
                 now = self._map.find(ids)
                 moved = torch.nonzero(now != slots).squeeze(1)
                 slots, unread = now, moved[now[moved] >= 0]
+            elif inserts != self._map_inserts:  # entries were only added: the ids found nowhere are looked up again
+                nowhere = torch.nonzero(slots < 0).squeeze(1)
+                now = self._map.find(ids[nowhere])
+                unread = nowhere[now >= 0]
+                slots = slots.clone()
+                slots[unread] = now[now >= 0]
             pending = torch.nonzero(slots >= 0).squeeze(1)
         else:
             slots = self._map.find(ids)
@@ -277,7 +287,7 @@ class DiskTier:
         self._mapping.changed()
         mapping = self._mapping
         ahead = ReadAhead(positions, ids, slots, (self._fd_table, mapping.bases, mapping.mapped, mapping.reads),
-                          self.record_bytes, self._map_changes)
+                          self.record_bytes, (self._map_removals, self._map_inserts))
         self._readers += 1
         return ahead
 
@@ -286,6 +296,17 @@ class DiskTier:
         self._readers -= 1
         if self._close_deferred and not self._readers:
             self._close_files()
+
+    def slots_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """The slot the id map names for each id (-1: none), without reading a record: an id whose fingerprint
+        another id shares (odds ~2^-32) may be given the other's slot, which :meth:`find` would have read past."""
+        return self._map.find(ids)
+
+    @property
+    def generation(self) -> int:
+        """Changes whenever a segment's number is written anew: a record read from a slot stays that slot's while
+        the generation it was read in lasts (slots are otherwise written once)."""
+        return self._generation
 
     def take(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The rows of ``ids`` found on disk, removed from it: ``(positions in ids, {field: values})``."""
@@ -305,7 +326,7 @@ class DiskTier:
     def forget(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         """Drops the rows of ``ids`` at ``slots`` (as :meth:`find` gave them): their records become garbage."""
         self._map.remove(ids, slots)
-        self._map_changes += 1
+        self._map_removals += 1
         self._set_live(slots, False)
 
     def _read(self, slots: torch.Tensor, records: torch.Tensor, positions: torch.Tensor) -> None:

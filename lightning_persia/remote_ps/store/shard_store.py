@@ -365,13 +365,13 @@ class ShardStore:
         if (config.ttl_steps is not None or config.ttl_seconds is not None) and not self._expirer.started:
             self._expirer.start()
         if config.storage == "disk" and self._disk_dir is not None and self._demoter is not None and not self._demoter.started:
-
             self._demoter.start()
         disk = None
         if config.storage == "disk" and self._disk_dir is not None:
             folder = f"shard-{self.shard_index:05d}-of-{self.num_shards:05d}"
             disk = str(Path(self._disk_dir) / folder / f"{config.name}.{os.getpid()}.{next(self._generation)}")
-        return Table(config, self.seed, disk_dir=disk, disk_mapped_bytes=self._disk_mapped_bytes)
+        return Table(config, self.seed, disk_dir=disk, disk_mapped_bytes=self._disk_mapped_bytes,
+                     promote_later=self._demoter is not None)
 
     def _check_ids(self, name: str, ids: torch.Tensor) -> None:
         if ids.dtype != torch.int64 or ids.dim() != 1:

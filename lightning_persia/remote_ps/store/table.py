@@ -35,6 +35,7 @@ from lightning_persia.ops import native
 from lightning_persia.remote_ps.store.index import NativeIdIndex, make_index
 from lightning_persia.remote_ps.store.initializers import initial_rows, table_key
 from lightning_persia.remote_ps.store.optimizers import make_rule
+from lightning_persia.remote_ps.store.promotions import PendingPromotion, PendingPromotions
 from lightning_persia.remote_ps.store.removal_log import RemovalLog
 from lightning_persia.remote_ps.store.segment_mapping import MAPPED_BYTES
 from lightning_persia.remote_ps.store.table_journal import Journal, Recording
@@ -51,9 +52,12 @@ class Table:
     tables holds all their locks while it calls :meth:`begin_snapshot` on each.
     """
 
-    def __init__(self, config: TableConfig, seed: int, disk_dir: Optional[str] = None, disk_mapped_bytes: int = MAPPED_BYTES) -> None:
+    def __init__(self, config: TableConfig, seed: int, disk_dir: Optional[str] = None, disk_mapped_bytes: int = MAPPED_BYTES,
+                 promote_later: bool = False) -> None:
         """``disk_dir``: the folder of the table's disk tier, for a table of ``storage="disk"`` (created; its own);
-        ``disk_mapped_bytes``: of its records, how many bytes the shard keeps mapped at most (``segment_mapping.py``)."""
+        ``disk_mapped_bytes``: of its records, how many bytes the shard keeps mapped at most (``segment_mapping.py``);
+        ``promote_later``: a training lookup leaves the rows it read from disk to :meth:`promote_pending` (the shard's
+        demoter calls it) instead of bringing them into memory itself (``promotions.py``)."""
         self.config = config
         self.seed = seed
         self.rule = make_rule(config.optimizer, config.dim)
@@ -95,6 +99,7 @@ class Table:
                 raise StoreError(f"table {config.name!r} has storage 'disk' but its shard has no disk folder (PSConfig.disk_dir, "
                                  "`ps serve disk_dir=...`)")
             self._disk = DiskTier(disk_dir, self.field_specs, self.lock, disk_mapped_bytes)
+        self._pending = PendingPromotions() if self._disk is not None and promote_later else None
 
     @property
     def disk_specs(self) -> dict[str, FieldSpec]:
@@ -240,7 +245,7 @@ class Table:
             if train and left and self._admits_natively(left):
                 self._admit_natively(ids, rows, out, left)
             elif left:
-                absent = rows == -1  # -2: read from disk by an evaluation lookup
+                absent = rows == -1  # -2: read from disk, left there (an evaluation lookup, or a promotion queued)
                 out[absent] = self._fill_missing(ids[absent], train)
         if not train:
             return
@@ -498,6 +503,7 @@ class Table:
                 disk_bytes=self._disk.disk_bytes if self._disk else 0,
                 disk_map_bytes=self._disk.map_bytes if self._disk else 0,
                 disk_mapped_bytes=self._disk.mapped_bytes if self._disk else 0,
+                pending_promotions=len(self._pending) if self._pending is not None else 0,
                 saving_preimage_rows=snapshot.preimage_rows if snapshot is not None else 0,
                 **self._worst_held.stats(),
                 worst_disk_work_cpu_s=self._disk_work.worst_cpu_s,
@@ -617,8 +623,8 @@ class Table:
 
     def _from_disk(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, ahead: Optional[ReadAhead] = None) -> int:
         """Fills the rows of ``out`` that the memory did not hold from disk (the records of ``ahead`` where still
-        valid); a training lookup brings them into memory (their ``rows`` set; the rows of an evaluation lookup's reads
-        from disk are -2). Returns the ids still missing (-1). The lock held."""
+        valid); a training lookup brings them into memory (their ``rows`` set), or queues them for the demoter to
+        (``promotions.py``). Rows read from disk and left there are -2. Returns the ids still missing (-1). The lock held."""
         with self._disk_work.timed():
             if ahead is None:
                 positions = torch.nonzero(rows < 0).squeeze(1)
@@ -632,19 +638,51 @@ class Table:
                 hit &= rows[positions] < 0  # the second probe found the others in memory
             at = torch.nonzero(hit).squeeze(1)
             if at.numel():
-                values = self._disk.unpack(records[at])
+                read = records[at]
+                values = self._disk.unpack(read)
                 where = positions[at]
                 out[where] = values["weights"]
                 if not train:
                     rows[where] = -2
-                elif ahead is not None and not ahead.repeats:
-                    rows[where] = self._promote(wanted[at], slots[at], values)
-                else:  # an id the request repeats is promoted once, its positions given its one row
-                    unique, inverse = torch.unique(wanted[at], return_inverse=True)
-                    first = torch.empty(unique.numel(), dtype=torch.int64).scatter_(0, inverse, torch.arange(at.numel()))
-                    promoted = self._promote(unique, slots[at][first], {name: v[first] for name, v in values.items()})
-                    rows[where] = promoted[inverse]
+                else:
+                    self._bring_in(wanted[at], slots[at], read, values, where, rows, repeats=ahead is None or ahead.repeats)
             return int((rows[positions] == -1).sum())
+
+    def _bring_in(self, ids: torch.Tensor, slots: torch.Tensor, records: torch.Tensor, values: dict[str, torch.Tensor],
+                  where: torch.Tensor, rows: torch.Tensor, repeats: bool) -> None:
+        """Promotes the rows a training lookup read from disk (at ``where`` of its ``rows``), or queues them for the
+        demoter while its queue has room. An id the request ``repeats`` is promoted once. The lock held."""
+        first = inverse = None
+        if repeats:
+            ids, inverse = torch.unique(ids, return_inverse=True)
+            first = torch.empty(ids.numel(), dtype=torch.int64).scatter_(0, inverse, torch.arange(inverse.numel()))
+            slots, records = slots[first], records[first]
+        if self._pending is not None and self._pending.has_room(ids.numel()):
+            self._pending.add(PendingPromotion(ids, slots, records, self._step, self._disk.generation))
+            rows[where] = -2
+            return
+        if first is not None:
+            values = {name: v[first] for name, v in values.items()}
+        promoted = self._promote(ids, slots, values)
+        rows[where] = promoted if inverse is None else promoted[inverse]
+
+    def promote_pending(self, limit: int) -> int:
+        """Promotes the oldest batch of rows that training lookups read from disk and left to the demoter (at most
+        ``limit`` rows of it; see ``promotions.py``), those still on disk at the slot they were read from; returns
+        how many were taken from the queue. The demoter calls it between requests, the lock held for one call."""
+        if self._pending is None:
+            return 0
+        with self.lock, self._disk_work.operation("promotion"), self._disk_work.timed():
+            batch = self._pending.take(limit)
+            if batch is None:
+                return 0
+            if self._disk.closed or batch.generation != self._disk.generation:  # dropped: the rows stay where they are
+                return batch.ids.numel()
+            still = (self._index.find(batch.ids) < 0) & (self._disk.slots_of(batch.ids) == batch.slots)
+            at = torch.nonzero(still).squeeze(1)
+            if at.numel():
+                self._promote(batch.ids[at], batch.slots[at], self._disk.unpack(batch.records[at]), batch.step)
+            return batch.ids.numel()
 
     def _promote_absent(self, ids: torch.Tensor) -> None:
         """Brings the rows of ``ids`` (unique) that are on disk into memory (an update applies to them). The lock held."""
@@ -659,13 +697,15 @@ class Table:
             if bool(hit.any()):
                 self._promote(absent[hit], slots[hit], self._disk.unpack(records[hit]))
 
-    def _promote(self, ids: torch.Tensor, slots: torch.Tensor, values: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Moves rows read from disk (``ids`` unique, at ``slots``) into memory; returns their rows. The lock held."""
+    def _promote(self, ids: torch.Tensor, slots: torch.Tensor, values: dict[str, torch.Tensor], step: Optional[int] = None) -> torch.Tensor:
+        """Moves rows read from disk (``ids`` unique, at ``slots``) into memory; returns their rows. ``step``: the
+        lookup step that read them (LRU; the table's step now by default). The lock held."""
         n = ids.numel()
         rows = self._take_rows(n)  # may demote colder rows: written to disk before anything else changes
         self._preserve(rows)
         policy = self.config.eviction
-        access = (torch.full((n,), self._step, dtype=torch.int32) if policy == "lru" else values["access"] + 1)
+        access = (torch.full((n,), self._step if step is None else step, dtype=torch.int32) if policy == "lru"
+                  else values["access"] + 1)
         written = {"ids": ids, "weights": values["weights"], "access": access,
                    "version": torch.full((n,), self._version, dtype=torch.int32)}
         if "state" in self._rows.fields:
@@ -681,6 +721,8 @@ class Table:
         """Deletes the table's disk tier (a table replaced or dropped; a checkpoint keeps the files it linked)."""
         if self._disk is not None:
             with self.lock:
+                if self._pending is not None:
+                    self._pending.clear()
                 self._disk.destroy()
 
     # ---- internals ---------------------------------------------------------------------------------

@@ -437,9 +437,11 @@ def test_a_step_moving_one_row_and_the_deleted_numbers_written_anew_once_no_save
     tier.write(_rows(torch.arange(5000, 6100) * 7 + 1))  # a save is under way: above every segment, not in 0
     assert "segment-000000.rows" not in _segment_files(tmp_path)
     frozen.release()
+    generation = tier.generation  # no number written anew so far
     more = torch.arange(7000, 8100) * 7 + 1
     tier.write(_rows(more))  # the sealed segment filled, the next one is the deleted number 0, written anew
     assert "segment-000000.rows" in _segment_files(tmp_path)
+    assert tier.generation == generation + 1  # a record read from segment 0 before is no longer its slot's
     assert bool((tier.find(more)[0] >> 10 == 0).any())
     everything = torch.cat([ids[:1], ids[1024:], torch.arange(5000, 6100) * 7 + 1, more])
     slots, records = tier.find(everything)

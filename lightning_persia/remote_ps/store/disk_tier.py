@@ -34,7 +34,6 @@ import torch
 from lightning_persia.ops import native
 from lightning_persia.remote_ps.store.chunked_rows import FieldSpec
 from lightning_persia.remote_ps.store.errors import StoreError
-from lightning_persia.remote_ps.store.record_reads import read_sorted
 from lightning_persia.remote_ps.store.segment_mapping import MAPPED_BYTES, SegmentMapping
 
 SEGMENT_SHIFT = 22
@@ -100,7 +99,7 @@ class ReadAhead:
         sorted_slots, order = torch.sort(self.slots[found])  # file order: neighbouring records share the pages read
         records = torch.empty(self.ids.numel(), self._record_bytes, dtype=torch.uint8)
         try:
-            read_sorted(self._tables, SEGMENT_SHIFT, sorted_slots, records, found[order])
+            native.read_records(*self._tables, SEGMENT_SHIFT, sorted_slots, records, into=found[order])
         except Exception:  # noqa: BLE001 - read again under the lock, which reports what failed
             return
         self.records = records

@@ -25,8 +25,10 @@ Grows a table of dim 16 (row-wise Adagrad) through gRPC, as a trainer would (tra
 With ``--storage disk`` the table keeps ``--memory-rows`` rows in memory (its budget) and the rest in the shard's
 disk tier (``--disk-dir``): each size also prints the rows and bytes on disk, and the Zipf(1.1) lookup rate against
 that of an all-in-memory table of ``--memory-baseline-rows`` rows grown first in a shard of its own (the same
-stream: same seed and exponent, each over its own table's rows): the steady rate, after ``--zipf-warmup`` requests
-timed apart (the cold rate: the growth leaves the newest ids in memory, the stream's head on disk), and the worst CPU
+stream: same seed and exponent, each over its own table's rows; where the disk table reaches that size, both are
+measured there in turns of 25 requests, the memory table's shard kept up until then: ``paired_zipf_rates``): the
+steady rate, after ``--zipf-warmup`` requests timed apart (the cold rate: the growth leaves the newest ids in
+memory, the stream's head on disk), and the worst CPU
 the disk tier's work (reads, promotions, demotions) took in one request or one step of the shard's demoter. Growth stops before the disk's free space falls
 under ``--reserve-disk-gb``.
 
@@ -80,6 +82,7 @@ def stored_id(index: torch.Tensor) -> torch.Tensor:
 
 
 _WORST_DISK_WORK = ("cpu_s", "of", "sys_s", "demoting_s")  # the table stats worst_disk_work_<key> a run keeps
+_PAIRED_BLOCK = 25  # Zipf requests of one table before the other's turn, in a paired measurement
 
 
 def zipf_indices(n: int, count: int, generator: torch.Generator, exponent: float = 1.1) -> torch.Tensor:
@@ -158,8 +161,54 @@ def zipf_rates(shards: Shards, rows: int, request_ids: int, repeats: int, warmup
     return cold, _timed_rate(call, batches[warmup:])
 
 
-def memory_baseline(args, dtype: str) -> dict:
-    """The Zipf lookup rate of an all-in-memory table of ``--memory-baseline-rows`` rows, in a shard of its own."""
+def paired_zipf_rates(disk: Shards, memory: Shards, rows: int, request_ids: int, repeats: int, warmup: int) -> dict:
+    """The Zipf rates of :func:`zipf_rates` for a disk table and an all-in-memory one of the same ``rows``, over the
+    same stream, measured in alternating blocks of :data:`_PAIRED_BLOCK` requests: both tables see the machine of the
+    same minutes (the memory table's rate measured alone moved between 2.9M and 6.3M rows/s from run to run on this
+    VM). Before each block of the memory table, the disk shard's background work (its demoter bringing in and
+    demoting what the disk table's requests left it) is let finish (:func:`_settle`), so that it does not run during
+    the memory table's requests; the CPU it took then counts in neither rate, and is returned as a share of the disk
+    table's request time (``settle_cpu_share``)."""
+    generator = torch.Generator().manual_seed(1234)
+    batches = [unique_batch(zipf_indices(rows, request_ids, generator)) for _ in range(warmup + repeats)]
+    phases = (batches[:warmup], batches[warmup:])
+    spent = {"disk": [0.0, 0.0], "memory": [0.0, 0.0], "settle": [0.0, 0.0]}
+    for phase, part in enumerate(phases):
+        for first in range(0, len(part), _PAIRED_BLOCK):
+            block = part[first : first + _PAIRED_BLOCK]
+            for name, shards in (("disk", disk), ("memory", memory)):
+                if name == "memory":
+                    spent["settle"][phase] += _settle(disk)
+                began = time.perf_counter()
+                for batch in block:
+                    shards.client.lookup({TABLE: batch}, train=True)
+                spent[name][phase] += time.perf_counter() - began
+    looked_up = [sum(b.numel() for b in part) for part in phases]
+
+    def rates(*names: str) -> tuple[float, float]:  # (over the warmup, steady) of the time of ``names`` summed
+        return tuple(looked_up[p] / sum(spent[n][p] for n in names) if spent[names[0]][p] else float("nan") for p in (0, 1))
+
+    return {"disk": rates("disk"), "memory": rates("memory"), "disk_charged": rates("disk", "settle"),
+            "settle_cpu_share": sum(spent["settle"]) / max(sum(spent["disk"]), 1e-9)}
+
+
+def _settle(shards: Shards, window_s: float = 0.05, limit_s: float = 2.0) -> float:
+    """Waits until ``shards`` used no CPU tick over ``window_s`` (at most ``limit_s``); returns the CPU seconds they
+    used meanwhile (their own code's and the kernel's, as ``/proc`` counts them: by ticks of 10 ms)."""
+    first = last = sum(shards.cpu_s())
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        time.sleep(window_s)
+        now = sum(shards.cpu_s())
+        if now == last:
+            break
+        last = now
+    return last - first
+
+
+def memory_baseline(args, dtype: str, keep: bool = False) -> tuple[dict, Optional[Shards]]:
+    """The Zipf lookup rate of an all-in-memory table of ``--memory-baseline-rows`` rows, in a shard of its own;
+    with ``keep``, that shard stays up (returned) for a :func:`paired_zipf_rates` measurement at the same size."""
     shards = start(1, dtype, [o for o in args.ps_override if not o.startswith("disk_dir=")])
     try:
         rows = 0
@@ -167,14 +216,22 @@ def memory_baseline(args, dtype: str) -> dict:
             count = min(args.request_ids, args.memory_baseline_rows - rows)
             shards.client.lookup({TABLE: stored_id(torch.arange(rows, rows + count))}, train=True)
             rows += count
-        cold, steady = zipf_rates(shards, rows, args.request_ids, args.repeats, args.zipf_warmup)
-        out = {"rows": rows, "zipf_rows_per_s": steady, "zipf_cold_rows_per_s": cold, "rss_bytes": shards.rss()}
-    finally:
+        out = {"rows": rows, "rss_bytes": shards.rss()}
+        if not keep:
+            cold, steady = zipf_rates(shards, rows, args.request_ids, args.repeats, args.zipf_warmup)
+            out.update(zipf_rows_per_s=steady, zipf_cold_rows_per_s=cold)
+    except BaseException:
         shards.close()
+        raise
+    if keep:
+        print(f"[{dtype}] memory baseline: {rows:,} rows in memory, RSS {out['rss_bytes'] / _GB:.2f} GB; its Zipf lookups "
+              f"are measured in turns with the disk table's at {rows:,} rows", flush=True)
+        return out, shards
+    shards.close()
     print(f"[{dtype}] memory baseline: {rows:,} rows in memory, Zipf lookups {out['zipf_rows_per_s'] / 1e6:.2f} M rows/s "
           f"(its first {args.zipf_warmup} requests {out['zipf_cold_rows_per_s'] / 1e6:.2f}), "
           f"RSS {out['rss_bytes'] / _GB:.2f} GB", flush=True)
-    return out
+    return out, None
 
 
 def disk_free() -> int:
@@ -378,12 +435,19 @@ def memory_available() -> int:
 
 def grow(args, dtype: str) -> dict:
     """Grows one shard's table through ``args.sizes``; returns what was measured at each size."""
-    baseline = memory_baseline(args, dtype) if args.storage == "disk" and args.memory_baseline_rows else None
-    shards = start(1, dtype, args.ps_override, memory_rows=args.memory_rows if args.storage == "disk" else 0,
-                   eviction=args.eviction)
+    baseline, paired = None, None  # a baseline of a size the disk table passes is measured in turns with it there
+    if args.storage == "disk" and args.memory_baseline_rows:
+        baseline, paired = memory_baseline(args, dtype, keep=args.memory_baseline_rows in args.sizes)
+    try:
+        shards = start(1, dtype, args.ps_override, memory_rows=args.memory_rows if args.storage == "disk" else 0,
+                       eviction=args.eviction)
+    except BaseException:
+        if paired is not None:
+            paired.close()
+        raise
     out = {"dtype": dtype, "storage": args.storage, "sizes": [], "max_rows": 0, "stopped": "", "memory_baseline": baseline}
     checkpoint_dir = tempfile.mkdtemp(prefix="scale-bench-", dir=args.checkpoint_dir)
-    state = {"shards": shards}
+    state = {"shards": shards, "paired": paired}
     try:
         return _grow_sizes(args, dtype, state, out, baseline, checkpoint_dir)
     except KeyboardInterrupt:  # Ctrl-C (or SIGINT) ends the run with the sizes measured so far
@@ -392,6 +456,8 @@ def grow(args, dtype: str) -> dict:
     finally:
         shutil.rmtree(checkpoint_dir, ignore_errors=True)
         state["shards"].close()
+        if state["paired"] is not None:
+            state["paired"].close()
 
 
 def _grow_sizes(args, dtype: str, state: dict, out: dict, baseline: Optional[dict], checkpoint_dir: str) -> dict:
@@ -447,22 +513,37 @@ def _grow_sizes(args, dtype: str, state: dict, out: dict, baseline: Optional[dic
         entry.update(measure_rates(shards, rows, args.request_ids, args.repeats, seed=rows))
         if args.storage == "disk":
             promoted = shards.client.stats()[0]["tables"][TABLE]["promoted"]
-            cold, steady = zipf_rates(shards, rows, args.request_ids, args.repeats, args.zipf_warmup)
+            if state["paired"] is not None and rows == baseline["rows"]:
+                paired = paired_zipf_rates(shards, state["paired"], rows, args.request_ids, args.repeats, args.zipf_warmup)
+                state["paired"].close()  # its memory goes back before the table grows on
+                state["paired"] = None
+                (cold, steady), (memory_cold, memory_steady) = paired["disk"], paired["memory"]
+                baseline.update(zipf_rows_per_s=memory_steady, zipf_cold_rows_per_s=memory_cold, paired=True,
+                                settle_cpu_share=paired["settle_cpu_share"])
+                entry["lookup_ratio_disk_vs_memory_charged"] = paired["disk_charged"][1] / memory_steady
+                print(f"[{dtype}] memory baseline, in turns of {_PAIRED_BLOCK} requests with the disk table: Zipf lookups "
+                      f"{memory_steady / 1e6:.2f} M rows/s (its first {args.zipf_warmup} requests {memory_cold / 1e6:.2f}); "
+                      f"the disk shard's work after its turns, let finish before the memory table's: "
+                      f"{paired['settle_cpu_share']:.1%} of the disk table's request time in CPU (the steady ratio with "
+                      f"that CPU added to the disk table's time: {entry['lookup_ratio_disk_vs_memory_charged']:.2f}x)", flush=True)
+            else:
+                cold, steady = zipf_rates(shards, rows, args.request_ids, args.repeats, args.zipf_warmup)
             entry["zipf_same_stream_rows_per_s"], entry["zipf_same_stream_cold_rows_per_s"] = steady, cold
             table_stats = shards.client.stats()[0]["tables"][TABLE]
             for key in _WORST_DISK_WORK:
                 entry[f"worst_disk_work_{key}"] = table_stats[f"worst_disk_work_{key}"]
             entry["disk_mapped_bytes"], entry["rss_after_zipf_bytes"] = table_stats["disk_mapped_bytes"], shards.rss()
             entry["disk_bytes_after_zipf"], entry["promoted_in_zipf"] = table_stats["disk_bytes"], table_stats["promoted"] - promoted
-            if baseline is not None:
+            if baseline is not None and "zipf_rows_per_s" in baseline:
                 entry["lookup_ratio_disk_vs_memory"] = steady / baseline["zipf_rows_per_s"]
                 entry["lookup_ratio_disk_vs_memory_cold"] = cold / baseline["zipf_cold_rows_per_s"]
             print(f"[{dtype}] {rows:>13,} rows  disk tier: {entry['memory_rows']:,} rows in memory, {entry['disk_rows']:,} on disk "
                   f"({entry['disk_bytes'] / _GB:.2f} GB; map {entry['disk_map_bytes'] / _GB:.2f} GB)  Zipf lookups "
                   f"{entry['zipf_same_stream_rows_per_s'] / 1e6:.2f} M rows/s"
-                  + (f" = {entry['lookup_ratio_disk_vs_memory']:.2f}x the {baseline['rows']:,}-row table in memory" if baseline else "")
+                  + (f" = {entry['lookup_ratio_disk_vs_memory']:.2f}x the {baseline['rows']:,}-row table in memory"
+                     if "lookup_ratio_disk_vs_memory" in entry else "")
                   + f" (its first {args.zipf_warmup} requests {cold / 1e6:.2f} M rows/s"
-                  + (f" = {entry['lookup_ratio_disk_vs_memory_cold']:.2f}x" if baseline else "") + ")"
+                  + (f" = {entry['lookup_ratio_disk_vs_memory_cold']:.2f}x" if "lookup_ratio_disk_vs_memory" in entry else "") + ")"
                   + f"; the worst CPU of the disk tier's work in one request or demoter step {entry['worst_disk_work_cpu_s']:.3f} s"
                   + f" ({entry['worst_disk_work_of']}: {entry['worst_disk_work_sys_s']:.3f} s of it in the kernel,"
                   + f" {entry['worst_disk_work_demoting_s']:.3f} s demoting); after them {entry['disk_mapped_bytes'] / _GB:.2f} GB of records mapped,"
@@ -590,6 +671,8 @@ def summary(results: dict) -> dict:
         out["lookup_ratio_disk_vs_memory_min"] = min(ratios) if ratios else None
         colds = [e["lookup_ratio_disk_vs_memory_cold"] for e in disk if "lookup_ratio_disk_vs_memory_cold" in e]
         out["lookup_ratio_disk_vs_memory_cold"] = colds[-1] if colds else None
+        charged = [e["lookup_ratio_disk_vs_memory_charged"] for e in disk if "lookup_ratio_disk_vs_memory_charged" in e]
+        out["lookup_ratio_disk_vs_memory_charged"] = charged[-1] if charged else None
         worst = max(disk, key=lambda e: e["worst_disk_work_cpu_s"])
         for key in _WORST_DISK_WORK:
             out[f"worst_disk_work_{key}"] = worst[f"worst_disk_work_{key}"]

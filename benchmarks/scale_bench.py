@@ -26,7 +26,8 @@ With ``--storage disk`` the table keeps ``--memory-rows`` rows in memory (its bu
 disk tier (``--disk-dir``): each size also prints the rows and bytes on disk, and the Zipf(1.1) lookup rate against
 that of an all-in-memory table of ``--memory-baseline-rows`` rows grown first in a shard of its own (the same
 stream: same seed and exponent, each over its own table's rows; where the disk table reaches that size, both are
-measured there in turns of 25 requests, the memory table's shard kept up until then: ``paired_zipf_rates``): the
+measured there in turns of 25 requests, the memory table's shard kept up until then and the disk table's stopped
+during the memory table's turns: ``paired_zipf_rates``): the
 steady rate, after ``--zipf-warmup`` requests timed apart (the cold rate: the growth leaves the newest ids in
 memory, the stream's head on disk), and the worst CPU
 the disk tier's work (reads, promotions, demotions) took in one request or one step of the shard's demoter. Growth stops before the disk's free space falls
@@ -45,15 +46,17 @@ client (2 cores here), so compare figures of one run. ``--json`` prints one JSON
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -165,45 +168,40 @@ def paired_zipf_rates(disk: Shards, memory: Shards, rows: int, request_ids: int,
     """The Zipf rates of :func:`zipf_rates` for a disk table and an all-in-memory one of the same ``rows``, over the
     same stream, measured in alternating blocks of :data:`_PAIRED_BLOCK` requests: both tables see the machine of the
     same minutes (the memory table's rate measured alone moved between 2.9M and 6.3M rows/s from run to run on this
-    VM). Before each block of the memory table, the disk shard's background work (its demoter bringing in and
-    demoting what the disk table's requests left it) is let finish (:func:`_settle`), so that it does not run during
-    the memory table's requests; the CPU it took then counts in neither rate, and is returned as a share of the disk
-    table's request time (``settle_cpu_share``)."""
+    VM). The disk shard's processes are stopped (SIGSTOP) during the memory table's blocks, so that its background
+    work (the demoter bringing in, demoting and compacting what the disk table's requests left it) runs during the
+    disk table's own blocks, and counts in its rate alone."""
     generator = torch.Generator().manual_seed(1234)
     batches = [unique_batch(zipf_indices(rows, request_ids, generator)) for _ in range(warmup + repeats)]
     phases = (batches[:warmup], batches[warmup:])
-    spent = {"disk": [0.0, 0.0], "memory": [0.0, 0.0], "settle": [0.0, 0.0]}
+    spent = {"disk": [0.0, 0.0], "memory": [0.0, 0.0]}
     for phase, part in enumerate(phases):
         for first in range(0, len(part), _PAIRED_BLOCK):
             block = part[first : first + _PAIRED_BLOCK]
             for name, shards in (("disk", disk), ("memory", memory)):
-                if name == "memory":
-                    spent["settle"][phase] += _settle(disk)
-                began = time.perf_counter()
-                for batch in block:
-                    shards.client.lookup({TABLE: batch}, train=True)
-                spent[name][phase] += time.perf_counter() - began
+                with _stopped(disk) if name == "memory" else contextlib.nullcontext():
+                    began = time.perf_counter()
+                    for batch in block:
+                        shards.client.lookup({TABLE: batch}, train=True)
+                    spent[name][phase] += time.perf_counter() - began
     looked_up = [sum(b.numel() for b in part) for part in phases]
 
-    def rates(*names: str) -> tuple[float, float]:  # (over the warmup, steady) of the time of ``names`` summed
-        return tuple(looked_up[p] / sum(spent[n][p] for n in names) if spent[names[0]][p] else float("nan") for p in (0, 1))
+    def rates(name: str) -> tuple[float, float]:  # (over the warmup, steady)
+        return tuple(looked_up[p] / spent[name][p] if spent[name][p] else float("nan") for p in (0, 1))
 
-    return {"disk": rates("disk"), "memory": rates("memory"), "disk_charged": rates("disk", "settle"),
-            "settle_cpu_share": sum(spent["settle"]) / max(sum(spent["disk"]), 1e-9)}
+    return {"disk": rates("disk"), "memory": rates("memory")}
 
 
-def _settle(shards: Shards, window_s: float = 0.05, limit_s: float = 2.0) -> float:
-    """Waits until ``shards`` used no CPU tick over ``window_s`` (at most ``limit_s``); returns the CPU seconds they
-    used meanwhile (their own code's and the kernel's, as ``/proc`` counts them: by ticks of 10 ms)."""
-    first = last = sum(shards.cpu_s())
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        time.sleep(window_s)
-        now = sum(shards.cpu_s())
-        if now == last:
-            break
-        last = now
-    return last - first
+@contextlib.contextmanager
+def _stopped(shards: Shards) -> Iterator[None]:
+    """``shards``' processes stopped (every thread of them) meanwhile."""
+    for pid in shards.pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in shards.pids:
+            os.kill(pid, signal.SIGCONT)
 
 
 def memory_baseline(args, dtype: str, keep: bool = False) -> tuple[dict, Optional[Shards]]:
@@ -518,14 +516,10 @@ def _grow_sizes(args, dtype: str, state: dict, out: dict, baseline: Optional[dic
                 state["paired"].close()  # its memory goes back before the table grows on
                 state["paired"] = None
                 (cold, steady), (memory_cold, memory_steady) = paired["disk"], paired["memory"]
-                baseline.update(zipf_rows_per_s=memory_steady, zipf_cold_rows_per_s=memory_cold, paired=True,
-                                settle_cpu_share=paired["settle_cpu_share"])
-                entry["lookup_ratio_disk_vs_memory_charged"] = paired["disk_charged"][1] / memory_steady
-                print(f"[{dtype}] memory baseline, in turns of {_PAIRED_BLOCK} requests with the disk table: Zipf lookups "
-                      f"{memory_steady / 1e6:.2f} M rows/s (its first {args.zipf_warmup} requests {memory_cold / 1e6:.2f}); "
-                      f"the disk shard's work after its turns, let finish before the memory table's: "
-                      f"{paired['settle_cpu_share']:.1%} of the disk table's request time in CPU (the steady ratio with "
-                      f"that CPU added to the disk table's time: {entry['lookup_ratio_disk_vs_memory_charged']:.2f}x)", flush=True)
+                baseline.update(zipf_rows_per_s=memory_steady, zipf_cold_rows_per_s=memory_cold, paired=True)
+                print(f"[{dtype}] memory baseline, in turns of {_PAIRED_BLOCK} requests with the disk table (its shard stopped "
+                      f"meanwhile): Zipf lookups {memory_steady / 1e6:.2f} M rows/s (its first {args.zipf_warmup} requests "
+                      f"{memory_cold / 1e6:.2f})", flush=True)
             else:
                 cold, steady = zipf_rates(shards, rows, args.request_ids, args.repeats, args.zipf_warmup)
             entry["zipf_same_stream_rows_per_s"], entry["zipf_same_stream_cold_rows_per_s"] = steady, cold
@@ -671,8 +665,6 @@ def summary(results: dict) -> dict:
         out["lookup_ratio_disk_vs_memory_min"] = min(ratios) if ratios else None
         colds = [e["lookup_ratio_disk_vs_memory_cold"] for e in disk if "lookup_ratio_disk_vs_memory_cold" in e]
         out["lookup_ratio_disk_vs_memory_cold"] = colds[-1] if colds else None
-        charged = [e["lookup_ratio_disk_vs_memory_charged"] for e in disk if "lookup_ratio_disk_vs_memory_charged" in e]
-        out["lookup_ratio_disk_vs_memory_charged"] = charged[-1] if charged else None
         worst = max(disk, key=lambda e: e["worst_disk_work_cpu_s"])
         for key in _WORST_DISK_WORK:
             out[f"worst_disk_work_{key}"] = worst[f"worst_disk_work_{key}"]

@@ -6,7 +6,9 @@ in memory and against a disk table, and a profile of the disk table's requests a
 
 Each table is grown by training lookups of ``--rows`` new ids, 131,072 a request (as ``scale_bench.py`` grows its
 shard); then ``--warmup`` requests of the Zipf(1.1) stream bring its head into memory, and the ``--requests`` after
-them are timed and profiled (cProfile: the request thread, and the demoter's estimates and demotions on their own thread).
+them are timed and profiled (cProfile: the request thread, and the demoter's promotions, estimates and demotions on
+their own thread). As in a shard, the lookups leave the rows they read from disk to the demoter
+(``--promote-at-once``: they bring them in themselves).
 ``--profile-rows`` lines of each profile, by time spent in the function itself.
 """
 from __future__ import annotations
@@ -34,8 +36,8 @@ _RECORD_AND_ID_BYTES = 56  # this script's table (dim 16, fp16, row-wise Adagrad
 
 
 class _ProfiledDemotions(Table):
-    """A table whose demotions (the demoter's calls: the estimates of the cold threshold, made without the lock, and
-    the demotions) are profiled and timed while ``profiling`` is set."""
+    """A table whose demoter's calls (the promotions its lookups queued, the estimates of the cold threshold, made
+    without the lock, and the demotions) are profiled and timed while ``profiling`` is set."""
 
     profiling = False
     profile = cProfile.Profile()
@@ -46,6 +48,9 @@ class _ProfiledDemotions(Table):
 
     def demote(self, count: int, estimated=None) -> int:
         return self._profiled(super().demote, count, estimated)
+
+    def promote_pending(self, limit: int) -> int:
+        return self._profiled(super().promote_pending, limit)
 
     def _profiled(self, call, *args):
         if not self.profiling:
@@ -114,6 +119,9 @@ def main(argv=None) -> int:
     parser.add_argument("--disk-dir", required=True, help="a folder for the disk table's segments (deleted after)")
     parser.add_argument("--profile-rows", type=int, default=14)
     parser.add_argument("--eviction", choices=("lru", "lfu"), default="lru", help="which rows the disk table demotes")
+    parser.add_argument("--promote-at-once", action="store_true",
+                        help="a lookup brings the rows it reads from disk into memory itself (a shard without a demoter), "
+                             "instead of leaving them to the demoter (a shard's default)")
     args = parser.parse_args(argv)
     rows, memory_rows = int(args.rows), int(args.memory_rows)
     if not 0 < memory_rows < rows or args.warmup < 0 or args.requests < 1:
@@ -133,7 +141,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(dir=args.disk_dir) as folder:
         config = TableConfig("disk", 16, optimizer=optimizer, storage_dtype="fp16", capacity=memory_rows, storage="disk",
                              eviction=args.eviction)
-        disk = _ProfiledDemotions(config, seed=0, disk_dir=folder)
+        disk = _ProfiledDemotions(config, seed=0, disk_dir=folder, promote_later=not args.promote_at_once)
         demoter = Demoter(lambda: [disk])
         demoter.start()
         try:
@@ -143,10 +151,10 @@ def main(argv=None) -> int:
             disk.close()
     print(f"disk table: {ids / disk_s / 1e6:.2f} M rows/s, {disk_s / args.requests * 1e3:.2f} ms a request "
           f"({memory_s / disk_s:.2f}x the memory table's rate); the last {args.requests} requests promoted {promoted / args.requests:,.0f} rows each, "
-          f"the demoter's estimates and demotions took {_ProfiledDemotions.spent_s / args.requests * 1e3:.2f} ms a request")
+          f"the demoter's promotions, estimates and demotions took {_ProfiledDemotions.spent_s / args.requests * 1e3:.2f} ms a request")
     print("--- the requests (the request thread; a wait for the table's lock counts in Table.lookup)")
     print(_top(profile, args.profile_rows))
-    print("--- the demoter's estimates and demotions")
+    print("--- the demoter's promotions, estimates and demotions")
     print(_top(_ProfiledDemotions.profile, args.profile_rows))
     if demoter.errors:  # the requests then demoted for it: the figures above are not the demoter's
         print(f"the demoter failed {demoter.errors} passes (logged above)", file=sys.stderr)

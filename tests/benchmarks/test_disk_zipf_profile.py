@@ -12,12 +12,15 @@ import disk_zipf_profile  # noqa: E402
 
 
 @pytest.mark.usefixtures("disk_tier_kernels")
-def test_tiny_run_prints_both_rates_and_both_profiles(tmp_path, capsys):
+@pytest.mark.parametrize("promotion", [[], ["--promote-at-once"]])
+def test_tiny_run_prints_both_rates_and_both_profiles(tmp_path, capsys, promotion):
     assert disk_zipf_profile.main(["--rows", "3e5", "--memory-rows", "1e5", "--warmup", "2", "--requests", "2",
-                                   "--disk-dir", str(tmp_path), "--profile-rows", "3"]) == 0
+                                   "--disk-dir", str(tmp_path), "--profile-rows", "400", *promotion]) == 0
     out = capsys.readouterr().out
     assert "memory table:" in out and "disk table:" in out and "the memory table's rate" in out
-    assert "--- the requests" in out and "--- the demoter's estimates and demotions" in out
+    assert "--- the requests" in out and "--- the demoter's promotions, estimates and demotions" in out
+    requests = out.split("--- the requests")[1].split("--- the demoter's")[0]
+    assert ("(_promote)" in requests) == bool(promotion)  # else the lookups queued what they read, for the demoter
     assert list(tmp_path.iterdir()) == []  # the disk table's folder is gone
 
 

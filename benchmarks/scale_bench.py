@@ -30,8 +30,9 @@ measured there in turns of 25 requests, the memory table's shard kept up until t
 during the memory table's turns: ``paired_zipf_rates``): the
 steady rate, after ``--zipf-warmup`` requests timed apart (the cold rate: the growth leaves the newest ids in
 memory, the stream's head on disk), and the worst CPU
-the disk tier's work (reads, promotions, demotions) took in one request or one step of the shard's demoter. Growth stops before the disk's free space falls
-under ``--reserve-disk-gb``.
+the disk tier's work (reads, promotions, demotions) took in one request or one step of the shard's demoter, beside
+the slowest run of a memory-bound canary job in this process over the same wall time (``MemoryCanary``: a stall of
+the whole machine shows in both). Growth stops before the disk's free space falls under ``--reserve-disk-gb``.
 
 Then, with ``--multi-shard``, the same table spread over 1, 2 and 4 shard processes on this machine: memory and
 aggregate rows/s. Every size of one run is measured in the same shard process; the machine is shared with the
@@ -319,6 +320,10 @@ def disk_speeds(directory: str, nbytes: int, block: int = 8 << 20) -> tuple[floa
     return write, read
 
 
+def _fmt_ms(seconds: Optional[float]) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
 def _fmt_s(seconds: Optional[float]) -> str:
     return "-" if seconds is None else f"{seconds:.3f} s"
 
@@ -412,6 +417,46 @@ def _read_folder(directory: str, block: int = 8 << 20) -> None:
                     pass
 
 
+class MemoryCanary:
+    """A fixed memory-bound job run every 20 ms on a thread of this process (a gather of 65,536 random values of a
+    256 MB tensor, ~2 ms): its CPU time a run says when the whole machine's memory accesses slowed (a host stall slows
+    every thread of every process alike; on this VM one took a lookup's probe of the index from ~5 ms to 43 ms while
+    this job's run took 5x its median, 2026-11-25-disk-tier.md section 17). :meth:`during` gives the slowest run
+    within a span of wall time, e.g. the shard's worst disk work."""
+
+    def __init__(self, interval_s: float = 0.02) -> None:
+        self._interval_s = interval_s
+        self._runs: list[tuple[float, float, float]] = []  # (start, end) in Unix time, and the thread's CPU seconds
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="memory-canary", daemon=True)
+
+    def start(self) -> "MemoryCanary":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        values = torch.arange(32 << 20)  # 256 MB
+        picks = torch.randint(0, values.numel(), (1 << 16,), generator=torch.Generator().manual_seed(3))
+        while not self._stop.wait(self._interval_s):
+            began, cpu = time.time(), time.thread_time()
+            values[picks].sum()
+            self._runs.append((began, time.time(), time.thread_time() - cpu))
+
+    @property
+    def median_s(self) -> Optional[float]:
+        runs = sorted(cpu for _, _, cpu in self._runs)
+        return runs[len(runs) // 2] if runs else None
+
+    def during(self, ended_at: float, wall_s: float) -> Optional[float]:
+        """The most CPU a run took among those that overlapped the ``wall_s`` before ``ended_at`` (Unix time)."""
+        overlapping = [cpu for start, end, cpu in self._runs if end >= ended_at - wall_s and start <= ended_at]
+        return max(overlapping) if overlapping else None
+
+
 def host_steal_s() -> float:
     """Seconds the hypervisor has kept this machine's cores from running it, summed over the cores (0 on bare
     metal): a request's latency that grew with it was the host's, not the shard's."""
@@ -445,7 +490,7 @@ def grow(args, dtype: str) -> dict:
         raise
     out = {"dtype": dtype, "storage": args.storage, "sizes": [], "max_rows": 0, "stopped": "", "memory_baseline": baseline}
     checkpoint_dir = tempfile.mkdtemp(prefix="scale-bench-", dir=args.checkpoint_dir)
-    state = {"shards": shards, "paired": paired}
+    state = {"shards": shards, "paired": paired, "canary": MemoryCanary().start()}
     try:
         return _grow_sizes(args, dtype, state, out, baseline, checkpoint_dir)
     except KeyboardInterrupt:  # Ctrl-C (or SIGINT) ends the run with the sizes measured so far
@@ -454,6 +499,7 @@ def grow(args, dtype: str) -> dict:
     finally:
         shutil.rmtree(checkpoint_dir, ignore_errors=True)
         state["shards"].close()
+        state["canary"].stop()
         if state["paired"] is not None:
             state["paired"].close()
 
@@ -526,6 +572,10 @@ def _grow_sizes(args, dtype: str, state: dict, out: dict, baseline: Optional[dic
             table_stats = shards.client.stats()[0]["tables"][TABLE]
             for key in _WORST_DISK_WORK:
                 entry[f"worst_disk_work_{key}"] = table_stats[f"worst_disk_work_{key}"]
+            canary = state["canary"]
+            entry["canary_median_s"] = canary.median_s
+            entry["canary_during_worst_disk_work_s"] = canary.during(table_stats["worst_disk_work_at"],
+                                                                     table_stats["worst_disk_work_wall_s"])
             entry["disk_mapped_bytes"], entry["rss_after_zipf_bytes"] = table_stats["disk_mapped_bytes"], shards.rss()
             entry["disk_bytes_after_zipf"], entry["promoted_in_zipf"] = table_stats["disk_bytes"], table_stats["promoted"] - promoted
             if baseline is not None and "zipf_rows_per_s" in baseline:
@@ -540,7 +590,9 @@ def _grow_sizes(args, dtype: str, state: dict, out: dict, baseline: Optional[dic
                   + (f" = {entry['lookup_ratio_disk_vs_memory_cold']:.2f}x" if "lookup_ratio_disk_vs_memory" in entry else "") + ")"
                   + f"; the worst CPU of the disk tier's work in one request or demoter step {entry['worst_disk_work_cpu_s']:.3f} s"
                   + f" ({entry['worst_disk_work_of']}: {entry['worst_disk_work_sys_s']:.3f} s of it in the kernel,"
-                  + f" {entry['worst_disk_work_demoting_s']:.3f} s demoting); after them {entry['disk_mapped_bytes'] / _GB:.2f} GB of records mapped,"
+                  + f" {entry['worst_disk_work_demoting_s']:.3f} s demoting; the memory canary's slowest run during it "
+                  + f"{_fmt_ms(entry['canary_during_worst_disk_work_s'])} against its median {_fmt_ms(entry['canary_median_s'])})"
+                  + f"; after them {entry['disk_mapped_bytes'] / _GB:.2f} GB of records mapped,"
                   + f" RSS {entry['rss_after_zipf_bytes'] / _GB:.2f} GB, {entry['promoted_in_zipf']:,} rows promoted,"
                   + f" disk {entry['disk_bytes_after_zipf'] / _GB:.2f} GB",
                   flush=True)
@@ -668,6 +720,7 @@ def summary(results: dict) -> dict:
         worst = max(disk, key=lambda e: e["worst_disk_work_cpu_s"])
         for key in _WORST_DISK_WORK:
             out[f"worst_disk_work_{key}"] = worst[f"worst_disk_work_{key}"]
+        out["canary_during_worst_disk_work_s"], out["canary_median_s"] = worst["canary_during_worst_disk_work_s"], worst["canary_median_s"]
         for key in ("save_s", "load_s", "restart_load_s", "checkpoint_bytes"):
             if key in largest:
                 out[key] = largest[key]

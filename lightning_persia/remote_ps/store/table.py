@@ -510,6 +510,8 @@ class Table:
                 worst_disk_work_of=self._disk_work.worst_of,
                 worst_disk_work_sys_s=self._disk_work.worst_sys_s,
                 worst_disk_work_demoting_s=self._disk_work.worst_demoting_s,
+                worst_disk_work_at=self._disk_work.worst_at,
+                worst_disk_work_wall_s=self._disk_work.worst_wall_s,
             )
 
     # ---- time to live ------------------------------------------------------------------------------

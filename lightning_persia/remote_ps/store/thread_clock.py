@@ -93,12 +93,15 @@ class DiskWork:
     worst, :attr:`worst_sys_s` is the kernel's part (page faults, reclaim, ``pread``/``pwrite``) and
     :attr:`worst_demoting_s` the part that demoted rows (a request demotes what it needs when the demoter lags): the
     two remedies differ. The kernel's part is as fine as the kernel's split of a thread's time, by its scheduler
-    ticks (1 to 4 ms): it says something of operations of tens of ms, nothing of shorter ones. Called holding the
-    table's lock."""
+    ticks (1 to 4 ms): it says something of operations of tens of ms, nothing of shorter ones. :attr:`worst_at`
+    (when the worst ended, Unix time) and :attr:`worst_wall_s` place it in time, to compare with what else the machine
+    did then (a stall of the whole machine slows every thread's memory accesses alike). Called holding the table's
+    lock."""
 
     def __init__(self) -> None:
         self.worst_cpu_s = self.worst_sys_s = self.worst_demoting_s = 0.0
         self.worst_of = ""
+        self.worst_at = self.worst_wall_s = 0.0  # when the worst ended (Unix time), and its wall time: what else ran then
         self._spent = self._sys = self._demoting = 0.0
         self._depth = 0
         self._started = (0.0, 0.0)
@@ -108,12 +111,14 @@ class DiskWork:
         """One operation of ``kind`` (what it was, e.g. ``"lookup"``): the disk work timed within it is summed, and
         the sum kept if it is the worst."""
         self._spent = self._sys = self._demoting = 0.0
+        began = time.perf_counter()
         try:
             yield
         finally:
             if self._spent > self.worst_cpu_s:
                 self.worst_cpu_s, self.worst_of = self._spent, kind
                 self.worst_sys_s, self.worst_demoting_s = min(self._sys, self._spent), min(self._demoting, self._spent)
+                self.worst_at, self.worst_wall_s = time.time(), time.perf_counter() - began
             self._spent = self._sys = self._demoting = 0.0
 
     @contextlib.contextmanager

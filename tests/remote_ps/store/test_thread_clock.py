@@ -58,12 +58,15 @@ def test_the_worst_operation_sums_its_sections_and_nesting_counts_once():
         _busy(0.05, time.thread_time)  # not disk work
         with work.timed():
             _busy(0.02, time.thread_time)
-    first = work.worst_cpu_s
+    first, ended = work.worst_cpu_s, time.time()
     assert 0.06 <= first < 0.11
+    assert ended - 0.05 <= work.worst_at <= ended and first <= work.worst_wall_s < 1.0  # its end and its wall time
+    at = work.worst_at
     with work.operation("lookup"):
         with work.timed():
             _busy(0.01, time.thread_time)
     assert work.worst_cpu_s == first and work.worst_of == "demotion"  # a lighter operation keeps the worst, and its kind
+    assert work.worst_at == at
 
 
 @pytest.mark.skipif(thread_clock._RUSAGE_THREAD is None,

@@ -176,21 +176,29 @@ def paired_zipf_rates(disk: Shards, memory: Shards, rows: int, request_ids: int,
     batches = [unique_batch(zipf_indices(rows, request_ids, generator)) for _ in range(warmup + repeats)]
     phases = (batches[:warmup], batches[warmup:])
     spent = {"disk": [0.0, 0.0], "memory": [0.0, 0.0]}
+    turns: list[list[float]] = [[], []]  # of each phase, the memory table's time of each turn over the disk table's
     for phase, part in enumerate(phases):
         for first in range(0, len(part), _PAIRED_BLOCK):
             block = part[first : first + _PAIRED_BLOCK]
+            took = {}
             for name, shards in (("disk", disk), ("memory", memory)):
                 with _stopped(disk) if name == "memory" else contextlib.nullcontext():
                     began = time.perf_counter()
                     for batch in block:
                         shards.client.lookup({TABLE: batch}, train=True)
-                    spent[name][phase] += time.perf_counter() - began
+                    took[name] = time.perf_counter() - began
+                    spent[name][phase] += took[name]
+            turns[phase].append(took["memory"] / took["disk"])
     looked_up = [sum(b.numel() for b in part) for part in phases]
 
     def rates(name: str) -> tuple[float, float]:  # (over the warmup, steady)
         return tuple(looked_up[p] / spent[name][p] if spent[name][p] else float("nan") for p in (0, 1))
 
-    return {"disk": rates("disk"), "memory": rates("memory")}
+    def spread(ratios: list[float]) -> tuple[float, float, float]:  # (lowest, median, highest) of the turns' ratios
+        ratios = sorted(ratios)
+        return (ratios[0], ratios[len(ratios) // 2], ratios[-1]) if ratios else (float("nan"),) * 3
+
+    return {"disk": rates("disk"), "memory": rates("memory"), "turn_ratios": spread(turns[1]), "turn_ratios_cold": spread(turns[0])}
 
 
 @contextlib.contextmanager
@@ -563,9 +571,13 @@ def _grow_sizes(args, dtype: str, state: dict, out: dict, baseline: Optional[dic
                 state["paired"] = None
                 (cold, steady), (memory_cold, memory_steady) = paired["disk"], paired["memory"]
                 baseline.update(zipf_rows_per_s=memory_steady, zipf_cold_rows_per_s=memory_cold, paired=True)
+                low, median, high = paired["turn_ratios"]
+                entry["lookup_ratio_disk_vs_memory_turns"] = [low, median, high]
+                entry["lookup_ratio_disk_vs_memory_turns_cold"] = list(paired["turn_ratios_cold"])
                 print(f"[{dtype}] memory baseline, in turns of {_PAIRED_BLOCK} requests with the disk table (its shard stopped "
                       f"meanwhile): Zipf lookups {memory_steady / 1e6:.2f} M rows/s (its first {args.zipf_warmup} requests "
-                      f"{memory_cold / 1e6:.2f})", flush=True)
+                      f"{memory_cold / 1e6:.2f}); the disk table's rate over the memory table's, turn by turn after the "
+                      f"first {args.zipf_warmup}: median {median:.2f}x, from {low:.2f}x to {high:.2f}x", flush=True)
             else:
                 cold, steady = zipf_rates(shards, rows, args.request_ids, args.repeats, args.zipf_warmup)
             entry["zipf_same_stream_rows_per_s"], entry["zipf_same_stream_cold_rows_per_s"] = steady, cold
@@ -717,6 +729,8 @@ def summary(results: dict) -> dict:
         out["lookup_ratio_disk_vs_memory_min"] = min(ratios) if ratios else None
         colds = [e["lookup_ratio_disk_vs_memory_cold"] for e in disk if "lookup_ratio_disk_vs_memory_cold" in e]
         out["lookup_ratio_disk_vs_memory_cold"] = colds[-1] if colds else None
+        turns = [e["lookup_ratio_disk_vs_memory_turns"] for e in disk if "lookup_ratio_disk_vs_memory_turns" in e]
+        out["lookup_ratio_disk_vs_memory_turns_median"] = turns[-1][1] if turns else None
         worst = max(disk, key=lambda e: e["worst_disk_work_cpu_s"])
         for key in _WORST_DISK_WORK:
             out[f"worst_disk_work_{key}"] = worst[f"worst_disk_work_{key}"]

@@ -700,7 +700,8 @@ typedef struct {
     int64_t shift, stride;
     const int64_t *ids;
     int64_t n;
-    int64_t *rows;             /* in: the find's rows (-1: absent); out: the rows admitted filled in */
+    int64_t *rows;             /* in: the find's rows (-1: absent; -2: read from disk, left there, not admitted);
+                                  out: the rows admitted filled in */
     char *out;                 /* [n, weights width]: the lookup's output, filled at the absent ids */
     int64_t dim, weights_offset;
     int32_t weights_half, access_value;
@@ -727,13 +728,13 @@ int64_t lp_admit(admit_job_t *job) {
         const int64_t end = start + BLOCK < job->n ? start + BLOCK : job->n;
         uint64_t hashes[BLOCK];
         for (int64_t i = start; i < end; ++i) { /* a block's home buckets on their way before any is read */
-            if (job->rows[i] >= 0) continue;
+            if (job->rows[i] != -1) continue;
             const uint64_t h = hashes[i - start] = hash_of(job->ids[i]);
             const part_t *p = &index->parts[part_of(h)];
             PREFETCH_WRITE(&p->buckets[home_of(h, p->count)]);
         }
         for (int64_t i = start; i < end; ++i) {
-            if (job->rows[i] >= 0) continue;
+            if (job->rows[i] != -1) continue;
             const int64_t id = job->ids[i];
             const uint64_t h = hashes[i - start];
             const part_t *p = &index->parts[part_of(h)];

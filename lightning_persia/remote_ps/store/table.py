@@ -740,10 +740,11 @@ class Table:
         """Admits the absent ids of a training lookup and fills their rows of ``out`` (``kernels.c``'s ``lp_admit``).
 
         Rows are taken for every absent occurrence (a client sends each id once; an id repeated in a request takes
-        one row and hands the others back to the free list), except where rows must be evicted for them.
+        one row and hands the others back to the free list), except where rows must be evicted for them. Only the
+        ids at -1 are absent: a row at -2 was read from disk and queued for promotion, and stays the id's.
         """
         if missing > self.config.capacity - self._live:  # rows evicted for them: exactly one per new id, none more
-            missing = int(torch.unique(ids[rows < 0]).numel())
+            missing = int(torch.unique(ids[rows == -1]).numel())
         fresh = self._take_rows(missing)
         weights, access, version = self._rows["weights"], self._rows["access"], self._rows["version"]
         state = self._rows.fields.get("state")

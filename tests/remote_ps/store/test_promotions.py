@@ -66,6 +66,20 @@ def test_a_training_lookup_answers_from_disk_and_the_demoter_brings_the_rows_in(
     assert table.stats()["pending_promotions"] == 0  # still in memory: nothing read from disk
 
 
+def test_new_ids_admitted_beside_queued_rows_leave_the_queued_rows_theirs(tmp_path, disk_tier_kernels):
+    table = _grown(tmp_path)
+    new = torch.arange(1000, 1030)
+    expected = torch.cat([table.lookup(COLD[:20], train=False), _table(tmp_path / "fresh").lookup(new, train=False)])
+    got = table.lookup(torch.cat([COLD[:20], new]), train=True)  # 20 read from disk and queued, 30 admitted
+    assert torch.equal(got, expected)  # the queued ones keep their trained values: not admitted afresh
+    stats = table.stats()
+    assert stats["pending_promotions"] == 20 and stats["inserted"] == 330
+    assert stats["rows"] + stats["disk_rows"] == 330  # each id once
+    table.promote_pending(SLICE)
+    assert table.stats()["rows"] + table.stats()["disk_rows"] == 330
+    assert torch.equal(table.lookup(torch.cat([COLD[:20], new]), train=False), expected)
+
+
 def test_rows_promoted_later_end_as_rows_promoted_at_once(tmp_path, disk_tier_kernels):
     later, now = _grown(tmp_path / "later"), _grown(tmp_path / "now", promote_later=False)
     for table in (later, now):

@@ -27,12 +27,11 @@ disk tier (``--disk-dir``): each size also prints the rows and bytes on disk, an
 that of an all-in-memory table of ``--memory-baseline-rows`` rows grown first in a shard of its own (the same
 stream: same seed and exponent, each over its own table's rows; where the disk table reaches that size, both are
 measured there in turns of 25 requests, the memory table's shard kept up until then and the disk table's stopped
-during the memory table's turns: ``paired_zipf_rates``): the
-steady rate, after ``--zipf-warmup`` requests timed apart (the cold rate: the growth leaves the newest ids in
-memory, the stream's head on disk), and the worst CPU
-the disk tier's work (reads, promotions, demotions) took in one request or one step of the shard's demoter, beside
-the slowest run of a memory-bound canary job in this process over the same wall time (``MemoryCanary``: a stall of
-the whole machine shows in both). Growth stops before the disk's free space falls under ``--reserve-disk-gb``.
+during the memory table's turns: ``paired_zipf_rates``): the steady rate, after ``--zipf-warmup`` requests timed
+apart (the cold rate: the growth leaves the newest ids in memory, the stream's head on disk), and the worst CPU the
+disk tier's work (reads, promotions, demotions) took in one request or one step of the shard's demoter, beside the
+slowest run of a memory-bound canary job in this process over the same wall time (``MemoryCanary``: a stall of the
+whole machine shows in both). Growth stops before the disk's free space falls under ``--reserve-disk-gb``.
 
 Then, with ``--multi-shard``, the same table spread over 1, 2 and 4 shard processes on this machine: memory and
 aggregate rows/s. Every size of one run is measured in the same shard process; the machine is shared with the

@@ -86,6 +86,8 @@ def stored_id(index: torch.Tensor) -> torch.Tensor:
 
 _WORST_DISK_WORK = ("cpu_s", "of", "sys_s", "demoting_s")  # the table stats worst_disk_work_<key> a run keeps
 _PAIRED_BLOCK = 25  # Zipf requests of one table before the other's turn, in a paired measurement
+_STALLED = 3.0
+"""A canary run this many times its median or slower says the machine stalled (its runs otherwise stay under 2x)."""
 
 
 def zipf_indices(n: int, count: int, generator: torch.Generator, exponent: float = 1.1) -> torch.Tensor:
@@ -451,7 +453,11 @@ class MemoryCanary:
         while not self._stop.wait(self._interval_s):
             began, cpu = time.time(), time.thread_time()
             values[picks].sum()
-            self._runs.append((began, time.time(), time.thread_time() - cpu))
+            self.add_run(began, time.time(), time.thread_time() - cpu)
+
+    def add_run(self, start: float, end: float, cpu_s: float) -> None:
+        """A run of the job from ``start`` to ``end`` (Unix time) that took ``cpu_s`` of its thread's CPU."""
+        self._runs.append((start, end, cpu_s))
 
     @property
     def median_s(self) -> Optional[float]:
@@ -462,6 +468,17 @@ class MemoryCanary:
         """The most CPU a run took among those that overlapped the ``wall_s`` before ``ended_at`` (Unix time)."""
         overlapping = [cpu for start, end, cpu in self._runs if end >= ended_at - wall_s and start <= ended_at]
         return max(overlapping) if overlapping else None
+
+    def worst_calm(self, operations: list[dict]) -> tuple[Optional[dict], Optional[float]]:
+        """Of ``operations`` (a table's ``worst_disk_works``), the heaviest during which no run of this job took
+        :data:`_STALLED` times its median or more (a run overlapped it: a span no run saw is not called calm), and
+        this job's slowest run during it; ``(None, None)`` when the machine stalled during each."""
+        median = self.median_s
+        for operation in sorted(operations, key=lambda o: -o["cpu_s"]):
+            slowest = self.during(operation["at"], operation["wall_s"])
+            if median and slowest is not None and slowest < _STALLED * median:
+                return operation, slowest
+        return None, None
 
 
 def host_steal_s() -> float:
@@ -587,6 +604,10 @@ def _grow_sizes(args, dtype: str, state: dict, out: dict, baseline: Optional[dic
             entry["canary_median_s"] = canary.median_s
             entry["canary_during_worst_disk_work_s"] = canary.during(table_stats["worst_disk_work_at"],
                                                                      table_stats["worst_disk_work_wall_s"])
+            calm, calm_canary = canary.worst_calm(table_stats["worst_disk_works"])
+            entry["worst_calm_disk_work_cpu_s"] = calm["cpu_s"] if calm else None
+            entry["worst_calm_disk_work_of"] = calm["of"] if calm else ""
+            entry["canary_during_worst_calm_disk_work_s"] = calm_canary
             entry["disk_mapped_bytes"], entry["rss_after_zipf_bytes"] = table_stats["disk_mapped_bytes"], shards.rss()
             entry["disk_bytes_after_zipf"], entry["promoted_in_zipf"] = table_stats["disk_bytes"], table_stats["promoted"] - promoted
             if baseline is not None and "zipf_rows_per_s" in baseline:
@@ -603,6 +624,11 @@ def _grow_sizes(args, dtype: str, state: dict, out: dict, baseline: Optional[dic
                   + f" ({entry['worst_disk_work_of']}: {entry['worst_disk_work_sys_s']:.3f} s of it in the kernel,"
                   + f" {entry['worst_disk_work_demoting_s']:.3f} s demoting; the memory canary's slowest run during it "
                   + f"{_fmt_ms(entry['canary_during_worst_disk_work_s'])} against its median {_fmt_ms(entry['canary_median_s'])})"
+                  + (f"; the worst of the table's {len(table_stats['worst_disk_works'])} worst during which the canary ran under"
+                     f" {_STALLED:g}x its median: {_fmt_s(entry['worst_calm_disk_work_cpu_s'])} ({entry['worst_calm_disk_work_of']};"
+                     f" the canary's slowest run during it {_fmt_ms(calm_canary)})" if calm else
+                     f"; the canary ran {_STALLED:g}x its median or slower during each of the table's"
+                     f" {len(table_stats['worst_disk_works'])} worst")
                   + f"; after them {entry['disk_mapped_bytes'] / _GB:.2f} GB of records mapped,"
                   + f" RSS {entry['rss_after_zipf_bytes'] / _GB:.2f} GB, {entry['promoted_in_zipf']:,} rows promoted,"
                   + f" disk {entry['disk_bytes_after_zipf'] / _GB:.2f} GB",
@@ -734,6 +760,11 @@ def summary(results: dict) -> dict:
         for key in _WORST_DISK_WORK:
             out[f"worst_disk_work_{key}"] = worst[f"worst_disk_work_{key}"]
         out["canary_during_worst_disk_work_s"], out["canary_median_s"] = worst["canary_during_worst_disk_work_s"], worst["canary_median_s"]
+        calm = [e for e in disk if e["worst_calm_disk_work_cpu_s"] is not None]
+        if calm:
+            worst = max(calm, key=lambda e: e["worst_calm_disk_work_cpu_s"])
+            for key in ("worst_calm_disk_work_cpu_s", "worst_calm_disk_work_of", "canary_during_worst_calm_disk_work_s"):
+                out[key] = worst[key]
         for key in ("save_s", "load_s", "restart_load_s", "checkpoint_bytes"):
             if key in largest:
                 out[key] = largest[key]

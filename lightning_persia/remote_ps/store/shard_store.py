@@ -182,7 +182,7 @@ class ShardStore:
             if config.name not in self._tables:
                 self._tables[config.name] = self._new_table(config)
 
-    def stats(self) -> dict[str, dict[str, int | float]]:
+    def stats(self) -> dict[str, dict[str, int | float | str | list]]:
         with self._lock:
             tables = dict(self._tables)
         return {name: table.stats() for name, table in sorted(tables.items())}

@@ -482,7 +482,7 @@ class Table:
 
     # ---- statistics --------------------------------------------------------------------------------
 
-    def stats(self) -> dict[str, int | float | str]:
+    def stats(self) -> dict[str, int | float | str | list]:
         with self.lock:
             snapshot = self._preimages.active
             return dict(
@@ -512,6 +512,7 @@ class Table:
                 worst_disk_work_demoting_s=self._disk_work.worst_demoting_s,
                 worst_disk_work_at=self._disk_work.worst_at,
                 worst_disk_work_wall_s=self._disk_work.worst_wall_s,
+                worst_disk_works=self._disk_work.worst_operations,
             )
 
     # ---- time to live ------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ for a running thread is only as recent as the scheduler's last tick, while its w
 from __future__ import annotations
 
 import contextlib
+import heapq
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -44,6 +45,8 @@ def thread_times() -> ThreadTimes:
     return ThreadTimes(time.thread_time(), waiting_ns / 1e9)
 
 
+WORST_KEPT = 8
+"""The disk tier's worst operations a table keeps, each with its time (:attr:`DiskWork.worst_operations`)."""
 _TIMED_INSERT = 4096  # training lookups of at least this many ids have their thread's times read (see Held)
 
 
@@ -95,8 +98,9 @@ class DiskWork:
     two remedies differ. The kernel's part is as fine as the kernel's split of a thread's time, by its scheduler
     ticks (1 to 4 ms): it says something of operations of tens of ms, nothing of shorter ones. :attr:`worst_at`
     (when the worst ended, Unix time) and :attr:`worst_wall_s` place it in time, to compare with what else the machine
-    did then (a stall of the whole machine slows every thread's memory accesses alike). Called holding the table's
-    lock."""
+    did then (a stall of the whole machine slows every thread's memory accesses alike); :attr:`worst_operations`
+    places the :data:`WORST_KEPT` worst so, so that an operation a stall inflated does not hide the worst one of the
+    table's own. Called holding the table's lock."""
 
     def __init__(self) -> None:
         self.worst_cpu_s = self.worst_sys_s = self.worst_demoting_s = 0.0
@@ -105,6 +109,7 @@ class DiskWork:
         self._spent = self._sys = self._demoting = 0.0
         self._depth = 0
         self._started = (0.0, 0.0)
+        self._kept: list[tuple[float, float, float, str]] = []  # a min-heap of (cpu_s, at, wall_s, kind)
 
     @contextlib.contextmanager
     def operation(self, kind: str) -> Iterator[None]:
@@ -115,11 +120,20 @@ class DiskWork:
         try:
             yield
         finally:
-            if self._spent > self.worst_cpu_s:
-                self.worst_cpu_s, self.worst_of = self._spent, kind
-                self.worst_sys_s, self.worst_demoting_s = min(self._sys, self._spent), min(self._demoting, self._spent)
-                self.worst_at, self.worst_wall_s = time.time(), time.perf_counter() - began
+            if self._spent > 0.0 and (len(self._kept) < WORST_KEPT or self._spent > self._kept[0][0]):
+                at, wall_s = time.time(), time.perf_counter() - began
+                if self._spent > self.worst_cpu_s:
+                    self.worst_cpu_s, self.worst_of = self._spent, kind
+                    self.worst_sys_s, self.worst_demoting_s = min(self._sys, self._spent), min(self._demoting, self._spent)
+                    self.worst_at, self.worst_wall_s = at, wall_s
+                (heapq.heappush if len(self._kept) < WORST_KEPT else heapq.heapreplace)(self._kept, (self._spent, at, wall_s, kind))
             self._spent = self._sys = self._demoting = 0.0
+
+    @property
+    def worst_operations(self) -> list[dict[str, float | str]]:
+        """The :data:`WORST_KEPT` worst operations so far, the worst first: each one's CPU (``cpu_s``), when it ended
+        (``at``, Unix time), its wall time (``wall_s``) and its kind (``of``)."""
+        return [dict(cpu_s=cpu_s, at=at, wall_s=wall_s, of=kind) for cpu_s, at, wall_s, kind in sorted(self._kept, reverse=True)]
 
     @contextlib.contextmanager
     def timed(self, demoting: bool = False) -> Iterator[None]:

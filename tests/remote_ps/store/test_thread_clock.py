@@ -67,6 +67,25 @@ def test_the_worst_operation_sums_its_sections_and_nesting_counts_once():
             _busy(0.01, time.thread_time)
     assert work.worst_cpu_s == first and work.worst_of == "demotion"  # a lighter operation keeps the worst, and its kind
     assert work.worst_at == at
+    kept = work.worst_operations
+    assert [o["of"] for o in kept] == ["demotion", "lookup"] and kept[0]["cpu_s"] == first and kept[0]["at"] == at
+
+
+def test_the_worst_operations_kept_are_the_heaviest_each_with_its_time(monkeypatch):
+    clock = iter(range(10**6))
+    monkeypatch.setattr(thread_clock.time, "thread_time", lambda: float(next(clock)))  # each reading a second on
+    work = DiskWork()
+    for cost in [3, 1, 9, 4, 7, 2, 8, 6, 5, 10, 1]:  # an operation timed once, `cost` readings long
+        with work.operation(f"op{cost}"):
+            with work.timed():
+                for _ in range(cost - 1):
+                    time.thread_time()
+    with work.operation("no disk work"):
+        pass
+    kept = work.worst_operations
+    assert [o["cpu_s"] for o in kept] == [10.0, 9.0, 8.0, 7.0, 6.0, 5.0, 4.0, 3.0][:thread_clock.WORST_KEPT]
+    assert [o["of"] for o in kept][:2] == ["op10", "op9"] and work.worst_of == "op10"
+    assert all(o["wall_s"] >= 0.0 and o["at"] > 0.0 for o in kept)
 
 
 @pytest.mark.skipif(thread_clock._RUSAGE_THREAD is None,

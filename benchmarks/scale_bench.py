@@ -28,10 +28,13 @@ that of an all-in-memory table of ``--memory-baseline-rows`` rows grown first in
 stream: same seed and exponent, each over its own table's rows; where the disk table reaches that size, both are
 measured there in turns of 25 requests, the memory table's shard kept up until then and the disk table's stopped
 during the memory table's turns: ``paired_zipf_rates``): the steady rate, after ``--zipf-warmup`` requests timed
-apart (the cold rate: the growth leaves the newest ids in memory, the stream's head on disk), and the worst CPU the
-disk tier's work (reads, promotions, demotions) took in one request or one step of the shard's demoter, beside the
-slowest run of a memory-bound canary job in this process over the same wall time (``MemoryCanary``: a stall of the
-whole machine shows in both). Growth stops before the disk's free space falls under ``--reserve-disk-gb``.
+apart (the cold rate: the growth leaves the newest ids in memory, the stream's head on disk, and the LRU policy
+replaces them only as the stream brings rows in: at 100M rows, 40M in memory, a request of 131,072 ids promoted
+10.5k rows over the first 1,000 requests and ~3.5k from the 6,000th on, so ``--zipf-warmup 6000`` measures the
+steady state there), and the worst CPU the disk tier's work (reads, promotions, demotions) took in one request or
+one step of the shard's demoter, beside the slowest run of a memory-bound canary job in this process over the same
+wall time (``MemoryCanary``: a stall of the whole machine shows in both), and the worst of the table's few worst
+during which the canary saw no stall. Growth stops before the disk's free space falls under ``--reserve-disk-gb``.
 
 Then, with ``--multi-shard``, the same table spread over 1, 2 and 4 shard processes on this machine: memory and
 aggregate rows/s. Every size of one run is measured in the same shard process; the machine is shared with the
@@ -607,6 +610,7 @@ def _grow_sizes(args, dtype: str, state: dict, out: dict, baseline: Optional[dic
             calm, calm_canary = canary.worst_calm(table_stats["worst_disk_works"])
             entry["worst_calm_disk_work_cpu_s"] = calm["cpu_s"] if calm else None
             entry["worst_calm_disk_work_of"] = calm["of"] if calm else ""
+            entry["worst_calm_disk_work_demoting_s"] = calm["demoting_s"] if calm else None
             entry["canary_during_worst_calm_disk_work_s"] = calm_canary
             entry["disk_mapped_bytes"], entry["rss_after_zipf_bytes"] = table_stats["disk_mapped_bytes"], shards.rss()
             entry["disk_bytes_after_zipf"], entry["promoted_in_zipf"] = table_stats["disk_bytes"], table_stats["promoted"] - promoted
@@ -625,8 +629,9 @@ def _grow_sizes(args, dtype: str, state: dict, out: dict, baseline: Optional[dic
                   + f" {entry['worst_disk_work_demoting_s']:.3f} s demoting; the memory canary's slowest run during it "
                   + f"{_fmt_ms(entry['canary_during_worst_disk_work_s'])} against its median {_fmt_ms(entry['canary_median_s'])})"
                   + (f"; the worst of the table's {len(table_stats['worst_disk_works'])} worst during which the canary ran under"
-                     f" {_STALLED:g}x its median: {_fmt_s(entry['worst_calm_disk_work_cpu_s'])} ({entry['worst_calm_disk_work_of']};"
-                     f" the canary's slowest run during it {_fmt_ms(calm_canary)})" if calm else
+                     f" {_STALLED:g}x its median: {_fmt_s(entry['worst_calm_disk_work_cpu_s'])} ({entry['worst_calm_disk_work_of']},"
+                     f" {_fmt_s(entry['worst_calm_disk_work_demoting_s'])} demoting; the canary's slowest run during it"
+                     f" {_fmt_ms(calm_canary)})" if calm else
                      f"; the canary ran {_STALLED:g}x its median or slower during each of the table's"
                      f" {len(table_stats['worst_disk_works'])} worst")
                   + f"; after them {entry['disk_mapped_bytes'] / _GB:.2f} GB of records mapped,"
@@ -763,7 +768,8 @@ def summary(results: dict) -> dict:
         calm = [e for e in disk if e["worst_calm_disk_work_cpu_s"] is not None]
         if calm:
             worst = max(calm, key=lambda e: e["worst_calm_disk_work_cpu_s"])
-            for key in ("worst_calm_disk_work_cpu_s", "worst_calm_disk_work_of", "canary_during_worst_calm_disk_work_s"):
+            for key in ("worst_calm_disk_work_cpu_s", "worst_calm_disk_work_of", "worst_calm_disk_work_demoting_s",
+                        "canary_during_worst_calm_disk_work_s"):
                 out[key] = worst[key]
         for key in ("save_s", "load_s", "restart_load_s", "checkpoint_bytes"):
             if key in largest:

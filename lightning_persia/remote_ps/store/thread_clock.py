@@ -109,7 +109,7 @@ class DiskWork:
         self._spent = self._sys = self._demoting = 0.0
         self._depth = 0
         self._started = (0.0, 0.0)
-        self._kept: list[tuple[float, float, float, str]] = []  # a min-heap of (cpu_s, at, wall_s, kind)
+        self._kept: list[tuple[float, float, float, str, float, float]] = []  # a min-heap: (cpu_s, at, wall_s, kind, sys_s, demoting_s)
 
     @contextlib.contextmanager
     def operation(self, kind: str) -> Iterator[None]:
@@ -122,18 +122,22 @@ class DiskWork:
         finally:
             if self._spent > 0.0 and (len(self._kept) < WORST_KEPT or self._spent > self._kept[0][0]):
                 at, wall_s = time.time(), time.perf_counter() - began
+                sys_s, demoting_s = min(self._sys, self._spent), min(self._demoting, self._spent)
                 if self._spent > self.worst_cpu_s:
                     self.worst_cpu_s, self.worst_of = self._spent, kind
-                    self.worst_sys_s, self.worst_demoting_s = min(self._sys, self._spent), min(self._demoting, self._spent)
+                    self.worst_sys_s, self.worst_demoting_s = sys_s, demoting_s
                     self.worst_at, self.worst_wall_s = at, wall_s
-                (heapq.heappush if len(self._kept) < WORST_KEPT else heapq.heapreplace)(self._kept, (self._spent, at, wall_s, kind))
+                kept = (self._spent, at, wall_s, kind, sys_s, demoting_s)
+                (heapq.heappush if len(self._kept) < WORST_KEPT else heapq.heapreplace)(self._kept, kept)
             self._spent = self._sys = self._demoting = 0.0
 
     @property
     def worst_operations(self) -> list[dict[str, float | str]]:
         """The :data:`WORST_KEPT` worst operations so far, the worst first: each one's CPU (``cpu_s``), when it ended
-        (``at``, Unix time), its wall time (``wall_s``) and its kind (``of``)."""
-        return [dict(cpu_s=cpu_s, at=at, wall_s=wall_s, of=kind) for cpu_s, at, wall_s, kind in sorted(self._kept, reverse=True)]
+        (``at``, Unix time), its wall time (``wall_s``), its kind (``of``), and of its CPU the kernel's part (``sys_s``)
+        and the part that demoted rows (``demoting_s``)."""
+        return [dict(cpu_s=cpu_s, at=at, wall_s=wall_s, of=kind, sys_s=sys_s, demoting_s=demoting_s)
+                for cpu_s, at, wall_s, kind, sys_s, demoting_s in sorted(self._kept, reverse=True)]
 
     @contextlib.contextmanager
     def timed(self, demoting: bool = False) -> Iterator[None]:

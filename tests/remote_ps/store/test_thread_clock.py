@@ -85,7 +85,12 @@ def test_the_worst_operations_kept_are_the_heaviest_each_with_its_time(monkeypat
     kept = work.worst_operations
     assert [o["cpu_s"] for o in kept] == [10.0, 9.0, 8.0, 7.0, 6.0, 5.0, 4.0, 3.0][:thread_clock.WORST_KEPT]
     assert [o["of"] for o in kept][:2] == ["op10", "op9"] and work.worst_of == "op10"
-    assert all(o["wall_s"] >= 0.0 and o["at"] > 0.0 for o in kept)
+    assert all(o["wall_s"] >= 0.0 and o["at"] > 0.0 and o["demoting_s"] == 0.0 for o in kept)
+    with work.operation("demotion"):
+        with work.timed(demoting=True):
+            for _ in range(19):
+                time.thread_time()
+    assert work.worst_operations[0]["of"] == "demotion" and work.worst_operations[0]["demoting_s"] == 20.0
 
 
 @pytest.mark.skipif(thread_clock._RUSAGE_THREAD is None,

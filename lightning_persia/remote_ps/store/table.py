@@ -506,12 +506,7 @@ class Table:
                 pending_promotions=len(self._pending) if self._pending is not None else 0,
                 saving_preimage_rows=snapshot.preimage_rows if snapshot is not None else 0,
                 **self._worst_held.stats(),
-                worst_disk_work_cpu_s=self._disk_work.worst_cpu_s,
-                worst_disk_work_of=self._disk_work.worst_of,
-                worst_disk_work_sys_s=self._disk_work.worst_sys_s,
-                worst_disk_work_demoting_s=self._disk_work.worst_demoting_s,
-                worst_disk_work_at=self._disk_work.worst_at,
-                worst_disk_work_wall_s=self._disk_work.worst_wall_s,
+                **{f"worst_disk_work_{name}": value for name, value in self._disk_work.worst._asdict().items()},
                 worst_disk_works=self._disk_work.worst_operations,
             )
 

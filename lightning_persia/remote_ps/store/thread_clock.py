@@ -13,7 +13,7 @@ import contextlib
 import heapq
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 try:
     import resource
@@ -89,55 +89,60 @@ class WorstHeld:
                     worst_insert_blocked_s=self.blocked_s)
 
 
+class DiskOperation(NamedTuple):
+    """One operation's disk work: its CPU, when it ended (Unix time), its wall time, its kind, and of its CPU the
+    kernel's part and the part that demoted rows. Ordered by CPU first (a tuple)."""
+
+    cpu_s: float = 0.0
+    at: float = 0.0
+    wall_s: float = 0.0
+    of: str = ""
+    sys_s: float = 0.0
+    demoting_s: float = 0.0
+
+
 class DiskWork:
     """The CPU a table's lock holder spends in the disk tier's work (reads from disk, promotions, demotions) during
-    one operation (a request, or one step of the shard's demoter), and the worst such operation so far, with its
-    kind (:attr:`worst_of`): how long the disk tier held the table's other requests, on a core of its own. Of the
-    worst, :attr:`worst_sys_s` is the kernel's part (page faults, reclaim, ``pread``/``pwrite``) and
-    :attr:`worst_demoting_s` the part that demoted rows (a request demotes what it needs when the demoter lags): the
-    two remedies differ. The kernel's part is as fine as the kernel's split of a thread's time, by its scheduler
-    ticks (1 to 4 ms): it says something of operations of tens of ms, nothing of shorter ones. :attr:`worst_at`
-    (when the worst ended, Unix time) and :attr:`worst_wall_s` place it in time, to compare with what else the machine
-    did then (a stall of the whole machine slows every thread's memory accesses alike); :attr:`worst_operations`
-    places the :data:`WORST_KEPT` worst so, so that an operation a stall inflated does not hide the worst one of the
-    table's own. Called holding the table's lock."""
+    one operation (a request, or one step of the shard's demoter), and the :data:`WORST_KEPT` worst such operations
+    so far (:attr:`worst_operations`; the worst, :attr:`worst`): how long the disk tier held the table's other
+    requests, on a core of its own. Of each, ``sys_s`` is the kernel's part (page faults, reclaim,
+    ``pread``/``pwrite``) and ``demoting_s`` the part that demoted rows (a request demotes what it needs when the
+    demoter lags): the two remedies differ. The kernel's part is as fine as the kernel's split of a thread's time, by
+    its scheduler ticks (1 to 4 ms): it says something of operations of tens of ms, nothing of shorter ones. ``at``
+    (when it ended) and ``wall_s`` place it in time, to compare with what else the machine did then (a stall of the
+    whole machine slows every thread's memory accesses alike): keeping several, an operation a stall inflated does
+    not hide the worst one of the table's own. Called holding the table's lock."""
 
     def __init__(self) -> None:
-        self.worst_cpu_s = self.worst_sys_s = self.worst_demoting_s = 0.0
-        self.worst_of = ""
-        self.worst_at = self.worst_wall_s = 0.0  # when the worst ended (Unix time), and its wall time: what else ran then
         self._spent = self._sys = self._demoting = 0.0
         self._depth = 0
         self._started = (0.0, 0.0)
-        self._kept: list[tuple[float, float, float, str, float, float]] = []  # a min-heap: (cpu_s, at, wall_s, kind, sys_s, demoting_s)
+        self._kept: list[DiskOperation] = []  # a min-heap by CPU
 
     @contextlib.contextmanager
     def operation(self, kind: str) -> Iterator[None]:
         """One operation of ``kind`` (what it was, e.g. ``"lookup"``): the disk work timed within it is summed, and
-        the sum kept if it is the worst."""
+        the sum kept if it is among the worst."""
         self._spent = self._sys = self._demoting = 0.0
         began = time.perf_counter()
         try:
             yield
         finally:
-            if self._spent > 0.0 and (len(self._kept) < WORST_KEPT or self._spent > self._kept[0][0]):
-                at, wall_s = time.time(), time.perf_counter() - began
-                sys_s, demoting_s = min(self._sys, self._spent), min(self._demoting, self._spent)
-                if self._spent > self.worst_cpu_s:
-                    self.worst_cpu_s, self.worst_of = self._spent, kind
-                    self.worst_sys_s, self.worst_demoting_s = sys_s, demoting_s
-                    self.worst_at, self.worst_wall_s = at, wall_s
-                kept = (self._spent, at, wall_s, kind, sys_s, demoting_s)
+            if self._spent > 0.0 and (len(self._kept) < WORST_KEPT or self._spent > self._kept[0].cpu_s):
+                kept = DiskOperation(self._spent, time.time(), time.perf_counter() - began, kind,
+                                     min(self._sys, self._spent), min(self._demoting, self._spent))
                 (heapq.heappush if len(self._kept) < WORST_KEPT else heapq.heapreplace)(self._kept, kept)
             self._spent = self._sys = self._demoting = 0.0
 
     @property
+    def worst(self) -> DiskOperation:
+        """The worst operation so far (all zeros before any did disk work)."""
+        return max(self._kept, default=DiskOperation())
+
+    @property
     def worst_operations(self) -> list[dict[str, float | str]]:
-        """The :data:`WORST_KEPT` worst operations so far, the worst first: each one's CPU (``cpu_s``), when it ended
-        (``at``, Unix time), its wall time (``wall_s``), its kind (``of``), and of its CPU the kernel's part (``sys_s``)
-        and the part that demoted rows (``demoting_s``)."""
-        return [dict(cpu_s=cpu_s, at=at, wall_s=wall_s, of=kind, sys_s=sys_s, demoting_s=demoting_s)
-                for cpu_s, at, wall_s, kind, sys_s, demoting_s in sorted(self._kept, reverse=True)]
+        """The :data:`WORST_KEPT` worst operations so far, the worst first, each as the fields of :class:`DiskOperation`."""
+        return [operation._asdict() for operation in sorted(self._kept, reverse=True)]
 
     @contextlib.contextmanager
     def timed(self, demoting: bool = False) -> Iterator[None]:

@@ -58,15 +58,15 @@ def test_the_worst_operation_sums_its_sections_and_nesting_counts_once():
         _busy(0.05, time.thread_time)  # not disk work
         with work.timed():
             _busy(0.02, time.thread_time)
-    first, ended = work.worst_cpu_s, time.time()
+    first, ended = work.worst.cpu_s, time.time()
     assert 0.06 <= first < 0.11
-    assert ended - 1.0 <= work.worst_at <= ended and first <= work.worst_wall_s < 1.0  # its end and its wall time
-    at = work.worst_at
+    assert ended - 1.0 <= work.worst.at <= ended and first <= work.worst.wall_s < 1.0  # its end and its wall time
+    at = work.worst.at
     with work.operation("lookup"):
         with work.timed():
             _busy(0.01, time.thread_time)
-    assert work.worst_cpu_s == first and work.worst_of == "demotion"  # a lighter operation keeps the worst, and its kind
-    assert work.worst_at == at
+    assert work.worst.cpu_s == first and work.worst.of == "demotion"  # a lighter operation keeps the worst, and its kind
+    assert work.worst.at == at
     kept = work.worst_operations
     assert [o["of"] for o in kept] == ["demotion", "lookup"] and kept[0]["cpu_s"] == first and kept[0]["at"] == at
 
@@ -84,7 +84,7 @@ def test_the_worst_operations_kept_are_the_heaviest_each_with_its_time(monkeypat
         pass
     kept = work.worst_operations
     assert [o["cpu_s"] for o in kept] == [10.0, 9.0, 8.0, 7.0, 6.0, 5.0, 4.0, 3.0][:thread_clock.WORST_KEPT]
-    assert [o["of"] for o in kept][:2] == ["op10", "op9"] and work.worst_of == "op10"
+    assert [o["of"] for o in kept][:2] == ["op10", "op9"] and work.worst.of == "op10"
     assert all(o["wall_s"] >= 0.0 and o["at"] > 0.0 and o["demoting_s"] == 0.0 for o in kept)
     with work.operation("demotion"):
         with work.timed(demoting=True):
@@ -107,11 +107,11 @@ def test_the_worst_operation_keeps_its_kernel_time_and_its_demotions_apart():
                 with open("/dev/zero", "rb") as zeros:  # the kernel's time: copying out zeros
                     while thread_clock._kernel_time() - start < 0.01:
                         zeros.read(1 << 20)
-    assert 0.06 <= work.worst_cpu_s < 0.2
-    assert 0.04 <= work.worst_demoting_s <= work.worst_cpu_s - 0.02
-    assert 0.01 <= work.worst_sys_s <= work.worst_cpu_s
-    demoting, kernel = work.worst_demoting_s, work.worst_sys_s
+    assert 0.06 <= work.worst.cpu_s < 0.2
+    assert 0.04 <= work.worst.demoting_s <= work.worst.cpu_s - 0.02
+    assert 0.01 <= work.worst.sys_s <= work.worst.cpu_s
+    demoting, kernel = work.worst.demoting_s, work.worst.sys_s
     with work.operation("update"):
         with work.timed():
             _busy(0.005, time.thread_time)
-    assert (work.worst_demoting_s, work.worst_sys_s, work.worst_of) == (demoting, kernel, "lookup")
+    assert (work.worst.demoting_s, work.worst.sys_s, work.worst.of) == (demoting, kernel, "lookup")

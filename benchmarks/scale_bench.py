@@ -612,6 +612,7 @@ def _grow_sizes(args, dtype: str, state: dict, out: dict, baseline: Optional[dic
             entry["worst_calm_disk_work_of"] = calm["of"] if calm else ""
             entry["worst_calm_disk_work_demoting_s"] = calm["demoting_s"] if calm else None
             entry["canary_during_worst_calm_disk_work_s"] = calm_canary
+            entry["worst_disk_works"] = table_stats["worst_disk_works"]
             entry["disk_mapped_bytes"], entry["rss_after_zipf_bytes"] = table_stats["disk_mapped_bytes"], shards.rss()
             entry["disk_bytes_after_zipf"], entry["promoted_in_zipf"] = table_stats["disk_bytes"], table_stats["promoted"] - promoted
             if baseline is not None and "zipf_rows_per_s" in baseline:

@@ -5,7 +5,8 @@ table's lock held: a lookup that inserted 131,072 new ids into a full 100M-row t
 (2026-11-25-disk-tier.md). :class:`Demoter` instead demotes a table's coldest rows whenever its memory tier holds
 more than its budget less half of :data:`HEADROOM_FRACTION`, down to the budget less all of it, :data:`SLICE_ROWS` at a
 time, the table's lock held for one slice only. A request then finds free rows, and demotes only when the rows
-it brings in exceed the headroom left (the budget is a hard limit: it demotes what it needs, no more).
+it brings in exceed the headroom left (the budget is a hard limit: it demotes what it needs, no more): a slice at
+most with its lock held, more a slice at a time between its two holds of the lock (``Table._make_room``).
 
 Before demoting, it promotes the rows training lookups read from disk and queued for it (``promotions.py``): the
 lookup answered with them, and bringing them into memory is left to this thread, :data:`SLICE_ROWS` with the lock held.

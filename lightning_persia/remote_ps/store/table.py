@@ -28,6 +28,7 @@ from lightning_persia.ops.hashing import name_hash
 from lightning_persia.remote_ps.store import eviction, expiry
 from lightning_persia.remote_ps.store.admission import CountingFilter
 from lightning_persia.remote_ps.store.chunked_rows import ChunkedRows, FieldSpec
+from lightning_persia.remote_ps.store.demoter import SLICE_ROWS
 from lightning_persia.remote_ps.store.disk_tier import DISK_FIELDS, DiskTier, ReadAhead
 from lightning_persia.remote_ps.store.errors import InvalidRequestError, StoreError
 from lightning_persia.remote_ps.store.free_rows import FreeRows
@@ -125,16 +126,17 @@ class Table:
             touch = self._touch(train)
             rows = self._index.find(ids, copy=(self._rows["weights"], out), touch=touch)
             ahead = self._read_ahead(ids, rows)
-            if ahead is None:
+            short = self._shortfall(rows) if train else 0
+            if ahead is None and short <= SLICE_ROWS:
                 self._finish(ids, rows, out, train, journal, held)
                 return out.to(dtype)
             inserted = self._index.inserted
             if train:
                 self._worst_held.record(held)
-        _read_without_locks([self], [ahead])
+        _between_locks([self], [ahead], [short])
         with self.lock:
             held = Held.now(ids.numel(), train)
-            self._disk.end_read()
+            _end_reads([self], [ahead])
             self._rejoin(ids, rows, out, train, inserted)
             self._finish(ids, rows, out, train, journal, held, ahead)
         return out.to(dtype)
@@ -164,19 +166,19 @@ class Table:
             except BaseException:
                 _end_reads(tables, aheads)
                 raise
-            if not any(aheads):
+            shorts = [table._shortfall(found) if train and job.missing else 0 for table, found, job in zip(tables, rows, jobs)]
+            if not any(aheads) and max(shorts) <= SLICE_ROWS:
                 Table._finish_together(requests, rows, outs, train, journal, held, aheads)
                 return [out.to(dtype) for out in outs]
             inserted = [table._index.inserted for table in tables]
             for table in tables if train else ():
                 table._worst_held.record(held)
-        _read_without_locks(tables, aheads)
+        _between_locks(tables, aheads, shorts)
         with _all_locked(tables):
             held = Held.now(sum(ids.numel() for _, ids in requests), train)
             _end_reads(tables, aheads)  # every read ended before any table's rejoin may fail
-            for (table, ids), found, out, ahead, before in zip(requests, rows, outs, aheads, inserted):
-                if ahead is not None:
-                    table._rejoin(ids, found, out, train, before)
+            for (table, ids), found, out, before in zip(requests, rows, outs, inserted):
+                table._rejoin(ids, found, out, train, before)
             Table._finish_together(requests, rows, outs, train, journal, held, aheads)
         return [out.to(dtype) for out in outs]
 
@@ -209,10 +211,10 @@ class Table:
             return self._disk.begin_read(positions, ids[positions])
 
     def _rejoin(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, inserted: int) -> None:
-        """Back under the lock after a read ahead (ended: :meth:`DiskTier.end_read`): where ids were inserted since the
-        index counted ``inserted``, the ids the first probe missed are probed again (another request may have brought
-        them in meanwhile)."""
-        if self._disk.closed:
+        """Back under the lock after it was let go (a read ahead, ended: :meth:`DiskTier.end_read`; room made): where
+        ids were inserted since the index counted ``inserted``, the ids the first probe missed are probed again
+        (another request may have brought them in meanwhile)."""
+        if self._disk is not None and self._disk.closed:
             raise StoreError(f"table {self.config.name!r} was dropped during the lookup")
         if self._index.inserted == inserted:
             return
@@ -584,12 +586,38 @@ class Table:
             return 0
         if estimated is None:
             estimated = self.cold_estimate(count)
-        with self.lock, self._disk_work.operation("demotion"):
+        return self._demote(count, estimated, "demotion")
+
+    def _demote(self, count: int, estimated: Optional[tuple[int, float]], of: str) -> int:
+        """:meth:`demote`, its disk work counted as an operation ``of`` that kind (:class:`DiskWork`)."""
+        with self.lock, self._disk_work.operation(of):
             if self._disk.closed:
                 return 0
             before = self._counters["demoted"]
             self._evict(min(count, self._live), estimated)
             return self._counters["demoted"] - before
+
+    def _shortfall(self, rows: torch.Tensor) -> int:
+        """Of the rows a training lookup that found ``rows`` may bring into memory (one per id it missed), how many
+        exceed a disk table's free rows now (0 or less: none; a table in memory evicts, it does not demote). The
+        lock held."""
+        if self._disk is None:
+            return 0
+        return int((rows < 0).sum()) - (self.config.capacity - self._live)
+
+    def _make_room(self, shortfall: int) -> None:
+        """Demotes ``shortfall`` rows for a request, :data:`SLICE_ROWS` at a time, the lock taken for each slice and
+        let go between: the demoter fell behind the rows requests bring in, and one request demoting them all with
+        the lock held kept every other request of the table waiting for all of it (a lookup that inserted 131,072
+        ids held a billion-row table's lock for 0.378 s of demoting so, section 18 of 2026-11-25-disk-tier.md)."""
+        if shortfall <= 0:
+            return
+        estimated = self.cold_estimate(shortfall)
+        while shortfall > 0:
+            moved = self._demote(min(shortfall, SLICE_ROWS), estimated, "a lookup's demotion, a slice")
+            if not moved:
+                return
+            shortfall -= moved
 
     def compact_disk(self) -> int:
         """A step of compacting the disk tier's sparsest segment (see :meth:`DiskTier.compact_step`); returns the rows
@@ -869,13 +897,17 @@ def _all_locked(tables: Sequence[Table]) -> contextlib.ExitStack:
     return held
 
 
-def _read_without_locks(tables: Sequence[Table], aheads: Sequence[Optional[ReadAhead]]) -> None:
-    """Reads the records of ``aheads`` (one or None per table) with no table's lock held; on an error, ends every
-    read (taking the locks) before it goes on up."""
+def _between_locks(tables: Sequence[Table], aheads: Sequence[Optional[ReadAhead]], shortfalls: Sequence[int]) -> None:
+    """Reads the records of ``aheads`` (one or None per table) with no table's lock held, then demotes the rows of
+    ``shortfalls`` beyond what a table demotes under its lock (a slice, :meth:`Table._make_room`); on an error,
+    ends every read (taking the locks) before it goes on up."""
     try:
         for ahead in aheads:
             if ahead is not None:
                 ahead.read()
+        for table, shortfall in zip(tables, shortfalls):
+            if shortfall > SLICE_ROWS:
+                table._make_room(shortfall)
     except BaseException:
         with _all_locked(tables):
             _end_reads(tables, aheads)

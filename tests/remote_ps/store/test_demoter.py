@@ -126,3 +126,77 @@ def test_a_pass_demotes_in_short_slices_each_few_by_one_estimate(tmp_path, monke
     assert all(estimated is not None for _, estimated in slices)
     assert all(slices[i][1] == slices[i - i % 8][1] for i in range(25))  # each slice by its group's estimate
     assert table.stats()["disk_rows"] == HEADROOM
+
+
+def _lock_free_demotions(table, monkeypatch):
+    """Records each demotion's count, and that the table's lock was free when it began (the request let it go)."""
+    real_demote, calls = table._demote, []
+
+    def demote(count, estimated, of):
+        calls.append((count, table.lock.locked(), of))
+        return real_demote(count, estimated, of)
+
+    monkeypatch.setattr(table, "_demote", demote)
+    return calls
+
+
+def test_a_request_short_of_more_than_a_slice_demotes_a_slice_at_a_time_between_its_locks(tmp_path, monkeypatch):
+    monkeypatch.setattr("lightning_persia.remote_ps.store.table.SLICE_ROWS", 100)
+    table = _table(tmp_path)
+    old = torch.arange(CAPACITY)
+    before = table.lookup(old, train=True)
+    calls = _lock_free_demotions(table, monkeypatch)
+    fresh = torch.arange(CAPACITY, CAPACITY + 350)  # no demoter ran: the request is 350 rows short
+    table.lookup(fresh, train=True)
+    assert calls == [(100, False, "a lookup's demotion, a slice")] * 3 + [(50, False, "a lookup's demotion, a slice")]
+    stats = table.stats()
+    assert stats["demoted"] == 350 and stats["rows"] == CAPACITY and stats["disk_rows"] == 350
+    kinds = {operation["of"] for operation in stats["worst_disk_works"]}
+    assert "a lookup's demotion, a slice" in kinds
+    assert torch.equal(table.lookup(old, train=False), before)  # the demoted rows read back from disk
+    assert torch.equal(table.lookup(fresh, train=False), table.lookup(fresh, train=True))
+
+
+def test_a_request_short_of_a_slice_or_less_demotes_under_its_lock(tmp_path, monkeypatch):
+    monkeypatch.setattr("lightning_persia.remote_ps.store.table.SLICE_ROWS", 100)
+    table = _table(tmp_path)
+    table.lookup(torch.arange(CAPACITY), train=True)
+    calls = _lock_free_demotions(table, monkeypatch)
+    table.lookup(torch.arange(CAPACITY, CAPACITY + 100), train=True)
+    assert calls == [] and table.stats()["demoted"] == 100
+
+
+def test_ids_another_request_brings_in_while_room_is_made_are_not_admitted_twice(tmp_path, monkeypatch):
+    monkeypatch.setattr("lightning_persia.remote_ps.store.table.SLICE_ROWS", 100)
+    table = _table(tmp_path)
+    table.lookup(torch.arange(CAPACITY), train=True)
+    fresh = torch.arange(CAPACITY, CAPACITY + 300)
+    real_demote, others = table._demote, []
+
+    def demote(count, estimated, of):
+        if not others:  # another request, between the first request's two holds of the lock: admits and trains 10
+            others.append(table.lookup(fresh[:10], train=True))
+            table.update(fresh[:10], torch.ones(10, DIM))
+        return real_demote(count, estimated, of)
+
+    monkeypatch.setattr(table, "_demote", demote)
+    got = table.lookup(fresh, train=True)
+    assert table.stats()["inserted"] == CAPACITY + 300  # each of the 300 admitted once
+    trained = table.lookup(fresh[:10], train=False)
+    assert not torch.equal(trained, others[0]) and torch.equal(got[:10], trained)  # the first request saw the update
+
+
+def test_requests_of_several_tables_make_room_between_their_locks_too(tmp_path, monkeypatch):
+    monkeypatch.setattr("lightning_persia.remote_ps.store.table.SLICE_ROWS", 100)
+    tables = [_table(tmp_path / "a"), _table(tmp_path / "b")]
+    config = TableConfig("m", DIM, capacity=CAPACITY)  # a table in memory in the same request evicts, as before
+    tables.append(Table(config, seed=0))
+    for table in tables:
+        table.lookup(torch.arange(CAPACITY), train=True)
+    calls = [_lock_free_demotions(table, monkeypatch) for table in tables]
+    fresh = torch.arange(CAPACITY, CAPACITY + 250)
+    Table.lookup_together([(table, fresh) for table in tables], train=True, dtype=torch.float32)
+    slice_of = "a lookup's demotion, a slice"
+    assert calls == [[(100, False, slice_of), (100, False, slice_of), (50, False, slice_of)]] * 2 + [[]]
+    assert [table.stats()["rows"] for table in tables] == [CAPACITY] * 3
+    assert [table.stats()["demoted"] for table in tables] == [250, 250, 0]

@@ -47,6 +47,12 @@ COMPACT_GARBAGE = 1 / 8
 held, so the garbage a Zipf stream's promotions leave is let gather to this bound before any is moved: the first
 hundreds of requests after a table grew promote from the same few segments, and compacting them at once cost the
 requests more time than their reads (benchmarks/results/2026-11-25-disk-tier.md, section 16)."""
+COMPACT_ANY = 1 / 5
+"""Past this fraction of garbage, the sealed segment with the fewest live rows is compacted whatever its live
+fraction (it holds at least the tier's average garbage): the files stay within about 1.25x the live records, a
+segment or two aside, however long the stream. Below :data:`COMPACT_BELOW` alone, promotions that hit every
+segment alike left each above half live while the files grew: 1.41x the live records after 6,300 Zipf requests at
+100M rows (2026-11-25-disk-tier.md, section 18), which at a billion rows would pass 70 GB."""
 _COMPACT_ROWS = 1 << 14  # live rows a compaction step moves at most, the table's lock held: a demotion slice's worth
 MAX_SEGMENTS = ((1 << 32) - 2) >> SEGMENT_SHIFT  # at once: slots are 32-bit in the id map (compaction frees numbers)
 DISK_FIELDS = ("ids", "weights", "state", "access")
@@ -411,8 +417,8 @@ class DiskTier:
     # ---- compaction --------------------------------------------------------------------------------------
 
     def compact_step(self, holding: Callable[[], ContextManager] = contextlib.nullcontext) -> int:
-        """Moves up to 16,384 live rows of the sealed segment with the fewest of them, below :data:`COMPACT_BELOW`, to
-        the end of the tier; deletes the segments left without a live row (once no read is under way and no save
+        """Moves up to 16,384 live rows of the sealed segment with the fewest of them (see :meth:`_sparsest`) to the
+        end of the tier; deletes the segments left without a live row (once no read is under way and no save
         holds them). Returns the rows moved. Takes the table's lock to choose and to move the rows, not while it
         reads their records; a row that left the segment meanwhile is not moved. Each hold of the lock runs within
         ``holding()`` (the table times its disk work so)."""
@@ -449,14 +455,17 @@ class DiskTier:
             return slots.numel()
 
     def _sparsest(self) -> Optional[int]:
-        """The sealed segment with the fewest live rows, if below :data:`COMPACT_BELOW` of its records and above none
-        (one without any is deleted instead), once the tier's garbage passed :data:`COMPACT_GARBAGE`."""
+        """The sealed segment with the fewest live rows, if below :data:`COMPACT_BELOW` of its records (or whatever
+        its live rows, once the tier's garbage passed :data:`COMPACT_ANY`) and above none (one without any is deleted
+        instead), once the tier's garbage passed :data:`COMPACT_GARBAGE`."""
         written = torch.tensor(self._written, dtype=torch.float64)
         live = self._live_counts.to(torch.float64)
         records = float(written[self._fd_table >= 0].sum())  # a deleted segment's number holds none
-        if records - float(live.sum()) <= COMPACT_GARBAGE * records:
+        garbage = records - float(live.sum())
+        if garbage <= COMPACT_GARBAGE * records:
             return None
-        candidates = torch.nonzero(self._sealed() & (live > 0) & (live < COMPACT_BELOW * written)).squeeze(1)
+        below = COMPACT_BELOW * written if garbage <= COMPACT_ANY * records else written
+        candidates = torch.nonzero(self._sealed() & (live > 0) & (live < below)).squeeze(1)
         if not candidates.numel():
             return None
         return int(candidates[torch.argmin(live[candidates])])

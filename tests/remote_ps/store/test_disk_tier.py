@@ -333,13 +333,14 @@ def test_a_full_segment_mostly_garbage_is_compacted_then_deleted(tmp_path, small
     ids = torch.arange(3000) * 7 + 1  # segments 0 and 1 full, 2 open
     tier.write(_rows(ids))
     tier.take(ids[:800])  # segment 0: 224 of its 1,024 records live
-    tier.take(ids[1024:1500])  # segment 1: 548 live, above half: left alone
+    tier.take(ids[1024:1424])  # segment 1: 624 live, above half: left alone while garbage is under COMPACT_ANY
     before = tier.disk_bytes
     assert tier.compact_step() == 224  # its live rows written anew at the end
-    assert tier.compact_step() == 0  # segment 0 deleted; nothing else below half
+    assert disk_tier.COMPACT_ANY == 1 / 5  # segment 0 deleted: 400 garbage records of 2,200 left, under it
+    assert tier.compact_step() == 0  # nothing else below half
     assert _segment_files(tmp_path) == ["segment-000001.rows", "segment-000002.rows", "segment-000003.rows"]
-    assert tier.disk_bytes < before and tier.rows == 3000 - 800 - 476
-    kept = torch.cat([ids[800:1024], ids[1500:]])
+    assert tier.disk_bytes < before and tier.rows == 3000 - 800 - 400
+    kept = torch.cat([ids[800:1024], ids[1424:]])
     slots, records = tier.find(kept)
     assert bool((slots >= 0).all()) and torch.equal(tier.unpack(records)["weights"], _rows(kept)["weights"].half())
     assert bool((tier.find(ids[:800])[0] == -1).all())
@@ -358,6 +359,22 @@ def test_a_sparse_segment_waits_until_the_tiers_garbage_passes_its_bound(tmp_pat
     assert _segment_files(tmp_path)[:2] == ["segment-000000.rows", "segment-000002.rows"]
     kept = torch.cat([ids[600:1024], ids[1724:]])
     assert bool((tier.find(kept)[0] >= 0).all()) and tier.rows == kept.numel()
+
+
+def test_past_its_bound_of_garbage_the_sparsest_segment_is_compacted_even_above_half_live(tmp_path, small_segments):
+    tier = DiskTier(tmp_path / "tier", _specs())
+    ids = torch.arange(5 * 1024 + 100) * 7 + 1  # five full segments, a sixth open
+    tier.write(_rows(ids))
+    for segment in (2, 0, 1):  # 450 garbage records in each of three (574 live: above half), 1,350 of 5,220
+        tier.take(ids[segment * 1024 : segment * 1024 + 450])
+    tier.take(ids[2 * 1024 + 450 : 2 * 1024 + 451])  # segment 2 the sparsest
+    assert tier.compact_step() == 573  # past 1/5 garbage: segment 2 compacted, though above half live
+    assert tier.compact_step() == 0  # deleted: 900 garbage records of 4,769, under 1/5 again; none below half
+    assert "segment-000002.rows" not in _segment_files(tmp_path)
+    assert tier.disk_bytes <= 1.25 * tier.rows * tier.record_bytes + 2 * 1024 * tier.record_bytes  # a segment or two aside
+    kept = torch.cat([ids[450:1024], ids[1024 + 450 : 2048], ids[2048 + 451 :]])
+    slots, records = tier.find(kept)
+    assert bool((slots >= 0).all()) and torch.equal(tier.unpack(records)["weights"], _rows(kept)["weights"].half())
 
 
 def test_a_compaction_steps_holds_of_the_lock_count_as_the_tables_disk_work(tmp_path, small_segments, monkeypatch):

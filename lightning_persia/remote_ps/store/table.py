@@ -898,9 +898,9 @@ def _all_locked(tables: Sequence[Table]) -> contextlib.ExitStack:
 
 
 def _between_locks(tables: Sequence[Table], aheads: Sequence[Optional[ReadAhead]], shortfalls: Sequence[int]) -> None:
-    """Reads the records of ``aheads`` (one or None per table) with no table's lock held, then demotes the rows of
-    ``shortfalls`` beyond what a table demotes under its lock (a slice, :meth:`Table._make_room`); on an error,
-    ends every read (taking the locks) before it goes on up."""
+    """Reads the records of ``aheads`` (one or None per table) with no table's lock held, then makes room in each
+    table whose shortfall of free rows (``shortfalls``) is more than it demotes with its lock held, a slice
+    (:meth:`Table._make_room`); on an error, ends every read (taking the locks) before it goes on up."""
     try:
         for ahead in aheads:
             if ahead is not None:

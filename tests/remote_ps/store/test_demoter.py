@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from lightning_persia.remote_ps.store import eviction
+from lightning_persia.remote_ps.store import disk_tier, eviction
 from lightning_persia.remote_ps.store.demoter import HEADROOM_FRACTION, Demoter, demotion_target
 from lightning_persia.remote_ps.store.table import Table
 from lightning_persia.remote_ps.table_config import Adagrad, TableConfig
@@ -200,3 +200,26 @@ def test_requests_of_several_tables_make_room_between_their_locks_too(tmp_path, 
     assert calls == [[(100, False, slice_of), (100, False, slice_of), (50, False, slice_of)]] * 2 + [[]]
     assert [table.stats()["rows"] for table in tables] == [CAPACITY] * 3
     assert [table.stats()["demoted"] for table in tables] == [250, 250, 0]
+
+
+def test_a_full_disk_while_a_request_makes_room_fails_it_clearly_and_loses_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr("lightning_persia.remote_ps.store.table.SLICE_ROWS", 100)
+    table = _table(tmp_path)
+    old = torch.arange(CAPACITY)
+    before = table.lookup(old, train=True)
+    Demoter(lambda: [table]).run_once()  # HEADROOM rows on disk: the next request reads some back ahead
+    wanted = torch.cat([old[:50], torch.arange(CAPACITY, CAPACITY + 400)])  # 450 missed, 100 rows free
+    real_write = disk_tier._write_all
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(disk_tier, "_write_all", full)
+    with pytest.raises(disk_tier.DiskTierError, match="No space left on device"):
+        table.lookup(wanted, train=True)
+    stats = table.stats()
+    assert stats["rows"] + stats["disk_rows"] == CAPACITY  # nothing admitted, nothing lost
+    monkeypatch.setattr(disk_tier, "_write_all", real_write)
+    got = table.lookup(wanted, train=True)  # the table serves on
+    assert torch.equal(got[:50], before[:50].float()) and table.stats()["rows"] == CAPACITY
+    assert torch.equal(table.lookup(old, train=False), before)

@@ -126,8 +126,8 @@ class Table:
             touch = self._touch(train)
             rows = self._index.find(ids, copy=(self._rows["weights"], out), touch=touch)
             ahead = self._read_ahead(ids, rows)
-            short = self._shortfall(rows) if train else 0
-            if ahead is None and short <= SLICE_ROWS:
+            short = self._room_to_make(rows) if train else 0
+            if ahead is None and not short:
                 self._finish(ids, rows, out, train, journal, held)
                 return out.to(dtype)
             inserted = self._index.inserted
@@ -166,8 +166,8 @@ class Table:
             except BaseException:
                 _end_reads(tables, aheads)
                 raise
-            shorts = [table._shortfall(found) if train and job.missing else 0 for table, found, job in zip(tables, rows, jobs)]
-            if not any(aheads) and max(shorts) <= SLICE_ROWS:
+            shorts = [table._room_to_make(found) if train and job.missing else 0 for table, found, job in zip(tables, rows, jobs)]
+            if not any(aheads) and not any(shorts):
                 Table._finish_together(requests, rows, outs, train, journal, held, aheads)
                 return [out.to(dtype) for out in outs]
             inserted = [table._index.inserted for table in tables]
@@ -597,19 +597,22 @@ class Table:
             self._evict(min(count, self._live), estimated)
             return self._counters["demoted"] - before
 
-    def _shortfall(self, rows: torch.Tensor) -> int:
-        """Of the rows a training lookup that found ``rows`` may bring into memory (one per id it missed), how many
-        exceed a disk table's free rows now (0 or less: none; a table in memory evicts, it does not demote). The
-        lock held."""
-        if self._disk is None:
+    def _room_to_make(self, rows: torch.Tensor) -> int:
+        """The rows a training lookup that found ``rows`` demotes between its two holds of the lock
+        (:meth:`_make_room`): of those it may bring into memory (one per id it missed), the ones beyond a disk table's
+        free rows now, where they are more than a slice; else 0 (up to a slice is demoted with the lock held; a table
+        in memory evicts, it does not demote). The lock held."""
+        free = self.config.capacity - self._live
+        if self._disk is None or free + SLICE_ROWS >= rows.numel():  # the usual case, the demoter's headroom free: no count
             return 0
-        return int((rows < 0).sum()) - (self.config.capacity - self._live)
+        short = int((rows < 0).sum()) - free
+        return short if short > SLICE_ROWS else 0
 
     def _make_room(self, shortfall: int) -> None:
-        """Demotes ``shortfall`` rows for a request, :data:`SLICE_ROWS` at a time, the lock taken for each slice and
-        let go between: the demoter fell behind the rows requests bring in, and one request demoting them all with
-        the lock held kept every other request of the table waiting for all of it (a lookup that inserted 131,072
-        ids held a billion-row table's lock for 0.378 s of demoting so, section 18 of 2026-11-25-disk-tier.md)."""
+        """Demotes ``shortfall`` rows for a request (none if 0), :data:`SLICE_ROWS` at a time, the lock taken for each
+        slice and let go between: the demoter fell behind the rows requests bring in, and one request demoting them
+        all with the lock held kept every other request of the table waiting for all of it (a lookup that inserted
+        131,072 ids held a billion-row table's lock for 0.378 s of demoting so, section 18 of 2026-11-25-disk-tier.md)."""
         if shortfall <= 0:
             return
         estimated = self.cold_estimate(shortfall)
@@ -898,16 +901,15 @@ def _all_locked(tables: Sequence[Table]) -> contextlib.ExitStack:
 
 
 def _between_locks(tables: Sequence[Table], aheads: Sequence[Optional[ReadAhead]], shortfalls: Sequence[int]) -> None:
-    """Reads the records of ``aheads`` (one or None per table) with no table's lock held, then makes room in each
-    table whose shortfall of free rows (``shortfalls``) is more than it demotes with its lock held, a slice
-    (:meth:`Table._make_room`); on an error, ends every read (taking the locks) before it goes on up."""
+    """Reads the records of ``aheads`` (one or None per table) with no table's lock held, then makes the room of
+    ``shortfalls`` in each table (:meth:`Table._room_to_make`, :meth:`Table._make_room`); on an error, ends every
+    read (taking the locks) before it goes on up."""
     try:
         for ahead in aheads:
             if ahead is not None:
                 ahead.read()
         for table, shortfall in zip(tables, shortfalls):
-            if shortfall > SLICE_ROWS:
-                table._make_room(shortfall)
+            table._make_room(shortfall)
     except BaseException:
         with _all_locked(tables):
             _end_reads(tables, aheads)

@@ -54,6 +54,10 @@ segment or two aside, however long the stream. Below :data:`COMPACT_BELOW` alone
 segment alike left each above half live while the files grew: 1.41x the live records after 6,300 Zipf requests at
 100M rows (2026-11-25-disk-tier.md, section 18), which at a billion rows would pass 70 GB."""
 _COMPACT_ROWS = 1 << 14  # live rows a compaction step moves at most, the table's lock held: a demotion slice's worth
+_COMPACT_SPAN = 1 << 16
+"""Records a compaction step reads at most (3 MB at 48 bytes a record), in one ``pread`` from its first live one. Read
+a record at a time (a system call each), compaction took 4.46 ms of the demoter's CPU a Zipf request at 100M rows,
+more than its promotions or its demotions; read so, 3.18 ms (2026-11-25-disk-tier.md, section 20)."""
 MAX_SEGMENTS = ((1 << 32) - 2) >> SEGMENT_SHIFT  # at once: slots are 32-bit in the id map (compaction frees numbers)
 DISK_FIELDS = ("ids", "weights", "state", "access")
 """The fields of a record on disk, in their order; the id comes first."""
@@ -418,10 +422,11 @@ class DiskTier:
 
     def compact_step(self, holding: Callable[[], ContextManager] = contextlib.nullcontext) -> int:
         """Moves up to 16,384 live rows of the sealed segment with the fewest of them (see :meth:`_sparsest`) to the
-        end of the tier; deletes the segments left without a live row (once no read is under way and no save
-        holds them). Returns the rows moved. Takes the table's lock to choose and to move the rows, not while it
-        reads their records; a row that left the segment meanwhile is not moved. Each hold of the lock runs within
-        ``holding()`` (the table times its disk work so)."""
+        end of the tier, the first live rows of its first :data:`_COMPACT_SPAN` records from its first live one;
+        deletes the segments left without a live row (once no read is under way and no save holds them). Returns
+        the rows moved. Takes the table's lock to choose and to move the rows, not while it reads their records (the
+        span from the first to the last, in one read); a row that left the segment meanwhile is not moved. Each hold
+        of the lock runs within ``holding()`` (the table times its disk work so)."""
         with self._lock, holding():
             if self.closed:
                 return 0
@@ -429,18 +434,19 @@ class DiskTier:
             segment = self._sparsest()
             if segment is None:
                 return 0
-            slots = live_slots(self._live[segment], self._written[segment])[:_COMPACT_ROWS] + (segment << SEGMENT_SHIFT)
+            local = _first_live(self._live[segment], self._written[segment])
             self._readers += 1  # the segment's file stays open for the read
-            tables = (self._fd_table, self._mapping.bases, self._mapping.mapped, self._mapping.reads)
-        records = torch.empty(slots.numel(), self.record_bytes, dtype=torch.uint8)
+            fd = self._fds[segment]
+        first, count = int(local[0]), int(local[-1] - local[0]) + 1
         try:
-            native.read_records(*tables, SEGMENT_SHIFT, slots, records)
+            records = _read_records(fd, first, count, self.record_bytes)[local - first]
         except OSError as err:
             raise DiskTierError(f"the disk tier at {self.directory} could not read segment {segment} to compact it: "
                                 f"{err.strerror or err}") from None
         finally:
             with self._lock:
                 self.end_read()
+        slots = local + (segment << SEGMENT_SHIFT)
         with self._lock, holding():
             if self.closed:
                 return 0
@@ -613,6 +619,29 @@ def link(source: Path, target: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _first_live(bits: torch.Tensor, rows: int) -> torch.Tensor:
+    """The first :data:`_COMPACT_ROWS` live slots (at least one) among the :data:`_COMPACT_SPAN` that follow a segment's
+    first live one, from its live ``bits`` over ``rows`` slots: only the bits of that span are unpacked."""
+    flags = bits.numpy()
+    start = int(np.argmax(flags != 0)) * 8  # the first live one's byte
+    end = min(start + 8 + _COMPACT_SPAN, rows)
+    slots = np.flatnonzero(np.unpackbits(flags[start // 8 : (end + 7) // 8], count=end - start, bitorder="little")) + start
+    return torch.from_numpy(slots[slots < slots[0] + _COMPACT_SPAN][:_COMPACT_ROWS])
+
+
+def _read_records(fd: int, first: int, count: int, record_bytes: int) -> torch.Tensor:
+    """Records ``[first, first + count)`` of a segment's file, ``[count, record_bytes]``; :class:`OSError` (ENODATA)
+    where the file ends before them."""
+    records = torch.empty(count, record_bytes, dtype=torch.uint8)
+    view, offset = memoryview(records.numpy()).cast("B"), first * record_bytes
+    while view:
+        read = os.preadv(fd, [view], offset)
+        if not read:
+            raise OSError(errno.ENODATA, f"the file ends before record {first + count - 1}")
+        view, offset = view[read:], offset + read
+    return records
 
 
 def live_slots(bits: torch.Tensor, rows: int) -> torch.Tensor:

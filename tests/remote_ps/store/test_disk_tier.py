@@ -422,6 +422,42 @@ def test_a_segment_is_deleted_only_once_no_read_or_save_needs_it(tmp_path, small
     assert bool((tier.find(ids[1000:])[0] >= 0).all())
 
 
+def _segment_zero_live_at(tmp_path, slots):
+    """A tier of 2,500 rows in segments of 1,024 whose segment 0 keeps only the rows at ``slots``."""
+    tier = DiskTier(tmp_path / "tier", _specs())
+    ids = torch.arange(2500) * 7 + 1
+    tier.write(_rows(ids))
+    tier.take(ids[:1024][torch.ones(1024, dtype=torch.bool).index_fill_(0, slots, False)])
+    return tier, ids
+
+
+def test_a_compaction_step_moves_the_live_rows_of_one_span_read_at_once(tmp_path, small_segments, monkeypatch):
+    monkeypatch.setattr(disk_tier, "_COMPACT_SPAN", 256)
+    live = torch.tensor([300, 301, 310, 555, 556, 557, 600, 1000])
+    tier, ids = _segment_zero_live_at(tmp_path, live)
+    reads = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: reads.append((offset, memoryview(buffers[0]).nbytes))
+                        or real(fd, buffers, offset))
+    assert tier.compact_step() == 4  # the 256 records from the first live one: 300, 301, 310, 555
+    assert reads == [(300 * tier.record_bytes, 256 * tier.record_bytes)]  # one read, the first to the last
+    assert tier.compact_step() == 3 and tier.compact_step() == 1  # 556, 557, 600; then 1000
+    assert tier.compact_step() == 0 and "segment-000000.rows" not in _segment_files(tmp_path)
+    slots, records = tier.find(ids[live])
+    assert bool((slots >= 2048).all())  # written anew after segment 1
+    assert torch.equal(tier.unpack(records)["weights"], _rows(ids[live])["weights"].half()) and tier.rows == 1476 + 8
+
+
+def test_a_segment_cut_short_fails_its_compaction_naming_it_and_moves_nothing(tmp_path, small_segments):
+    tier, ids = _segment_zero_live_at(tmp_path, torch.tensor([300, 301, 900]))
+    os.ftruncate(tier._fds[0], 400 * tier.record_bytes)  # the file lost its tail, row 900 with it
+    with pytest.raises(DiskTierError, match=r"could not read segment 0 to compact it: .*ends before record 900"):
+        tier.compact_step()
+    slots, records = tier.find(ids[[300, 301]])
+    assert slots.tolist() == [300, 301] and torch.equal(tier.unpack(records)["ids"], ids[[300, 301]])
+    assert tier.rows == 1476 + 3
+
+
 def test_a_full_disk_while_compacting_moves_nothing(tmp_path, small_segments, monkeypatch):
     tier = DiskTier(tmp_path / "tier", _specs())
     ids = torch.arange(2500) * 7 + 1

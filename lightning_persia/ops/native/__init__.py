@@ -315,6 +315,7 @@ SIGNATURES = {
     "lp_dmap_insert": ([_P, _P, _P, _I64], _I64),
     "lp_dmap_find": ([_P, _P, _I64, _P, _P], None),
     "lp_dmap_remove": ([_P, _P, _P, _I64], _I64),
+    "lp_dmap_move": ([_P, _P, _P, _P, _I64], _I64),
     "lp_set_bits": ([_P, _I64, _I64, _P, _I64, ctypes.c_int32, _P], _I64),
     "lp_read_records": ([_P, _P, _P, _P, _I64, _I64, _P, _I64, _P, _P, _P], _I64),
     "lp_map_file": ([_I64, _I64, _I64, _P], _P),
@@ -470,6 +471,15 @@ class DiskMap:
         """Drops the entries ``(ids[i], slots[i])`` present; returns how many were."""
         ids, slots = _pair(ids, slots)
         return self._library.lp_dmap_remove(self._handle, ids.data_ptr(), slots.data_ptr(), ids.numel())
+
+    def move(self, ids: torch.Tensor, slots: torch.Tensor, to: torch.Tensor) -> int:
+        """Re-points the entries ``(ids[i], slots[i])`` present to ``to[i]`` (each ``< 2**32 - 1``), as a removal and
+        an insertion would, in one probe; returns how many were present."""
+        ids, slots = _pair(ids, slots)
+        ids, to = _pair(ids, to)
+        if to.numel() and (int(to.min()) < 0 or int(to.max()) >= (1 << 32) - 1):
+            raise ValueError("disk slots must be in [0, 2**32 - 1)")
+        return self._library.lp_dmap_move(self._handle, ids.data_ptr(), slots.data_ptr(), to.data_ptr(), ids.numel())
 
 
 def set_bits(pages: torch.Tensor, shift: int, slots: torch.Tensor, value: bool) -> torch.Tensor:

@@ -1021,6 +1021,49 @@ void lp_dmap_find(const void *handle, const int64_t *ids, int64_t n, const int64
     }
 }
 
+/* Keeps `entry` (of `slot`), about to leave partition `part`, for the save under way if it still needs it: a
+ * partition not yet copied, a slot from before the save's point (see lp_dmap_save_begin). */
+static void dm_log_leaving(dmap_t *map, uint32_t part, uint64_t entry, int64_t slot) {
+    if (!map->logs || map->copied[part] || slot >= map->boundary) return;
+    dm_log_t *log = &map->logs[part];
+    if (log->n == log->capacity) {
+        const int64_t capacity = log->capacity ? 2 * log->capacity : 64;
+        uint64_t *grown = realloc(log->entries, (size_t)capacity * sizeof(uint64_t));
+        if (!grown) map->save_failed = 1;
+        else log->entries = grown, log->capacity = capacity;
+    }
+    if (log->n < log->capacity) log->entries[log->n++] = entry;
+}
+
+/* Re-points the entry (ids[i], from[i]) of each i where present to slot to[i], in place: the same id has the same
+ * fingerprint and home, so one probe does what a removal and an insertion would in two. Returns how many were
+ * present. A save under way keeps the old entry, as after lp_dmap_remove. */
+int64_t lp_dmap_move(void *handle, const int64_t *ids, const int64_t *from, const int64_t *to, int64_t n) {
+    dmap_t *map = handle;
+    int64_t moved = 0;
+    for (int64_t start = 0; start < n; start += BLOCK) {
+        const int64_t end = start + BLOCK < n ? start + BLOCK : n;
+        for (int64_t i = start; i < end; ++i) { /* a block's home entries on their way before any is read */
+            const uint64_t h = dm_hash(ids[i]);
+            const dm_part_t *p = &map->parts[dm_part_of(h)];
+            PREFETCH_WRITE(&p->entries[dm_home(dm_fp_of(h), p->size)]);
+        }
+        for (int64_t i = start; i < end; ++i) {
+            const uint64_t h = dm_hash(ids[i]);
+            const uint32_t part = dm_part_of(h);
+            dm_part_t *p = &map->parts[part];
+            const uint64_t key = (uint64_t)dm_fp_of(h) << 32, entry = key | (uint64_t)(from[i] + 1);
+            uint64_t j = dm_home(dm_fp_of(h), p->size);
+            while (p->entries[j] && p->entries[j] != entry) j = dm_next(j, p->size);
+            if (!p->entries[j]) continue;
+            dm_log_leaving(map, part, entry, from[i]);
+            p->entries[j] = key | (uint64_t)(to[i] + 1);
+            moved += 1;
+        }
+    }
+    return moved;
+}
+
 /* Drops the entry (ids[i], slots[i]) of each i where present; returns how many were. */
 int64_t lp_dmap_remove(void *handle, const int64_t *ids, const int64_t *slots, int64_t n) {
     dmap_t *map = handle;
@@ -1039,16 +1082,7 @@ int64_t lp_dmap_remove(void *handle, const int64_t *ids, const int64_t *slots, i
         uint64_t j = dm_home(dm_fp_of(h), size);
         while (p->entries[j] && p->entries[j] != entry) j = dm_next(j, size);
         if (!p->entries[j]) continue;
-        if (map->logs && !map->copied[dm_part_of(h)] && slots[i] < map->boundary) { /* a save still needs it */
-            dm_log_t *log = &map->logs[dm_part_of(h)];
-            if (log->n == log->capacity) {
-                const int64_t capacity = log->capacity ? 2 * log->capacity : 64;
-                uint64_t *grown = realloc(log->entries, (size_t)capacity * sizeof(uint64_t));
-                if (!grown) map->save_failed = 1;
-                else log->entries = grown, log->capacity = capacity;
-            }
-            if (log->n < log->capacity) log->entries[log->n++] = entry;
-        }
+        dm_log_leaving(map, dm_part_of(h), entry, slots[i]);
         /* backward shift: an entry after the hole moves into it unless its home lies cyclically in (hole, entry] */
         uint64_t hole = j;
         for (uint64_t k = dm_next(hole, size); p->entries[k]; k = dm_next(k, size)) {

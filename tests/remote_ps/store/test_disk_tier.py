@@ -27,6 +27,27 @@ def small_segments(monkeypatch):
     monkeypatch.setattr(disk_tier, "SEGMENT_ROWS", 1 << 10)
 
 
+def test_disk_map_moves_entries_in_place_and_a_save_keeps_the_points_slots():
+    disk_map = native.DiskMap()
+    ids = torch.unique(torch.randint(-(1 << 62), 1 << 62, (100_000,), generator=torch.Generator().manual_seed(2)))
+    slots = torch.arange(ids.numel())
+    disk_map.insert(ids, slots)
+    disk_map.save_begin(boundary=ids.numel())
+    copied = disk_map.save_part(0)  # a partition copied before the move: the move changes nothing of it
+    to = slots[::2] + ids.numel()  # past the save's point, as compaction appends
+    assert disk_map.move(ids[::2], slots[::2], to) == ids[::2].numel()
+    assert disk_map.move(ids[1::2], slots[1::2] + 1, slots[1::2]) == 0  # no entry of those slots: nothing moved
+    found = disk_map.find(ids)
+    assert torch.equal(found[::2], to) and torch.equal(found[1::2], slots[1::2]) and disk_map.info()[0] == ids.numel()
+    saved = [copied] + [disk_map.save_part(part) for part in range(1, native.DiskMap.PARTS)]
+    disk_map.save_end()
+    entries = torch.cat([part for part, _ in saved])
+    at_point = (entries[entries != 0] & 0xFFFFFFFF) - 1
+    assert torch.equal(torch.sort(at_point).values, slots) and sum(live for _, live in saved) == ids.numel()
+    with pytest.raises(ValueError, match="slots"):
+        disk_map.move(ids[:1], slots[:1], torch.tensor([-1]))
+
+
 def _specs():
     return {"ids": FieldSpec(torch.int64), "weights": FieldSpec(torch.float16, DIM), "state": FieldSpec(torch.float32, 1),
             "access": FieldSpec(torch.int32)}

@@ -9,10 +9,11 @@ promotes it between requests. An update of such a row before then promotes it it
 a lookup of it before then reads its record again. The queue is bounded (:data:`PENDING_ROWS`): past it, a lookup
 promotes what it read itself, as a table without a demoter always does.
 
-A queued record is promoted only if it is still the row's: the id is not in memory, the tier's id map still names
-the slot it was read from, and the tier's :attr:`DiskTier.generation` is the one it was read in (a slot's record
-never changes while its segment's number is not written anew). Any other is dropped from the queue: the row stays
-where it is, on disk or in memory.
+A queued record is promoted only if it is still the row's: the tier's id map still names the slot it was read from,
+and the tier's :attr:`DiskTier.generation` is the one it was read in (a slot's record never changes while its
+segment's number is not written anew). The id is then not in memory either: a row is in memory or on disk, never
+both (bringing it in forgets its slot; demoting it writes a new one). Any other is dropped from the queue: the row
+stays where it is, on disk or in memory.
 """
 from __future__ import annotations
 

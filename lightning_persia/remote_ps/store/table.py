@@ -707,7 +707,7 @@ class Table:
                 return 0
             if self._disk.closed or batch.generation != self._disk.generation:  # dropped: the rows stay where they are
                 return batch.ids.numel()
-            still = (self._index.find(batch.ids) < 0) & (self._disk.slots_of(batch.ids) == batch.slots)
+            still = self._disk.slots_of(batch.ids) == batch.slots  # so not in memory either (promotions.py)
             at = torch.nonzero(still).squeeze(1)
             if at.numel():
                 self._promote(batch.ids[at], batch.slots[at], self._disk.unpack(batch.records[at]), batch.step)

@@ -410,10 +410,12 @@ class DiskTier:
             fd, written = self._fds[segment], self._written[segment]
             for start in range(0, written if fd >= 0 else 0, _SWEEP_ROWS):
                 n = min(_SWEEP_ROWS, written - start)
-                raw = os.pread(fd, n * self.record_bytes, start * self.record_bytes)
-                if len(raw) != n * self.record_bytes:
-                    raise DiskTierError(f"disk segment {self._path(segment, 'rows')} ends before its {written} rows")
-                records = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(n, self.record_bytes)
+                try:
+                    records = _read_records(fd, start, n, self.record_bytes)
+                except OSError as err:
+                    if err.errno != errno.ENODATA:
+                        raise
+                    raise DiskTierError(f"disk segment {self._path(segment, 'rows')} ends before its {written} rows") from None
                 access = records[:, offset : offset + 4].contiguous().view(torch.int32).squeeze(1)
                 old = torch.nonzero(access <= limit).squeeze(1)
                 if not old.numel():

@@ -479,6 +479,15 @@ def test_a_segment_cut_short_fails_its_compaction_naming_it_and_moves_nothing(tm
     assert tier.rows == 1476 + 3
 
 
+def test_an_expiry_sweep_over_a_segment_cut_short_is_an_error_naming_it(tmp_path):
+    tier = DiskTier(tmp_path / "tier", _specs())
+    tier.write(_rows(torch.arange(10)))
+    os.ftruncate(tier._fds[0], 5 * tier.record_bytes)
+    with pytest.raises(DiskTierError, match=r"segment-000000.rows ends before its 10 rows"):
+        tier.expire(limit=3, lock=threading.Lock())
+    assert tier.rows == 10  # nothing dropped
+
+
 def test_a_full_disk_while_compacting_moves_nothing(tmp_path, small_segments, monkeypatch):
     tier = DiskTier(tmp_path / "tier", _specs())
     ids = torch.arange(2500) * 7 + 1

@@ -29,8 +29,6 @@ HEADROOM_FRACTION = 1 / 16
 SLICE_ROWS = 1 << 14
 """Rows demoted with a table's lock held, at most. A request that waits for the lock waits for what is left of a
 slice, so slices are kept short; the cold threshold is estimated once every few slices, not once a slice."""
-QUIET_WAIT_S = 0.005
-"""How long each step waits for no request to be in its table (``request_gate.py``) before it takes the lock anyway."""
 _SLICES_AN_ESTIMATE = 8  # slices demoted by one estimate of the cold threshold (a sample of 65,536 access values)
 _PROMOTIONS_A_PASS = 16  # slices of queued promotions a pass (SLICE_ROWS each at most), the lock taken for each
 _MAP_STEPS = 8  # map steps of a table a pass (16 MB each), the lock taken for each
@@ -61,25 +59,24 @@ class Demoter(TablePass):
         for table in self._tables():
             try:
                 for _ in range(_PROMOTIONS_A_PASS):
-                    table.requests.wait_quiet(QUIET_WAIT_S)
                     if not table.promote_pending(SLICE_ROWS):
                         break
+                    time.sleep(0)
                 target = demotion_target(table.config.capacity, table.memory_rows)
                 slices = 0
                 while target > 0 and not self.stopping:
                     if slices % _SLICES_AN_ESTIMATE == 0:  # the rows requests touched meanwhile left the cold ones
                         estimated = table.cold_estimate(target)
-                    table.requests.wait_quiet(QUIET_WAIT_S)
                     moved = table.demote(min(target, SLICE_ROWS), estimated)
                     if not moved:
                         break
                     demoted, target, slices = demoted + moved, target - moved, slices + 1
+                    time.sleep(0)  # a request waiting for the lock gets it between two slices
                 for _ in range(_MAP_STEPS):
                     if not table.map_disk_pages():
                         break
                     time.sleep(0)
                 if not self.stopping:
-                    table.requests.wait_quiet(QUIET_WAIT_S)
                     table.compact_disk()
             except Exception:  # noqa: BLE001 - a failed demotion (a full disk) is retried; requests demote what they must
                 self.errors += 1

@@ -38,7 +38,6 @@ from lightning_persia.remote_ps.store.initializers import initial_rows, table_ke
 from lightning_persia.remote_ps.store.optimizers import make_rule
 from lightning_persia.remote_ps.store.promotions import PendingPromotion, PendingPromotions
 from lightning_persia.remote_ps.store.removal_log import RemovalLog
-from lightning_persia.remote_ps.store.request_gate import RequestGate, all_inside
 from lightning_persia.remote_ps.store.segment_mapping import MAPPED_BYTES
 from lightning_persia.remote_ps.store.table_journal import Journal, Recording
 from lightning_persia.remote_ps.store.table_snapshot import SAVED_FIELDS, Preimages, SnapshotPoint, TableSnapshot
@@ -64,7 +63,6 @@ class Table:
         self.seed = seed
         self.rule = make_rule(config.optimizer, config.dim)
         self.lock = threading.Lock()
-        self._gate = RequestGate()  # the requests in the table: the demoter's steps wait for none (request_gate.py)
         self.field_specs = {
             "ids": FieldSpec(torch.int64),
             "weights": FieldSpec(STORAGE_DTYPES[config.storage_dtype], config.dim),
@@ -110,12 +108,6 @@ class Table:
         return {name: self.field_specs[name] for name in DISK_FIELDS if self.field_specs[name].row_bytes > 0}
 
     @property
-    def requests(self) -> RequestGate:
-        """The requests in the table now: the shard's demoter waits for none before each step it takes with the lock
-        held (``request_gate.py``)."""
-        return self._gate
-
-    @property
     def storage_dtype(self) -> torch.dtype:
         return self.field_specs["weights"].dtype
 
@@ -128,11 +120,6 @@ class Table:
         the records of the ids its memory lacks without the lock (:meth:`_read_ahead`), then takes it again to finish."""
         if train:
             self._check_budget(ids.numel())
-        with self._gate.request():
-            return self._lookup(ids, train, dtype, journal)
-
-    def _lookup(self, ids: torch.Tensor, train: bool, dtype: torch.dtype, journal: Optional[Journal]) -> torch.Tensor:
-        """:meth:`lookup`, the request counted in the table (:class:`RequestGate`)."""
         out = torch.empty(ids.numel(), self.config.dim, dtype=self.storage_dtype)
         with self.lock:
             held = Held.now(ids.numel(), train)
@@ -164,14 +151,6 @@ class Table:
                 table._check_budget(ids.numel())
         if not all(isinstance(t._index, NativeIdIndex) for t in tables) or len({id(t) for t in tables}) < len(tables):
             return [table.lookup(ids, train, dtype, journal) for table, ids in requests]
-        with all_inside([table._gate for table in tables]):
-            return Table._lookup_together(requests, train, dtype, journal)
-
-    @staticmethod
-    def _lookup_together(requests: Sequence[tuple["Table", torch.Tensor]], train: bool, dtype: torch.dtype,
-                         journal: Optional[Journal]) -> list[torch.Tensor]:
-        """:meth:`lookup_together` of native tables, the request counted in each (:class:`RequestGate`)."""
-        tables = [table for table, _ in requests]
         outs = [torch.empty(ids.numel(), table.config.dim, dtype=table.storage_dtype) for table, ids in requests]
         rows = [torch.empty_like(ids) for _, ids in requests]
         with _all_locked(tables):
@@ -280,7 +259,7 @@ class Table:
         ``journal`` hears of the rows' new values (see :data:`Journal`)."""
         self._check_budget(ids.numel())
         ids, grads = _summed_by_id(ids, grads)
-        with self._gate.request(), self.lock:
+        with self.lock:
             self._start_recording(journal)
             applied = self._update_locked(ids, grads)
             _journal([self], journal, always=True)
@@ -301,7 +280,7 @@ class Table:
         for table, ids, _ in requests:
             table._check_budget(ids.numel())
         applied = 0
-        with all_inside([table._gate for table in tables]), _all_locked(tables):
+        with _all_locked(tables):
             for table, ids, _ in requests:
                 table._promote_absent(ids)
                 table._start_recording(journal)

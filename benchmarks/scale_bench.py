@@ -31,10 +31,11 @@ during the memory table's turns: ``paired_zipf_rates``): the steady rate, after 
 apart (the cold rate: the growth leaves the newest ids in memory, the stream's head on disk, and the LRU policy
 replaces them only as the stream brings rows in: at 100M rows, 40M in memory, a request of 131,072 ids promoted
 10.5k rows over the first 1,000 requests and ~3.5k from the 6,000th on, so ``--zipf-warmup 6000`` measures the
-steady state there), and the worst CPU the disk tier's work (reads, promotions, demotions) took in one request or
-one step of the shard's demoter, beside the slowest run of a memory-bound canary job in this process over the same
-wall time (``MemoryCanary``: a stall of the whole machine shows in both), and the worst of the table's few worst
-during which the canary saw no stall. Growth stops before the disk's free space falls under ``--reserve-disk-gb``.
+steady state there) with the CPU of a steady request by process (the disk shard's demoter apart), and the worst
+CPU the disk tier's work (reads, promotions, demotions) took in one request or one step of the shard's demoter,
+beside the slowest run of a memory-bound canary job in this process over the same wall time (``MemoryCanary``: a
+stall of the whole machine shows in both), and the worst of the table's few worst during which the canary saw no
+stall. Growth stops before the disk's free space falls under ``--reserve-disk-gb``.
 
 Then, with ``--multi-shard``, the same table spread over 1, 2 and 4 shard processes on this machine: memory and
 aggregate rows/s. Every size of one run is measured in the same shard process; the machine is shared with the
@@ -175,24 +176,35 @@ def paired_zipf_rates(disk: Shards, memory: Shards, rows: int, request_ids: int,
     same minutes (the memory table's rate measured alone moved between 2.9M and 6.3M rows/s from run to run on this
     VM). The disk shard's processes are stopped (SIGSTOP) during the memory table's blocks, so that its background
     work (the demoter bringing in, demoting and compacting what the disk table's requests left it) runs during the
-    disk table's own blocks, and counts in its rate alone."""
+    disk table's own blocks, and counts in its rate alone.
+
+    Also the CPU of a steady request, in ms (``cpu_ms_per_request``): each table's shard processes (``disk_shard``,
+    ``memory_shard``; the disk shard's demoter thread apart, ``disk_demoter``, from the shard's stats) and this
+    process, the client (``client_disk``, ``client_memory``), each over its table's blocks."""
     generator = torch.Generator().manual_seed(1234)
     batches = [unique_batch(zipf_indices(rows, request_ids, generator)) for _ in range(warmup + repeats)]
     phases = (batches[:warmup], batches[warmup:])
     spent = {"disk": [0.0, 0.0], "memory": [0.0, 0.0]}
+    cpu = {"disk_shard": 0.0, "memory_shard": 0.0, "client_disk": 0.0, "client_memory": 0.0}  # the steady phase's
     turns: list[list[float]] = [[], []]  # of each phase, the memory table's time of each turn over the disk table's
     for phase, part in enumerate(phases):
+        if phase == 1:
+            demoter_before = _demoter_cpu_s(disk)
         for first in range(0, len(part), _PAIRED_BLOCK):
             block = part[first : first + _PAIRED_BLOCK]
             took = {}
             for name, shards in (("disk", disk), ("memory", memory)):
                 with _stopped(disk) if name == "memory" else contextlib.nullcontext():
-                    began = time.perf_counter()
+                    shard_cpu, client_cpu, began = sum(shards.cpu_s()), time.process_time(), time.perf_counter()
                     for batch in block:
                         shards.client.lookup({TABLE: batch}, train=True)
                     took[name] = time.perf_counter() - began
                     spent[name][phase] += took[name]
+                    if phase == 1:
+                        cpu[f"{name}_shard"] += sum(shards.cpu_s()) - shard_cpu
+                        cpu[f"client_{name}"] += time.process_time() - client_cpu
             turns[phase].append(took["memory"] / took["disk"])
+    cpu["disk_demoter"] = _demoter_cpu_s(disk) - demoter_before if phases[1] else 0.0
     looked_up = [sum(b.numel() for b in part) for part in phases]
 
     def rates(name: str) -> tuple[float, float]:  # (over the warmup, steady)
@@ -202,7 +214,13 @@ def paired_zipf_rates(disk: Shards, memory: Shards, rows: int, request_ids: int,
         ratios = sorted(ratios)
         return (ratios[0], ratios[len(ratios) // 2], ratios[-1]) if ratios else (float("nan"),) * 3
 
-    return {"disk": rates("disk"), "memory": rates("memory"), "turn_ratios": spread(turns[1]), "turn_ratios_cold": spread(turns[0])}
+    return {"disk": rates("disk"), "memory": rates("memory"), "turn_ratios": spread(turns[1]), "turn_ratios_cold": spread(turns[0]),
+            "cpu_ms_per_request": {key: seconds * 1e3 / max(len(phases[1]), 1) for key, seconds in cpu.items()}}
+
+
+def _demoter_cpu_s(shards: Shards) -> float:
+    """CPU seconds the demoter threads of ``shards`` have spent so far (the shards' stats)."""
+    return sum(shard["server"]["background_cpu_s"]["demoter"] for shard in shards.client.stats())
 
 
 @contextlib.contextmanager
@@ -593,10 +611,14 @@ def _grow_sizes(args, dtype: str, state: dict, out: dict, baseline: Optional[dic
                 low, median, high = paired["turn_ratios"]
                 entry["lookup_ratio_disk_vs_memory_turns"] = [low, median, high]
                 entry["lookup_ratio_disk_vs_memory_turns_cold"] = list(paired["turn_ratios_cold"])
+                entry["zipf_cpu_ms_per_request"] = used = paired["cpu_ms_per_request"]
                 print(f"[{dtype}] memory baseline, in turns of {_PAIRED_BLOCK} requests with the disk table (its shard stopped "
                       f"meanwhile): Zipf lookups {memory_steady / 1e6:.2f} M rows/s (its first {args.zipf_warmup} requests "
                       f"{memory_cold / 1e6:.2f}); the disk table's rate over the memory table's, turn by turn after the "
-                      f"first {args.zipf_warmup}: median {median:.2f}x, from {low:.2f}x to {high:.2f}x", flush=True)
+                      f"first {args.zipf_warmup}: median {median:.2f}x, from {low:.2f}x to {high:.2f}x; CPU a steady request: "
+                      f"disk shard {used['disk_shard']:.2f} ms (its demoter {used['disk_demoter']:.2f}), memory shard "
+                      f"{used['memory_shard']:.2f} ms; the client {used['client_disk']:.2f} ms and "
+                      f"{used['client_memory']:.2f} ms", flush=True)
             else:
                 cold, steady = zipf_rates(shards, rows, args.request_ids, args.repeats, args.zipf_warmup)
             entry["zipf_same_stream_rows_per_s"], entry["zipf_same_stream_cold_rows_per_s"] = steady, cold

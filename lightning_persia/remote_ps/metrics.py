@@ -157,6 +157,12 @@ class ShardCollector:
                                 value=servicer.started_at)
         yield GaugeMetricFamily("persia_ps_tables", "Tables this shard holds.", value=len(stats))
         yield from _job_families(servicer.store.progress.figures())
+        background = CounterMetricFamily("persia_ps_background_cpu_seconds", "CPU the shard's background threads spent "
+                                         "in their passes (the demoter: disk tables' promotions, demotions, compaction).",
+                                         labels=["thread"])
+        for thread, seconds in servicer.store.background_cpu_s().items():
+            background.add_metric([thread], seconds)
+        yield background
         yield CounterMetricFamily("persia_ps_update_duplicates", "Updates answered without applying them again "
                                   "(a retry, or another rank's copy of a merged update).", value=servicer.dedup.duplicates)
         shard_log = servicer.store.log

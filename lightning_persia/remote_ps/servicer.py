@@ -218,7 +218,7 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         server["dedup_duplicates"] = self.dedup.duplicates
         server.update(incarnation=self.incarnation, started_at=self.started_at, restored_from=self.restored_from,
                       model_version=self.served.version, staged_version=self.served.staged_version,
-                      watching_deltas=self.watching_deltas, wal=self.log_stats())
+                      watching_deltas=self.watching_deltas, wal=self.log_stats(), background_cpu_s=self.store.background_cpu_s())
         body = {"tables": self.store.stats(), "server": server}
         return persia_pb2.StatsResponse(
             shard_index=self.store.shard_index, num_shards=self.store.num_shards, json=json.dumps(body),

@@ -187,6 +187,11 @@ class ShardStore:
             tables = dict(self._tables)
         return {name: table.stats() for name, table in sorted(tables.items())}
 
+    def background_cpu_s(self) -> dict[str, float]:
+        """CPU seconds the shard's background threads have spent in their passes so far: the demoter's (promotions,
+        demotions, compaction of disk tables) and the expirer's."""
+        return {"demoter": self._demoter.cpu_s if self._demoter is not None else 0.0, "expirer": self._expirer.cpu_s}
+
     def save(self, directory: str, save_id: str = "") -> None:
         """Writes this shard's part of a checkpoint under ``directory`` (``save_id``: the same for every shard).
 

@@ -13,6 +13,7 @@ class _Counting(TablePass):
 
     def run_once(self) -> int:
         self.passes += 1
+        sum(range(10_000))  # some CPU for the pass to count
         if self.passes >= 3:
             self.ran.set()
         return 1
@@ -20,12 +21,13 @@ class _Counting(TablePass):
 
 def test_passes_run_on_their_thread_until_stopped():
     runner = _Counting()
-    assert not runner.started
+    assert not runner.started and runner.cpu_s == 0.0
     runner.start()
     assert runner.ran.wait(10) and runner.started
     runner.stop()
-    after = runner.passes
+    after, cpu_s = runner.passes, runner.cpu_s
     assert runner.stopping and runner.passes == after  # no pass after stop returned
+    assert cpu_s > 0.0 and runner.cpu_s == cpu_s  # the passes' CPU counted, none after the stop
 
 
 def test_every_started_pass_is_stopped_at_exit():

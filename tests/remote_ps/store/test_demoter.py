@@ -8,6 +8,7 @@ import torch
 
 from lightning_persia.remote_ps.store import disk_tier, eviction
 from lightning_persia.remote_ps.store.demoter import HEADROOM_FRACTION, Demoter, demotion_target
+from lightning_persia.remote_ps.store.shard_store import ShardStore
 from lightning_persia.remote_ps.store.table import Table
 from lightning_persia.remote_ps.table_config import Adagrad, TableConfig
 
@@ -85,6 +86,19 @@ def test_the_thread_demotes_on_its_own(tmp_path):
     finally:
         demoter.stop()
     assert table.stats()["disk_rows"] == HEADROOM
+
+
+def test_a_shard_counts_the_cpu_of_its_demoter_s_passes(tmp_path):
+    store = ShardStore(0, 1, disk_dir=str(tmp_path / "disk"), demotion_interval_s=0.001)
+    assert store.background_cpu_s() == {"demoter": 0.0, "expirer": 0.0}  # no disk table yet: no thread, no pass
+    store.configure(TableConfig("t", DIM, optimizer=Adagrad(rowwise=True), capacity=CAPACITY, storage="disk", storage_dtype="fp16"))
+    store.lookup("t", torch.arange(CAPACITY), train=True)
+    for _ in range(2000):
+        if store.stats()["t"]["disk_rows"] == HEADROOM:
+            break
+        time.sleep(0.005)
+    used = store.background_cpu_s()
+    assert store.stats()["t"]["disk_rows"] == HEADROOM and used["demoter"] > 0.0 and used["expirer"] == 0.0
 
 
 def test_a_demotion_samples_the_access_values_without_the_lock(tmp_path, monkeypatch):

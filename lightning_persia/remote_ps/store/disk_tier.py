@@ -24,7 +24,6 @@ import errno
 import os
 import shutil
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ContextManager, Iterator, Optional
@@ -62,11 +61,6 @@ more than its promotions or its demotions; read so, 3.18 ms, and 1.55 ms with th
 place (``DiskMap.move``) instead of removed and inserted anew (2026-11-25-disk-tier.md, section 20)."""
 MAX_SEGMENTS = ((1 << 32) - 2) >> SEGMENT_SHIFT  # at once: slots are 32-bit in the id map (compaction frees numbers)
 DISK_FIELDS = ("ids", "weights", "state", "access")
-PARALLEL_READS = 1 << 11
-"""Records a lookup reads ahead (without the table's lock) from which it reads half of them on a second thread:
-each unmapped read is a ``pread`` whose time goes mostly to the page cache's lookup (~0.5 us a record through the
-shard, 2026-11-25-disk-tier.md section 21), and the shard's other core is idle for part of each request."""
-_reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disk-read")  # one for the process's tiers
 """The fields of a record on disk, in their order; the id comes first."""
 
 
@@ -116,28 +110,11 @@ class ReadAhead:
         sorted_slots, order = torch.sort(self.slots[found])  # file order: neighbouring records share the pages read
         records = torch.empty(self.ids.numel(), self._record_bytes, dtype=torch.uint8)
         try:
-            _read_in_two(self._tables, sorted_slots, records, found[order])
+            native.read_records(*self._tables, SEGMENT_SHIFT, sorted_slots, records, into=found[order])
         except Exception:  # noqa: BLE001 - read again under the lock, which reports what failed
             return
         self.records = records
         self.repeats = bool((sorted_slots[1:] == sorted_slots[:-1]).any())  # an id's positions share its slot
-
-
-def _read_in_two(tables: tuple, slots: torch.Tensor, records: torch.Tensor, into: torch.Tensor) -> None:
-    """``native.read_records`` of ``slots`` into the rows ``into`` of ``records``; from :data:`PARALLEL_READS` slots
-    on, the first half on the tier's reader thread meanwhile, with reads counted apart and added after (the two
-    threads never write the same counter)."""
-    if slots.numel() < PARALLEL_READS:
-        native.read_records(*tables, SEGMENT_SHIFT, slots, records, into=into)
-        return
-    fds, bases, mapped, reads = tables
-    half, counted = slots.numel() // 2, torch.zeros_like(reads)
-    other = _reader.submit(native.read_records, fds, bases, mapped, counted, SEGMENT_SHIFT, slots[:half], records, into=into[:half])
-    try:
-        native.read_records(*tables, SEGMENT_SHIFT, slots[half:], records, into=into[half:])
-    finally:
-        other.result()
-        reads.add_(counted)
 
 
 class DiskTier:

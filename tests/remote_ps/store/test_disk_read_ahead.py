@@ -166,37 +166,3 @@ def test_an_id_admitted_and_demoted_meanwhile_is_read_from_disk_not_admitted_twi
     table.lookup(torch.cat([torch.arange(10), new]), train=True)  # 1000 was nowhere when this read began
     stats = table.stats()
     assert calls and stats["rows"] + stats["disk_rows"] == 300 + 1 + 100  # each id once: 1000 brought back, not admitted again
-
-
-def test_a_large_read_ahead_is_read_in_two_halves_and_serves_the_same_rows(tmp_path, monkeypatch):
-    table = _grown(tmp_path)
-    ids = torch.arange(100)
-    expected = table.lookup(ids, train=False)  # read by one thread: fewer records than disk_tier.PARALLEL_READS
-    real, halves = disk_tier.native.read_records, []
-
-    def read_records(*args, **kwargs):
-        halves.append(args[5].numel())
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(disk_tier.native, "read_records", read_records)
-    monkeypatch.setattr(disk_tier, "PARALLEL_READS", 10)
-    assert torch.equal(table.lookup(ids, train=True), expected)
-    assert sorted(halves) == [50, 50]  # the 100 ids on disk, half on the reader thread
-
-
-def test_a_failed_half_leaves_the_read_to_the_lookup_under_the_lock(tmp_path, monkeypatch):
-    table = _grown(tmp_path)
-    ids = torch.arange(100)
-    expected = table.lookup(ids, train=False)
-    real, calls = disk_tier.native.read_records, []
-
-    def read_records(*args, **kwargs):
-        calls.append(args[5].numel())
-        if len(calls) == 1:
-            raise OSError(5, "the first read fails")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(disk_tier.native, "read_records", read_records)
-    monkeypatch.setattr(disk_tier, "PARALLEL_READS", 10)
-    assert torch.equal(table.lookup(ids, train=True), expected)  # read again under the lock: one read of all 100
-    assert calls == [50, 50, 100]

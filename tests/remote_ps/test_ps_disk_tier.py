@@ -34,6 +34,7 @@ def test_disk_table_trains_saves_and_restarts_from_linked_segments(tmp_path, sta
     while client.stats()[0]["tables"]["big"]["disk_mapped_bytes"] == 0 and time.monotonic() < deadline:
         time.sleep(0.05)  # the demoter maps the segments it finds written, a step at a time
     assert client.stats()[0]["tables"]["big"]["disk_mapped_bytes"] > 0
+    assert client.stats()[0]["server"]["background_cpu_s"]["demoter"] > 0  # its passes' CPU, counted by the shard
     with pytest.raises(PSError, match="INVALID_ARGUMENT.*larger than the table's memory budget of 2000 rows"):
         client.lookup({"big": torch.arange(2001)}, train=True)
     client.save(str(tmp_path / "ckpt"))

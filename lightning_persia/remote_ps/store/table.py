@@ -36,7 +36,6 @@ from lightning_persia.ops import native
 from lightning_persia.remote_ps.store.index import NativeIdIndex, make_index
 from lightning_persia.remote_ps.store.initializers import initial_rows, table_key
 from lightning_persia.remote_ps.store.optimizers import make_rule
-from lightning_persia.remote_ps.store.promotion_policy import PromotionPolicy
 from lightning_persia.remote_ps.store.promotions import PendingPromotion, PendingPromotions
 from lightning_persia.remote_ps.store.removal_log import RemovalLog
 from lightning_persia.remote_ps.store.segment_mapping import MAPPED_BYTES
@@ -92,7 +91,7 @@ class Table:
         self._worst_held = WorstHeld()
         self._disk_work = DiskWork()
         self._counters = dict(lookups=0, lookup_rows=0, inserted=0, evicted=0, not_admitted=0, updates=0, update_rows=0,
-                              dropped_update_rows=0, demoted=0, promoted=0, left_on_disk=0, expired=0)
+                              dropped_update_rows=0, demoted=0, promoted=0, expired=0)
         self._clock = expiry.StepClock()
         self._sightings = CountingFilter() if config.admit_after > 1 else None
         self._disk: Optional[DiskTier] = None
@@ -102,7 +101,6 @@ class Table:
                                  "`ps serve disk_dir=...`)")
             self._disk = DiskTier(disk_dir, self.field_specs, self.lock, disk_mapped_bytes)
         self._pending = PendingPromotions() if self._disk is not None and promote_later else None
-        self._promotions = PromotionPolicy(config.capacity) if self._disk is not None and config.eviction == "lru" else None
 
     @property
     def disk_specs(self) -> dict[str, FieldSpec]:
@@ -501,8 +499,7 @@ class Table:
                 chunks=self._rows.num_chunks,
                 rows_allocated=self._size,
                 index_bytes=self._index.nbytes,
-                bytes=(self._size * self._rows.record_bytes + self._index.nbytes + (self._disk.map_bytes if self._disk else 0)
-                       + (self._promotions.nbytes if self._promotions else 0)),
+                bytes=self._size * self._rows.record_bytes + self._index.nbytes + (self._disk.map_bytes if self._disk else 0),
                 storage=self.config.storage,
                 disk_rows=self._disk.rows if self._disk else 0,
                 disk_bytes=self._disk.disk_bytes if self._disk else 0,
@@ -579,11 +576,7 @@ class Table:
         coldest :data:`eviction.BULK_FRACTION` of the rows lie below it, and an access value only grows."""
         with self.lock:
             access = self._access_in_use()
-        estimated = eviction.estimate(access, count, self._demotion_sample)
-        if estimated is not None and self._promotions is not None:
-            with self.lock:
-                self._promotions.demoting_at(estimated[0])
-        return estimated
+        return eviction.estimate(access, count, self._demotion_sample)
 
     def demote(self, count: int, estimated: Optional[tuple[int, float]] = None) -> int:
         """Moves ``count`` of the coldest rows of a disk table's memory tier to disk (the shard's demoter calls it
@@ -686,30 +679,21 @@ class Table:
 
     def _bring_in(self, ids: torch.Tensor, slots: torch.Tensor, records: torch.Tensor, values: dict[str, torch.Tensor],
                   where: torch.Tensor, rows: torch.Tensor, repeats: bool) -> None:
-        """Promotes the rows a training lookup read from disk (at ``where`` of its ``rows``) that the table's
-        :class:`PromotionPolicy` chooses, or queues them for the demoter while its queue has room; the others stay
-        on disk. An id the request ``repeats`` is promoted once. The lock held."""
+        """Promotes the rows a training lookup read from disk (at ``where`` of its ``rows``), or queues them for the
+        demoter while its queue has room. An id the request ``repeats`` is promoted once. The lock held."""
+        first = inverse = None
         if repeats:
             ids, inverse = torch.unique(ids, return_inverse=True)
             first = torch.empty(ids.numel(), dtype=torch.int64).scatter_(0, inverse, torch.arange(inverse.numel()))
-        else:
-            inverse = first = torch.arange(ids.numel())
-        rows[where] = -2  # read from disk and left there, unless promoted now
-        if self._promotions is not None:
-            chosen = self._promotions.promotes(ids, values["access"][first], self._step)
-            if not bool(chosen.all()):
-                self._counters["left_on_disk"] += int((~chosen).sum())
-                kept = chosen[inverse]
-                where, inverse = where[kept], (torch.cumsum(chosen, 0) - 1)[inverse[kept]]
-                ids, first = ids[chosen], first[chosen]
-        if not ids.numel():
-            return
-        slots, records = slots[first], records[first]
+            slots, records = slots[first], records[first]
         if self._pending is not None and self._pending.has_room(ids.numel()):
             self._pending.add(PendingPromotion(ids, slots, records, self._step, self._disk.generation))
+            rows[where] = -2
             return
-        promoted = self._promote(ids, slots, {name: v[first] for name, v in values.items()})
-        rows[where] = promoted[inverse]
+        if first is not None:
+            values = {name: v[first] for name, v in values.items()}
+        promoted = self._promote(ids, slots, values)
+        rows[where] = promoted if inverse is None else promoted[inverse]
 
     def promote_pending(self, limit: int) -> int:
         """Promotes the oldest batch of rows that training lookups read from disk and left to the demoter (at most

@@ -60,6 +60,8 @@ _started: "weakref.WeakSet[TablePass]" = weakref.WeakSet()
 
 
 @atexit.register
-def _stop_all() -> None:
+def stop_all() -> None:
+    """Stops every pass started in this process and waits for it: at interpreter exit, and where one process runs
+    shard stores one after another (tests), so that no pass outlives its store's use."""
     for running in list(_started):
         running.stop()

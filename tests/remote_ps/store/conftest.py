@@ -1,7 +1,15 @@
 """Fixtures of the store tests."""
 import pytest
 
-from lightning_persia.remote_ps.store import chunked_rows
+from lightning_persia.remote_ps.store import background, chunked_rows
+
+
+@pytest.fixture(autouse=True)
+def _no_background_pass_outlives_its_test():
+    """A shard store's demoter or expirer left running would go on working on its tables during the next tests,
+    whose patches of the store's modules it would see (a compaction test counting reads saw its reads)."""
+    yield
+    background.stop_all()
 
 
 @pytest.fixture(params=["native", "tensor"])

@@ -30,9 +30,9 @@ def test_passes_run_on_their_thread_until_stopped():
     assert cpu_s > 0.0 and runner.cpu_s == cpu_s  # the passes' CPU counted, none after the stop
 
 
-def test_every_started_pass_is_stopped_at_exit():
+def test_every_started_pass_is_stopped_by_stop_all_as_at_exit():
     runner = _Counting()
     runner.start()
     assert runner.ran.wait(10)
-    background._stop_all()
+    background.stop_all()
     assert runner.stopping

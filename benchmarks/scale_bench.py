@@ -65,6 +65,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from lightning_persia.remote_ps.client import PSClient, PSError
+from lightning_persia.remote_ps.allocator import ALLOCATORS, shard_environment
 from lightning_persia.remote_ps.launcher import LocalShards
 from lightning_persia.remote_ps.table_config import Adagrad, TableConfig
 
@@ -144,10 +145,10 @@ class Shards:
 
 
 def start(num_shards: int, dtype: str, overrides: Sequence[str], configure: bool = True, memory_rows: int = 0,
-          eviction: str = "lru") -> Shards:
+          eviction: str = "lru", allocator: str = "auto") -> Shards:
     """Shard processes and a client; ``memory_rows`` makes the table a disk table of that memory budget (the
     overrides then name the shards' ``disk_dir``), whose ``eviction`` policy chooses the rows it demotes."""
-    shards = LocalShards(num_shards, overrides=["max_ids_per_request=4194304", "torch_threads=1", *overrides])
+    shards = LocalShards(num_shards, overrides=["max_ids_per_request=4194304", "torch_threads=1", *overrides], allocator=allocator)
     client = PSClient(shards.addresses, timeout_s=600.0, checkpoint_timeout_s=7200.0)
     client.wait_healthy(120)
     if configure:
@@ -238,7 +239,7 @@ def _stopped(shards: Shards) -> Iterator[None]:
 def memory_baseline(args, dtype: str, keep: bool = False) -> tuple[dict, Optional[Shards]]:
     """The Zipf lookup rate of an all-in-memory table of ``--memory-baseline-rows`` rows, in a shard of its own;
     with ``keep``, that shard stays up (returned) for a :func:`paired_zipf_rates` measurement at the same size."""
-    shards = start(1, dtype, [o for o in args.ps_override if not o.startswith("disk_dir=")])
+    shards = start(1, dtype, [o for o in args.ps_override if not o.startswith("disk_dir=")], allocator=args.allocator)
     try:
         rows = 0
         while rows < args.memory_baseline_rows:
@@ -409,7 +410,8 @@ def save_and_load(shards: Shards, directory: str, rows: int, request_ids: int, t
             "train_rounds_during_save": rounds}
 
 
-def restart_and_load(shards: Shards, directory: str, dtype: str, cold: bool, overrides: Sequence[str]) -> tuple[Shards, dict]:
+def restart_and_load(shards: Shards, directory: str, dtype: str, cold: bool, overrides: Sequence[str],
+                     allocator: str = "auto") -> tuple[Shards, dict]:
     """Stops the shard process(es) and loads the checkpoint at ``directory`` into new ones, as a restarted
     shard does (a shard that holds no table reads the checkpoint once: checksums as it reads the rows); with
     ``cold``, from the disk (the page cache dropped first: root only). Returns the new shards and the figures."""
@@ -427,7 +429,7 @@ def restart_and_load(shards: Shards, directory: str, dtype: str, cold: bool, ove
             _read_folder(directory)
             plain_read = size / (time.perf_counter() - started) / _GB
             drop_page_cache()
-    shards = start(count, dtype, overrides, configure=False)
+    shards = start(count, dtype, overrides, configure=False, allocator=allocator)
     cpu, started = shards.cpu_s(), time.perf_counter()
     shards.client.load(directory)
     seconds = time.perf_counter() - started
@@ -528,7 +530,7 @@ def grow(args, dtype: str) -> dict:
         baseline, paired = memory_baseline(args, dtype, keep=args.memory_baseline_rows in args.sizes)
     try:
         shards = start(1, dtype, args.ps_override, memory_rows=args.memory_rows if args.storage == "disk" else 0,
-                       eviction=args.eviction)
+                       eviction=args.eviction, allocator=args.allocator)
     except BaseException:
         if paired is not None:
             paired.close()
@@ -673,7 +675,7 @@ def _grow_sizes(args, dtype: str, state: dict, out: dict, baseline: Optional[dic
             try:
                 entry.update(save_and_load(shards, checkpoint_dir, rows, args.request_ids, not args.no_train_during_save))
                 if args.restart:
-                    shards, restarted = restart_and_load(shards, checkpoint_dir, dtype, args.cold, args.ps_override)
+                    shards, restarted = restart_and_load(shards, checkpoint_dir, dtype, args.cold, args.ps_override, args.allocator)
                     state["shards"] = shards
                     entry.update(restarted)
             except (PSError, RuntimeError, OSError) as error:
@@ -703,7 +705,7 @@ def multi_shard(args) -> list[dict]:
     """The same table over 1, 2 and 4 shard processes: memory and aggregate rows/s."""
     out = []
     for count in args.multi_shard:
-        shards = start(count, "fp16", args.ps_override)
+        shards = start(count, "fp16", args.ps_override, allocator=args.allocator)
         try:
             rows = 0
             while rows < args.multi_rows:
@@ -830,6 +832,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="2M rows, 1 and 2 shards of 1M rows: a smoke run")
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     parser.add_argument("--storage", choices=("memory", "disk"), default="memory", help="the table's storage")
+    parser.add_argument("--allocator", choices=ALLOCATORS, default="auto",
+                        help="the shards' malloc (LocalShards: jemalloc where the system has it, by default)")
     parser.add_argument("--memory-rows", type=float, default=5e7, help="--storage disk: the table's memory budget (rows)")
     parser.add_argument("--eviction", choices=("lru", "lfu"), default="lru",
                         help="--storage disk: which rows the table demotes (the least recently or least often looked up)")
@@ -861,8 +865,10 @@ def main(argv=None) -> int:
         parser.error("--sizes needs a size <= --max-rows and --dtypes only fp16, fp32")
     if args.control_every < 1:
         parser.error("--control-every must be at least 1")
+    malloc = "jemalloc" if "jemalloc" in shard_environment(args.allocator, os.environ).get("LD_PRELOAD", "") else "the system's"
     print(f"scale_bench: {os.cpu_count()} cores, {memory_available() / _GB:.1f} GB available, load average "
-          f"{os.getloadavg()[0]:.1f}; sizes {args.sizes}" + (f"; shards with {' '.join(args.ps_override)}" if args.ps_override else ""), flush=True)
+          f"{os.getloadavg()[0]:.1f}; sizes {args.sizes}; the shards' malloc: {malloc}"
+          + (f"; shards with {' '.join(args.ps_override)}" if args.ps_override else ""), flush=True)
     try:
         results = {"grow": [grow(args, dtype) for dtype in dtypes], "multi_shard": multi_shard(args)}
     finally:
@@ -874,7 +880,7 @@ def main(argv=None) -> int:
     print_tables(results)
     print(f"\nload average after: {os.getloadavg()[0]:.1f}")
     if args.json:
-        print(json.dumps({**summary(results), "runs": results}))
+        print(json.dumps({**summary(results), "shards_malloc": malloc, "runs": results}))
     return 0
 
 

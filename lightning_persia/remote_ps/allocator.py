@@ -1,4 +1,15 @@
-"""A shard process's allocator: memory a request frees stays on the heap for the next request.
+"""A shard process's allocator: jemalloc where the system has it; else glibc's malloc, keeping what a request frees.
+
+**Which allocator.** A shard's request threads allocate and free a few tensors of every size per request, while its
+demoter frees and allocates others beside them. Under glibc's malloc the free chunks of such a heap pile up, and a
+request thread's allocations search them: ``_int_malloc`` was 14% of a disk table's request threads' CPU at the steady
+state of a Zipf stream, against 2.5% for an all-in-memory table (``benchmarks/results/2026-11-25-disk-tier.md``,
+section 23). jemalloc allocates from size classes instead. It cannot be chosen from inside a running process (it
+must be loaded before anything allocates), so the launchers start shards with it preloaded
+(:func:`shard_environment`: ``LD_PRELOAD``), where the system has it (Debian, Ubuntu: ``libjemalloc2``), and the
+shard says which one it runs with (:func:`running_allocator`).
+
+**glibc's malloc**, where jemalloc is absent or not wanted: memory a request frees stays on the heap for the next.
 
 A request's temporary tensors (ids, rows, gradients: a few MB each) are allocated and freed by glibc's malloc,
 which by default maps the larger ones on their own and unmaps them when freed, and grows and shrinks its
@@ -15,7 +26,9 @@ its own process keeps its allocator as it is.
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import logging
+from typing import Mapping, Optional
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +45,48 @@ ARENAS = 2
 """Heaps shared by the process's threads: each keeps its free memory, so their number bounds what is kept."""
 
 
+ALLOCATORS = ("auto", "jemalloc", "system")
+"""A launcher's choices: jemalloc where the system has it (``auto``), jemalloc or an error, the process's own."""
+_JEMALLOC = "jemalloc"
+_PRELOAD = "LD_PRELOAD"
+
+
+class AllocatorError(RuntimeError):
+    """The allocator asked for is not on this system."""
+
+
+def shard_environment(allocator: str, env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` for a shard process started with ``allocator`` (one of :data:`ALLOCATORS`): jemalloc's library put
+    first in ``LD_PRELOAD`` (kept where it is there already), or ``env`` as it is."""
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"allocator must be one of {', '.join(ALLOCATORS)}; got {allocator!r}")
+    preloaded = env.get(_PRELOAD, "")
+    if allocator == "system" or _JEMALLOC in preloaded:
+        return dict(env)
+    library = ctypes.util.find_library(_JEMALLOC)
+    if library is None:
+        if allocator == _JEMALLOC:
+            raise AllocatorError("allocator 'jemalloc': no libjemalloc on this system (Debian, Ubuntu: apt install "
+                                 "libjemalloc2); or start the shards with allocator 'auto' or 'system'")
+        return dict(env)
+    return {**env, _PRELOAD: f"{library} {preloaded}".strip()}
+
+
+def running_allocator() -> str:
+    """``"jemalloc"`` where this process's ``malloc`` is jemalloc's (it exports ``mallctl``), else ``"system"``."""
+    try:
+        ctypes.CDLL(None).mallctl
+    except (OSError, AttributeError):
+        return "system"
+    return _JEMALLOC
+
+
 def keep_freed_memory() -> bool:
-    """Sets this process's malloc as the module docstring says; False (and a log line) where it cannot (not glibc)."""
+    """Sets this process's malloc as the module docstring says; False (and a log line) where it cannot (not glibc).
+    Under jemalloc there is nothing to set."""
+    if running_allocator() == _JEMALLOC:
+        log.info("malloc is jemalloc's")
+        return True
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):

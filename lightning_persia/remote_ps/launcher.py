@@ -18,6 +18,7 @@ from concurrent import futures
 from dataclasses import dataclass
 from typing import MutableSequence, Optional, Sequence
 
+from lightning_persia.remote_ps.allocator import shard_environment
 from lightning_persia.remote_ps.protocol import LISTENING_PREFIX, SHARD_PROCESS_ENV
 
 log = logging.getLogger("lightning_persia.ps")
@@ -108,7 +109,9 @@ class LocalShards:
     :meth:`stop`. The shards share this machine with each other and with the caller, so unless told
     otherwise each gets ``cpu_count // (num_shards + 1)`` torch threads (at least one), and OpenMP threads
     that sleep instead of spinning when idle (``OMP_WAIT_POLICY=PASSIVE``): spinning threads of several
-    processes on the same cores multiply request latency.
+    processes on the same cores multiply request latency. Their ``malloc`` is jemalloc's where the system has it
+    (``allocator``: one of ``remote_ps/allocator.py``'s ``ALLOCATORS``; ``"jemalloc"`` raises ``AllocatorError``
+    where it has not, ``"system"`` keeps this process's).
 
     With ``restart=True`` a supervisor (the thread that forked the shards) checks them every ``poll_s``
     seconds and restarts a shard that died (SIGKILL, OOM, crash) on the same port, at most ``max_restarts``
@@ -131,6 +134,7 @@ class LocalShards:
         overrides: Sequence[str] = (),
         extra_args: Sequence[str] = (),
         env: Optional[dict] = None,
+        allocator: str = "auto",
         startup_timeout_s: float = 120.0,
         restart: bool = False,
         max_restarts: int = 3,
@@ -153,7 +157,7 @@ class LocalShards:
         threads = max(1, (os.cpu_count() or 1) // (num_shards + 1))
         self._command = dict(host=host, parent_pid=os.getpid(), config_path=config_path, extra_args=tuple(extra_args),
                              overrides=(f"torch_threads={threads}", *overrides))  # a later override of the caller's wins
-        self._env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, SHARD_PROCESS_ENV: "1", **(env or {})}
+        self._env = shard_environment(allocator, {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, SHARD_PROCESS_ENV: "1", **(env or {})})
         # The kernel's parent-death signal follows the *thread* that forked a shard, so the shards are forked
         # by a thread of their own that lives until stop(), whatever thread creates this object. The same
         # thread restarts dead shards.

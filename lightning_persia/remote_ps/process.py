@@ -3,7 +3,8 @@
 - :func:`prepare_shard_process` runs once before the tables exist: the allocator settings (``allocator.py``),
   torch's threads, ``nice`` and ``SCHED_IDLE``, the native kernels, and the start-up objects frozen out of
   the garbage collector (``gc_freeze.py``).
-- :func:`trim_memory_every` hands freed heap memory back to the OS now and then (glibc ``malloc_trim``).
+- :func:`trim_memory_every` hands freed heap memory back to the OS now and then (glibc ``malloc_trim``; not under
+  jemalloc, which does so itself).
 - :func:`exit_with_parent` stops the shard when the process that owns it is gone (``prctl(PR_SET_PDEATHSIG)``
   and a watchdog).
 """
@@ -19,7 +20,7 @@ import threading
 import torch
 
 from lightning_persia.ops import native
-from lightning_persia.remote_ps.allocator import keep_freed_memory
+from lightning_persia.remote_ps.allocator import keep_freed_memory, running_allocator
 from lightning_persia.remote_ps.config import PSConfig
 from lightning_persia.remote_ps.gc_freeze import freeze_startup_objects
 
@@ -64,6 +65,8 @@ def trim_memory_every(interval_s: float, stop: threading.Event) -> None:
     Every request allocates and frees buffers of megabytes on one of many handler threads; glibc keeps such
     freed memory in per-thread arenas, which would otherwise count as resident memory of the shard.
     """
+    if running_allocator() != "system":
+        return  # jemalloc hands back what it freed on its own; glibc's heaps then hold next to nothing
     try:
         trim = ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):

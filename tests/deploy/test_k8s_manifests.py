@@ -79,6 +79,7 @@ def test_shard_pods_know_their_index_and_count_carry_the_token_and_probe_grpc_he
     env = _env(container)
     assert env["SHARD_INDEX"] == {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
     assert env[TOKEN_ENV] == {"secretKeyRef": TOKEN_SECRET}
+    assert env["LD_PRELOAD"] == "libjemalloc.so.2" and "libjemalloc2" in (ROOT / "deploy" / "Dockerfile").read_text()
     grpc_port = int(args[args.index("--port") + 1])
     assert {"name": "grpc", "containerPort": grpc_port} in container["ports"]
     assert container["readinessProbe"]["grpc"] == {"port": grpc_port, "service": SERVICE_NAME}

@@ -1,6 +1,10 @@
 """A shard process keeps the memory its requests free on its heap (no map and unmap per request)."""
+import ctypes.util
+import os
 import subprocess
 import sys
+
+import pytest
 
 # A fresh interpreter (the settings are the process's): count the blocks malloc maps on their own for 8 MB
 # allocations, freed in between, as a request's temporary tensors are.
@@ -47,3 +51,56 @@ def test_a_process_without_glibcs_mallopt_keeps_its_defaults(monkeypatch):
 
     monkeypatch.setattr(allocator.ctypes, "CDLL", NoMallopt)
     assert allocator.keep_freed_memory() is False
+
+
+def test_the_launchers_environment_preloads_jemalloc_where_the_system_has_it(monkeypatch):
+    from lightning_persia.remote_ps import allocator
+
+    monkeypatch.setattr(allocator.ctypes.util, "find_library", lambda name: "libjemalloc.so.2" if name == "jemalloc" else None)
+    env = {"PATH": "/bin", "LD_PRELOAD": "libother.so"}
+    assert allocator.shard_environment("auto", env) == {"PATH": "/bin", "LD_PRELOAD": "libjemalloc.so.2 libother.so"}
+    assert allocator.shard_environment("jemalloc", {})["LD_PRELOAD"] == "libjemalloc.so.2"
+    assert allocator.shard_environment("system", env) == env
+    already = {"LD_PRELOAD": "/opt/lib/libjemalloc.so.2"}
+    assert allocator.shard_environment("auto", already) == already  # not preloaded twice
+
+
+def test_without_jemalloc_auto_keeps_the_environment_and_jemalloc_is_an_error(monkeypatch):
+    from lightning_persia.remote_ps import allocator
+
+    monkeypatch.setattr(allocator.ctypes.util, "find_library", lambda name: None)
+    assert allocator.shard_environment("auto", {"PATH": "/bin"}) == {"PATH": "/bin"}
+    with pytest.raises(allocator.AllocatorError, match="no libjemalloc on this system.*apt install libjemalloc2"):
+        allocator.shard_environment("jemalloc", {})
+    with pytest.raises(ValueError, match="allocator must be one of auto, jemalloc, system; got 'tcmalloc'"):
+        allocator.shard_environment("tcmalloc", {})
+
+
+def _maps_jemalloc(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as maps:
+        return "libjemalloc" in maps.read()
+
+
+@pytest.mark.skipif(ctypes.util.find_library("jemalloc") is None, reason="no libjemalloc on this system")
+def test_local_shards_run_under_jemalloc_unless_told_otherwise():
+    from lightning_persia.remote_ps.launcher import LocalShards
+
+    with LocalShards(1) as shards:
+        assert _maps_jemalloc(shards.processes[0].pid)
+        assert "malloc is jemalloc's" in shards.output(0)
+    with LocalShards(1, allocator="system", env={"LD_PRELOAD": ""}) as shards:
+        assert not _maps_jemalloc(shards.processes[0].pid)
+
+
+def test_a_process_under_jemalloc_says_so_and_leaves_glibcs_settings():
+    script = ("from lightning_persia.remote_ps.allocator import keep_freed_memory, running_allocator; "
+              "print(running_allocator(), keep_freed_memory())")
+    for allocator, expected in (("system", "system True"), ("jemalloc", "jemalloc True")):
+        from lightning_persia.remote_ps.allocator import shard_environment
+
+        if allocator == "jemalloc" and ctypes.util.find_library("jemalloc") is None:
+            continue
+        env = shard_environment(allocator, {**os.environ, "LD_PRELOAD": ""})
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == expected.split()

@@ -28,7 +28,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-from typing import Mapping, Optional
+from typing import Mapping
 
 log = logging.getLogger(__name__)
 

@@ -45,9 +45,10 @@ ARENAS = 2
 """Heaps shared by the process's threads: each keeps its free memory, so their number bounds what is kept."""
 
 
-ALLOCATORS = ("auto", "jemalloc", "system")
+JEMALLOC, SYSTEM = "jemalloc", "system"
+"""What :func:`running_allocator` says; also two of a launcher's :data:`ALLOCATORS`."""
+ALLOCATORS = ("auto", JEMALLOC, SYSTEM)
 """A launcher's choices: jemalloc where the system has it (``auto``), jemalloc or an error, the process's own."""
-_JEMALLOC = "jemalloc"
 _PRELOAD = "LD_PRELOAD"
 
 
@@ -61,11 +62,11 @@ def shard_environment(allocator: str, env: Mapping[str, str]) -> dict[str, str]:
     if allocator not in ALLOCATORS:
         raise ValueError(f"allocator must be one of {', '.join(ALLOCATORS)}; got {allocator!r}")
     preloaded = env.get(_PRELOAD, "")
-    if allocator == "system" or _JEMALLOC in preloaded:
+    if allocator == SYSTEM or JEMALLOC in preloaded:
         return dict(env)
-    library = ctypes.util.find_library(_JEMALLOC)
+    library = ctypes.util.find_library(JEMALLOC)
     if library is None:
-        if allocator == _JEMALLOC:
+        if allocator == JEMALLOC:
             raise AllocatorError("allocator 'jemalloc': no libjemalloc on this system (Debian, Ubuntu: apt install "
                                  "libjemalloc2); or start the shards with allocator 'auto' or 'system'")
         return dict(env)
@@ -77,14 +78,14 @@ def running_allocator() -> str:
     try:
         ctypes.CDLL(None).mallctl
     except (OSError, AttributeError):
-        return "system"
-    return _JEMALLOC
+        return SYSTEM
+    return JEMALLOC
 
 
 def keep_freed_memory() -> bool:
     """Sets this process's malloc as the module docstring says; False (and a log line) where it cannot (not glibc).
     Under jemalloc there is nothing to set."""
-    if running_allocator() == _JEMALLOC:
+    if running_allocator() == JEMALLOC:
         log.info("malloc is jemalloc's")
         return True
     try:

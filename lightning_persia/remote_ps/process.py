@@ -20,7 +20,7 @@ import threading
 import torch
 
 from lightning_persia.ops import native
-from lightning_persia.remote_ps.allocator import keep_freed_memory, running_allocator
+from lightning_persia.remote_ps.allocator import SYSTEM, keep_freed_memory, running_allocator
 from lightning_persia.remote_ps.config import PSConfig
 from lightning_persia.remote_ps.gc_freeze import freeze_startup_objects
 
@@ -65,7 +65,7 @@ def trim_memory_every(interval_s: float, stop: threading.Event) -> None:
     Every request allocates and frees buffers of megabytes on one of many handler threads; glibc keeps such
     freed memory in per-thread arenas, which would otherwise count as resident memory of the shard.
     """
-    if running_allocator() != "system":
+    if running_allocator() != SYSTEM:
         return  # jemalloc hands back what it freed on its own; glibc's heaps then hold next to nothing
     try:
         trim = ctypes.CDLL("libc.so.6").malloc_trim

@@ -64,8 +64,8 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from lightning_persia.remote_ps.allocator import ALLOCATORS, JEMALLOC, preloads_jemalloc, shard_environment
 from lightning_persia.remote_ps.client import PSClient, PSError
-from lightning_persia.remote_ps.allocator import ALLOCATORS, shard_environment
 from lightning_persia.remote_ps.launcher import LocalShards
 from lightning_persia.remote_ps.table_config import Adagrad, TableConfig
 
@@ -865,7 +865,7 @@ def main(argv=None) -> int:
         parser.error("--sizes needs a size <= --max-rows and --dtypes only fp16, fp32")
     if args.control_every < 1:
         parser.error("--control-every must be at least 1")
-    malloc = "jemalloc" if "jemalloc" in shard_environment(args.allocator, os.environ).get("LD_PRELOAD", "") else "the system's"
+    malloc = JEMALLOC if preloads_jemalloc(shard_environment(args.allocator, os.environ)) else "the system's"
     print(f"scale_bench: {os.cpu_count()} cores, {memory_available() / _GB:.1f} GB available, load average "
           f"{os.getloadavg()[0]:.1f}; sizes {args.sizes}; the shards' malloc: {malloc}"
           + (f"; shards with {' '.join(args.ps_override)}" if args.ps_override else ""), flush=True)

@@ -3,7 +3,7 @@
 **Which allocator.** A shard's request threads allocate and free a few tensors of every size per request, while its
 demoter frees and allocates others beside them. Under glibc's malloc the free chunks of such a heap pile up, and a
 request thread's allocations search them: ``_int_malloc`` was 14% of a disk table's request threads' CPU at the steady
-state of a Zipf stream, against 2.5% for an all-in-memory table (``benchmarks/results/2026-11-25-disk-tier.md``,
+state of a Zipf stream, against 2.6% for an all-in-memory table (``benchmarks/results/2026-11-25-disk-tier.md``,
 section 23). jemalloc allocates from size classes instead. It cannot be chosen from inside a running process (it
 must be loaded before anything allocates), so the launchers start shards with it preloaded
 (:func:`shard_environment`: ``LD_PRELOAD``), where the system has it (Debian, Ubuntu: ``libjemalloc2``), and the
@@ -61,8 +61,7 @@ def shard_environment(allocator: str, env: Mapping[str, str]) -> dict[str, str]:
     first in ``LD_PRELOAD`` (kept where it is there already), or ``env`` as it is."""
     if allocator not in ALLOCATORS:
         raise ValueError(f"allocator must be one of {', '.join(ALLOCATORS)}; got {allocator!r}")
-    preloaded = env.get(_PRELOAD, "")
-    if allocator == SYSTEM or JEMALLOC in preloaded:
+    if allocator == SYSTEM or preloads_jemalloc(env):
         return dict(env)
     library = ctypes.util.find_library(JEMALLOC)
     if library is None:
@@ -70,7 +69,12 @@ def shard_environment(allocator: str, env: Mapping[str, str]) -> dict[str, str]:
             raise AllocatorError("allocator 'jemalloc': no libjemalloc on this system (Debian, Ubuntu: apt install "
                                  "libjemalloc2); or start the shards with allocator 'auto' or 'system'")
         return dict(env)
-    return {**env, _PRELOAD: f"{library} {preloaded}".strip()}
+    return {**env, _PRELOAD: f"{library} {env.get(_PRELOAD, '')}".strip()}
+
+
+def preloads_jemalloc(env: Mapping[str, str]) -> bool:
+    """Whether a process started with ``env`` runs on jemalloc (its ``LD_PRELOAD`` names it)."""
+    return JEMALLOC in env.get(_PRELOAD, "")
 
 
 def running_allocator() -> str:

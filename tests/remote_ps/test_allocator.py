@@ -1,10 +1,19 @@
-"""A shard process keeps the memory its requests free on its heap (no map and unmap per request)."""
+"""A shard process's malloc: jemalloc where the system has it (the launchers preload it); else glibc's, keeping
+the memory its requests free on its heap (no map and unmap per request)."""
 import ctypes.util
 import os
 import subprocess
 import sys
 
 import pytest
+
+from lightning_persia.remote_ps.allocator import shard_environment
+
+_NEEDS_JEMALLOC = pytest.mark.skipif(
+    ctypes.util.find_library("jemalloc") is None,
+    reason="jemalloc is optional (apt install libjemalloc2); without it the shards run on the system's malloc, "
+    "which this file's other tests cover",
+)
 
 # A fresh interpreter (the settings are the process's): count the blocks malloc maps on their own for 8 MB
 # allocations, freed in between, as a request's temporary tensors are.
@@ -81,7 +90,7 @@ def _maps_jemalloc(pid: int) -> bool:
         return "libjemalloc" in maps.read()
 
 
-@pytest.mark.skipif(ctypes.util.find_library("jemalloc") is None, reason="no libjemalloc on this system")
+@_NEEDS_JEMALLOC
 def test_local_shards_run_under_jemalloc_unless_told_otherwise():
     from lightning_persia.remote_ps.launcher import LocalShards
 
@@ -92,15 +101,11 @@ def test_local_shards_run_under_jemalloc_unless_told_otherwise():
         assert not _maps_jemalloc(shards.processes[0].pid)
 
 
-def test_a_process_under_jemalloc_says_so_and_leaves_glibcs_settings():
+@pytest.mark.parametrize("allocator", ["system", pytest.param("jemalloc", marks=_NEEDS_JEMALLOC)])
+def test_a_process_reports_the_malloc_it_runs_with(allocator):
     script = ("from lightning_persia.remote_ps.allocator import keep_freed_memory, running_allocator; "
               "print(running_allocator(), keep_freed_memory())")
-    for allocator, expected in (("system", "system True"), ("jemalloc", "jemalloc True")):
-        from lightning_persia.remote_ps.allocator import shard_environment
-
-        if allocator == "jemalloc" and ctypes.util.find_library("jemalloc") is None:
-            continue
-        env = shard_environment(allocator, {**os.environ, "LD_PRELOAD": ""})
-        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
-        assert done.returncode == 0, done.stderr
-        assert done.stdout.split() == expected.split()
+    env = shard_environment(allocator, {**os.environ, "LD_PRELOAD": ""})
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [allocator, "True"]  # glibc's settings taken, or nothing to set under jemalloc

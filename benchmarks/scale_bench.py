@@ -90,7 +90,7 @@ def stored_id(index: torch.Tensor) -> torch.Tensor:
 
 
 _WORST_DISK_WORK = ("cpu_s", "of", "sys_s", "demoting_s")  # the table stats worst_disk_work_<key> a run keeps
-_PAIRED_BLOCK = 25  # Zipf requests of one table before the other's turn, in a paired measurement
+PAIRED_BLOCK = 25  # Zipf requests of one table before the other's turn, in a paired measurement
 _STALLED = 3.0
 """A canary run this many times its median or slower says the machine stalled (its runs otherwise stay under 2x)."""
 
@@ -173,7 +173,7 @@ def zipf_rates(shards: Shards, rows: int, request_ids: int, repeats: int, warmup
 
 def paired_zipf_rates(disk: Shards, memory: Shards, rows: int, request_ids: int, repeats: int, warmup: int) -> dict:
     """The Zipf rates of :func:`zipf_rates` for a disk table and an all-in-memory one of the same ``rows``, over the
-    same stream, measured in alternating blocks of :data:`_PAIRED_BLOCK` requests: both tables see the machine of the
+    same stream, measured in alternating blocks of :data:`PAIRED_BLOCK` requests: both tables see the machine of the
     same minutes (the memory table's rate measured alone moved between 2.9M and 6.3M rows/s from run to run on this
     VM). The disk shard's processes are stopped (SIGSTOP) during the memory table's blocks, so that its background
     work (the demoter bringing in, demoting and compacting what the disk table's requests left it) runs during the
@@ -191,11 +191,11 @@ def paired_zipf_rates(disk: Shards, memory: Shards, rows: int, request_ids: int,
     for phase, part in enumerate(phases):
         if phase == 1:
             demoter_before = _demoter_cpu_s(disk)
-        for first in range(0, len(part), _PAIRED_BLOCK):
-            block = part[first : first + _PAIRED_BLOCK]
+        for first in range(0, len(part), PAIRED_BLOCK):
+            block = part[first : first + PAIRED_BLOCK]
             took = {}
             for name, shards in (("disk", disk), ("memory", memory)):
-                with _stopped(disk) if name == "memory" else contextlib.nullcontext():
+                with stopped(disk) if name == "memory" else contextlib.nullcontext():
                     shard_cpu, client_cpu, began = sum(shards.cpu_s()), time.process_time(), time.perf_counter()
                     for batch in block:
                         shards.client.lookup({TABLE: batch}, train=True)
@@ -225,7 +225,7 @@ def _demoter_cpu_s(shards: Shards) -> float:
 
 
 @contextlib.contextmanager
-def _stopped(shards: Shards) -> Iterator[None]:
+def stopped(shards: Shards) -> Iterator[None]:
     """``shards``' processes stopped (every thread of them) meanwhile."""
     for pid in shards.pids:
         os.kill(pid, signal.SIGSTOP)
@@ -614,7 +614,7 @@ def _grow_sizes(args, dtype: str, state: dict, out: dict, baseline: Optional[dic
                 entry["lookup_ratio_disk_vs_memory_turns"] = [low, median, high]
                 entry["lookup_ratio_disk_vs_memory_turns_cold"] = list(paired["turn_ratios_cold"])
                 entry["zipf_cpu_ms_per_request"] = used = paired["cpu_ms_per_request"]
-                print(f"[{dtype}] memory baseline, in turns of {_PAIRED_BLOCK} requests with the disk table (its shard stopped "
+                print(f"[{dtype}] memory baseline, in turns of {PAIRED_BLOCK} requests with the disk table (its shard stopped "
                       f"meanwhile): Zipf lookups {memory_steady / 1e6:.2f} M rows/s (its first {args.zipf_warmup} requests "
                       f"{memory_cold / 1e6:.2f}); the disk table's rate over the memory table's, turn by turn after the "
                       f"first {args.zipf_warmup}: median {median:.2f}x, from {low:.2f}x to {high:.2f}x; CPU a steady request: "

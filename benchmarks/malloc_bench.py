@@ -1,0 +1,133 @@
+"""The Zipf lookup rate of an all-in-memory table in a shard on each malloc a launcher offers, measured in turns.
+
+One shard a malloc (``LocalShards(allocator=...)``: ``system``, the process's own, glibc's here; ``jemalloc``,
+preloaded), each holding the same table grown alike to ``--rows`` rows, then the Zipf(1.1) stream of
+``scale_bench.py`` (the same seed) in turns of :data:`scale_bench.PAIRED_BLOCK` requests, every other shard stopped
+(SIGSTOP) during a shard's turn and the order of the turns alternated: both shards see the machine of the same
+minutes, whose speed moved the memory table's rate between 4.2M and 8.1M rows/s from run to run of
+``scale_bench.py`` on the development VM (2026-11-25-disk-tier.md, sections 18 to 23). Prints each shard's rate,
+its CPU and the client's a request, the rate of each over the first's (the whole, and turn by turn), and with
+``--json`` one JSON object on the last line.
+
+    .venv/bin/python benchmarks/malloc_bench.py                              # 100M rows, system against jemalloc
+    .venv/bin/python benchmarks/malloc_bench.py --rows 1e6 --warmup 20 --repeats 100
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from typing import Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from scale_bench import PAIRED_BLOCK, TABLE, Shards, start, stopped, stored_id, unique_batch, zipf_indices  # noqa: E402
+
+from lightning_persia.remote_ps.allocator import ALLOCATORS  # noqa: E402
+
+_GB = 1e9
+
+
+def grow(shards: dict[str, Shards], rows: int, request_ids: int) -> None:
+    """Every shard's table grown to ``rows`` rows alike: the same training lookups of new ids, shard by shard."""
+    for first in range(0, rows, request_ids):
+        batch = stored_id(torch.arange(first, min(rows, first + request_ids)))
+        for one in shards.values():
+            one.client.lookup({TABLE: batch}, train=True)
+
+
+@contextlib.contextmanager
+def _alone(shards: dict[str, Shards], name: str):
+    """Every shard but ``name``'s stopped meanwhile."""
+    with contextlib.ExitStack() as stack:
+        for other, one in shards.items():
+            if other != name:
+                stack.enter_context(stopped(one))
+        yield
+
+
+def measure(shards: dict[str, Shards], rows: int, request_ids: int, warmup: int, repeats: int) -> dict:
+    """Each shard's Zipf rows/s over the ``repeats`` requests after ``warmup``, in turns; its CPU and the client's a
+    request (ms); and each turn's time of the first shard over every other's (``turns``: name -> ratios)."""
+    generator = torch.Generator().manual_seed(1234)
+    batches = [unique_batch(zipf_indices(rows, request_ids, generator)) for _ in range(warmup + repeats)]
+    names = list(shards)
+    spent = dict.fromkeys(names, 0.0)
+    shard_cpu = dict.fromkeys(names, 0.0)
+    client_cpu = dict.fromkeys(names, 0.0)
+    turns: dict[str, list[float]] = {name: [] for name in names[1:]}
+    for first in range(0, len(batches), PAIRED_BLOCK):
+        block, timed = batches[first : first + PAIRED_BLOCK], first >= warmup
+        took = {}
+        for name in names if (first // PAIRED_BLOCK) % 2 == 0 else names[::-1]:
+            with _alone(shards, name):
+                cpu, own, began = sum(shards[name].cpu_s()), time.process_time(), time.perf_counter()
+                for batch in block:
+                    shards[name].client.lookup({TABLE: batch}, train=True)
+                took[name] = time.perf_counter() - began
+                if timed:
+                    spent[name] += took[name]
+                    shard_cpu[name] += sum(shards[name].cpu_s()) - cpu
+                    client_cpu[name] += time.process_time() - own
+        if timed:
+            for name in names[1:]:
+                turns[name].append(took[names[0]] / took[name])
+    looked_up = sum(b.numel() for b in batches[warmup:])
+    return {name: {"zipf_rows_per_s": looked_up / spent[name], "shard_cpu_ms_per_request": shard_cpu[name] * 1e3 / repeats,
+                   "client_cpu_ms_per_request": client_cpu[name] * 1e3 / repeats, "rss_bytes": shards[name].rss(),
+                   **({"over_first": spent[names[0]] / spent[name], "turns_over_first": sorted(turns[name])} if name in turns else {})}
+            for name in names}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=float, default=1e8, help="rows of each shard's table (default 1e8)")
+    parser.add_argument("--allocators", default="system,jemalloc",
+                        help=f"the shards' mallocs, comma-separated, at least two of {', '.join(ALLOCATORS)} (default system,jemalloc); "
+                             "the others' rates are given over the first's")
+    parser.add_argument("--warmup", type=int, default=500, help="Zipf requests before the timed ones (default 500)")
+    parser.add_argument("--repeats", type=int, default=2500, help="timed Zipf requests (default 2500)")
+    parser.add_argument("--request-ids", type=int, default=131072, help="Zipf draws a request (default 131072)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    args = parser.parse_args(argv)
+    names = [a.strip() for a in args.allocators.split(",") if a.strip()]
+    unknown = [a for a in names if a not in ALLOCATORS]
+    if unknown or len(set(names)) != len(names) or len(names) < 2:
+        parser.error(f"--allocators needs two or more distinct of {', '.join(ALLOCATORS)}; got {args.allocators!r}")
+    rows = int(args.rows)
+    if rows < 1 or args.repeats < 1 or args.warmup < 0 or args.request_ids < 1:
+        parser.error("--rows, --repeats and --request-ids must be positive, --warmup not negative")
+    print(f"malloc_bench: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; {rows:,} rows in memory a shard; "
+          f"shards on {', '.join(names)}", flush=True)
+    shards: dict[str, Shards] = {}
+    try:
+        for name in names:
+            shards[name] = start(1, "fp16", [], allocator=name)
+        began = time.perf_counter()
+        grow(shards, rows, args.request_ids)
+        print(f"grown in {time.perf_counter() - began:.0f} s", flush=True)
+        out = measure(shards, rows, args.request_ids, args.warmup, args.repeats)
+    finally:
+        for one in shards.values():
+            one.close()
+    for name, figures in out.items():
+        line = (f"{name}: Zipf lookups {figures['zipf_rows_per_s'] / 1e6:.2f} M rows/s, shard CPU "
+                f"{figures['shard_cpu_ms_per_request']:.2f} ms a request, client {figures['client_cpu_ms_per_request']:.2f} ms, "
+                f"RSS {figures['rss_bytes'] / _GB:.2f} GB")
+        if "over_first" in figures:
+            ratios = figures["turns_over_first"]
+            line += (f"; {figures['over_first']:.3f}x {names[0]}'s rate (turn by turn: median {ratios[len(ratios) // 2]:.3f}x, "
+                     f"{ratios[0]:.3f}x to {ratios[-1]:.3f}x over {len(ratios)} turns)")
+        print(line)
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
+    if args.json:
+        print(json.dumps({"rows": rows, "allocators": names, "shards": out}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

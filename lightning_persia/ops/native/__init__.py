@@ -317,6 +317,7 @@ SIGNATURES = {
     "lp_dmap_remove": ([_P, _P, _P, _I64], _I64),
     "lp_dmap_move": ([_P, _P, _P, _P, _I64], _I64),
     "lp_set_bits": ([_P, _I64, _I64, _P, _I64, ctypes.c_int32, _P], _I64),
+    "lp_get_bits": ([_P, _I64, _I64, _P, _I64, _P], None),
     "lp_read_records": ([_P, _P, _P, _P, _I64, _I64, _P, _I64, _P, _P, _P], _I64),
     "lp_map_file": ([_I64, _I64, _I64, _P], _P),
     "lp_map_pages": ([_P, _I64, _I64], _I64),
@@ -498,6 +499,18 @@ def set_bits(pages: torch.Tensor, shift: int, slots: torch.Tensor, value: bool) 
     if failed >= 0:
         raise ValueError(f"slot {int(slots[failed])} has no bits (its page {int(slots[failed]) >> shift} is absent)")
     return changed
+
+
+def get_bits(pages: torch.Tensor, shift: int, slots: torch.Tensor) -> torch.Tensor:
+    """For every slot, whether its bit (as :func:`set_bits` addresses it) is set: a bool tensor; False where the
+    slot is negative or its page absent."""
+    slots = _check(slots, torch.int64, "slots").contiguous()
+    _check(pages, torch.int64, "pages")
+    if not pages.is_contiguous():
+        raise ValueError("pages must be contiguous")
+    out = torch.empty(slots.numel(), dtype=torch.uint8)
+    _require().lp_get_bits(pages.data_ptr(), pages.numel(), shift, slots.data_ptr(), slots.numel(), out.data_ptr())
+    return out.view(torch.bool)
 
 
 def map_file(fd: int, nbytes: int, private: bool = False) -> int:

@@ -1119,6 +1119,17 @@ int64_t lp_set_bits(const int64_t *pages, int64_t num_pages, int64_t shift, cons
     return -1;
 }
 
+/* out[i]: the bit of slots[i] as lp_set_bits addresses it (1: set), 0 where the slot is < 0 or its page absent. */
+void lp_get_bits(const int64_t *pages, int64_t num_pages, int64_t shift, const int64_t *slots, int64_t n, uint8_t *out) {
+    const int64_t mask = (1LL << shift) - 1;
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t page = slots[i] >> shift;
+        out[i] = slots[i] >= 0 && page < num_pages && pages[page]
+                     ? (((const uint8_t *)(intptr_t)pages[page])[(slots[i] & mask) >> 3] >> (slots[i] & 7)) & 1
+                     : 0;
+    }
+}
+
 /* Reads the records of `slots` (record r of segment r >> shift: `stride` bytes at (r & (2^shift - 1)) * stride of
  * the file fds[r >> shift]) into out[into[i]] (into NULL: out[i]), in the order given (the caller sorts them:
  * neighbouring records share their pages); a slot < 0 leaves its row of out as it is. A record among the first

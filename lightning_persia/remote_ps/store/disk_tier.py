@@ -263,16 +263,8 @@ class DiskTier:
             slots, records = ahead.slots, ahead.records
             unread = slots[:0]
             removals, inserts = ahead.map_changes
-            if removals != self._map_removals:  # an entry was removed meanwhile: an id whose slot changed is read again
-                now = self._map.find(ids)
-                moved = torch.nonzero(now != slots).squeeze(1)
-                slots, unread = now, moved[now[moved] >= 0]
-            elif inserts != self._map_inserts:  # entries were only added: the ids found nowhere are looked up again
-                nowhere = torch.nonzero(slots < 0).squeeze(1)
-                now = self._map.find(ids[nowhere])
-                unread = nowhere[now >= 0]
-                slots = slots.clone()
-                slots[unread] = now[now >= 0]
+            if removals != self._map_removals or inserts != self._map_inserts:
+                slots, unread = self._changed_since(ids, slots, removals != self._map_removals)
             pending = torch.nonzero(slots >= 0).squeeze(1)
         else:
             slots = self._map.find(ids)
@@ -292,6 +284,21 @@ class DiskTier:
             slots[wrong] = self._map.find(ids[wrong], skip[wrong])
             pending = unread = wrong[slots[wrong] >= 0]
         return slots, records
+
+    def _changed_since(self, ids: torch.Tensor, slots: torch.Tensor, removed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(slots, unread)`` of ``ids`` now, where a read ahead found ``slots`` and the id map changed since: the
+        slots whose record left (``removed``: entries were removed meanwhile) or ids found nowhere then are looked up
+        again; ``unread``, the positions whose slot is new. A slot still live is still its id's (an id is on disk at
+        most once, and no segment is deleted while a read is under way), so only the others are probed: a Zipf
+        request's promotions, which the demoter makes between requests, left most of them as they were."""
+        again = slots < 0
+        if removed:
+            again |= ~native.get_bits(self._live_table, SEGMENT_SHIFT, slots)
+        positions = torch.nonzero(again).squeeze(1)
+        now = self._map.find(ids[positions])
+        slots = slots.clone()
+        slots[positions] = now
+        return slots, positions[now >= 0]
 
     def begin_read(self, positions: torch.Tensor, ids: torch.Tensor) -> Optional["ReadAhead"]:
         """The slots of ``ids`` (at ``positions`` of a request) on disk, to read with :meth:`ReadAhead.read` without

@@ -94,6 +94,26 @@ def test_a_row_that_moved_to_another_slot_meanwhile_is_read_again_under_the_lock
     assert table.stats()["rows"] + table.stats()["disk_rows"] == 300
 
 
+def test_records_whose_rows_stayed_on_disk_are_kept_when_others_left_it_meanwhile(tmp_path, monkeypatch):
+    table = _grown(tmp_path)
+    cold, others = torch.arange(50), torch.arange(60, 80)
+    expected = table.lookup(cold, train=False)
+    real_read_records, locked = disk_tier.native.read_records, []
+
+    def read_records(*args, **kwargs):
+        locked.append(table.lock.locked())
+        real_read_records(*args, **kwargs)
+
+    def promote_others():
+        table.lookup(others, train=True)  # their entries leave the id map: the map changed, these slots did not
+        monkeypatch.setattr(disk_tier.native, "read_records", read_records)
+
+    _during_read(monkeypatch, table, promote_others)
+    assert torch.equal(table.lookup(cold, train=True), expected)
+    assert locked == [False]  # read once, without the lock: nothing read again with it
+    assert table.stats()["rows"] + table.stats()["disk_rows"] == 300
+
+
 def _open_segments(tmp_path) -> int:
     """Files of the tier this process holds open (deleted ones included)."""
     fds = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{fd}")]

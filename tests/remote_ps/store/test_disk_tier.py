@@ -142,6 +142,8 @@ def test_records_are_read_into_the_rows_named_and_live_bits_set_across_segments(
     with pytest.raises(ValueError, match="slot 1030 has no bits"):  # segment 1 has none
         native.set_bits(table, 10, torch.tensor([4, 1030]), True)
     assert pages[0][0] == 8 | 16  # the slot before it was set
+    got = native.get_bits(table, 10, torch.tensor([3, 4, 5, 2048 + 9, 2048 + 8, 1030, -1, 5000]))
+    assert got.tolist() == [True, True, False, True, False, False, False, False]  # no page, or none: not set
 
 
 def test_a_training_lookup_that_repeats_an_id_on_disk_promotes_it_once(tmp_path):

@@ -300,6 +300,13 @@ class DiskTier:
         slots[positions] = now
         return slots, positions[now >= 0]
 
+    def still_holds(self, ids: torch.Tensor, slots: torch.Tensor, records: torch.Tensor) -> torch.Tensor:
+        """Whether each id is still on disk at the slot whose record (a row of uint8 ``records``) was read for it:
+        the slot is live and the record is the id's (not another's whose fingerprint it shares). Call it holding the
+        table's lock, before any segment read from may have been deleted (a read under way, or just ended)."""
+        stored = records[:, :8].contiguous().view(torch.int64).squeeze(1)
+        return native.get_bits(self._live_table, SEGMENT_SHIFT, slots) & (stored == ids)
+
     def begin_read(self, positions: torch.Tensor, ids: torch.Tensor) -> Optional["ReadAhead"]:
         """The slots of ``ids`` (at ``positions`` of a request) on disk, to read with :meth:`ReadAhead.read` without
         the table's lock, or None (none of them on disk, or closed). Call it holding the lock, and :meth:`end_read`

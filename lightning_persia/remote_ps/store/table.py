@@ -137,7 +137,7 @@ class Table:
         with self.lock:
             held = Held.now(ids.numel(), train)
             _end_reads([self], [ahead])
-            self._rejoin(ids, rows, out, train, inserted)
+            self._rejoin(ids, rows, out, train, inserted, ahead)
             self._finish(ids, rows, out, train, journal, held, ahead)
         return out.to(dtype)
 
@@ -177,8 +177,8 @@ class Table:
         with _all_locked(tables):
             held = Held.now(sum(ids.numel() for _, ids in requests), train)
             _end_reads(tables, aheads)  # every read ended before any table's rejoin may fail
-            for (table, ids), found, out, before in zip(requests, rows, outs, inserted):
-                table._rejoin(ids, found, out, train, before)
+            for (table, ids), found, out, before, ahead in zip(requests, rows, outs, inserted, aheads):
+                table._rejoin(ids, found, out, train, before, ahead)
             Table._finish_together(requests, rows, outs, train, journal, held, aheads)
         return [out.to(dtype) for out in outs]
 
@@ -210,15 +210,21 @@ class Table:
         with self._disk_work.operation("lookup's id map probe"), self._disk_work.timed():
             return self._disk.begin_read(positions, ids[positions])
 
-    def _rejoin(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, inserted: int) -> None:
+    def _rejoin(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, inserted: int,
+                ahead: Optional[ReadAhead] = None) -> None:
         """Back under the lock after it was let go (a read ahead, ended: :meth:`DiskTier.end_read`; room made): where
         ids were inserted since the index counted ``inserted``, the ids the first probe missed are probed again
-        (another request may have brought them in meanwhile)."""
+        (another request, or the demoter's promotions, may have brought them in meanwhile), except those whose record
+        ``ahead`` read is still on disk (a row is in memory or on disk, never both)."""
         if self._disk is not None and self._disk.closed:
             raise StoreError(f"table {self.config.name!r} was dropped during the lookup")
         if self._index.inserted == inserted:
             return
         absent = torch.nonzero(rows < 0).squeeze(1)
+        if ahead is not None and ahead.records is not None:
+            absent = ahead.positions[~self._disk.still_holds(ahead.ids, ahead.slots, ahead.records)]
+            if not absent.numel():
+                return
         again = torch.empty(absent.numel(), self.config.dim, dtype=self.storage_dtype)
         found = self._index.find(ids[absent], copy=(self._rows["weights"], again), touch=self._touch(train, advance=False))
         hit = found >= 0

@@ -6,6 +6,7 @@ import torch
 
 from lightning_persia.remote_ps.store import disk_tier
 from lightning_persia.remote_ps.store.errors import StoreError
+from lightning_persia.remote_ps.store.index import NativeIdIndex
 from lightning_persia.remote_ps.store.table import Table
 from lightning_persia.remote_ps.table_config import Adagrad, TableConfig
 
@@ -111,6 +112,29 @@ def test_records_whose_rows_stayed_on_disk_are_kept_when_others_left_it_meanwhil
     _during_read(monkeypatch, table, promote_others)
     assert torch.equal(table.lookup(cold, train=True), expected)
     assert locked == [False]  # read once, without the lock: nothing read again with it
+    assert table.stats()["rows"] + table.stats()["disk_rows"] == 300
+
+
+def test_only_the_ids_whose_rows_left_the_disk_meanwhile_are_probed_again_in_memory(tmp_path, monkeypatch):
+    table = _grown(tmp_path)
+    cold = torch.arange(50)
+    expected = table.lookup(cold, train=False)
+    probed, after = [], []
+    real_find = NativeIdIndex.find
+
+    def find(index, ids, *args, **kwargs):
+        if after:
+            probed.append(ids.tolist())
+        return real_find(index, ids, *args, **kwargs)
+
+    def meanwhile():
+        table.lookup(torch.tensor([60, 61, 10, 11]), train=True)  # rows into memory: two of this request's among them
+        after.append(True)
+
+    monkeypatch.setattr(NativeIdIndex, "find", find)
+    _during_read(monkeypatch, table, meanwhile)
+    assert torch.equal(table.lookup(cold, train=True), expected)
+    assert probed == [[10, 11]]  # the 48 others were still on disk at the slots read
     assert table.stats()["rows"] + table.stats()["disk_rows"] == 300
 
 

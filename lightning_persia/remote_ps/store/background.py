@@ -6,28 +6,21 @@ caught mid-way by the teardown aborted the process with "terminate called" in th
 from __future__ import annotations
 
 import atexit
-import logging
-import os
 import threading
 import time
 import weakref
 from typing import Callable, Iterable
-
-_log = logging.getLogger(__name__)
 
 
 class TablePass:
     """Runs :meth:`run_once` every ``interval_s`` on a daemon thread named ``name``, until :meth:`stop`.
 
     ``tables()`` gives the tables of each pass; :attr:`errors` counts the passes' failures (a subclass logs them and
-    goes on: a failed pass is retried at the next interval); :attr:`cpu_s`, the CPU its thread spent in passes.
-    ``niceness``: added to the thread's nice value (Linux schedules each thread by its own), so that where the
-    cores are all busy the request threads run first."""
+    goes on: a failed pass is retried at the next interval); :attr:`cpu_s`, the CPU its thread spent in passes."""
 
-    def __init__(self, tables: Callable[[], Iterable], interval_s: float, name: str, niceness: int = 0) -> None:
+    def __init__(self, tables: Callable[[], Iterable], interval_s: float, name: str) -> None:
         self._tables = tables
         self._interval_s = interval_s
-        self._niceness = niceness
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.errors = 0
@@ -55,24 +48,12 @@ class TablePass:
         raise NotImplementedError
 
     def _run(self) -> None:
-        if self._niceness:
-            _lower_priority(self._niceness)
         while not self._stopped.wait(self._interval_s):
             began = time.thread_time()
             try:
                 self.run_once()
             finally:
                 self.cpu_s += time.thread_time() - began
-
-
-def _lower_priority(niceness: int) -> None:
-    """Adds ``niceness`` to the calling thread's nice value (on Linux, ``setpriority`` of a thread id sets that thread's
-    alone); where the system refuses, the thread keeps its priority and says so."""
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + niceness))
-    except (AttributeError, OSError) as err:
-        _log.warning("thread %s keeps its priority: %s", threading.current_thread().name, err)
 
 
 _started: "weakref.WeakSet[TablePass]" = weakref.WeakSet()

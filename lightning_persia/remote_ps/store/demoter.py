@@ -32,9 +32,6 @@ slice, so slices are kept short; the cold threshold is estimated once every few 
 _SLICES_AN_ESTIMATE = 8  # slices demoted by one estimate of the cold threshold (a sample of 65,536 access values)
 _PROMOTIONS_A_PASS = 16  # slices of queued promotions a pass (SLICE_ROWS each at most), the lock taken for each
 _MAP_STEPS = 8  # map steps of a table a pass (16 MB each), the lock taken for each
-DEMOTER_NICENESS = 10
-"""Added to the demoter thread's nice value: where the shard's threads and its clients keep every core busy, a
-request runs before a demotion; the demoter still has the cores the requests leave idle."""
 _log = logging.getLogger(__name__)
 
 
@@ -52,7 +49,7 @@ class Demoter(TablePass):
     ``interval_s``, on a daemon thread, until :meth:`stop`."""
 
     def __init__(self, tables: Callable[[], Iterable], interval_s: float = 0.01) -> None:
-        super().__init__(tables, interval_s, "persia-ps-demoter", niceness=DEMOTER_NICENESS)
+        super().__init__(tables, interval_s, "persia-ps-demoter")
 
     def run_once(self) -> int:
         """One pass over the tables: the promotions its lookups queued (``promotions.py``), then the rows each needs

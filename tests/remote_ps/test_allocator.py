@@ -7,12 +7,12 @@ import sys
 
 import pytest
 
-from lightning_persia.remote_ps.allocator import shard_environment
+from lightning_persia.remote_ps.allocator import JEMALLOC, SYSTEM, shard_environment
 
 _NEEDS_JEMALLOC = pytest.mark.skipif(
-    ctypes.util.find_library("jemalloc") is None,
-    reason="jemalloc is optional (apt install libjemalloc2); without it the shards run on the system's malloc, "
-    "which this file's other tests cover",
+    ctypes.util.find_library(JEMALLOC) is None,
+    reason="checks that shards run on jemalloc, which this system lacks (to run it: apt install libjemalloc2). "
+    "jemalloc is optional: without it the shards run on the system's malloc, which this file's other tests check",
 )
 
 # A fresh interpreter (the settings are the process's): count the blocks malloc maps on their own for 8 MB
@@ -97,11 +97,11 @@ def test_local_shards_run_under_jemalloc_unless_told_otherwise():
     with LocalShards(1) as shards:
         assert _maps_jemalloc(shards.processes[0].pid)
         assert "malloc is jemalloc's" in shards.output(0)
-    with LocalShards(1, allocator="system", env={"LD_PRELOAD": ""}) as shards:
+    with LocalShards(1, allocator=SYSTEM, env={"LD_PRELOAD": ""}) as shards:
         assert not _maps_jemalloc(shards.processes[0].pid)
 
 
-@pytest.mark.parametrize("allocator", ["system", pytest.param("jemalloc", marks=_NEEDS_JEMALLOC)])
+@pytest.mark.parametrize("allocator", [SYSTEM, pytest.param(JEMALLOC, marks=_NEEDS_JEMALLOC)])
 def test_a_process_reports_the_malloc_it_runs_with(allocator):
     script = ("from lightning_persia.remote_ps.allocator import keep_freed_memory, running_allocator; "
               "print(running_allocator(), keep_freed_memory())")

@@ -46,6 +46,18 @@ def _during_read(monkeypatch, table, meanwhile):
     return calls
 
 
+def _reads_under_lock(monkeypatch, table):
+    """``(locked, start)``: once ``start()`` is called, each read of records appends to ``locked`` whether the
+    table's lock was held during it."""
+    real_read_records, locked = disk_tier.native.read_records, []
+
+    def read_records(*args, **kwargs):
+        locked.append(table.lock.locked())
+        real_read_records(*args, **kwargs)
+
+    return locked, lambda: monkeypatch.setattr(disk_tier.native, "read_records", read_records)
+
+
 def test_the_misses_are_read_without_the_lock_and_serve_the_same_rows(tmp_path, monkeypatch):
     table = _grown(tmp_path)
     expected = table.lookup(torch.arange(100), train=False)  # evaluation: read, not brought in
@@ -78,16 +90,12 @@ def test_a_row_that_moved_to_another_slot_meanwhile_is_read_again_under_the_lock
     cold = torch.arange(50)
     expected = table.lookup(cold, train=False)
 
-    real_read_records, locked = disk_tier.native.read_records, []
-
-    def read_records(*args, **kwargs):
-        locked.append(table.lock.locked())
-        real_read_records(*args, **kwargs)
+    locked, record_reads = _reads_under_lock(monkeypatch, table)
 
     def promote_then_demote_again():
         table.lookup(cold, train=True)  # in memory now...
         table.lookup(torch.arange(200, 300), train=True)  # ...and back on disk, in new slots
-        monkeypatch.setattr(disk_tier.native, "read_records", read_records)  # this lookup's reads from here on
+        record_reads()  # this lookup's reads from here on
 
     _during_read(monkeypatch, table, promote_then_demote_again)
     assert torch.equal(table.lookup(cold, train=True), expected)
@@ -99,15 +107,11 @@ def test_records_whose_rows_stayed_on_disk_are_kept_when_others_left_it_meanwhil
     table = _grown(tmp_path)
     cold, others = torch.arange(50), torch.arange(60, 80)
     expected = table.lookup(cold, train=False)
-    real_read_records, locked = disk_tier.native.read_records, []
-
-    def read_records(*args, **kwargs):
-        locked.append(table.lock.locked())
-        real_read_records(*args, **kwargs)
+    locked, record_reads = _reads_under_lock(monkeypatch, table)
 
     def promote_others():
         table.lookup(others, train=True)  # their entries leave the id map: the map changed, these slots did not
-        monkeypatch.setattr(disk_tier.native, "read_records", read_records)
+        record_reads()
 
     _during_read(monkeypatch, table, promote_others)
     assert torch.equal(table.lookup(cold, train=True), expected)

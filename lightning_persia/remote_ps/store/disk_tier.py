@@ -274,7 +274,7 @@ class DiskTier:
         while pending.numel():
             if unread.numel():
                 self._read(slots[unread], records, unread)
-            stored = records[pending, :8].contiguous().view(torch.int64).squeeze(1)
+            stored = record_ids(records, pending)
             wrong = pending[stored != ids[pending]]
             if not wrong.numel():
                 break
@@ -303,8 +303,9 @@ class DiskTier:
     def still_holds(self, ids: torch.Tensor, slots: torch.Tensor, records: torch.Tensor) -> torch.Tensor:
         """Whether each id is still on disk at the slot whose record (a row of uint8 ``records``) was read for it:
         the slot is live and the record is the id's (not another's whose fingerprint it shares). Call it holding the
-        table's lock, before any segment read from may have been deleted (a read under way, or just ended)."""
-        stored = records[:, :8].contiguous().view(torch.int64).squeeze(1)
+        table's lock, while the :attr:`generation` of the read lasts: a segment deleted since has no live slot, and
+        its number written anew would hold other records."""
+        stored = record_ids(records)
         return native.get_bits(self._live_table, SEGMENT_SHIFT, slots) & (stored == ids)
 
     def begin_read(self, positions: torch.Tensor, ids: torch.Tensor) -> Optional["ReadAhead"]:
@@ -344,7 +345,7 @@ class DiskTier:
         """The rows of ``ids`` found on disk, removed from it: ``(positions in ids, {field: values})``."""
         slots, records = self.find(ids)
         found = torch.nonzero(slots >= 0).squeeze(1)
-        rows = self.unpack(records[found])
+        rows = self.unpack(take_records(records, found))
         self.forget(ids[found], slots[found])
         return found, rows
 
@@ -430,14 +431,14 @@ class DiskTier:
                     if err.errno != errno.ENODATA:
                         raise
                     raise DiskTierError(f"disk segment {self._path(segment, 'rows')} ends before its {written} rows") from None
-                access = records[:, offset : offset + 4].contiguous().view(torch.int32).squeeze(1)
+                access = _packed(_columns(records, offset, 4)).view(torch.int32).reshape(-1)
                 old = torch.nonzero(access <= limit).squeeze(1)
                 if not old.numel():
                     continue
                 with lock:
                     flags = np.unpackbits(self._live[segment].numpy(), count=written, bitorder="little")
                     old = old[torch.from_numpy(flags[(old + start).numpy()].astype(bool))]
-                    ids = records[old, :8].contiguous().view(torch.int64).squeeze(1)
+                    ids = record_ids(records, old)
                     self.forget(ids, old + start + (segment << SEGMENT_SHIFT))
                 dropped += old.numel()
         return dropped
@@ -463,7 +464,7 @@ class DiskTier:
             fd = self._fds[segment]
         first, count = int(local[0]), int(local[-1] - local[0]) + 1
         try:
-            records = _read_records(fd, first, count, self.record_bytes)[local - first]
+            records = take_records(_read_records(fd, first, count, self.record_bytes), local - first)
         except OSError as err:
             raise DiskTierError(f"the disk tier at {self.directory} could not read segment {segment} to compact it: "
                                 f"{err.strerror or err}") from None
@@ -476,10 +477,10 @@ class DiskTier:
                 return 0
             local = slots & (SEGMENT_ROWS - 1)
             still = ((self._live[segment][local >> 3] >> (local & 7)) & 1).bool()
-            slots, records = slots[still], records[still]
+            slots, records = slots[still], take_records(records, still)
             if not slots.numel():
                 return 0
-            ids = records[:, :8].clone(memory_format=torch.contiguous_format).view(torch.int64).squeeze(1)
+            ids = record_ids(records)
             self._append(records, ids, f"in segment {segment}", moved_from=slots)  # a failure changes nothing
             return slots.numel()
 
@@ -678,10 +679,41 @@ def unpack(records: torch.Tensor, specs: dict[str, FieldSpec]) -> dict[str, torc
     out, offset = {}, 0
     n = records.shape[0]
     for name, spec in specs.items():
-        raw = records[:, offset : offset + spec.row_bytes].contiguous()
+        raw = _packed(_columns(records, offset, spec.row_bytes)).view(torch.uint8)
         out[name] = raw.view(spec.dtype).reshape(spec.shape(n))
         offset += spec.row_bytes
     return out
+
+
+def take_records(records: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``records[index]`` of uint8 records ``[n, record bytes]`` (``index``: positions or a mask), copied a word
+    at a time where their layout allows: torch copies the rows of a uint8 tensor a byte at a time (4,500 records of
+    48 bytes: 133 us, against 40 us as 8-byte words, on the development VM)."""
+    return _columns(records, 0, records.shape[1])[index].view(torch.uint8)
+
+
+def record_ids(records: torch.Tensor, index: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The ids (int64, contiguous) of uint8 records ``[n, record bytes]``: their first 8 bytes; of the rows
+    ``index`` only, if given."""
+    ids = _columns(records, 0, 8)
+    return _packed(ids if index is None else ids[index]).view(torch.int64).reshape(-1)
+
+
+def _packed(columns: torch.Tensor) -> torch.Tensor:
+    """``columns`` copied to rows of their own width. ``contiguous`` would keep a single row's stride (a row of a
+    record), which a view as wider values refuses."""
+    return columns.clone(memory_format=torch.contiguous_format)
+
+
+def _columns(records: torch.Tensor, offset: int, width: int) -> torch.Tensor:
+    """Bytes ``offset`` to ``offset + width`` of each of uint8 records ``[n, record bytes]``, a view as the widest
+    integer words (8, 4, 2 or 1 bytes) that their layout and the span allow."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        size = dtype.itemsize
+        if (offset % size == 0 and width % size == 0 and records.shape[1] % size == 0 and records.stride(1) == 1
+                and records.stride(0) % size == 0 and records.data_ptr() % size == 0):
+            return records.view(dtype)[:, offset // size : (offset + width) // size]
+    return records[:, offset : offset + width]
 
 
 def _write_all(fd: int, data: torch.Tensor, offset: int) -> None:

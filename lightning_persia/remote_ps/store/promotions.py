@@ -9,11 +9,13 @@ promotes it between requests. An update of such a row before then promotes it it
 a lookup of it before then reads its record again. The queue is bounded (:data:`PENDING_ROWS`): past it, a lookup
 promotes what it read itself, as a table without a demoter always does.
 
-A queued record is promoted only if it is still the row's: the tier's id map still names the slot it was read from,
+A queued record is promoted only if it is still the row's: the slot it was read from is still live
+(:meth:`DiskTier.still_holds`: an id is on disk at most once, so a live slot that held its record still does),
 and the tier's :attr:`DiskTier.generation` is the one it was read in (a slot's record never changes while its
 segment's number is not written anew). The id is then not in memory either: a row is in memory or on disk, never
 both (bringing it in forgets its slot; demoting it writes a new one). Any other is dropped from the queue: the row
-stays where it is, on disk or in memory.
+stays where it is, on disk or in memory. The live bits answer from 12.5 MB at 100M slots, where the id map (about
+12 bytes an id) would take a probe of memory far larger than the caches for each row.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from lightning_persia.remote_ps.store import eviction, expiry
 from lightning_persia.remote_ps.store.admission import CountingFilter
 from lightning_persia.remote_ps.store.chunked_rows import ChunkedRows, FieldSpec
 from lightning_persia.remote_ps.store.demoter import SLICE_ROWS
-from lightning_persia.remote_ps.store.disk_tier import DISK_FIELDS, DiskTier, ReadAhead
+from lightning_persia.remote_ps.store.disk_tier import DISK_FIELDS, DiskTier, ReadAhead, take_records
 from lightning_persia.remote_ps.store.errors import InvalidRequestError, StoreError
 from lightning_persia.remote_ps.store.free_rows import FreeRows
 from lightning_persia.ops import native
@@ -673,7 +673,7 @@ class Table:
                 hit &= rows[positions] < 0  # the second probe found the others in memory
             at = torch.nonzero(hit).squeeze(1)
             if at.numel():
-                read = records[at]
+                read = take_records(records, at)
                 values = self._disk.unpack(read)
                 where = positions[at]
                 out[where] = values["weights"]
@@ -691,7 +691,7 @@ class Table:
         if repeats:
             ids, inverse = torch.unique(ids, return_inverse=True)
             first = torch.empty(ids.numel(), dtype=torch.int64).scatter_(0, inverse, torch.arange(inverse.numel()))
-            slots, records = slots[first], records[first]
+            slots, records = slots[first], take_records(records, first)
         if self._pending is not None and self._pending.has_room(ids.numel()):
             self._pending.add(PendingPromotion(ids, slots, records, self._step, self._disk.generation))
             rows[where] = -2
@@ -713,10 +713,10 @@ class Table:
                 return 0
             if self._disk.closed or batch.generation != self._disk.generation:  # dropped: the rows stay where they are
                 return batch.ids.numel()
-            still = self._disk.slots_of(batch.ids) == batch.slots  # so not in memory either (promotions.py)
+            still = self._disk.still_holds(batch.ids, batch.slots, batch.records)  # so not in memory either (promotions.py)
             at = torch.nonzero(still).squeeze(1)
             if at.numel():
-                self._promote(batch.ids[at], batch.slots[at], self._disk.unpack(batch.records[at]), batch.step)
+                self._promote(batch.ids[at], batch.slots[at], self._disk.unpack(take_records(batch.records, at)), batch.step)
             return batch.ids.numel()
 
     def _promote_absent(self, ids: torch.Tensor) -> None:
@@ -730,7 +730,7 @@ class Table:
             slots, records = self._disk.find(absent)
             hit = slots >= 0
             if bool(hit.any()):
-                self._promote(absent[hit], slots[hit], self._disk.unpack(records[hit]))
+                self._promote(absent[hit], slots[hit], self._disk.unpack(take_records(records, hit)))
 
     def _promote(self, ids: torch.Tensor, slots: torch.Tensor, values: dict[str, torch.Tensor], step: Optional[int] = None) -> torch.Tensor:
         """Moves rows read from disk (``ids`` unique, at ``slots``) into memory; returns their rows. ``step``: the

@@ -552,3 +552,56 @@ def test_a_failed_write_at_a_segments_start_leaves_the_segment_it_opened_to_be_w
     again = torch.arange(4000, 5500) * 7 + 1
     tier.write(_rows(again))
     assert torch.equal(tier.unpack(tier.find(again)[1])["ids"], again)
+
+
+def _ids_bytewise(records):
+    return torch.tensor([int.from_bytes(bytes(row[:8].tolist()), "little", signed=True) for row in records], dtype=torch.int64)
+
+
+@pytest.mark.parametrize("record_bytes", [48, 20, 18, 13])  # copied as 8-, 4-, 2-byte words, and bytes
+def test_records_taken_a_word_at_a_time_are_the_records_taken_a_byte_at_a_time(record_bytes):
+    records = torch.randint(0, 256, (64, record_bytes), dtype=torch.uint8)
+    records[:, :8] = (torch.arange(64) * 1_000_003 + 5).view(torch.uint8).reshape(64, 8)
+    for part in (records, records[7:], records[63:]):  # a queue hands on the rows past a slice: views at an offset
+        for index in (torch.tensor([5, 0, 5, -1])[: part.shape[0]].clamp(max=part.shape[0] - 1), part[:, 8] % 2 == 0):
+            assert torch.equal(disk_tier.take_records(part, index), part[index])
+            ids = disk_tier.record_ids(part, index)
+            assert ids.is_contiguous() and torch.equal(ids, _ids_bytewise(part[index]))
+        assert torch.equal(disk_tier.record_ids(part), _ids_bytewise(part))
+        assert disk_tier.record_ids(part).view(torch.uint8).numel() == 8 * part.shape[0]  # one id too: a byte view of it works
+
+
+@pytest.mark.parametrize("dim", [DIM, 3])  # 48-byte records, and 22-byte ones (a float state at byte 14)
+def test_records_unpack_alike_whatever_words_their_fields_allow(dim):
+    specs = {"ids": FieldSpec(torch.int64), "weights": FieldSpec(torch.float16, dim), "state": FieldSpec(torch.float32, 1),
+             "access": FieldSpec(torch.int32)}
+    ids = torch.arange(10) * 9 + 4
+    rows = {"ids": ids, "weights": ids[:, None].float().expand(10, dim) / 1024, "state": ids[:, None] / 7.0,
+            "access": ids.to(torch.int32)}
+    records = torch.cat([rows[name].to(spec.dtype).contiguous().view(torch.uint8).reshape(10, spec.row_bytes)
+                         for name, spec in specs.items()], dim=1)
+    for part in (records, records[3:], records[9:]):  # one record alone too: its row keeps the records' stride
+        values = disk_tier.unpack(part, specs)
+        skip = 10 - part.shape[0]
+        for name, spec in specs.items():
+            assert torch.equal(values[name], rows[name][skip:].to(spec.dtype).reshape(values[name].shape))
+
+
+def test_a_table_of_odd_dim_reads_a_single_row_back_from_disk(tmp_path, disk_tier_kernels):
+    config = TableConfig("odd", 5, optimizer=Adagrad(rowwise=True), capacity=64, storage="disk", storage_dtype="fp16")
+    table = Table(config, seed=0, disk_dir=str(tmp_path / "tier"))  # 26-byte records: the row-wise state at byte 18
+    ids = torch.arange(200)
+    first = table.lookup(ids[:64], train=True)
+    table.lookup(ids[64:128], train=True)  # the first 64 demoted to make room
+    assert table.stats()["disk_rows"] >= 1
+    for train in (False, True):
+        assert torch.equal(table.lookup(ids[:1], train=train), first[:1])
+
+
+def test_an_expiry_sweep_reads_the_access_of_a_lone_odd_sized_record(tmp_path):
+    specs = {"ids": FieldSpec(torch.int64), "weights": FieldSpec(torch.float16, 5), "state": FieldSpec(torch.float32, 1),
+             "access": FieldSpec(torch.int32)}  # 26-byte records: the access value at byte 22
+    tier = DiskTier(tmp_path / "tier", specs)
+    tier.write({"ids": torch.tensor([7]), "weights": torch.ones(1, 5), "state": torch.ones(1, 1),
+                "access": torch.tensor([1], dtype=torch.int32)})
+    assert tier.expire(limit=2, lock=threading.Lock()) == 1 and tier.rows == 0

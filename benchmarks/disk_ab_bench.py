@@ -33,11 +33,8 @@ from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from malloc_bench import grow, measure  # noqa: E402
-from scale_bench import DIM, TABLE, Shards  # noqa: E402
-
-from lightning_persia.remote_ps.client import PSClient  # noqa: E402
-from lightning_persia.remote_ps.launcher import LocalShards  # noqa: E402
-from lightning_persia.remote_ps.table_config import Adagrad, TableConfig  # noqa: E402
+import scale_bench  # noqa: E402
+from scale_bench import Shards  # noqa: E402
 
 _CHECKOUT = Path(__file__).resolve().parents[1]
 _KERNELS = Path("lightning_persia/ops/native")
@@ -71,21 +68,12 @@ def baseline_tree(commit: str, folder: Path) -> Path:
 def start(tree: Path, memory_rows: int, disk_dir: Optional[Path], eviction: str) -> Shards:
     """One shard running the package under ``tree``, its table a disk table of ``memory_rows`` in memory under
     ``disk_dir`` (None: all in memory)."""
-    overrides = ["max_ids_per_request=4194304", "torch_threads=1"]
+    overrides = []
     if disk_dir is not None:
         disk_dir.mkdir(parents=True)
         overrides.append(f"disk_dir={disk_dir}")
-    shards = LocalShards(1, overrides=overrides, env={"PYTHONPATH": str(tree), "PYTHONSAFEPATH": "1"})
-    try:
-        client = PSClient(shards.addresses, timeout_s=600.0)
-        client.wait_healthy(120)
-        storage = {"capacity": memory_rows, "storage": "disk"} if disk_dir is not None else {"capacity": (1 << 31) - 1}
-        client.configure([TableConfig(TABLE, DIM, optimizer=Adagrad(lr=0.01, rowwise=True), storage_dtype="fp16",
-                                      eviction=eviction, **storage)])
-    except BaseException:
-        shards.stop()
-        raise
-    return Shards(shards, client)
+    return scale_bench.start(1, "fp16", overrides, memory_rows=memory_rows if disk_dir is not None else 0, eviction=eviction,
+                             env={"PYTHONPATH": str(tree), "PYTHONSAFEPATH": "1"})
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -145,10 +145,12 @@ class Shards:
 
 
 def start(num_shards: int, dtype: str, overrides: Sequence[str], configure: bool = True, memory_rows: int = 0,
-          eviction: str = "lru", allocator: str = "auto") -> Shards:
+          eviction: str = "lru", allocator: str = "auto", env: Optional[dict] = None) -> Shards:
     """Shard processes and a client; ``memory_rows`` makes the table a disk table of that memory budget (the
-    overrides then name the shards' ``disk_dir``), whose ``eviction`` policy chooses the rows it demotes."""
-    shards = LocalShards(num_shards, overrides=["max_ids_per_request=4194304", "torch_threads=1", *overrides], allocator=allocator)
+    overrides then name the shards' ``disk_dir``), whose ``eviction`` policy chooses the rows it demotes. ``env``:
+    variables the shards' environment adds (``LocalShards``)."""
+    shards = LocalShards(num_shards, overrides=["max_ids_per_request=4194304", "torch_threads=1", *overrides], allocator=allocator,
+                         env=env)
     client = PSClient(shards.addresses, timeout_s=600.0, checkpoint_timeout_s=7200.0)
     client.wait_healthy(120)
     if configure:

@@ -12,6 +12,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import disk_ab_bench  # noqa: E402
+from scale_bench import TABLE  # noqa: E402
 
 
 def test_tiny_run_prints_both_disk_tables_rates_against_each_other_and_the_memory_table(tmp_path, capsys):
@@ -44,7 +45,7 @@ def test_each_shard_runs_the_package_of_its_own_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(disk_ab_bench._CHECKOUT)  # where the checkout's package would come first on a shard's path
     shards = disk_ab_bench.start(tree, 10_000, tmp_path / "tier", "lru")
     try:
-        shards.client.lookup({disk_ab_bench.TABLE: torch.arange(100)}, train=True)  # a disk table: the kernels loaded
+        shards.client.lookup({TABLE: torch.arange(100)}, train=True)  # a disk table: the kernels loaded
         maps = Path(f"/proc/{shards.pids[0]}/maps").read_text()
     finally:
         shards.close()

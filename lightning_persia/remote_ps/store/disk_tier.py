@@ -330,11 +330,6 @@ class DiskTier:
         if self._close_deferred and not self._readers:
             self._close_files()
 
-    def slots_of(self, ids: torch.Tensor) -> torch.Tensor:
-        """The slot the id map names for each id (-1: none), without reading a record: an id whose fingerprint
-        another id shares (odds ~2^-32) may be given the other's slot, which :meth:`find` would have read past."""
-        return self._map.find(ids)
-
     @property
     def generation(self) -> int:
         """Changes whenever a segment's number is written anew: a record read from a slot stays that slot's while
@@ -700,8 +695,8 @@ def record_ids(records: torch.Tensor, index: Optional[torch.Tensor] = None) -> t
 
 
 def _packed(columns: torch.Tensor) -> torch.Tensor:
-    """``columns`` copied to rows of their own width. ``contiguous`` would keep a single row's stride (a row of a
-    record), which a view as wider values refuses."""
+    """``columns`` copied to rows of their own width: ``contiguous`` leaves a single row with the stride it had (a
+    whole record's), which a view as wider values refuses where the value's size does not divide it."""
     return columns.clone(memory_format=torch.contiguous_format)
 
 

@@ -587,9 +587,10 @@ def test_records_unpack_alike_whatever_words_their_fields_allow(dim):
             assert torch.equal(values[name], rows[name][skip:].to(spec.dtype).reshape(values[name].shape))
 
 
-def test_a_table_of_odd_dim_reads_a_single_row_back_from_disk(tmp_path, disk_tier_kernels):
-    config = TableConfig("odd", 5, optimizer=Adagrad(rowwise=True), capacity=64, storage="disk", storage_dtype="fp16")
-    table = Table(config, seed=0, disk_dir=str(tmp_path / "tier"))  # 26-byte records: the row-wise state at byte 18
+@pytest.mark.parametrize("dim", [5, 6])  # records of 26 and 28 bytes: their ids are not 8-byte words apart
+def test_a_table_whose_records_are_no_multiple_of_8_bytes_reads_a_single_row_back_from_disk(tmp_path, disk_tier_kernels, dim):
+    config = TableConfig("odd", dim, optimizer=Adagrad(rowwise=True), capacity=64, storage="disk", storage_dtype="fp16")
+    table = Table(config, seed=0, disk_dir=str(tmp_path / "tier"))
     ids = torch.arange(200)
     first = table.lookup(ids[:64], train=True)
     table.lookup(ids[64:128], train=True)  # the first 64 demoted to make room

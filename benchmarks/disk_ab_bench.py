@@ -27,19 +27,17 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from malloc_bench import grow, measure  # noqa: E402
+from malloc_bench import describe, grow_and_measure  # noqa: E402
 import scale_bench  # noqa: E402
 from scale_bench import Shards  # noqa: E402
 
 _CHECKOUT = Path(__file__).resolve().parents[1]
 _KERNELS = Path("lightning_persia/ops/native")
 _BASELINE, _CHANGED, _MEMORY = "baseline", "this checkout", "memory"
-_GB = 1e9
 
 
 def baseline_tree(commit: str, folder: Path) -> Path:
@@ -105,22 +103,17 @@ def main(argv: Optional[list[str]] = None) -> int:
             shards[name] = start(tree, memory_rows, work / f"tier-{len(shards)}", args.eviction)
         if args.memory_table:
             shards[_MEMORY] = start(_CHECKOUT, memory_rows, None, args.eviction)
-        began = time.perf_counter()
-        grow(shards, rows, args.request_ids)
-        print(f"grown in {time.perf_counter() - began:.0f} s", flush=True)
-        out = measure(shards, rows, args.request_ids, args.warmup, args.repeats)
+        out = grow_and_measure(shards, rows, args.request_ids, args.warmup, args.repeats)
     finally:
         for one in shards.values():
             one.close()
         shutil.rmtree(work, ignore_errors=True)
     for name, figures in out.items():
-        over = ""
+        line = describe(name, figures)
         if _MEMORY in out:
             figures["over_memory"] = figures["zipf_rows_per_s"] / out[_MEMORY]["zipf_rows_per_s"]
-            over = f" ({figures['over_memory']:.3f}x the memory table's)"
-        print(f"{name}: Zipf lookups {figures['zipf_rows_per_s'] / 1e6:.2f} M rows/s{over}, shard CPU "
-              f"{figures['shard_cpu_ms_per_request']:.2f} ms a request, client {figures['client_cpu_ms_per_request']:.2f} ms, "
-              f"RSS {figures['rss_bytes'] / _GB:.2f} GB")
+            line += f"; {figures['over_memory']:.3f}x the memory table's rate"
+        print(line)
     ratios = out[_CHANGED]["turns_over_first"]
     print(f"this checkout over the baseline: {out[_CHANGED]['over_first']:.3f}x (turn by turn: median "
           f"{ratios[len(ratios) // 2]:.3f}x, {ratios[0]:.3f}x to {ratios[-1]:.3f}x over {len(ratios)} turns)")

@@ -83,6 +83,21 @@ def measure(shards: dict[str, Shards], rows: int, request_ids: int, warmup: int,
             for name in names}
 
 
+def grow_and_measure(shards: dict[str, Shards], rows: int, request_ids: int, warmup: int, repeats: int) -> dict:
+    """:func:`grow` every shard's table (printing how long it took), then :func:`measure` them."""
+    began = time.perf_counter()
+    grow(shards, rows, request_ids)
+    print(f"grown in {time.perf_counter() - began:.0f} s", flush=True)
+    return measure(shards, rows, request_ids, warmup, repeats)
+
+
+def describe(name: str, figures: dict) -> str:
+    """A shard's line of :func:`measure`'s ``figures``: its Zipf rate, its CPU and the client's a request, its RSS."""
+    return (f"{name}: Zipf lookups {figures['zipf_rows_per_s'] / 1e6:.2f} M rows/s, shard CPU "
+            f"{figures['shard_cpu_ms_per_request']:.2f} ms a request, client {figures['client_cpu_ms_per_request']:.2f} ms, "
+            f"RSS {figures['rss_bytes'] / _GB:.2f} GB")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=float, default=1e8, help="rows of each shard's table (default 1e8)")
@@ -107,17 +122,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         for name in names:
             shards[name] = start(1, "fp16", [], allocator=name)
-        began = time.perf_counter()
-        grow(shards, rows, args.request_ids)
-        print(f"grown in {time.perf_counter() - began:.0f} s", flush=True)
-        out = measure(shards, rows, args.request_ids, args.warmup, args.repeats)
+        out = grow_and_measure(shards, rows, args.request_ids, args.warmup, args.repeats)
     finally:
         for one in shards.values():
             one.close()
     for name, figures in out.items():
-        line = (f"{name}: Zipf lookups {figures['zipf_rows_per_s'] / 1e6:.2f} M rows/s, shard CPU "
-                f"{figures['shard_cpu_ms_per_request']:.2f} ms a request, client {figures['client_cpu_ms_per_request']:.2f} ms, "
-                f"RSS {figures['rss_bytes'] / _GB:.2f} GB")
+        line = describe(name, figures)
         if "over_first" in figures:
             ratios = figures["turns_over_first"]
             line += (f"; {figures['over_first']:.3f}x {names[0]}'s rate (turn by turn: median {ratios[len(ratios) // 2]:.3f}x, "

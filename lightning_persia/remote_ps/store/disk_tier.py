@@ -695,8 +695,11 @@ def record_ids(records: torch.Tensor, index: Optional[torch.Tensor] = None) -> t
 
 
 def _packed(columns: torch.Tensor) -> torch.Tensor:
-    """``columns`` copied to rows of their own width: ``contiguous`` leaves a single row with the stride it had (a
-    whole record's), which a view as wider values refuses where the value's size does not divide it."""
+    """``columns`` as rows of their own width, copied unless they are already (an index's result is):
+    ``contiguous`` leaves a single row with the stride it had (a whole record's), which a view as wider values
+    refuses where the value's size does not divide it."""
+    if columns.stride(1) == 1 and columns.stride(0) == columns.shape[1]:
+        return columns
     return columns.clone(memory_format=torch.contiguous_format)
 
 

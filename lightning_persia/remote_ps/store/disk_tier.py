@@ -94,16 +94,15 @@ class FrozenTier:
 class ReadAhead:
     """Records of a tier read without its table's lock (:meth:`DiskTier.begin_read`): the ``positions`` of a request
     whose ids its memory lacked, those ``ids``, their ``slots`` then (-1: not on disk), and, once :meth:`read`, their
-    ``records`` (a row per position; None: not read) and whether an id ``repeats`` among those on disk; ``on_disk``:
-    whether any of them is.
+    ``records`` (a row per position; None: not read) and whether an id ``repeats`` among those on disk.
 
     A lookup of many ids probes its memory a part at a time and reads the misses of each part on the shard's reader
     thread (:meth:`read_soon`) while it probes the next: the table's lock is held meanwhile, so the demoter does not
     take the second core then. :meth:`joined` makes one read ahead of the parts."""
 
     def __init__(self, positions: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, tables: tuple, record_bytes: int,
-                 map_changes: tuple[int, int], on_disk: bool = True, parts: Sequence["ReadAhead"] = ()) -> None:
-        self.positions, self.ids, self.slots, self.on_disk = positions, ids, slots, on_disk
+                 map_changes: tuple[int, int], parts: Sequence["ReadAhead"] = ()) -> None:
+        self.positions, self.ids, self.slots = positions, ids, slots
         self.records: Optional[torch.Tensor] = None
         self.repeats = True
         self.map_changes = map_changes  # the id map's (removals, inserts) so far when the read began
@@ -115,13 +114,13 @@ class ReadAhead:
 
     @classmethod
     def joined(cls, parts: Sequence["ReadAhead"]) -> "ReadAhead":
-        """One read ahead of ``parts``, each begun by :meth:`DiskTier.begin_read` on a ``part`` of one request, in
-        turn under one hold of the table's lock (so one state of the id map), their positions in the whole request."""
+        """One read ahead of ``parts``, each begun by :meth:`DiskTier.begin_read` on a part of one request, in turn
+        under one hold of the table's lock (so one state of the id map), their positions in the whole request."""
         if len(parts) == 1:
             return parts[0]
         first = parts[0]
         return cls(*(torch.cat([getattr(part, name) for part in parts]) for name in ("positions", "ids", "slots")),
-                   first._tables, first._record_bytes, first.map_changes, any(part.on_disk for part in parts), parts)
+                   first._tables, first._record_bytes, first.map_changes, parts)
 
     def read_soon(self) -> None:
         """Starts :meth:`read` on the shard's reader thread; :meth:`read` then waits for it."""
@@ -143,12 +142,9 @@ class ReadAhead:
             self._read()
 
     def _read(self) -> None:
-        records = torch.empty(self.ids.numel(), self._record_bytes, dtype=torch.uint8)
-        if not self.on_disk:
-            self.records, self.repeats = records, False
-            return
         found = torch.nonzero(self.slots >= 0).squeeze(1)
         sorted_slots, order = torch.sort(self.slots[found])  # file order: neighbouring records share the pages read
+        records = torch.empty(self.ids.numel(), self._record_bytes, dtype=torch.uint8)
         try:
             native.read_records(*self._tables, SEGMENT_SHIFT, sorted_slots, records, into=found[order])
         except Exception:  # noqa: BLE001 - read again under the lock, which reports what failed
@@ -357,21 +353,19 @@ class DiskTier:
         stored = record_ids(records)
         return native.get_bits(self._live_table, SEGMENT_SHIFT, slots) & (stored == ids)
 
-    def begin_read(self, positions: torch.Tensor, ids: torch.Tensor, part: bool = False) -> Optional["ReadAhead"]:
+    def begin_read(self, positions: torch.Tensor, ids: torch.Tensor) -> Optional["ReadAhead"]:
         """The slots of ``ids`` (at ``positions`` of a request) on disk, to read with :meth:`ReadAhead.read` without
-        the table's lock, or None (none of them on disk, unless it is a ``part`` of a request's; or closed). Call it
-        holding the lock, and :meth:`end_read` holding it once the read is used: the files stay open until then,
-        whatever closes the tier meanwhile."""
+        the table's lock, or None (none of them on disk, or closed). Call it holding the lock, and :meth:`end_read`
+        holding it once the read is used: the files stay open until then, whatever closes the tier meanwhile."""
         if self.closed:
             return None
         slots = self._map.find(ids)
-        on_disk = bool((slots >= 0).any())
-        if not on_disk and not part:
+        if not bool((slots >= 0).any()):
             return None
         self._mapping.changed()
         mapping = self._mapping
         ahead = ReadAhead(positions, ids, slots, (self._fd_table, mapping.bases, mapping.mapped, mapping.reads),
-                          self.record_bytes, (self._map_removals, self._map_inserts), on_disk)
+                          self.record_bytes, (self._map_removals, self._map_inserts))
         self._readers += 1
         return ahead
 

@@ -215,7 +215,7 @@ class Table:
                 rows[part] = self._index.find(ids[part], copy=(self._rows["weights"], out[part]), touch=touch)
                 ahead = self._read_ahead(ids[part], rows[part], start)
                 if ahead is not None:
-                    if parts and parts[-1].on_disk:  # to the reader: the last part is read after the lock is let go
+                    if parts:  # the one before goes to the reader: the last one is read after the lock is let go
                         parts[-1].read_soon()
                     parts.append(ahead)
         except BaseException:
@@ -223,23 +223,18 @@ class Table:
                 ahead.read()  # the reader thread done with its files before they may close
                 self._disk.end_read(ahead)
             raise
-        if any(ahead.on_disk for ahead in parts):
-            return rows, ReadAhead.joined(parts)
-        for ahead in parts:  # nothing to read: the misses are admitted under this hold of the lock
-            self._disk.end_read(ahead)
-        return rows, None
+        return rows, ReadAhead.joined(parts) if parts else None
 
-    def _read_ahead(self, ids: torch.Tensor, rows: torch.Tensor, offset: int = -1) -> Optional[ReadAhead]:
-        """Where a disk table's probe missed ids that are on disk, their slots, to read without the lock; else None.
-        With an ``offset``, ``ids`` are a part of a request's from there on, and a part's misses are read ahead even
-        where none is on disk (:meth:`ReadAhead.joined` joins every part's). The lock held."""
+    def _read_ahead(self, ids: torch.Tensor, rows: torch.Tensor, offset: int = 0) -> Optional[ReadAhead]:
+        """Where a disk table's probe missed ids that are on disk (at ``offset`` onwards of a request), their slots,
+        to read without the lock; else None. The lock held."""
         if self._disk is None or not self._disk.rows:
             return None
         positions = torch.nonzero(rows < 0).squeeze(1)
         if not positions.numel():
             return None
         with self._disk_work.operation("lookup's id map probe"), self._disk_work.timed():
-            return self._disk.begin_read(positions + max(offset, 0), ids[positions], part=offset >= 0)
+            return self._disk.begin_read(positions + offset, ids[positions])
 
     def _rejoin(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, inserted: int,
                 ahead: Optional[ReadAhead] = None) -> None:

@@ -269,16 +269,3 @@ def test_a_parts_read_that_failed_on_the_reader_is_read_again_under_the_lock(tmp
     assert _open_segments(tmp_path) == 2
     table.close()
     assert _open_segments(tmp_path) == 0  # every part's read ended
-
-
-def test_a_part_whose_misses_are_all_new_ids_admits_them_beside_the_parts_read_from_disk(tmp_path, monkeypatch):
-    monkeypatch.setattr(table_module, "PROBE_PART", 40)
-    table = _grown(tmp_path)
-    on_disk, new, in_memory = torch.arange(40), torch.arange(1000, 1040), torch.arange(200, 220)
-    expected = torch.cat([table.lookup(on_disk, train=False), _table(tmp_path / "fresh").lookup(new, train=False),
-                          table.lookup(in_memory, train=False)])
-    inserted = table.stats()["inserted"]
-    assert torch.equal(table.lookup(torch.cat([on_disk, new, in_memory]), train=True), expected)
-    assert table.stats()["inserted"] == inserted + 40
-    assert table.stats()["rows"] + table.stats()["disk_rows"] == 340
-    assert torch.equal(table.lookup(new, train=False), expected[40:80])  # stored once, as served

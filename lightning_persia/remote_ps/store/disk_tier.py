@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import os
 import shutil
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, ContextManager, Iterator, Optional, Sequence
+from typing import Callable, ContextManager, Iterator, Optional
 
 import numpy as np
 import torch
@@ -94,54 +92,20 @@ class FrozenTier:
 class ReadAhead:
     """Records of a tier read without its table's lock (:meth:`DiskTier.begin_read`): the ``positions`` of a request
     whose ids its memory lacked, those ``ids``, their ``slots`` then (-1: not on disk), and, once :meth:`read`, their
-    ``records`` (a row per position; None: not read) and whether an id ``repeats`` among those on disk.
-
-    A lookup of many ids probes its memory a part at a time and reads the misses of each part on the shard's reader
-    thread (:meth:`read_soon`) while it probes the next: the table's lock is held meanwhile, so the demoter does not
-    take the second core then. :meth:`joined` makes one read ahead of the parts."""
+    ``records`` (a row per position; None: not read) and whether an id ``repeats`` among those on disk."""
 
     def __init__(self, positions: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, tables: tuple, record_bytes: int,
-                 map_changes: tuple[int, int], parts: Sequence["ReadAhead"] = ()) -> None:
+                 map_changes: tuple[int, int]) -> None:
         self.positions, self.ids, self.slots = positions, ids, slots
         self.records: Optional[torch.Tensor] = None
         self.repeats = True
         self.map_changes = map_changes  # the id map's (removals, inserts) so far when the read began
-        self.begun = max(1, len(parts))  # reads of DiskTier.begin_read it stands for (DiskTier.end_read ends them)
         self._tables = tables  # the tier's file and mapping tables when the read began: valid until end_read
         self._record_bytes = record_bytes
-        self._parts = tuple(parts)
-        self._reading: Optional[Future] = None
-
-    @classmethod
-    def joined(cls, parts: Sequence["ReadAhead"]) -> "ReadAhead":
-        """One read ahead of ``parts``, each begun by :meth:`DiskTier.begin_read` on a part of one request, in turn
-        under one hold of the table's lock (so one state of the id map), their positions in the whole request."""
-        if len(parts) == 1:
-            return parts[0]
-        first = parts[0]
-        return cls(*(torch.cat([getattr(part, name) for part in parts]) for name in ("positions", "ids", "slots")),
-                   first._tables, first._record_bytes, first.map_changes, parts)
-
-    def read_soon(self) -> None:
-        """Starts :meth:`read` on the shard's reader thread; :meth:`read` then waits for it."""
-        self._reading = _reader().submit(self._read)
 
     def read(self) -> None:
         """Reads the records (without the table's lock). A failure leaves them unread: the lookup then reads them
         under the lock, where the failure is reported."""
-        if self._parts:
-            for part in self._parts:  # every part waited for: its files stay open only until end_read
-                part.read()
-            if all(part.records is not None for part in self._parts):
-                self.records = torch.cat([part.records for part in self._parts])
-                found = torch.sort(self.slots[self.slots >= 0]).values
-                self.repeats = bool((found[1:] == found[:-1]).any())
-        elif self._reading is not None:
-            self._reading.result()
-        else:
-            self._read()
-
-    def _read(self) -> None:
         found = torch.nonzero(self.slots >= 0).squeeze(1)
         sorted_slots, order = torch.sort(self.slots[found])  # file order: neighbouring records share the pages read
         records = torch.empty(self.ids.numel(), self._record_bytes, dtype=torch.uint8)
@@ -151,15 +115,6 @@ class ReadAhead:
             return
         self.records = records
         self.repeats = bool((sorted_slots[1:] == sorted_slots[:-1]).any())  # an id's positions share its slot
-
-
-@functools.lru_cache(maxsize=None)
-def _reader() -> ThreadPoolExecutor:
-    """The process's thread for :meth:`ReadAhead.read_soon` (its reads release the GIL; they never take a lock)."""
-    return ThreadPoolExecutor(1, thread_name_prefix="persia-ps-reader")
-
-
-os.register_at_fork(after_in_child=_reader.cache_clear)  # a forked child has no such thread: it starts its own
 
 
 class DiskTier:
@@ -369,10 +324,9 @@ class DiskTier:
         self._readers += 1
         return ahead
 
-    def end_read(self, ahead: Optional[ReadAhead] = None) -> None:
-        """The reads of :meth:`begin_read` that ``ahead`` stands for (None: one read of the tier's own) are over (the
-        table's lock held); the last one closes a tier closed meanwhile."""
-        self._readers -= 1 if ahead is None else ahead.begun
+    def end_read(self) -> None:
+        """A read of :meth:`begin_read` is over (the table's lock held); the last one closes a tier closed meanwhile."""
+        self._readers -= 1
         if self._close_deferred and not self._readers:
             self._close_files()
 

@@ -45,9 +45,6 @@ from lightning_persia.remote_ps.store.thread_clock import DiskWork, Held, WorstH
 from lightning_persia.remote_ps.store.wal.changes import TableChange
 from lightning_persia.remote_ps.table_config import STORAGE_DTYPES, TableConfig, Uniform
 
-PROBE_PART = 1 << 13
-"""Ids of a disk table's lookup probed at a time, where it has more (:meth:`Table._probe`)."""
-
 
 class Table:
     """Thread-safe store of one table's rows on one shard.
@@ -126,7 +123,9 @@ class Table:
         out = torch.empty(ids.numel(), self.config.dim, dtype=self.storage_dtype)
         with self.lock:
             held = Held.now(ids.numel(), train)
-            rows, ahead = self._probe(ids, out, self._touch(train))
+            touch = self._touch(train)
+            rows = self._index.find(ids, copy=(self._rows["weights"], out), touch=touch)
+            ahead = self._read_ahead(ids, rows)
             short = self._room_to_make(rows) if train else 0
             if ahead is None and not short:
                 self._finish(ids, rows, out, train, journal, held)
@@ -200,41 +199,16 @@ class Table:
         self._finish_lookup(ids, rows, out, train, held, int((rows < 0).sum()), ahead)
         _journal([self], journal, always=False)
 
-    def _probe(self, ids: torch.Tensor, out: torch.Tensor, touch: Optional[tuple]) -> tuple[torch.Tensor, Optional[ReadAhead]]:
-        """The rows of ``ids`` in memory (-1: missed; their values copied into ``out``) and, for a disk table, the read
-        ahead of the misses on disk (:meth:`_read_ahead`). Many ids are probed :data:`PROBE_PART` at a time, each
-        part's misses read on the shard's reader thread while the next part is probed (the last part's after the
-        lock is let go, on this thread). The lock held."""
-        if self._disk is None or not self._disk.rows or ids.numel() <= PROBE_PART:
-            rows = self._index.find(ids, copy=(self._rows["weights"], out), touch=touch)
-            return rows, self._read_ahead(ids, rows)
-        rows, parts = torch.empty_like(ids), []
-        try:
-            for start in range(0, ids.numel(), PROBE_PART):
-                part = slice(start, start + PROBE_PART)
-                rows[part] = self._index.find(ids[part], copy=(self._rows["weights"], out[part]), touch=touch)
-                ahead = self._read_ahead(ids[part], rows[part], start)
-                if ahead is not None:
-                    if parts:  # the one before goes to the reader: the last one is read after the lock is let go
-                        parts[-1].read_soon()
-                    parts.append(ahead)
-        except BaseException:
-            for ahead in parts:
-                ahead.read()  # the reader thread done with its files before they may close
-                self._disk.end_read(ahead)
-            raise
-        return rows, ReadAhead.joined(parts) if parts else None
-
-    def _read_ahead(self, ids: torch.Tensor, rows: torch.Tensor, offset: int = 0) -> Optional[ReadAhead]:
-        """Where a disk table's probe missed ids that are on disk (at ``offset`` onwards of a request), their slots,
-        to read without the lock; else None. The lock held."""
+    def _read_ahead(self, ids: torch.Tensor, rows: torch.Tensor) -> Optional[ReadAhead]:
+        """Where a disk table's probe missed ids that are on disk, their slots, to read without the lock; else None.
+        The lock held."""
         if self._disk is None or not self._disk.rows:
             return None
         positions = torch.nonzero(rows < 0).squeeze(1)
         if not positions.numel():
             return None
         with self._disk_work.operation("lookup's id map probe"), self._disk_work.timed():
-            return self._disk.begin_read(positions + offset, ids[positions])
+            return self._disk.begin_read(positions, ids[positions])
 
     def _rejoin(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, inserted: int,
                 ahead: Optional[ReadAhead] = None) -> None:
@@ -952,7 +926,7 @@ def _end_reads(tables: Sequence[Table], aheads: Sequence[Optional[ReadAhead]]) -
     """Ends the reads ahead begun for ``tables`` (their locks held)."""
     for table, ahead in zip(tables, aheads):
         if ahead is not None:
-            table._disk.end_read(ahead)
+            table._disk.end_read()
 
 
 def _journal(tables: Sequence[Table], journal: Optional[Journal], always: bool) -> None:

@@ -1,12 +1,10 @@
 """A disk table reads the records of a lookup's misses without its lock: what another request changes meanwhile."""
 import os
-import threading
 
 import pytest
 import torch
 
 from lightning_persia.remote_ps.store import disk_tier
-from lightning_persia.remote_ps.store import table as table_module
 from lightning_persia.remote_ps.store.errors import StoreError
 from lightning_persia.remote_ps.store.index import NativeIdIndex
 from lightning_persia.remote_ps.store.table import Table
@@ -216,56 +214,3 @@ def test_an_id_admitted_and_demoted_meanwhile_is_read_from_disk_not_admitted_twi
     table.lookup(torch.cat([torch.arange(10), new]), train=True)  # 1000 was nowhere when this read began
     stats = table.stats()
     assert calls and stats["rows"] + stats["disk_rows"] == 300 + 1 + 100  # each id once: 1000 brought back, not admitted again
-
-
-def _reads_by_thread(monkeypatch, table, fail_on_reader=False):
-    """Each read of records from here on, as ``(thread name, whether the table's lock was held)`` (None on the
-    shard's reader thread: it may still be held or not, as the lookup went on meanwhile); with ``fail_on_reader``,
-    the reads of the reader thread fail."""
-    real_read_records, reads = disk_tier.native.read_records, []
-
-    def read_records(*args, **kwargs):
-        name = threading.current_thread().name.split("_")[0]
-        reads.append((name, None if name == "persia-ps-reader" else table.lock.locked()))
-        if fail_on_reader and name == "persia-ps-reader":
-            raise OSError(5, "Input/output error")
-        real_read_records(*args, **kwargs)
-
-    monkeypatch.setattr(disk_tier.native, "read_records", read_records)
-    return reads
-
-
-def test_a_lookup_of_many_ids_reads_each_parts_misses_while_it_probes_the_next(tmp_path, monkeypatch):
-    monkeypatch.setattr(table_module, "PROBE_PART", 40)
-    table = _grown(tmp_path)
-    ids = torch.cat([torch.arange(200, 240), torch.arange(30), torch.arange(50, 80)])  # in memory, then on disk
-    expected = table.lookup(ids, train=False)
-    promoted = table.stats()["promoted"]
-    reads = _reads_by_thread(monkeypatch, table)
-    assert torch.equal(table.lookup(ids, train=True), expected)
-    assert reads == [("persia-ps-reader", None), ("MainThread", False)]  # the last part's after the lock
-    assert table.stats()["promoted"] == promoted + 60 and table.stats()["rows"] + table.stats()["disk_rows"] == 300
-
-
-def test_an_id_repeated_in_two_parts_is_brought_in_once(tmp_path, monkeypatch):
-    monkeypatch.setattr(table_module, "PROBE_PART", 40)
-    table = _grown(tmp_path)
-    ids = torch.cat([torch.arange(60), torch.arange(30)])  # 0..29 in the first part and in the third
-    expected = table.lookup(ids, train=False)
-    promoted = table.stats()["promoted"]
-    assert torch.equal(table.lookup(ids, train=True), expected)
-    assert table.stats()["promoted"] == promoted + 60
-    assert table.stats()["rows"] + table.stats()["disk_rows"] == 300
-
-
-def test_a_parts_read_that_failed_on_the_reader_is_read_again_under_the_lock(tmp_path, monkeypatch):
-    monkeypatch.setattr(table_module, "PROBE_PART", 40)
-    table = _grown(tmp_path)
-    expected = table.lookup(torch.arange(100), train=False)
-    reads = _reads_by_thread(monkeypatch, table, fail_on_reader=True)
-    assert torch.equal(table.lookup(torch.arange(100), train=True), expected)
-    assert sorted(reads[:3]) == [("MainThread", False), ("persia-ps-reader", None), ("persia-ps-reader", None)]
-    assert reads[3:] == [("MainThread", True)]  # all of them again, with the lock
-    assert _open_segments(tmp_path) == 2
-    table.close()
-    assert _open_segments(tmp_path) == 0  # every part's read ended

@@ -436,7 +436,7 @@ def test_a_segment_is_deleted_only_once_no_read_or_save_needs_it(tmp_path, small
     assert tier.compact_step() == 0 and "segment-000000.rows" in _segment_files(tmp_path)  # both still need it
     ahead.read()
     with lock:
-        tier.end_read(ahead)
+        tier.end_read()
     tier.compact_step()
     assert "segment-000000.rows" in _segment_files(tmp_path)  # the save still does
     frozen.release()

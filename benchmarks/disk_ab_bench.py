@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from malloc_bench import describe, grow_and_measure  # noqa: E402
+from malloc_bench import describe, grow_and_measure, turns  # noqa: E402
 import scale_bench  # noqa: E402
 from scale_bench import Shards  # noqa: E402
 
@@ -114,9 +114,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             figures["over_memory"] = figures["zipf_rows_per_s"] / out[_MEMORY]["zipf_rows_per_s"]
             line += f"; {figures['over_memory']:.3f}x the memory table's rate"
         print(line)
-    ratios = out[_CHANGED]["turns_over_first"]
-    print(f"this checkout over the baseline: {out[_CHANGED]['over_first']:.3f}x (turn by turn: median "
-          f"{ratios[len(ratios) // 2]:.3f}x, {ratios[0]:.3f}x to {ratios[-1]:.3f}x over {len(ratios)} turns)")
+    print(f"this checkout over the baseline: {out[_CHANGED]['over_first']:.3f}x {turns(out[_CHANGED])}")
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     if args.json:
         print(json.dumps({"rows": rows, "memory_rows": memory_rows, "baseline": args.baseline, "eviction": args.eviction,

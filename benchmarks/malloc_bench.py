@@ -98,6 +98,12 @@ def describe(name: str, figures: dict) -> str:
             f"RSS {figures['rss_bytes'] / _GB:.2f} GB")
 
 
+def turns(figures: dict) -> str:
+    """The spread of a shard's rate over the first shard's, turn by turn, of :func:`measure`'s ``figures``."""
+    ratios = figures["turns_over_first"]
+    return f"(turn by turn: median {ratios[len(ratios) // 2]:.3f}x, {ratios[0]:.3f}x to {ratios[-1]:.3f}x over {len(ratios)} turns)"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=float, default=1e8, help="rows of each shard's table (default 1e8)")
@@ -129,9 +135,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name, figures in out.items():
         line = describe(name, figures)
         if "over_first" in figures:
-            ratios = figures["turns_over_first"]
-            line += (f"; {figures['over_first']:.3f}x {names[0]}'s rate (turn by turn: median {ratios[len(ratios) // 2]:.3f}x, "
-                     f"{ratios[0]:.3f}x to {ratios[-1]:.3f}x over {len(ratios)} turns)")
+            line += f"; {figures['over_first']:.3f}x {names[0]}'s rate {turns(figures)}"
         print(line)
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     if args.json:

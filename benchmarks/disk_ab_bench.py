@@ -4,6 +4,7 @@ code and by this checkout's, measured in turns (with ``--memory-table``, beside 
     .venv/bin/python benchmarks/disk_ab_bench.py --baseline 6de8b14 --disk-dir /work/tmp-ab       # 100M rows, 40M in memory
     .venv/bin/python benchmarks/disk_ab_bench.py --baseline HEAD --rows 2e4 --memory-rows 1e4 --warmup 25 --repeats 50 \\
         --request-ids 4096 --disk-dir /tmp/ab --memory-table
+    .venv/bin/python benchmarks/disk_ab_bench.py --baseline HEAD --baseline-eviction lru --eviction lfu --disk-dir /work/tmp-ab
 
 A shard a table: the baseline's disk table (``git archive`` of ``--baseline`` into a folder under ``--disk-dir``,
 its native kernels built there, or copied from this checkout where their source is the same), this checkout's disk
@@ -16,7 +17,8 @@ turns of :data:`scale_bench.PAIRED_BLOCK` requests, the other shards stopped mea
 shard sees the machine of the same minutes, whose speed moved the memory table's rate between 4.2M and 8.3M rows/s
 from run to run on the development VM (2026-11-25-disk-tier.md, sections 18 to 24). Prints each shard's rate and
 CPU, this checkout's rate over the baseline's (the whole, and turn by turn), and each table's over the memory
-table's where it ran; with ``--json``, one JSON object on the last line.
+table's where it ran; with ``--json``, one JSON object on the last line. ``--baseline-eviction`` gives the baseline's
+table another eviction policy than ``--eviction`` (with ``--baseline HEAD``: one policy against another, same code).
 """
 from __future__ import annotations
 
@@ -81,6 +83,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--rows", type=float, default=1e8, help="rows of each table (default 1e8)")
     parser.add_argument("--memory-rows", type=float, default=4e7, help="the disk tables' memory budget (default 4e7)")
     parser.add_argument("--eviction", choices=("lru", "lfu"), default="lru", help="which rows the disk tables demote")
+    parser.add_argument("--baseline-eviction", choices=("lru", "lfu"),
+                        help="which rows the baseline's disk table demotes, where not as --eviction (a policy against another)")
     parser.add_argument("--warmup", type=int, default=8000, help="Zipf requests before the timed ones (default 8000)")
     parser.add_argument("--repeats", type=int, default=400, help="timed Zipf requests (default 400)")
     parser.add_argument("--request-ids", type=int, default=131072, help="Zipf draws a request (default 131072)")
@@ -89,18 +93,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     args = parser.parse_args(argv)
     rows, memory_rows = int(args.rows), int(args.memory_rows)
+    evictions = {_BASELINE: args.baseline_eviction or args.eviction, _CHANGED: args.eviction}
     if not 0 < memory_rows < rows or args.repeats < 1 or args.warmup < 0 or args.request_ids < 1:
         parser.error("needs 0 < --memory-rows < --rows, --repeats and --request-ids positive, --warmup not negative")
     if memory_rows < args.request_ids:
         parser.error(f"--memory-rows ({memory_rows}) must hold a request (--request-ids {args.request_ids})")
     print(f"disk_ab_bench: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; {rows:,} rows a table "
-          f"({memory_rows:,} of a disk table's in memory, {args.eviction}); {args.baseline} against this checkout", flush=True)
+          f"({memory_rows:,} of a disk table's in memory); {args.baseline} ({evictions[_BASELINE]}) against this checkout "
+          f"({evictions[_CHANGED]})", flush=True)
     work = Path(tempfile.mkdtemp(prefix="disk-ab-", dir=args.disk_dir))
     shards: dict[str, Shards] = {}
     try:
         trees = {_BASELINE: baseline_tree(args.baseline, work / "baseline"), _CHANGED: _CHECKOUT}
         for name, tree in trees.items():
-            shards[name] = start(tree, memory_rows, work / f"tier-{len(shards)}", args.eviction)
+            shards[name] = start(tree, memory_rows, work / f"tier-{len(shards)}", evictions[name])
         if args.memory_table:
             shards[_MEMORY] = start(_CHECKOUT, memory_rows, None, args.eviction)
         out = grow_and_measure(shards, rows, args.request_ids, args.warmup, args.repeats)
@@ -118,7 +124,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     if args.json:
         print(json.dumps({"rows": rows, "memory_rows": memory_rows, "baseline": args.baseline, "eviction": args.eviction,
-                          "shards": out}))
+                          "baseline_eviction": evictions[_BASELINE], "shards": out}))
     return 0
 
 

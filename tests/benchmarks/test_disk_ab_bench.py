@@ -40,6 +40,25 @@ def test_without_the_memory_table_two_shards_run_and_no_ratio_to_it_is_given(tmp
     assert list(shards) == ["baseline", "this checkout"] and not any("over_memory" in one for one in shards.values())
 
 
+def test_the_baseline_may_demote_by_another_policy_than_the_checkout(tmp_path, capsys, monkeypatch):
+    started = {}
+    real_start = disk_ab_bench.start
+
+    def start(tree, memory_rows, disk_dir, eviction):
+        started[tree == disk_ab_bench._CHECKOUT] = eviction
+        return real_start(tree, memory_rows, disk_dir, eviction)
+
+    monkeypatch.setattr(disk_ab_bench, "start", start)
+    assert disk_ab_bench.main(["--baseline", "HEAD", "--disk-dir", str(tmp_path), "--rows", "2e4", "--memory-rows", "1e4",
+                               "--warmup", "0", "--repeats", "25", "--request-ids", "4096", "--eviction", "lfu",
+                               "--baseline-eviction", "lru", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert started == {False: "lru", True: "lfu"}
+    figures = json.loads(out.strip().splitlines()[-1])
+    assert (figures["baseline_eviction"], figures["eviction"]) == ("lru", "lfu")
+    assert "HEAD (lru) against this checkout (lfu)" in out
+
+
 def test_each_shard_runs_the_package_of_its_own_folder(tmp_path, monkeypatch):
     tree = disk_ab_bench.baseline_tree("HEAD", tmp_path / "tree")
     monkeypatch.chdir(disk_ab_bench._CHECKOUT)  # where the checkout's package would come first on a shard's path

@@ -294,6 +294,7 @@ SIGNATURES = {
     "lp_gather": ([_P, _I64, _I64, _I64, _I64, _P, _I64, _P], None),
     "lp_scatter": ([_P, _I64, _I64, _I64, _I64, _P, _I64, _P], None),
     "lp_set_i32": ([_P, _I64, _I64, _I64, _P, _I64, ctypes.c_int32, ctypes.c_int32], None),
+    "lp_select_at_most": ([_P, _I64, _I64, ctypes.c_int32, ctypes.c_int32, _I64, _P, _P], _I64),
     "lp_fields": ([_P, _I64, _I64, _P, _I64, _I64, _P, _P, _P, ctypes.c_int32], None),
     "lp_index_new": ([], _P),
     "lp_index_free": ([_P], None),
@@ -499,6 +500,20 @@ def set_bits(pages: torch.Tensor, shift: int, slots: torch.Tensor, value: bool) 
     if failed >= 0:
         raise ValueError(f"slot {int(slots[failed])} has no bits (its page {int(slots[failed]) >> shift} is absent)")
     return changed
+
+
+def select_at_most(values: torch.Tensor, threshold: int, free_mark: int, count: int) -> tuple[torch.Tensor, int]:
+    """The positions (int64, in order) of up to ``count`` values of ``values`` (1-D int32, any stride: a field of
+    records) that are at most ``threshold`` and not ``free_mark``, and the position after the last one taken (the
+    length where fewer were found; 0 for a ``count`` of 0). Reads no further than that position."""
+    _check(values, torch.int32, "values")
+    if count < 0:
+        raise ValueError(f"count must not be negative, got {count}")
+    out = torch.empty(min(count, values.numel()), dtype=torch.int64)
+    stop = ctypes.c_int64(0)
+    found = _require().lp_select_at_most(values.data_ptr(), values.stride(0), values.numel(), threshold, free_mark,
+                                         out.numel(), out.data_ptr(), ctypes.byref(stop))
+    return out[:found], stop.value
 
 
 def get_bits(pages: torch.Tensor, shift: int, slots: torch.Tensor) -> torch.Tensor:

@@ -151,6 +151,21 @@ void lp_set_i32(const int64_t *chunks, int64_t shift, int64_t stride, int64_t of
     }
 }
 
+/* Up to `count` positions i < n, in order, whose int32 value values[i * stride] is at most `threshold` and not
+ * `free_mark`, into out; returns how many. *stop: the position after the last one taken (0 for a count of 0), or n
+ * where fewer were found.
+ * An eviction's sweep over a field of strided records: one pass that ends at the last row it needs. */
+int64_t lp_select_at_most(const int32_t *values, int64_t stride, int64_t n, int32_t threshold, int32_t free_mark,
+                          int64_t count, int64_t *out, int64_t *stop) {
+    int64_t found = 0;
+    for (int64_t i = 0; i < n && found < count; ++i) {
+        const int32_t value = values[i * stride];
+        if (value <= threshold && value != free_mark) out[found++] = i;
+    }
+    *stop = found < count ? n : found ? out[found - 1] + 1 : 0;
+    return found;
+}
+
 /* ---- the id index ------------------------------------------------------------------------------------------
  * id -> row of a table. The keys themselves stay in the table's ids field (row-aligned), so a slot holds a row
  * number and a one-byte tag (8 bits of the id's hash) that spares reading the key of almost every other slot.

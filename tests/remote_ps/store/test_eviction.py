@@ -1,6 +1,8 @@
 """Which rows leave a full table: the coldest, found by a sweep that reads a bounded part of a large table."""
+import pytest
 import torch
 
+from lightning_persia.ops import native
 from lightning_persia.remote_ps.store import eviction
 from lightning_persia.remote_ps.store.eviction import FREE, select_victims
 
@@ -83,3 +85,32 @@ def test_a_stale_estimate_sweeps_a_bounded_part_then_samples_anew(monkeypatch):
     assert victims.numel() == 1000 and bool((flat[victims] != FREE).all()) and bool((flat[victims] < 10**9).all())
     limit = eviction._STALE_READS * 1000 / (eviction.BULK_FRACTION * estimated[1])
     assert len(sweeps) == 2 and sweeps[0] <= limit + 1 < 400_000 and sweeps[1] == 400_000  # gave up, then sampled
+
+
+@pytest.mark.parametrize("count", [1, 37, 500, 10_000])
+def test_the_kernels_take_the_cold_values_of_a_field_of_records_as_the_tensor_ops_do(native_kernels, monkeypatch, count):
+    records = torch.randint(-1, 50, (6_000, 13), dtype=torch.int32, generator=torch.Generator().manual_seed(5))
+    values = records[:, 5]  # a field of 52-byte records: a strided view, as a table's access values are
+    in_c = eviction._cold_among(values, 20, count)
+    monkeypatch.setattr(native, "available", lambda: False)
+    with_tensors = eviction._cold_among(values, 20, count)
+    assert torch.equal(in_c[0], with_tensors[0]) and in_c[1] == with_tensors[1]
+    assert bool(((values[in_c[0]] <= 20) & (values[in_c[0]] != FREE)).all())
+    assert in_c[1] == (values.numel() if in_c[0].numel() < count else int(in_c[0][-1]) + 1)
+
+
+def test_the_kernels_read_no_value_for_a_count_of_none_and_refuse_other_dtypes(native_kernels):
+    hits, stop = native.select_at_most(torch.tensor([1, 2, 3], dtype=torch.int32), 5, FREE, 0)
+    assert hits.numel() == 0 and stop == 0
+    with pytest.raises(ValueError, match="values must be a 1-D torch.int32"):
+        native.select_at_most(torch.tensor([1, 2, 3]), 5, FREE, 1)
+    with pytest.raises(ValueError, match="count must not be negative"):
+        native.select_at_most(torch.tensor([1, 2, 3], dtype=torch.int32), 5, FREE, -1)
+
+
+def test_the_victims_are_the_same_with_the_kernels_and_without(native_kernels, monkeypatch):
+    access = _access()
+    in_c = select_victims(access, 5_000, torch.Generator().manual_seed(4), 123_456)
+    monkeypatch.setattr(native, "available", lambda: False)
+    with_tensors = select_victims(access, 5_000, torch.Generator().manual_seed(4), 123_456)
+    assert torch.equal(in_c[0], with_tensors[0]) and in_c[1] == with_tensors[1]

@@ -915,6 +915,8 @@ static inline uint32_t dm_part_of(uint64_t h) { return (uint32_t)(h >> (64 - DM_
 static inline uint32_t dm_fp_of(uint64_t h) { return (uint32_t)(h >> (32 - DM_PART_BITS)); }
 static inline uint64_t dm_home(uint32_t fp, uint64_t size) { return ((uint64_t)fp * size) >> 32; }
 static inline uint64_t dm_next(uint64_t i, uint64_t size) { return i + 1 == size ? 0 : i + 1; }
+/* Steps from entry `from` forward to entry `to`, wrapping (both < size): a compare, where a `%` would divide. */
+static inline uint64_t dm_distance(uint64_t from, uint64_t to, uint64_t size) { return to >= from ? to - from : to + size - from; }
 static double dm_max_load(uint32_t part) { return 0.75 + 0.1 * (double)(mix64(part + 7) >> 11) / (double)(1ULL << 53); }
 
 static int dm_part_init(dm_part_t *p, uint32_t part, uint64_t size) {
@@ -1102,7 +1104,7 @@ int64_t lp_dmap_remove(void *handle, const int64_t *ids, const int64_t *slots, i
         uint64_t hole = j;
         for (uint64_t k = dm_next(hole, size); p->entries[k]; k = dm_next(k, size)) {
             const uint64_t home = dm_home((uint32_t)(p->entries[k] >> 32), size);
-            if ((k + size - home) % size >= (k + size - hole) % size) {
+            if (dm_distance(home, k, size) >= dm_distance(hole, k, size)) {
                 p->entries[hole] = p->entries[k];
                 hole = k;
             }

@@ -79,6 +79,25 @@ def test_disk_map_finds_removes_and_grows():
         disk_map.insert(ids[:1], torch.tensor([-1]))
 
 
+def test_disk_map_removals_in_rounds_keep_every_other_entry_findable():
+    """Entries shifted back into the holes removals leave, over partitions' wrapped ends, and inserted again."""
+    generator = torch.Generator().manual_seed(2)
+    disk_map = native.DiskMap()
+    ids = torch.unique(torch.randint(-(1 << 62), 1 << 62, (100_000,), generator=generator))
+    slots = torch.randperm(ids.numel(), generator=generator)
+    disk_map.insert(ids, slots)
+    present = torch.ones(ids.numel(), dtype=torch.bool)
+    for _ in range(4):
+        leaving = torch.nonzero(present & (torch.rand(ids.numel(), generator=generator) < 0.4)).squeeze(1)
+        assert disk_map.remove(ids[leaving], slots[leaving]) == leaving.numel()
+        present[leaving] = False
+        back = leaving[: leaving.numel() // 2]
+        disk_map.insert(ids[back], slots[back])
+        present[back] = True
+        assert torch.equal(disk_map.find(ids), torch.where(present, slots, -1))
+        assert disk_map.info()[0] == int(present.sum())
+
+
 def test_written_rows_read_back_and_taken_once(tmp_path, small_segments):
     tier = DiskTier(tmp_path / "tier", _specs())
     ids = torch.arange(2500) * 7 + 1  # three segments

@@ -108,7 +108,7 @@ def _cold_among(values: torch.Tensor, threshold: int, count: int) -> tuple[torch
     In C where it can (one pass that stops at the last one taken): the tensor ops read the whole slice three times,
     1.0 ms of a 16,384-row demotion's 5.25 ms with the lock held (100M rows, 40M in memory: 2026-11-25-disk-tier.md,
     section 27)."""
-    if native.available() and values.dtype == torch.int32:
+    if native.available():
         return native.select_at_most(values, threshold, FREE, count)
     hits = torch.nonzero((values <= threshold) & (values != FREE)).squeeze(1)[:count]
     return hits, values.numel() if hits.numel() < count else int(hits[-1]) + 1

@@ -6,8 +6,8 @@ checkpoint links it instead of copying it). Each segment has a sidecar of its id
 without reading the records. A row read back into memory (a *promotion*) leaves its record behind as garbage:
 its slot is no longer live. A full segment whose live rows fell below :data:`COMPACT_BELOW` of its records is
 *compacted* (:meth:`DiskTier.compact_step`, called by the shard's demoter): its live rows are written anew at the end
-of the tier, then its files are deleted, so that a workload that brings the same rows in and out again and again
-does not grow the files without end.
+of the tier, into segments apart from the demotions', then its files are deleted, so that a workload that brings
+the same rows in and out again and again does not grow the files without end.
 
 The id map (``native.DiskMap``) keeps an 8-byte entry an id in memory (a fingerprint and the slot), at loads of 0.6
 to 0.85: a billion rows on disk take ~12 GB of map, against ~60 bytes a row in memory. A lookup confirms each match against the id in
@@ -144,7 +144,8 @@ class DiskTier:
         self._id_fds: list[int] = []
         self._live: list[torch.Tensor] = []  # a bit per slot of each segment: the slot holds a live row
         self._written: list[int] = []  # records written in each segment
-        self._next = 0  # the next slot to write
+        self._next = 0  # the next slot a demotion writes
+        self._next_moved = 0  # the next slot compaction writes: a segment apart (see _append)
         self._fd_table = torch.empty(0, dtype=torch.int64)
         self._live_table = torch.empty(0, dtype=torch.int64)  # the address of each segment's live bits (0: none)
         self._live_counts = torch.empty(0, dtype=torch.int64)  # live rows of each segment
@@ -172,9 +173,14 @@ class DiskTier:
         ``moved_from``: the live slots the records were copied from (compaction), which become garbage once the id
         map names the new ones. A segment is written from its start only once the one before is full (or sealed by a
         save): the lowest number compaction deleted, unless a save is under way (it counts the slots past its point
-        as later ones)."""
+        as later ones).
+
+        Compaction writes into segments of its own, apart from the demotions'. The rows it moves are the ones left
+        behind in their segment, cold; the rows just demoted are the ones reads find on disk most (those near
+        memory's horizon). Mixed, compaction's moves made about two of every three records of the newest segments,
+        which the mapping (``segment_mapping.py``) keeps in the page tables as the most read."""
         n = ids.numel()
-        chunks, at, position = [], self._next, 0
+        chunks, at, position = [], self._next if moved_from is None else self._next_moved, 0
         try:
             while position < n:
                 if not at & (SEGMENT_ROWS - 1):
@@ -198,7 +204,10 @@ class DiskTier:
             self._map.move(ids, moved_from, slots)  # every one present: their slots were live
             self._map_removals += 1  # a read ahead that found the old slots reads them again
             self._set_live(moved_from, False)
-        self._next = at
+        if moved_from is None:
+            self._next = at
+        else:
+            self._next_moved = at
         self._mapping.changed()
         self._set_live(slots, True)
         self.written_bytes += n * (self.record_bytes + 8)
@@ -496,10 +505,12 @@ class DiskTier:
         return int(candidates[torch.argmin(live[candidates])])
 
     def _sealed(self) -> torch.Tensor:
-        """Which segments the tier writes no more (a mask): every one with files but the one it writes into next."""
+        """Which segments the tier writes no more (a mask): every one with files but those its demotions and its
+        compaction write into next."""
         sealed = self._fd_table >= 0
-        if (self._next >> SEGMENT_SHIFT) < sealed.numel():
-            sealed[self._next >> SEGMENT_SHIFT] = False
+        for at in (self._next, self._next_moved):
+            if at & (SEGMENT_ROWS - 1):  # at a segment's start, a cursor's next rows open another: none is written now
+                sealed[at >> SEGMENT_SHIFT] = False
         return sealed
 
     def _delete_emptied(self) -> None:
@@ -523,9 +534,10 @@ class DiskTier:
     # ---- checkpoints -------------------------------------------------------------------------------------
 
     def freeze(self) -> FrozenTier:
-        """The tier at this point (its table's lock held): the open segment is sealed, later rows go to a new one."""
+        """The tier at this point (its table's lock held): the open segments are sealed, later rows go to new ones."""
         written = [(segment, rows) for segment, rows in enumerate(self._written) if self._fds[segment] >= 0 and rows]
         self._next = len(self._fds) << SEGMENT_SHIFT  # past every segment: no slot below it is written until the save ends
+        self._next_moved = 0  # at a segment's start: compaction's next rows open one (past the point, while the save lasts)
         self._map.save_begin(self._next)  # every slot written from now on is past the point
         self._saves += 1
         return FrozenTier(self.directory, written, [self._live[segment][: (rows + 7) >> 3].clone() for segment, rows in written],

@@ -388,6 +388,35 @@ def test_a_full_segment_mostly_garbage_is_compacted_then_deleted(tmp_path, small
     assert bool((tier.find(ids[:800])[0] == -1).all())
 
 
+def test_compaction_writes_into_segments_apart_from_the_demotions_and_a_save_seals_both(tmp_path, small_segments):
+    lock = threading.Lock()
+    tier = DiskTier(tmp_path / "tier", _specs(), lock)
+    ids = torch.arange(3000) * 7 + 1  # segments 0 and 1 full, 2 open (952 records)
+    tier.write(_rows(ids))
+    tier.take(ids[:800])  # segment 0: 224 live
+    assert tier.compact_step() == 224
+    assert bool((tier.find(ids[800:1024])[0] >> 10 == 3).all())  # a segment of compaction's own
+    demoted = torch.arange(5000, 5050) * 7 + 1
+    tier.write(_rows(demoted))
+    assert bool((tier.find(demoted)[0] >> 10 == 2).all())  # the demotions go on filling theirs
+    tier.take(ids[800:1000])  # compaction's segment 3 the sparsest (24 live of 224), but open: not compacted
+    tier.take(ids[1024:1424])  # segment 1: 624 live; 600 garbage records of 2,250, past COMPACT_ANY
+    assert tier.compact_step() == 624
+    assert bool((tier.find(ids[1424:2048])[0] >> 10 == 3).all())
+    with lock:
+        frozen = tier.freeze()
+    after = torch.arange(6000, 6010) * 7 + 1
+    tier.write(_rows(after))
+    assert bool((tier.find(after)[0] >> 10 == 4).all())  # past every segment of the save's point
+    assert tier.compact_step() > 0  # segment 3, sealed by the save, the sparsest now
+    assert bool((tier.find(ids[1000:1024])[0] >> 10 == 5).all())  # into a segment of its own past the point too
+    frozen.release()
+    everything = torch.cat([ids[1000:1024], ids[1424:], demoted, after])
+    slots, records = tier.find(everything)
+    assert bool((slots >= 0).all()) and torch.equal(tier.unpack(records)["ids"], everything)
+    assert tier.rows == everything.numel()
+
+
 def test_a_sparse_segment_waits_until_the_tiers_garbage_passes_its_bound(tmp_path, small_segments):
     tier = DiskTier(tmp_path / "tier", _specs())
     ids = torch.arange(9300) * 7 + 1  # nine full segments, a tenth open

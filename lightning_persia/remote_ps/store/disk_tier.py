@@ -177,8 +177,9 @@ class DiskTier:
 
         Compaction writes into segments of its own, apart from the demotions'. The rows it moves are the ones left
         behind in their segment, cold; the rows just demoted are the ones reads find on disk most (those near
-        memory's horizon). Mixed, compaction's moves made about two of every three records of the newest segments,
-        which the mapping (``segment_mapping.py``) keeps in the page tables as the most read."""
+        memory's horizon). Mixed, compaction's moves made about half of the records of the newest segments, which
+        the mapping (``segment_mapping.py``) keeps in the page tables as the most read (2026-11-25-disk-tier.md,
+        section 28)."""
         n = ids.numel()
         chunks, at, position = [], self._next if moved_from is None else self._next_moved, 0
         try:

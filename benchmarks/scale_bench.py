@@ -183,7 +183,8 @@ def paired_zipf_rates(disk: Shards, memory: Shards, rows: int, request_ids: int,
 
     Also the CPU of a steady request, in ms (``cpu_ms_per_request``): each table's shard processes (``disk_shard``,
     ``memory_shard``; the disk shard's demoter thread apart, ``disk_demoter``, from the shard's stats) and this
-    process, the client (``client_disk``, ``client_memory``), each over its table's blocks."""
+    process, the client (``client_disk``, ``client_memory``), each over its table's blocks; and the wall time a
+    steady request waited for each table's lock (``lock_wait_ms_per_request``: behind the disk table's demoter)."""
     generator = torch.Generator().manual_seed(1234)
     batches = [unique_batch(zipf_indices(rows, request_ids, generator)) for _ in range(warmup + repeats)]
     phases = (batches[:warmup], batches[warmup:])
@@ -193,6 +194,7 @@ def paired_zipf_rates(disk: Shards, memory: Shards, rows: int, request_ids: int,
     for phase, part in enumerate(phases):
         if phase == 1:
             demoter_before = _demoter_cpu_s(disk)
+            waited_before = {name: lock_wait_s(shards) for name, shards in (("disk", disk), ("memory", memory))}
         for first in range(0, len(part), PAIRED_BLOCK):
             block = part[first : first + PAIRED_BLOCK]
             took = {}
@@ -208,6 +210,8 @@ def paired_zipf_rates(disk: Shards, memory: Shards, rows: int, request_ids: int,
                         cpu[f"client_{name}"] += time.process_time() - client_cpu
             turns[phase].append(took["memory"] / took["disk"])
     cpu["disk_demoter"] = _demoter_cpu_s(disk) - demoter_before if phases[1] else 0.0
+    waited = {name: (lock_wait_s(shards) - waited_before[name]) * 1e3 / len(phases[1]) if phases[1] else 0.0
+              for name, shards in (("disk", disk), ("memory", memory))}
     looked_up = [sum(b.numel() for b in part) for part in phases]
 
     def rates(name: str) -> tuple[float, float]:  # (over the warmup, steady)
@@ -218,7 +222,13 @@ def paired_zipf_rates(disk: Shards, memory: Shards, rows: int, request_ids: int,
         return (ratios[0], ratios[len(ratios) // 2], ratios[-1]) if ratios else (float("nan"),) * 3
 
     return {"disk": rates("disk"), "memory": rates("memory"), "turn_ratios": spread(turns[1]), "turn_ratios_cold": spread(turns[0]),
-            "cpu_ms_per_request": {key: seconds * 1e3 / max(len(phases[1]), 1) for key, seconds in cpu.items()}}
+            "cpu_ms_per_request": {key: seconds * 1e3 / max(len(phases[1]), 1) for key, seconds in cpu.items()},
+            "lock_wait_ms_per_request": waited}
+
+
+def lock_wait_s(shards: Shards) -> float:
+    """Seconds requests have waited for the benchmark table's lock on ``shards`` so far (NaN: a shard that does not count it)."""
+    return sum(shard["tables"][TABLE].get("lock_wait_s", float("nan")) for shard in shards.client.stats())
 
 
 def _demoter_cpu_s(shards: Shards) -> float:
@@ -616,13 +626,15 @@ def _grow_sizes(args, dtype: str, state: dict, out: dict, baseline: Optional[dic
                 entry["lookup_ratio_disk_vs_memory_turns"] = [low, median, high]
                 entry["lookup_ratio_disk_vs_memory_turns_cold"] = list(paired["turn_ratios_cold"])
                 entry["zipf_cpu_ms_per_request"] = used = paired["cpu_ms_per_request"]
+                entry["zipf_lock_wait_ms_per_request"] = waited = paired["lock_wait_ms_per_request"]
                 print(f"[{dtype}] memory baseline, in turns of {PAIRED_BLOCK} requests with the disk table (its shard stopped "
                       f"meanwhile): Zipf lookups {memory_steady / 1e6:.2f} M rows/s (its first {args.zipf_warmup} requests "
                       f"{memory_cold / 1e6:.2f}); the disk table's rate over the memory table's, turn by turn after the "
                       f"first {args.zipf_warmup}: median {median:.2f}x, from {low:.2f}x to {high:.2f}x; CPU a steady request: "
                       f"disk shard {used['disk_shard']:.2f} ms (its demoter {used['disk_demoter']:.2f}), memory shard "
                       f"{used['memory_shard']:.2f} ms; the client {used['client_disk']:.2f} ms and "
-                      f"{used['client_memory']:.2f} ms", flush=True)
+                      f"{used['client_memory']:.2f} ms; waiting for the table's lock {waited['disk']:.2f} ms and "
+                      f"{waited['memory']:.2f} ms", flush=True)
             else:
                 cold, steady = zipf_rates(shards, rows, args.request_ids, args.repeats, args.zipf_warmup)
             entry["zipf_same_stream_rows_per_s"], entry["zipf_same_stream_cold_rows_per_s"] = steady, cold

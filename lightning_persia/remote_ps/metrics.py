@@ -128,6 +128,8 @@ _TABLE_FIGURES = (
     _TableFigure("lookup_rows", "persia_ps_table_lookup_rows", "Rows read by lookups.", True),
     _TableFigure("update_rows", "persia_ps_table_update_rows", "Rows written by updates.", True),
     _TableFigure("dropped_update_rows", "persia_ps_table_dropped_update_rows", "Update rows of ids that had no row (evicted, or never admitted).", True),
+    _TableFigure("lock_wait_s", "persia_ps_table_lock_wait_seconds", "Seconds requests waited to take the table's lock "
+                 "(behind the demoter, expiry, a checkpoint's copy, or another request).", True),
 )
 
 

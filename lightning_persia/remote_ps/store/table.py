@@ -41,7 +41,7 @@ from lightning_persia.remote_ps.store.removal_log import RemovalLog
 from lightning_persia.remote_ps.store.segment_mapping import MAPPED_BYTES
 from lightning_persia.remote_ps.store.table_journal import Journal, Recording
 from lightning_persia.remote_ps.store.table_snapshot import SAVED_FIELDS, Preimages, SnapshotPoint, TableSnapshot
-from lightning_persia.remote_ps.store.thread_clock import DiskWork, Held, WorstHeld
+from lightning_persia.remote_ps.store.thread_clock import DiskWork, Held, LockWaits, WorstHeld
 from lightning_persia.remote_ps.store.wal.changes import TableChange
 from lightning_persia.remote_ps.table_config import STORAGE_DTYPES, TableConfig, Uniform
 
@@ -89,6 +89,7 @@ class Table:
         self._recording: Optional[Recording] = None  # the changes of the journaled operation under way
         self._removals = RemovalLog(config.name)
         self._worst_held = WorstHeld()
+        self._lock_waits = LockWaits()
         self._disk_work = DiskWork()
         self._counters = dict(lookups=0, lookup_rows=0, inserted=0, evicted=0, not_admitted=0, updates=0, update_rows=0,
                               dropped_update_rows=0, demoted=0, promoted=0, expired=0)
@@ -121,7 +122,7 @@ class Table:
         if train:
             self._check_budget(ids.numel())
         out = torch.empty(ids.numel(), self.config.dim, dtype=self.storage_dtype)
-        with self.lock:
+        with self._lock_waits.holding(self.lock):
             held = Held.now(ids.numel(), train)
             touch = self._touch(train)
             rows = self._index.find(ids, copy=(self._rows["weights"], out), touch=touch)
@@ -134,7 +135,7 @@ class Table:
             if train:
                 self._worst_held.record(held)
         _between_locks([self], [ahead], [short])
-        with self.lock:
+        with self._lock_waits.holding(self.lock):
             held = Held.now(ids.numel(), train)
             _end_reads([self], [ahead])
             self._rejoin(ids, rows, out, train, inserted, ahead)
@@ -265,7 +266,7 @@ class Table:
         ``journal`` hears of the rows' new values (see :data:`Journal`)."""
         self._check_budget(ids.numel())
         ids, grads = _summed_by_id(ids, grads)
-        with self.lock:
+        with self._lock_waits.holding(self.lock):
             self._start_recording(journal)
             applied = self._update_locked(ids, grads)
             _journal([self], journal, always=True)
@@ -505,6 +506,7 @@ class Table:
                 chunks=self._rows.num_chunks,
                 rows_allocated=self._size,
                 index_bytes=self._index.nbytes,
+                lock_wait_s=self._lock_waits.seconds,
                 bytes=self._size * self._rows.record_bytes + self._index.nbytes + (self._disk.map_bytes if self._disk else 0),
                 storage=self.config.storage,
                 disk_rows=self._disk.rows if self._disk else 0,
@@ -902,7 +904,7 @@ def _all_locked(tables: Sequence[Table]) -> contextlib.ExitStack:
     """Every table's lock, taken in name order (so that two callers never wait on each other)."""
     held = contextlib.ExitStack()
     for table in sorted(tables, key=lambda t: t.config.name):
-        held.enter_context(table.lock)
+        held.enter_context(table._lock_waits.holding(table.lock))
     return held
 
 

@@ -1,4 +1,7 @@
 """Admission, deterministic init, eviction and statistics of one shard's tables."""
+import threading
+import time
+
 import pytest
 import torch
 
@@ -294,3 +297,28 @@ def test_a_request_of_no_table_answers_nothing_with_either_kernels(store_kernels
     store.configure(TableConfig("t", dim=4))
     assert store.lookup_many([], train=True) == []
     assert store.update_many([]) == 0
+
+
+def test_the_time_requests_wait_for_the_table_lock_is_counted_in_its_stats():
+    table = Table(TableConfig("t", 4, optimizer=SGD(lr=0.1)), seed=0)
+    ids = torch.arange(8)
+    table.lookup(ids, train=True)
+    table.update(ids, torch.ones(8, 4))
+    assert table.stats()["lock_wait_s"] < 0.05  # nothing else held it
+    taken = threading.Event()
+
+    def hold() -> None:  # as the shard's demoter or a checkpoint's copy holds it
+        with table.lock:
+            taken.set()
+            time.sleep(0.15)
+
+    for request in (lambda: table.lookup(ids, train=True), lambda: table.update(ids, torch.ones(8, 4)),
+                    lambda: Table.lookup_together([(table, ids)], train=True, dtype=torch.float32)):
+        before = table.stats()["lock_wait_s"]
+        holder = threading.Thread(target=hold)
+        taken.clear()
+        holder.start()
+        taken.wait()
+        request()
+        holder.join()
+        assert table.stats()["lock_wait_s"] - before >= 0.1

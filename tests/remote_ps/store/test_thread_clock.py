@@ -5,7 +5,7 @@ import time
 import pytest
 
 from lightning_persia.remote_ps.store import thread_clock
-from lightning_persia.remote_ps.store.thread_clock import DiskWork, thread_times
+from lightning_persia.remote_ps.store.thread_clock import DiskWork, LockWaits, thread_times
 
 
 def _busy(seconds: float, clock=time.perf_counter) -> None:
@@ -115,3 +115,30 @@ def test_the_worst_operation_keeps_its_kernel_time_and_its_demotions_apart():
         with work.timed():
             _busy(0.005, time.thread_time)
     assert (work.worst.demoting_s, work.worst.sys_s, work.worst.of) == (demoting, kernel, "lookup")
+
+
+def _held_elsewhere(lock: threading.Lock, seconds: float) -> threading.Thread:
+    """A thread that holds ``lock`` for ``seconds``, started and holding it when this returns."""
+    taken = threading.Event()
+
+    def hold() -> None:
+        with lock:
+            taken.set()
+            time.sleep(seconds)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    taken.wait()
+    return holder
+
+
+def test_lock_waits_count_the_time_spent_waiting_for_the_lock_not_the_time_it_is_held():
+    waits, lock = LockWaits(), threading.Lock()
+    with waits.holding(lock):
+        time.sleep(0.05)  # held, not waited for
+    assert waits.seconds < 0.02
+    holder = _held_elsewhere(lock, 0.15)
+    with waits.holding(lock):
+        assert lock.locked()
+    holder.join()
+    assert 0.1 <= waits.seconds < 0.5

@@ -3,6 +3,7 @@ folder, prints the rates and its JSON; an unknown baseline and a budget smaller 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -30,7 +31,7 @@ def test_tiny_run_prints_both_disk_tables_rates_against_each_other_and_the_memor
     assert changed["over_first"] == pytest.approx(changed["zipf_rows_per_s"] / shards["baseline"]["zipf_rows_per_s"])
     assert len(changed["turns_over_first"]) == 2  # 50 timed requests: two turns of 25 a shard
     for name in ("this checkout", "memory"):  # the baseline's code may predate the count (NaN then)
-        assert 0.0 <= shards[name]["lock_wait_ms_per_request"] < 1e3
+        assert math.isfinite(shards[name]["lock_wait_ms_per_request"]) and shards[name]["lock_wait_ms_per_request"] >= 0.0
     assert "this checkout over the baseline:" in out
     assert list(tmp_path.iterdir()) == []  # the baseline's package and the tiers are gone
 

@@ -13,7 +13,7 @@ import contextlib
 import heapq
 import time
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 try:
     import resource
@@ -95,15 +95,16 @@ class LockWaits:
     their own CPU: at 100M rows, 40M of them in memory, a steady Zipf lookup waited 0.8 ms of its 11.4 ms through the
     shard (2026-11-25-disk-tier.md, section 29)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.seconds = 0.0
+        self._clock = clock
 
     @contextlib.contextmanager
     def holding(self, lock) -> Iterator[None]:
         """``lock`` held for the block, the wait to take it counted."""
-        began = time.perf_counter()
+        began = self._clock()
         with lock:
-            self.seconds += time.perf_counter() - began  # the lock held: no other request adds meanwhile
+            self.seconds += self._clock() - began  # the lock held: no other request adds meanwhile
             yield
 
 

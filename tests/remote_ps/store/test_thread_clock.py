@@ -117,28 +117,49 @@ def test_the_worst_operation_keeps_its_kernel_time_and_its_demotions_apart():
     assert (work.worst.demoting_s, work.worst.sys_s, work.worst.of) == (demoting, kernel, "lookup")
 
 
-def _held_elsewhere(lock: threading.Lock, seconds: float) -> threading.Thread:
-    """A thread that holds ``lock`` for ``seconds``, started and holding it when this returns."""
-    taken = threading.Event()
 
-    def hold() -> None:
-        with lock:
-            taken.set()
-            time.sleep(seconds)
+class _Clock:
+    """A clock that moves only when told to."""
 
-    holder = threading.Thread(target=hold)
-    holder.start()
-    taken.wait()
-    return holder
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _ContendedLock:
+    """A lock whose taking costs ``wait`` seconds of ``clock`` (another thread held it meanwhile)."""
+
+    def __init__(self, clock: _Clock, wait: float) -> None:
+        self._clock, self._wait = clock, wait
+
+    def __enter__(self) -> None:
+        self._clock.now += self._wait
+
+    def __exit__(self, *exc) -> None:
+        pass
 
 
 def test_lock_waits_count_the_time_spent_waiting_for_the_lock_not_the_time_it_is_held():
+    clock = _Clock()
+    waits = LockWaits(clock)
+    with waits.holding(_ContendedLock(clock, wait=0.0)):
+        clock.now += 7.0  # held, not waited for
+    assert waits.seconds == 0.0
+    with waits.holding(_ContendedLock(clock, wait=5.0)):
+        clock.now += 7.0
+    with waits.holding(_ContendedLock(clock, wait=2.0)):
+        pass
+    assert waits.seconds == 7.0
+
+
+def test_lock_waits_hold_a_real_lock_for_the_block_and_let_it_go_after_it_or_an_error():
     waits, lock = LockWaits(), threading.Lock()
     with waits.holding(lock):
-        time.sleep(0.05)  # held, not waited for
-    assert waits.seconds < 0.02
-    holder = _held_elsewhere(lock, 0.15)
-    with waits.holding(lock):
         assert lock.locked()
-    holder.join()
-    assert 0.1 <= waits.seconds < 0.5
+    assert not lock.locked()
+    with pytest.raises(RuntimeError):
+        with waits.holding(lock):
+            raise RuntimeError("the block failed")
+    assert not lock.locked()

@@ -25,7 +25,8 @@ from typing import Optional
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from scale_bench import PAIRED_BLOCK, TABLE, Shards, lock_wait_s, start, stopped, stored_id, unique_batch, zipf_indices  # noqa: E402
+from scale_bench import (PAIRED_BLOCK, TABLE, Shards, demoter_cpu_s, lock_wait_s, start, stopped, stored_id, unique_batch,  # noqa: E402
+                         zipf_indices)
 
 from lightning_persia.remote_ps.allocator import ALLOCATORS  # noqa: E402
 
@@ -51,9 +52,10 @@ def _alone(shards: dict[str, Shards], name: str):
 
 
 def measure(shards: dict[str, Shards], rows: int, request_ids: int, warmup: int, repeats: int) -> dict:
-    """Each shard's Zipf rows/s over the ``repeats`` requests after ``warmup``, in turns; its CPU and the client's a
-    request (ms), and the wall time a request waited for the table's lock (ms; NaN where the shard's code does not
-    count it); and each turn's time of the first shard over every other's (``turns``: name -> ratios)."""
+    """Each shard's Zipf rows/s over the ``repeats`` requests after ``warmup``, in turns; its CPU, its demoter
+    thread's part of it and the client's a request (ms), and the wall time a request waited for the table's lock (ms;
+    NaN where the shard's code does not count it); and each turn's time of the first shard over every other's
+    (``turns``: name -> ratios)."""
     generator = torch.Generator().manual_seed(1234)
     batches = [unique_batch(zipf_indices(rows, request_ids, generator)) for _ in range(warmup + repeats)]
     names = list(shards)
@@ -62,10 +64,12 @@ def measure(shards: dict[str, Shards], rows: int, request_ids: int, warmup: int,
     client_cpu = dict.fromkeys(names, 0.0)
     turns: dict[str, list[float]] = {name: [] for name in names[1:]}
     waited_before: Optional[dict[str, float]] = None
+    demoter_before: Optional[dict[str, float]] = None
     for first in range(0, len(batches), PAIRED_BLOCK):
         block, timed = batches[first : first + PAIRED_BLOCK], first >= warmup
         if timed and waited_before is None:  # between turns: every shard runs, and answers
             waited_before = {name: lock_wait_s(shards[name]) for name in names}
+            demoter_before = {name: demoter_cpu_s(shards[name]) for name in names}
         took = {}
         for name in names if (first // PAIRED_BLOCK) % 2 == 0 else names[::-1]:
             with _alone(shards, name):
@@ -83,7 +87,10 @@ def measure(shards: dict[str, Shards], rows: int, request_ids: int, warmup: int,
     looked_up = sum(b.numel() for b in batches[warmup:])
     waited = {name: (lock_wait_s(shards[name]) - waited_before[name]) * 1e3 / repeats if waited_before else float("nan")
               for name in names}
+    demoter = {name: (demoter_cpu_s(shards[name]) - demoter_before[name]) * 1e3 / repeats if demoter_before else float("nan")
+               for name in names}
     return {name: {"zipf_rows_per_s": looked_up / spent[name], "shard_cpu_ms_per_request": shard_cpu[name] * 1e3 / repeats,
+                   "demoter_cpu_ms_per_request": demoter[name],
                    "client_cpu_ms_per_request": client_cpu[name] * 1e3 / repeats, "rss_bytes": shards[name].rss(),
                    "lock_wait_ms_per_request": waited[name],
                    **({"over_first": spent[names[0]] / spent[name], "turns_over_first": sorted(turns[name])} if name in turns else {})}
@@ -101,7 +108,8 @@ def grow_and_measure(shards: dict[str, Shards], rows: int, request_ids: int, war
 def describe(name: str, figures: dict) -> str:
     """A shard's line of :func:`measure`'s ``figures``: its Zipf rate, its CPU and the client's a request, its RSS."""
     return (f"{name}: Zipf lookups {figures['zipf_rows_per_s'] / 1e6:.2f} M rows/s, shard CPU "
-            f"{figures['shard_cpu_ms_per_request']:.2f} ms a request, client {figures['client_cpu_ms_per_request']:.2f} ms, "
+            f"{figures['shard_cpu_ms_per_request']:.2f} ms a request (its demoter {figures['demoter_cpu_ms_per_request']:.2f}), "
+            f"client {figures['client_cpu_ms_per_request']:.2f} ms, "
             f"waiting for the table's lock {figures['lock_wait_ms_per_request']:.2f} ms, "
             f"RSS {figures['rss_bytes'] / _GB:.2f} GB")
 

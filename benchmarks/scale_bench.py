@@ -193,7 +193,7 @@ def paired_zipf_rates(disk: Shards, memory: Shards, rows: int, request_ids: int,
     turns: list[list[float]] = [[], []]  # of each phase, the memory table's time of each turn over the disk table's
     for phase, part in enumerate(phases):
         if phase == 1:
-            demoter_before = _demoter_cpu_s(disk)
+            demoter_before = demoter_cpu_s(disk)
             waited_before = {name: lock_wait_s(shards) for name, shards in (("disk", disk), ("memory", memory))}
         for first in range(0, len(part), PAIRED_BLOCK):
             block = part[first : first + PAIRED_BLOCK]
@@ -209,7 +209,7 @@ def paired_zipf_rates(disk: Shards, memory: Shards, rows: int, request_ids: int,
                         cpu[f"{name}_shard"] += sum(shards.cpu_s()) - shard_cpu
                         cpu[f"client_{name}"] += time.process_time() - client_cpu
             turns[phase].append(took["memory"] / took["disk"])
-    cpu["disk_demoter"] = _demoter_cpu_s(disk) - demoter_before if phases[1] else 0.0
+    cpu["disk_demoter"] = demoter_cpu_s(disk) - demoter_before if phases[1] else 0.0
     waited = {name: (lock_wait_s(shards) - waited_before[name]) * 1e3 / len(phases[1]) if phases[1] else 0.0
               for name, shards in (("disk", disk), ("memory", memory))}
     looked_up = [sum(b.numel() for b in part) for part in phases]
@@ -231,7 +231,7 @@ def lock_wait_s(shards: Shards) -> float:
     return sum(shard["tables"][TABLE].get("lock_wait_s", float("nan")) for shard in shards.client.stats())
 
 
-def _demoter_cpu_s(shards: Shards) -> float:
+def demoter_cpu_s(shards: Shards) -> float:
     """CPU seconds the demoter threads of ``shards`` have spent so far (the shards' stats)."""
     return sum(shard["server"]["background_cpu_s"]["demoter"] for shard in shards.client.stats())
 

@@ -1236,6 +1236,8 @@ static int64_t *slot_order(const int64_t *slots, int64_t n, int64_t *count) {
  * tables) is copied from there, any other read with pread; reads[s] counts the records read of each segment.
  * *repeats: 1 where two of the slots (>= 0) are the same. Returns 0, or -(i + 1) for a record i that could not be
  * read whole, its errno in *error (0: the file ends before it; ENOMEM for the first without memory to sort them). */
+#define READ_AHEAD 16 /* records: a mapped one is prefetched this many reads before its copy */
+
 int64_t lp_read_records(const int64_t *fds, const int64_t *bases, const int64_t *mapped, int64_t *reads, int64_t shift,
                         int64_t stride, const int64_t *slots, int64_t n, const int64_t *into, char *out, int64_t *error,
                         int64_t *repeats) {
@@ -1249,6 +1251,11 @@ int64_t lp_read_records(const int64_t *fds, const int64_t *bases, const int64_t 
     }
     for (int64_t k = 0; k < m; ++k) {
         const int64_t i = order[k];
+        if (k + READ_AHEAD < m) { /* a mapped record's page walk and cache lines on their way while others are read */
+            const int64_t ahead = slots[order[k + READ_AHEAD]], segment = ahead >> shift;
+            if (bases[segment] && (ahead & mask) < mapped[segment])
+                PREFETCH_SPAN((const char *)(intptr_t)bases[segment] + (ahead & mask) * stride, stride);
+        }
         if (k && slots[order[k - 1]] == slots[i]) *repeats = 1;
         const int64_t segment = slots[i] >> shift, offset = (slots[i] & mask) * stride;
         char *row = out + (into ? into[i] : i) * stride;

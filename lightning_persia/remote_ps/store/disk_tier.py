@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import itertools
 import os
 import shutil
 import threading
@@ -107,13 +106,15 @@ class ReadAhead:
     def read(self) -> None:
         """Reads the records (without the table's lock). A failure leaves them unread: the lookup then reads them
         under the lock, where the failure is reported."""
+        found = torch.nonzero(self.slots >= 0).squeeze(1)
+        sorted_slots, order = torch.sort(self.slots[found])  # file order: neighbouring records share the pages read
         records = torch.empty(self.ids.numel(), self._record_bytes, dtype=torch.uint8)
         try:
-            repeats = native.read_records(*self._tables, SEGMENT_SHIFT, self.slots, records)
+            native.read_records(*self._tables, SEGMENT_SHIFT, sorted_slots, records, into=found[order])
         except Exception:  # noqa: BLE001 - read again under the lock, which reports what failed
             return
         self.records = records
-        self.repeats = repeats  # an id's positions share its slot
+        self.repeats = bool((sorted_slots[1:] == sorted_slots[:-1]).any())  # an id's positions share its slot
 
 
 class DiskTier:
@@ -136,8 +137,6 @@ class DiskTier:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.specs = {name: specs[name] for name in DISK_FIELDS if name in specs and specs[name].row_bytes > 0}
         self.record_bytes = sum(spec.row_bytes for spec in self.specs.values())
-        self.offsets = dict(zip(self.specs, itertools.accumulate((spec.row_bytes for spec in self.specs.values()), initial=0)))
-        """Where each field begins in a record, in bytes."""
         self._lock = lock if lock is not None else threading.Lock()
         self._map = native.DiskMap()
         self._fds: list[int] = []  # the records' file of each segment (-1: gone)
@@ -276,22 +275,25 @@ class DiskTier:
             removals, inserts = ahead.map_changes
             if removals != self._map_removals or inserts != self._map_inserts:
                 slots, unread = self._changed_since(ids, slots, removals != self._map_removals)
+            pending = torch.nonzero(slots >= 0).squeeze(1)
         else:
             slots = self._map.find(ids)
             records = torch.empty(ids.numel(), self.record_bytes, dtype=torch.uint8)
-            unread = torch.nonzero(slots >= 0).squeeze(1)
+            pending = unread = torch.nonzero(slots >= 0).squeeze(1)
         skip = None
-        while True:
+        while pending.numel():
             if unread.numel():
                 self._read(slots[unread], records, unread)
-            wrong = native.records_mismatch(ids, slots, records)
+            stored = record_ids(records, pending)
+            wrong = pending[stored != ids[pending]]
             if not wrong.numel():
-                return slots, records
+                break
             if skip is None:
                 skip, slots = torch.zeros_like(ids), slots.clone()  # the read ahead's slots stay as they were read
             skip[wrong] += 1  # a fingerprint shared with another id (odds ~2^-32): the next match, if any
             slots[wrong] = self._map.find(ids[wrong], skip[wrong])
-            unread = wrong[slots[wrong] >= 0]
+            pending = unread = wrong[slots[wrong] >= 0]
+        return slots, records
 
     def _changed_since(self, ids: torch.Tensor, slots: torch.Tensor, removed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """``(slots, unread)`` of ``ids`` now, where a read ahead found ``slots`` and the id map changed since: the
@@ -313,7 +315,8 @@ class DiskTier:
         the slot is live and the record is the id's (not another's whose fingerprint it shares). Call it holding the
         table's lock, while the :attr:`generation` of the read lasts: a segment deleted since has no live slot, and
         its number written anew would hold other records."""
-        return native.records_hold(self._live_table, SEGMENT_SHIFT, ids, slots, records)
+        stored = record_ids(records)
+        return native.get_bits(self._live_table, SEGMENT_SHIFT, slots) & (stored == ids)
 
     def begin_read(self, positions: torch.Tensor, ids: torch.Tensor) -> Optional["ReadAhead"]:
         """The slots of ``ids`` (at ``positions`` of a request) on disk, to read with :meth:`ReadAhead.read` without
@@ -365,11 +368,12 @@ class DiskTier:
         self._set_live(slots, False)
 
     def _read(self, slots: torch.Tensor, records: torch.Tensor, positions: torch.Tensor) -> None:
+        slots, order = torch.sort(slots)  # in file order: neighbouring records share the pages read
         try:
             self._mapping.changed()
             mapping = self._mapping
             native.read_records(self._fd_table, mapping.bases, mapping.mapped, mapping.reads, SEGMENT_SHIFT, slots, records,
-                                into=positions)
+                                into=positions[order])
         except OSError as err:
             raise DiskTierError(f"the disk tier at {self.directory} could not read: {err.strerror or err}") from None
 

@@ -670,26 +670,37 @@ class Table:
             else:
                 positions, wanted = ahead.positions, ahead.ids
                 slots, records = self._disk.find(wanted, ahead)
-            # the rows whose second probe found them in memory (rows >= 0) keep that answer; the others read become -2
-            at, missing = native.answer_records(slots, records, positions, rows, out.view(torch.uint8), self._disk.offsets["weights"])
-            if train and at.numel():
-                self._bring_in(wanted[at], slots[at], take_records(records, at), positions[at], rows,
-                               repeats=ahead is None or ahead.repeats)
-            return missing
+            hit = slots >= 0
+            if ahead is not None:
+                hit &= rows[positions] < 0  # the second probe found the others in memory
+            at = torch.nonzero(hit).squeeze(1)
+            if at.numel():
+                read = take_records(records, at)
+                values = self._disk.unpack(read)
+                where = positions[at]
+                out[where] = values["weights"]
+                if not train:
+                    rows[where] = -2
+                else:
+                    self._bring_in(wanted[at], slots[at], read, values, where, rows, repeats=ahead is None or ahead.repeats)
+            return int((rows[positions] == -1).sum())
 
-    def _bring_in(self, ids: torch.Tensor, slots: torch.Tensor, records: torch.Tensor, where: torch.Tensor, rows: torch.Tensor,
-                  repeats: bool) -> None:
-        """Promotes the rows a training lookup read from disk (at ``where`` of its ``rows``, -2 there), or queues them
-        for the demoter while its queue has room. An id the request ``repeats`` is promoted once. The lock held."""
-        inverse = None
+    def _bring_in(self, ids: torch.Tensor, slots: torch.Tensor, records: torch.Tensor, values: dict[str, torch.Tensor],
+                  where: torch.Tensor, rows: torch.Tensor, repeats: bool) -> None:
+        """Promotes the rows a training lookup read from disk (at ``where`` of its ``rows``), or queues them for the
+        demoter while its queue has room. An id the request ``repeats`` is promoted once. The lock held."""
+        first = inverse = None
         if repeats:
             ids, inverse = torch.unique(ids, return_inverse=True)
             first = torch.empty(ids.numel(), dtype=torch.int64).scatter_(0, inverse, torch.arange(inverse.numel()))
             slots, records = slots[first], take_records(records, first)
         if self._pending is not None and self._pending.has_room(ids.numel()):
             self._pending.add(PendingPromotion(ids, slots, records, self._step, self._disk.generation))
+            rows[where] = -2
             return
-        promoted = self._promote(ids, slots, self._disk.unpack(records))
+        if first is not None:
+            values = {name: v[first] for name, v in values.items()}
+        promoted = self._promote(ids, slots, values)
         rows[where] = promoted if inverse is None else promoted[inverse]
 
     def promote_pending(self, limit: int) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterable, Iterator, Optional, Sequence
+from typing import Callable, ContextManager, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -108,6 +108,10 @@ class Table:
         """The fields of a row on disk (:data:`disk_tier.DISK_FIELDS`)."""
         return {name: self.field_specs[name] for name in DISK_FIELDS if self.field_specs[name].row_bytes > 0}
 
+    def locked(self) -> ContextManager[None]:
+        """The table's lock held for a request, the wait to take it counted (``lock_wait_s`` in :meth:`stats`)."""
+        return self._lock_waits.holding(self.lock)
+
     @property
     def storage_dtype(self) -> torch.dtype:
         return self.field_specs["weights"].dtype
@@ -122,7 +126,7 @@ class Table:
         if train:
             self._check_budget(ids.numel())
         out = torch.empty(ids.numel(), self.config.dim, dtype=self.storage_dtype)
-        with self._lock_waits.holding(self.lock):
+        with self.locked():
             held = Held.now(ids.numel(), train)
             touch = self._touch(train)
             rows = self._index.find(ids, copy=(self._rows["weights"], out), touch=touch)
@@ -135,7 +139,7 @@ class Table:
             if train:
                 self._worst_held.record(held)
         _between_locks([self], [ahead], [short])
-        with self._lock_waits.holding(self.lock):
+        with self.locked():
             held = Held.now(ids.numel(), train)
             _end_reads([self], [ahead])
             self._rejoin(ids, rows, out, train, inserted, ahead)
@@ -266,7 +270,7 @@ class Table:
         ``journal`` hears of the rows' new values (see :data:`Journal`)."""
         self._check_budget(ids.numel())
         ids, grads = _summed_by_id(ids, grads)
-        with self._lock_waits.holding(self.lock):
+        with self.locked():
             self._start_recording(journal)
             applied = self._update_locked(ids, grads)
             _journal([self], journal, always=True)
@@ -904,7 +908,7 @@ def _all_locked(tables: Sequence[Table]) -> contextlib.ExitStack:
     """Every table's lock, taken in name order (so that two callers never wait on each other)."""
     held = contextlib.ExitStack()
     for table in sorted(tables, key=lambda t: t.config.name):
-        held.enter_context(table._lock_waits.holding(table.lock))
+        held.enter_context(table.locked())
     return held
 
 

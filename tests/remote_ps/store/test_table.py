@@ -300,7 +300,6 @@ def test_a_request_of_no_table_answers_nothing_with_either_kernels(store_kernels
     assert store.update_many([]) == 0
 
 
-
 def test_every_request_counts_its_wait_for_the_table_lock_in_the_stats(monkeypatch):
     ticks = itertools.count()  # a clock one second further at each reading: each taking of the lock counts 1 s
     monkeypatch.setattr(table_module, "LockWaits", lambda: LockWaits(clock=lambda: float(next(ticks))))

@@ -117,7 +117,6 @@ def test_the_worst_operation_keeps_its_kernel_time_and_its_demotions_apart():
     assert (work.worst.demoting_s, work.worst.sys_s, work.worst.of) == (demoting, kernel, "lookup")
 
 
-
 class _Clock:
     """A clock that moves only when told to."""
 

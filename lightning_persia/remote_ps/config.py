@@ -86,7 +86,14 @@ class PSConfig:
     disk_mapped_mb: int = 1024
     """Of each disk table's records, how many MB the shard keeps mapped into its page tables, the most read first: a
     read of a mapped record is a memory copy, of any other a ``pread`` (docs/disk_tier.md, *Reads*). The mapped pages
-    count in the shard's resident memory (the page cache holds them either way): raise it where memory allows."""
+    count in the shard's resident memory (the page cache holds them either way): raise it where memory allows.
+    Not used with ``memory_limit_mb``."""
+    memory_limit_mb: Optional[int] = None
+    """The shard's resident memory (RSS) its disk tables' mapped records may fill up to, instead of ``disk_mapped_mb``
+    each: the demoter maps the most read segments while the shard's RSS is below the limit less 1/16 of it, and
+    unmaps the least read as the rows and id maps grow (docs/disk_tier.md, *Reads*). It limits only the mappings:
+    the rows in memory are the tables' ``capacity``. Set it to the memory the shard may hold (its container's
+    limit); ``None``: a fixed ``disk_mapped_mb`` a table."""
     durability: str = "none"
     """What an acknowledged update survives (docs/reliability.md, *Durability*): ``"none"``: nothing (a restarted shard
     starts from ``restore_from`` and its clients roll back to a checkpoint); ``"log"``: the shard process dying
@@ -130,6 +137,11 @@ class PSConfig:
             raise ConfigError("PS config: scheduling 'idle' needs Linux's SCHED_IDLE, which this platform does not have")
         if self.disk_mapped_mb < 0:
             raise ConfigError(f"PS config: disk_mapped_mb must be >= 0, got {self.disk_mapped_mb}")
+        if self.memory_limit_mb is not None and self.memory_limit_mb < 1:
+            raise ConfigError(f"PS config: memory_limit_mb must be >= 1 or unset, got {self.memory_limit_mb}")
+        if self.memory_limit_mb is not None and not os.path.exists("/proc/self/statm"):
+            raise ConfigError("PS config: memory_limit_mb reads the shard's resident memory from /proc/self/statm, "
+                              "which this platform does not have")
         if self.malloc_trim_interval_s < 0:
             raise ConfigError(f"PS config: malloc_trim_interval_s must be >= 0, got {self.malloc_trim_interval_s}")
         for name in ("fault_delay_s", "fault_save_delay_s", "fault_ack_delay_s", "fault_replay_delay_s"):

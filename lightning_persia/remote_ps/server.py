@@ -139,7 +139,8 @@ def run_shard(
     prepare_shard_process(config)
     store = ShardStore(shard_index=shard_index, num_shards=num_shards, seed=config.seed, table_defaults=config.table_configs(),
                        fault_save_delay_s=config.fault_save_delay_s, disk_dir=config.disk_dir,
-                       disk_mapped_bytes=config.disk_mapped_mb << 20)
+                       disk_mapped_bytes=config.disk_mapped_mb << 20,
+                       memory_limit_bytes=config.memory_limit_mb << 20 if config.memory_limit_mb is not None else None)
     restored = None
     if config.durability != "none" and not config.read_only:  # before binding, like a restore
         store.log = open_shard_log(store, wal_directory(config.wal_dir, shard_index, num_shards), config.durability,

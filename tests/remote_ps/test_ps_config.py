@@ -37,6 +37,7 @@ def test_yaml_env_and_overrides(tmp_path, monkeypatch):
         (["nice=20"], "nice must be in [0, 19], got 20"),
         (["scheduling=batch"], "scheduling must be one of normal, idle, got 'batch'"),
         (["disk_mapped_mb=-1"], "disk_mapped_mb must be >= 0, got -1"),
+        (["memory_limit_mb=0"], "memory_limit_mb must be >= 1 or unset, got 0"),
         (["tables.t.dim=0"], "tables.t: table 't': dim must be in 1..65536"),
         (["tables.t.dim=2", "tables.t.optimizer.kind=Lion"], "unknown optimizer kind 'Lion'"),
         (["seed"], "overrides must be key=value"),

@@ -45,8 +45,14 @@ def test_disk_table_trains_saves_and_restarts_from_linked_segments(tmp_path, sta
     assert torch.equal(_read(again, IDS), expected)
     time.sleep(0.2)  # passes of the demoter, which maps nothing with no room to map
     assert again.stats()[0]["tables"]["big"]["disk_mapped_bytes"] == 0
-    resharded = start_ps_cluster(2, overrides=[f"disk_dir={tmp_path / 'tier2'}", f"restore_from={tmp_path / 'ckpt'}"])
-    assert torch.equal(_read(make_client(resharded.addresses), IDS), expected)
+    resharded = start_ps_cluster(2, overrides=[f"disk_dir={tmp_path / 'tier2'}", f"restore_from={tmp_path / 'ckpt'}",
+                                               "memory_limit_mb=65536"])
+    client = make_client(resharded.addresses)
+    assert torch.equal(_read(client, IDS), expected)
+    while any(s["tables"]["big"]["disk_mapped_bytes"] == 0 for s in client.stats()) and time.monotonic() < deadline + 30:
+        time.sleep(0.05)
+    for stats in client.stats():  # each shard maps what the limit leaves, not disk_mapped_mb's 1 GB
+        assert stats["tables"]["big"]["disk_mapped_bytes"] > 0 and stats["tables"]["big"]["disk_mapped_budget_bytes"] > 32 << 30
 
 
 def test_a_disk_table_on_a_shard_without_a_disk_folder_is_refused(ps_cluster, make_client):

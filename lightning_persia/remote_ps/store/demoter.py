@@ -12,7 +12,8 @@ Before demoting, it promotes the rows training lookups read from disk and queued
 lookup answered with them, and bringing them into memory is left to this thread, :data:`SLICE_ROWS` with the lock held.
 
 Between demotions it maps the segments that reads hit most into the shard's page tables, a step at a time
-(``DiskTier.map_step``): a read of a mapped record is a memory copy instead of a ``pread``; and it compacts a
+(``DiskTier.map_step``; with a memory limit, first sharing out what the limit leaves, ``mapped_budget.py``): a read
+of a mapped record is a memory copy instead of a ``pread``; and it compacts a
 segment that holds more garbage than live rows, once the tier holds more than its bound of garbage, a step a pass
 (``DiskTier.compact_step``).
 """
@@ -20,9 +21,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 from lightning_persia.remote_ps.store.background import TablePass
+from lightning_persia.remote_ps.store.mapped_budget import MappedBudget
 
 HEADROOM_FRACTION = 1 / 16
 """Of a disk table's memory budget, kept free for the rows requests bring in (demotion starts at half of it used)."""
@@ -46,17 +48,21 @@ def demotion_target(capacity: int, memory_rows: int) -> int:
 
 class Demoter(TablePass):
     """Demotes the rows of each of ``tables()`` (its disk tables) beyond :func:`demotion_target`, every
-    ``interval_s``, on a daemon thread, until :meth:`stop`."""
+    ``interval_s``, on a daemon thread, until :meth:`stop`; with a ``mapped_budget``, sizes their mappings to it."""
 
-    def __init__(self, tables: Callable[[], Iterable], interval_s: float = 0.01) -> None:
+    def __init__(self, tables: Callable[[], Iterable], interval_s: float = 0.01, mapped_budget: Optional[MappedBudget] = None) -> None:
         super().__init__(tables, interval_s, "persia-ps-demoter")
+        self._mapped_budget = mapped_budget
 
     def run_once(self) -> int:
         """One pass over the tables: the promotions its lookups queued (``promotions.py``), then the rows each needs
         demoted, a slice at a time, then a few steps of mapping its most read segments and a step of compacting its
         sparsest one; returns the rows demoted."""
         demoted = 0
-        for table in self._tables():
+        tables = list(self._tables())
+        if self._mapped_budget is not None:
+            self._mapped_budget.apply(tables)
+        for table in tables:
             try:
                 for _ in range(_PROMOTIONS_A_PASS):
                     if not table.promote_pending(SLICE_ROWS):

@@ -609,6 +609,15 @@ class DiskTier:
         """Bytes of records in the shard's page tables (:meth:`map_step`)."""
         return self._mapping.bytes
 
+    @property
+    def mapped_budget(self) -> int:
+        """Bytes of records :meth:`map_step` may keep in the shard's page tables."""
+        return self._mapping.budget
+
+    def set_mapped_budget(self, nbytes: int) -> None:
+        """A new :attr:`mapped_budget`: later steps map up to it, or unmap the least read segments down to it."""
+        self._mapping.set_budget(nbytes)
+
     def close(self) -> None:
         """Closes the files (the tier cannot be used after); with reads under way (:meth:`begin_read`), the last
         one's :meth:`end_read` does."""

@@ -10,7 +10,9 @@ rows on this VM), that read is disk I/O that would otherwise hold every request,
 
 While there is room (:data:`MAPPED_BYTES` of records a tier by default; ``PSConfig.disk_mapped_mb``), every segment is mapped as it is written, the most
 read first. Past it, a segment that reads hit more than twice as often as the least read mapped one takes its
-place. The mapped pages count in the shard's resident memory; the page cache holds them either way.
+place. The mapped pages count in the shard's resident memory; the page cache holds them either way. A shard with a
+memory limit (``mapped_budget.py``) moves the budget as its other memory grows and shrinks: a budget that fell below
+what is mapped unmaps the least read segments, one a step.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ MAPPED_BYTES = 1 << 30
 """Records of a tier whose pages the shard keeps in its page tables, at most, unless the shard says otherwise."""
 _STEP_BYTES = 16 << 20  # populated by one step
 _READS_HALVED_AT = 1 << 22  # reads counted in all before the counts halve (recent reads weigh more)
+_SHRINK_SLACK = 4 * _STEP_BYTES  # mapped past the budget before a segment is unmapped: a budget that jitters drops none
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,7 @@ class SegmentMapping:
     def __init__(self, record_bytes: int, segment_bytes: int, budget: int = MAPPED_BYTES) -> None:
         self.record_bytes = record_bytes
         self.segment_bytes = segment_bytes
-        self.budget = budget
+        self._budget = budget
         self.bases = torch.zeros(0, dtype=torch.int64)
         self.mapped = torch.zeros(0, dtype=torch.int64)
         self.reads = torch.zeros(0, dtype=torch.int64)
@@ -66,6 +69,17 @@ class SegmentMapping:
         self._idle = False
 
     @property
+    def budget(self) -> int:
+        """Bytes of records the mapping may hold."""
+        return self._budget
+
+    def set_budget(self, nbytes: int) -> None:
+        """A new :attr:`budget` (the next :meth:`plan` maps up to it, or unmaps down to it)."""
+        if nbytes != self._budget:
+            self._budget = nbytes
+            self._idle = False
+
+    @property
     def bytes(self) -> int:
         """Bytes of records in the page tables."""
         return int(self.mapped.sum()) * self.record_bytes
@@ -78,24 +92,25 @@ class SegmentMapping:
             return None
         if int(self.reads.sum()) > _READS_HALVED_AT:
             self.reads >>= 1
-        room = self.budget - self.bytes
+        if self.bytes > self._budget + _SHRINK_SLACK:
+            self._unmap(int(self._least_read_mapped()))
+            return None
+        room = self._budget - self.bytes
         wanted = torch.nonzero((self.mapped < written) & (fds >= 0) & ((self.reads > 0) | (room >= self.record_bytes))).squeeze(1)
         if not wanted.numel():
             self._idle = True
             return None
         segment = int(wanted[torch.argmax(self.reads[wanted])])
         if room < self.record_bytes:
-            mapped = torch.nonzero(self.mapped > 0).squeeze(1)
-            if not mapped.numel():  # a budget below one record: nothing is ever mapped
+            coldest = self._least_read_mapped()
+            if coldest is None:  # a budget below one record: nothing is ever mapped
                 self._idle = True
                 return None
-            coldest = int(mapped[torch.argmin(self.reads[mapped])])
             if coldest == segment or 2 * int(self.reads[coldest]) >= int(self.reads[segment]):
                 self._idle = True
                 return None
-            native.map_pages(int(self.bases[coldest]), int(self.mapped[coldest]) * self.record_bytes, drop=True)
-            self.mapped[coldest] = 0
-            room = self.budget - self.bytes
+            self._unmap(coldest)
+            room = self._budget - self.bytes
         if not int(self.bases[segment]):
             self.bases[segment] = native.map_file(int(fds[segment]), self.segment_bytes)
         first = int(self.mapped[segment]) * self.record_bytes
@@ -103,6 +118,16 @@ class SegmentMapping:
         end = min(int(written[segment]) * self.record_bytes, first + min(room, _STEP_BYTES))
         self._in_flight = MapJob(segment, int(self.bases[segment]) + start, end - start, first, end)
         return self._in_flight
+
+    def _least_read_mapped(self) -> Optional[int]:
+        mapped = torch.nonzero(self.mapped > 0).squeeze(1)
+        return int(mapped[torch.argmin(self.reads[mapped])]) if mapped.numel() else None
+
+    def _unmap(self, segment: int) -> None:
+        """Takes ``segment``'s pages out of the page tables; the mapping stays, so a read under way still copies
+        from it (a fault brings the page back)."""
+        native.map_pages(int(self.bases[segment]), int(self.mapped[segment]) * self.record_bytes, drop=True)
+        self.mapped[segment] = 0
 
     @staticmethod
     def populate(job: MapJob) -> None:

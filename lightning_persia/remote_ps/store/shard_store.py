@@ -17,6 +17,7 @@ from lightning_persia.remote_ps.store.demoter import Demoter
 from lightning_persia.remote_ps.store.expiry import Expirer
 
 from lightning_persia.remote_ps.store.errors import CheckpointError, InvalidRequestError, StoreError, UnknownTableError
+from lightning_persia.remote_ps.store.mapped_budget import MappedBudget
 from lightning_persia.remote_ps.store.progress import Progress
 from lightning_persia.remote_ps.store.segment_mapping import MAPPED_BYTES
 from lightning_persia.remote_ps.store.table import Table
@@ -53,6 +54,7 @@ class ShardStore:
         self, shard_index: int, num_shards: int, seed: int = 0, table_defaults: dict[str, TableConfig] | None = None,
         fault_save_delay_s: float = 0.0, disk_dir: Optional[str] = None, expiry_interval_s: float = 1.0,
         demotion_interval_s: Optional[float] = 0.01, disk_mapped_bytes: int = MAPPED_BYTES,
+        memory_limit_bytes: Optional[int] = None,
     ) -> None:
         """``disk_dir``: where the disk tiers of the tables of ``storage="disk"`` live (a folder per table and generation
         under ``shard-<i>-of-<n>/``, deleted with its table); ``None``: such tables are refused.
@@ -60,7 +62,12 @@ class ShardStore:
         started with the first such table). ``demotion_interval_s``: how often the demoter looks for disk tables
         whose memory tier needs room (``demoter.py``; started with the first disk table); ``None``: no demoter, a
         request that needs room demotes it (the rows in memory then depend on the requests alone).
-        ``disk_mapped_bytes``: of each disk table's records, how many bytes are kept mapped at most (``segment_mapping.py``)."""
+        ``disk_mapped_bytes``: of each disk table's records, how many bytes are kept mapped at most (``segment_mapping.py``).
+        ``memory_limit_bytes``: the process's resident memory the disk tables' mappings may fill up to, instead of
+        ``disk_mapped_bytes`` each (``mapped_budget.py``; sized by the demoter, so it needs one)."""
+        if memory_limit_bytes is not None and demotion_interval_s is None:
+            raise ValueError("a memory limit sizes the disk tables' mappings in the demoter's passes: it needs a demoter "
+                             "(demotion_interval_s)")
         if not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index must be in [0, {num_shards}), got {shard_index}")
         self.shard_index = shard_index
@@ -78,7 +85,8 @@ class ShardStore:
         self._disk_mapped_bytes = disk_mapped_bytes
         self._generation = itertools.count()
         self._expirer = Expirer(self._tables_with_ttl, expiry_interval_s)
-        self._demoter = Demoter(self._disk_tables, demotion_interval_s) if demotion_interval_s is not None else None
+        budget = MappedBudget(memory_limit_bytes) if memory_limit_bytes is not None else None
+        self._demoter = Demoter(self._disk_tables, demotion_interval_s, budget) if demotion_interval_s is not None else None
         self.log: Optional[ShardLog] = None  # set once the shard restored itself (wal/shard_log.py)
 
     def configure(self, config: TableConfig) -> TableConfig:

@@ -517,6 +517,7 @@ class Table:
                 disk_bytes=self._disk.disk_bytes if self._disk else 0,
                 disk_map_bytes=self._disk.map_bytes if self._disk else 0,
                 disk_mapped_bytes=self._disk.mapped_bytes if self._disk else 0,
+                disk_mapped_budget_bytes=self._disk.mapped_budget if self._disk else 0,
                 pending_promotions=len(self._pending) if self._pending is not None else 0,
                 saving_preimage_rows=snapshot.preimage_rows if snapshot is not None else 0,
                 **self._worst_held.stats(),
@@ -648,6 +649,17 @@ class Table:
         """A step of mapping the disk tier's most read segments (see :meth:`DiskTier.map_step`); returns the bytes
         mapped. The shard's demoter calls it between requests; the lock is held only to choose and publish the pages."""
         return 0 if self._disk is None else self._disk.map_step()
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes of the disk tier's records in the shard's page tables (0 without a disk tier)."""
+        return 0 if self._disk is None else self._disk.mapped_bytes
+
+    def set_mapped_budget(self, nbytes: int) -> None:
+        """How many bytes of the disk tier's records the next steps of :meth:`map_disk_pages` may keep mapped
+        (``mapped_budget.py``); a table without a disk tier has none to map."""
+        if self._disk is not None:
+            self._disk.set_mapped_budget(nbytes)
 
     def attach_disk(self, segments: Iterable, adopt_map: Optional[Callable] = None) -> None:
         """Takes the disk segments of a checkpoint saved by this shard, and its id map (see :meth:`DiskTier.attach`)."""

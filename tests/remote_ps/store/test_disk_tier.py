@@ -306,6 +306,36 @@ def test_past_the_budget_a_much_more_read_segment_takes_a_mapped_one_s_place(tmp
     assert torch.equal(tier.unpack(tier.find(ids)[1])["ids"], ids)
 
 
+def test_a_budget_lowered_below_the_mapped_records_unmaps_the_least_read_segment_and_a_raised_one_maps_more(
+        tmp_path, small_segments, monkeypatch):
+    monkeypatch.setattr(segment_mapping, "_SHRINK_SLACK", 0)
+    segment = 1024 * _record_bytes()
+    tier = DiskTier(tmp_path / "tier", _specs(), mapped_bytes=3 * segment)
+    ids = torch.arange(3 * 1024) * 5 + 2
+    tier.write(_rows(ids))
+    for _ in range(3):
+        tier.find(ids[1024:])  # segments 1 and 2 read more than segment 0
+    while tier.map_step():
+        pass
+    assert tier.mapped_bytes == 3 * segment
+    tier.set_mapped_budget(2 * segment)
+    assert tier.map_step() == 0 and tier.mapped_bytes == 2 * segment and tier.mapped_budget == 2 * segment
+    assert tier.map_step() == 0 and tier.mapped_bytes == 2 * segment  # within the budget: nothing more is unmapped
+    assert torch.equal(tier.unpack(tier.find(ids)[1])["ids"], ids)  # segment 0 is read with pread again
+    tier.set_mapped_budget(3 * segment)
+    assert tier.map_step() == segment and tier.mapped_bytes == 3 * segment
+
+
+def test_a_budget_over_the_mapped_records_by_less_than_the_slack_unmaps_nothing(tmp_path, small_segments):
+    tier = DiskTier(tmp_path / "tier", _specs())
+    tier.write(_rows(torch.arange(2 * 1024)))
+    while tier.map_step():
+        pass
+    mapped = tier.mapped_bytes
+    tier.set_mapped_budget(mapped - 1)  # a budget that jitters below what is mapped
+    assert tier.map_step() == 0 and tier.mapped_bytes == mapped
+
+
 def test_a_budget_of_nothing_maps_nothing(tmp_path, small_segments):
     tier = DiskTier(tmp_path / "tier", _specs(), mapped_bytes=0)
     ids = torch.arange(2000) * 5 + 2

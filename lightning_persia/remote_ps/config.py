@@ -89,11 +89,11 @@ class PSConfig:
     count in the shard's resident memory (the page cache holds them either way): raise it where memory allows.
     Not used with ``memory_limit_mb``."""
     memory_limit_mb: Optional[int] = None
-    """The shard's resident memory (RSS) its disk tables' mapped records may fill up to, instead of ``disk_mapped_mb``
-    each: the demoter maps the most read segments while the shard's RSS is below the limit less 1/16 of it, and
-    unmaps the least read as the rows and id maps grow (docs/disk_tier.md, *Reads*). It limits only the mappings:
-    the rows in memory are the tables' ``capacity``. Set it to the memory the shard may hold (its container's
-    limit); ``None``: a fixed ``disk_mapped_mb`` a table."""
+    """The shard's resident memory (RSS, in MiB) its disk tables' mapped records may fill up to, instead of
+    ``disk_mapped_mb`` each: the demoter maps the most read segments while the shard's RSS is below the limit less
+    1/16 of it, and unmaps the least read as the rows and id maps grow (docs/disk_tier.md, *Reads*). It limits only
+    the mappings: the rows in memory are the tables' ``capacity``. Set it to the memory the shard may hold (its
+    container's limit); ``None``: a fixed ``disk_mapped_mb`` a table."""
     durability: str = "none"
     """What an acknowledged update survives (docs/reliability.md, *Durability*): ``"none"``: nothing (a restarted shard
     starts from ``restore_from`` and its clients roll back to a checkpoint); ``"log"``: the shard process dying

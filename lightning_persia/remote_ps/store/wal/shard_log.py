@@ -121,6 +121,11 @@ class ShardLog:
     def wait(self, ticket: int) -> None:
         self.wal.wait(ticket)
 
+    def wait_all(self) -> None:
+        """Returns once every record queued so far is written: whatever a caller has seen of the tables is then in
+        the log."""
+        self.wal.wait_all()
+
     def begin_base(self, base: Optional[str]) -> int:
         """Starts a segment after every record so far (a checkpoint's consistent point: call it with every table's
         lock held); the segment's number, for :meth:`end_base` once the checkpoint is complete."""

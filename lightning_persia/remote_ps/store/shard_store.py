@@ -81,7 +81,7 @@ class ShardStore:
         self.progress = Progress(f"shard {shard_index}/{num_shards}")
         self._disk_dir = disk_dir
         self._disk_mapped_bytes = disk_mapped_bytes
-        self._expirer = Expirer(self._tables_with_ttl, expiry_interval_s)
+        self._expirer = Expirer(self._tables_with_ttl, expiry_interval_s, journal=lambda: self._journal("", 0, []))
         budget = MappedBudget(memory_limit_bytes) if memory_limit_bytes is not None else None
         self._demoter = Demoter(self._disk_tables, demotion_interval_s, budget) if demotion_interval_s is not None else None
         self.log: Optional[ShardLog] = None  # set once the shard restored itself (wal/shard_log.py)
@@ -187,6 +187,14 @@ class ShardStore:
         with self._lock:
             if config.name not in self._tables:
                 self._tables[config.name] = self._new_table(config)
+
+    def clear(self) -> None:
+        """Drops every table (a replay that stopped half-way: nothing of it may stay)."""
+        with self._save_lock, self._lock:
+            dropped, self._tables = self._tables, {}
+            self._delta_points.clear()
+        for table in dropped.values():
+            table.close()
 
     def stats(self) -> dict[str, dict[str, int | float | str | list]]:
         with self._lock:
@@ -363,7 +371,8 @@ class ShardStore:
 
     def expire(self, now: Optional[float] = None) -> int:
         """Sweeps every table with a TTL now (the expiry thread does every ``expiry_interval_s``); returns the rows deleted."""
-        return sum(table.expire(time.monotonic() if now is None else now) for table in self._tables_with_ttl())
+        return sum(table.expire(time.monotonic() if now is None else now, self._journal("", 0, []))
+                   for table in self._tables_with_ttl())
 
     def _tables_with_ttl(self) -> list[Table]:
         with self._lock:

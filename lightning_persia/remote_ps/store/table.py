@@ -527,10 +527,12 @@ class Table:
 
     # ---- time to live ------------------------------------------------------------------------------
 
-    def expire(self, now: float) -> int:
+    def expire(self, now: float, journal: Optional[Journal] = None) -> int:
         """Deletes the rows no training lookup touched within the table's TTL (see :mod:`expiry`); returns how many.
 
         Sweeps the rows a slice at a time, the lock held for one slice; then the disk tier's rows a block at a time.
+        ``journal`` hears of the ids each slice deleted: a replay that missed them would bring the rows back with
+        their old values.
         """
         config = self.config
         if config.ttl_steps is None and config.ttl_seconds is None:
@@ -548,18 +550,29 @@ class Table:
                 values = self._rows["access"].chunk(chunk, offset + min(step, size - start))[offset:]
                 rows = torch.nonzero((values <= limit) & (values != eviction.FREE)).squeeze(1) + start
                 if rows.numel():
+                    self._start_recording(journal)
                     self._drop(rows)
+                    _journal([self], journal, always=False)
                     expired += rows.numel()
         if self._disk is not None:
-            expired += self._disk.expire(limit, self.lock)
+            expired += self._disk.expire(limit, self.lock, dropped=lambda ids: self._journal_removed(ids, journal))
         with self.lock:
             self._counters["expired"] += expired
         return expired
+
+    def _journal_removed(self, ids: torch.Tensor, journal: Optional[Journal]) -> None:
+        """Tells ``journal`` of ``ids`` deleted from the disk tier (expired); the lock held."""
+        self._start_recording(journal)
+        if self._recording is not None:
+            self._recording.removed.append(ids)
+        _journal([self], journal, always=False)
 
     def _drop(self, rows: torch.Tensor) -> None:
         """Deletes live ``rows`` (expired); the lock held."""
         self._preserve(rows)
         gone = self._rows["ids"].gather(rows)
+        if self._recording is not None:
+            self._recording.removed.append(gone)
         self._index.remove(gone)
         self._removals.add(self._version, gone)
         self._rows["access"].fill(rows, eviction.FREE)

@@ -37,6 +37,7 @@ class ReplayTarget(Protocol):
     """What a replay needs of the shard's store (``shard_store.ShardStore``): the log does not import the store."""
 
     shard_index: int
+    num_shards: int
 
     def load(self, directory: str) -> None: ...
 
@@ -168,7 +169,8 @@ def open_shard_log(store: ReplayTarget, directory: str, durability: str, incarna
     base = read_base(path)
     if segments:
         _check_readable(path, base)
-        reason = _replay(store, path, base, segments, report, accepted, applied, window, on_progress, pause_s)
+        reason = (_left_behind(base, restore_from, store.num_shards)
+                  or _replay(store, path, base, segments, report, accepted, applied, window, on_progress, pause_s))
         if reason:
             report.not_trusted, report.replayed = reason, False
             accepted.clear()
@@ -201,6 +203,20 @@ def _check_readable(path: Path, base: Optional[dict]) -> None:
             f"the write-ahead log in {path} follows the checkpoint {checkpoint}, which cannot be read now "
             f"({err.strerror or err}); the shard does not start, so that a start that can read it replays the log with "
             f"no rollback. To start without it (its clients then roll back), move {path} away.") from None
+
+
+def _left_behind(base: Optional[dict], restore_from: Optional[str], num_shards: int) -> str:
+    """Why the log is older than the checkpoint this start was told to restore from, or "": ``restore_from`` is a
+    checkpoint of another shard count than this shard's, and not the one the log follows. Such a log was left by an
+    earlier run of this shard count, before the job was re-sharded; replayed, it would serve that run's rows."""
+    checkpoint = base.get("checkpoint") if base else None
+    if not restore_from or not checkpoint or os.path.abspath(checkpoint) == os.path.abspath(restore_from):
+        return ""
+    counts = sorted({int(folder.name.rsplit("-of-", 1)[1]) for folder in Path(restore_from).glob("shard-*-of-*")})
+    if not counts or num_shards in counts:
+        return ""
+    return (f"it follows {checkpoint}, and this shard starts with restore_from {restore_from}, a checkpoint of "
+            f"{counts[0]} shards: the log was left by a run of {num_shards} shards before the job was re-sharded")
 
 
 def _set_aside(path: Path, segments: list[int]) -> Path:

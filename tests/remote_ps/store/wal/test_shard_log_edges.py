@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from lightning_persia.ops.hashing import shard_of
 from lightning_persia.remote_ps.store import ShardStore
 from lightning_persia.remote_ps.store.errors import CheckpointError
 from lightning_persia.remote_ps.store.wal import open_shard_log
@@ -185,3 +186,22 @@ def test_a_lookup_never_answers_with_an_update_whose_record_is_not_written_yet(t
     updater.join(30)
     reader.join(30)
     assert torch.equal(seen[0], torch.full((8, 4), -1.0))
+
+
+def test_a_log_left_by_an_earlier_shard_count_is_not_replayed_over_a_later_reshard(tmp_path):
+    store = _start(tmp_path, "one")  # a run of one shard, its log in wal/ ...
+    store.configure(TableConfig("a", 4, optimizer=SGD(lr=1.0), init=Constant(0.0)))
+    ids = torch.arange(40)
+    store.lookup("a", ids, train=True)
+    store.update("a", ids, torch.ones(40, 4))
+    store.save(str(tmp_path / "one-shard"))
+    for index in range(2):  # ... then the job went on with two shards, and saved
+        shard = ShardStore(index, 2, seed=3)
+        shard.load(str(tmp_path / "one-shard"))
+        owned = ids[shard_of(ids, 2) == index]
+        shard.update("a", owned, torch.ones(owned.numel(), 4))
+        shard.save(str(tmp_path / "two-shards"))
+    restarted = _start(tmp_path, "two", restore_from=str(tmp_path / "two-shards"))  # back to one shard
+    report = restarted.log.report
+    assert not report.replayed and "left by a run of 1 shards before the job was re-sharded" in report.not_trusted
+    assert torch.equal(_values(restarted, "a", ids), torch.full((40, 4), -2.0))  # the two-shard run's rows

@@ -156,6 +156,7 @@ class Differential:
         self._looked_up: dict[str, list[torch.Tensor]] = {}
         self._saves: list[tuple[str, str, list[str]]] = []  # (shards' checkpoint, model's, tables then)
         self._generation = 0
+        self._save_attempts = 0
         self._cluster: Optional[_Cluster] = None
 
     def run(self) -> Report:
@@ -228,11 +229,31 @@ class Differential:
         self._tables[config.name] = config
         self._looked_up[config.name] = []
 
+    def _new_folder(self, kind: str) -> Path:
+        """A folder of its own for each save: one that failed on a shard may be whole on another."""
+        self._save_attempts += 1
+        return self.root / f"{kind}-{self._save_attempts}"
+
+    def _save_whole(self, kind: str) -> Path:
+        """A save retried into a new folder until one completes."""
+        for _ in range(20):
+            folder = self._new_folder(kind)
+            try:
+                self._call(lambda c: c.save(folder))
+                return folder
+            except Difference:
+                raise
+            except Exception:  # noqa: BLE001 - a kill during the save
+                time.sleep(0.2)
+        raise RuntimeError("20 saves in a row failed")
+
     def _save(self) -> None:
-        number = len(self._saves)
-        shards, model = self.root / f"save-{number}", self.root / f"model-{number}"
+        shards = self._new_folder("save")
+        model = self.root / f"model-{shards.name}"
         try:
-            self._cluster.client.save(shards)
+            self._call(lambda c: c.save(shards))
+        except Difference:
+            raise
         except Exception:  # noqa: BLE001 - a kill during the save: no checkpoint, the log still holds everything
             return
         self._model.save(str(model))
@@ -252,8 +273,7 @@ class Differential:
 
     def _reshard(self) -> None:
         count = self._rng.choice([n for n in (1, 2, 3) if n != self._cluster.shards.num_shards])
-        folder = self.root / f"reshard-{self._generation}"
-        self._call(lambda c: c.save(folder), admin=True)
+        folder = self._save_whole("reshard")
         self._cluster.close()
         self._generation += 1
         self._cluster = _Cluster(self.root, self._generation, self.scenario, count, str(folder), self.report, self._rng)

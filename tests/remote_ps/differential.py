@@ -155,6 +155,7 @@ class Differential:
         self._tables: dict[str, TableConfig] = {}
         self._looked_up: dict[str, list[torch.Tensor]] = {}
         self._saves: list[tuple[str, str, list[str]]] = []  # (shards' checkpoint, model's, tables then)
+        self._trace: list[str] = []
         self._generation = 0
         self._save_attempts = 0
         self._cluster: Optional[_Cluster] = None
@@ -170,9 +171,19 @@ class Differential:
                 if number % 25 == 24:
                     self._compare_everything()
             self._compare_everything()
+        except Exception as err:
+            raise type(err)(f"{err}\n{self._what_the_shards_said()}") from err
         finally:
             self._cluster.close()
         return self.report
+
+    def _what_the_shards_said(self) -> str:
+        """The warnings and errors in the shards' output, and the last operations: what a failing seed needs."""
+        lines = [f"last operations: {', '.join(self._trace[-12:])}"]
+        for index in range(self._cluster.shards.num_shards):
+            lines += [f"shard {index}: {line}" for line in self._cluster.shards.output(index).splitlines()
+                      if " WARNING " in line or " ERROR " in line or "not used" in line]
+        return "\n".join(lines)
 
     # ---- the stream ----------------------------------------------------------------------------------
 
@@ -204,6 +215,7 @@ class Differential:
         return torch.unique(torch.cat([hot, cold]))[: REQUEST]
 
     def _lookup(self, name: str, train: bool) -> torch.Tensor:
+        self._trace.append(f"{'train' if train else 'eval'} {name}")
         ids = self._ids()
         got = self._call(lambda c: c.lookup({name: ids}, train=train, wire_dtype="fp32")[name])
         expected = self._model.lookup(name, ids, train=train)
@@ -214,6 +226,7 @@ class Differential:
         return ids
 
     def _update(self, name: str, ids: torch.Tensor) -> None:
+        self._trace.append(f"update {name}")
         grads = torch.randn(ids.numel(), self._tables[name].dim, generator=self._torch)
         self._call(lambda c: c.update({name: (ids, grads)}, wire_dtype="fp32"))
         self._model.update(name, ids, grads)
@@ -224,6 +237,7 @@ class Differential:
         disk = self.scenario.storage == "disk"
         config = TableConfig(f"t{number}", self._rng.choice([4, 8]), optimizer=optimizer, storage="disk" if disk else "memory",
                              capacity=BUDGET if disk else 1 << 20)
+        self._trace.append(f"create {config.name} (dim {config.dim})")
         self._call(lambda c: c.configure([config]), admin=True)
         self._model.configure(TableConfig(config.name, config.dim, optimizer=optimizer, capacity=1 << 20))
         self._tables[config.name] = config
@@ -256,6 +270,7 @@ class Differential:
             raise
         except Exception:  # noqa: BLE001 - a kill during the save: no checkpoint, the log still holds everything
             return
+        self._trace.append(f"saved {shards.name}")
         self._model.save(str(model))
         self._saves.append((str(shards), str(model), sorted(self._tables)))
         self._cluster.shards.restore_from = str(shards)
@@ -265,6 +280,7 @@ class Differential:
         if not self._saves:
             return
         shards, model, tables = self._rng.choice(self._saves)
+        self._trace.append(f"load {Path(shards).name}")
         self._call(lambda c: c.load(shards), admin=True)
         self._model.load(model)
         self._tables = {name: config for name, config in self._tables.items() if name in tables}
@@ -274,6 +290,7 @@ class Differential:
     def _reshard(self) -> None:
         count = self._rng.choice([n for n in (1, 2, 3) if n != self._cluster.shards.num_shards])
         folder = self._save_whole("reshard")
+        self._trace.append(f"reshard to {count} through {folder.name}")
         self._cluster.close()
         self._generation += 1
         self._cluster = _Cluster(self.root, self._generation, self.scenario, count, str(folder), self.report, self._rng)

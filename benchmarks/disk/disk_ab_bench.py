@@ -15,7 +15,7 @@ memory table is left out by default. Each shard runs the package of its own fold
 are grown alike to ``--rows`` by training lookups, then the Zipf(1.1) stream of ``scale_bench.py`` (its seed) runs in
 turns of :data:`scale_bench.PAIRED_BLOCK` requests, the other shards stopped meanwhile (``malloc_bench.measure``): every
 shard sees the machine of the same minutes, whose speed moved the memory table's rate between 4.2M and 8.3M rows/s
-from run to run on the development VM (2026-11-25-disk-tier.md, sections 18 to 24). Prints each shard's rate and
+from run to run on the development VM (benchmarks/results/2026-11-27-disk-tier.md, experiments 18 to 24). Prints each shard's rate and
 CPU, this checkout's rate over the baseline's (the whole, and turn by turn), and each table's over the memory
 table's where it ran; with ``--json``, one JSON object on the last line. ``--baseline-eviction`` gives the baseline's
 table another eviction policy than ``--eviction`` (with ``--baseline HEAD``: one policy against another, same code).

@@ -5,7 +5,7 @@ preloaded), each holding the same table grown alike to ``--rows`` rows, then the
 ``scale_bench.py`` (the same seed) in turns of :data:`scale_bench.PAIRED_BLOCK` requests, every other shard stopped
 (SIGSTOP) during a shard's turn and the order of the turns alternated: both shards see the machine of the same
 minutes, whose speed moved the memory table's rate between 4.2M and 8.1M rows/s from run to run of
-``scale_bench.py`` on the development VM (2026-11-25-disk-tier.md, sections 18 to 23). Prints each shard's rate,
+``scale_bench.py`` on the development VM (benchmarks/results/2026-11-27-disk-tier.md, experiments 18 to 23). Prints each shard's rate,
 its CPU and the client's a request, the rate of each over the first's (the whole, and turn by turn), and with
 ``--json`` one JSON object on the last line.
 

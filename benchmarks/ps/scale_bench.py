@@ -464,7 +464,7 @@ class MemoryCanary:
     """A fixed memory-bound job run every 20 ms on a thread of this process (a gather of 65,536 random values of a
     256 MB tensor, ~2 ms): its CPU time a run says when the whole machine's memory accesses slowed (a host stall slows
     every thread of every process alike; on this VM one took a lookup's probe of the index from ~5 ms to 43 ms while
-    this job's run took 5x its median, 2026-11-25-disk-tier.md section 17). :meth:`during` gives the slowest run
+    this job's run took 5x its median, benchmarks/results/disk-tier/2026-11-26-17-promotions-left-to-the-demoter.md). :meth:`during` gives the slowest run
     within a span of wall time, e.g. the shard's worst disk work."""
 
     def __init__(self, interval_s: float = 0.02) -> None:

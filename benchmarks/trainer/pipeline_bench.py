@@ -23,7 +23,7 @@ batch's lookup (and TorchRec's baseline builds its batches, as PersiaStrategy's 
     .venv/bin/python -m benchmarks.trainer.pipeline_bench --json          # + one JSON object on the last line
     .venv/bin/python -m benchmarks.trainer.pipeline_bench --quick --profile   # + where a step's time goes (profiler spans)
 
-Targets (benchmarks/results/2026-11-25-benchmarks-history.md): at batch 4,096 and 1 rank, the trainer process spends no more CPU per step than local
+Targets (benchmarks/results/2026-11-25-pipeline-bench.md): at batch 4,096 and 1 rank, the trainer process spends no more CPU per step than local
 TorchRec (moonshot: half), and PersiaStrategy trains at >= 0.8x local's samples/s (moonshot: 1.0x).
 """
 from __future__ import annotations

@@ -27,7 +27,7 @@ after the run (--test-batches held-out batches), and the ratios hybrid/local and
 veth pair shaped with ``tc netem delay DELAY_MS rate RATE`` in each direction (on kernels without netem: a
 ``tbf`` qdisc for the rate and a forwarder that delays every chunk, see common/netem.py); the shards
 bind the namespace's address with a random token. The namespaces are removed at the end, on error and on
-Ctrl-C. Results, commands and what bounds them: benchmarks/results/2026-11-25-benchmarks-history.md.
+Ctrl-C. Results, commands and what bounds them: benchmarks/results/2026-11-25-train-bench.md.
 """
 from __future__ import annotations
 

@@ -108,8 +108,7 @@ def _cold_among(values: torch.Tensor, threshold: int, count: int) -> tuple[torch
     """The positions of up to ``count`` live ``values`` at or below ``threshold``, in order, and how many values that
     took: up to the last one taken (the next sweep starts right after it), or all of them where fewer were found.
     In C where it can (one pass that stops at the last one taken): the tensor ops read the whole slice three times,
-    1.0 ms of a 16,384-row demotion's 5.25 ms with the lock held (100M rows, 40M in memory: 2026-11-25-disk-tier.md,
-    section 27)."""
+    1.0 ms of a 16,384-row demotion's 5.25 ms with the lock held (100M rows, 40M in memory)."""
     if native.available():
         return native.select_at_most(values, threshold, FREE, count)
     hits = torch.nonzero((values <= threshold) & (values != FREE)).squeeze(1)[:count]

@@ -172,7 +172,8 @@ class Differential:
                     self._compare_everything()
             self._compare_everything()
         except Exception as err:
-            raise type(err)(f"{err}\n{self._what_the_shards_said()}") from err
+            err.add_note(self._what_the_shards_said())
+            raise
         finally:
             self._cluster.close()
         return self.report
@@ -362,7 +363,8 @@ def _main() -> int:
         try:
             report = run_scenario(scenario)
         except Exception as err:  # noqa: BLE001 - print the seed that reproduces it
-            print(f"FAILED seed {seed}: {type(err).__name__}: {err}\n  rerun: {scenario.command}", flush=True)
+            notes = "\n".join(getattr(err, "__notes__", []))
+            print(f"FAILED seed {seed}: {type(err).__name__}: {err}\n{notes}\n  rerun: {scenario.command}", flush=True)
             return 1
         runs += 1
         for name in ("ops", "kills", "restarts", "answers_compared", "rows_compared", "saves", "loads", "reshards", "rollbacks"):

@@ -37,7 +37,6 @@ class ReplayTarget(Protocol):
     """What a replay needs of the shard's store (``shard_store.ShardStore``): the log does not import the store."""
 
     shard_index: int
-    num_shards: int
 
     def load(self, directory: str) -> None: ...
 
@@ -169,7 +168,7 @@ def open_shard_log(store: ReplayTarget, directory: str, durability: str, incarna
     base = read_base(path)
     if segments:
         _check_readable(path, base)
-        reason = (_left_behind(base, restore_from, store.num_shards)
+        reason = (_left_behind(path, segments, base, restore_from)
                   or _replay(store, path, base, segments, report, accepted, applied, window, on_progress, pause_s))
         if reason:
             report.not_trusted, report.replayed = reason, False
@@ -205,18 +204,28 @@ def _check_readable(path: Path, base: Optional[dict]) -> None:
             f"no rollback. To start without it (its clients then roll back), move {path} away.") from None
 
 
-def _left_behind(base: Optional[dict], restore_from: Optional[str], num_shards: int) -> str:
-    """Why the log is older than the checkpoint this start was told to restore from, or "": ``restore_from`` is a
-    checkpoint of another shard count than this shard's, and not the one the log follows. Such a log was left by an
-    earlier run of this shard count, before the job was re-sharded; replayed, it would serve that run's rows."""
+def _left_behind(path: Path, segments: list[int], base: Optional[dict], restore_from: Optional[str]) -> str:
+    """Why the log is older than the checkpoint this start was told to restore from, or "": its last record was
+    written before ``restore_from`` (a checkpoint folder, not the one the log follows) was saved. Such a log was left
+    by an earlier run of this shard, before the job went on elsewhere (another shard count, another cluster) and
+    saved ``restore_from``; replayed, it would serve that earlier run's rows. A ``restore_from`` older than the log
+    (the supervisor's last checkpoint, from before a later save or load) leaves the log trusted."""
     checkpoint = base.get("checkpoint") if base else None
     if not restore_from or not checkpoint or os.path.abspath(checkpoint) == os.path.abspath(restore_from):
         return ""
-    counts = sorted({int(folder.name.rsplit("-of-", 1)[1]) for folder in Path(restore_from).glob("shard-*-of-*")})
-    if not counts or num_shards in counts:
+    manifests = list(Path(restore_from).glob("shard-*-of-*/manifest.json"))
+    if not manifests:  # a folder of checkpoints, or none: nothing to compare with
         return ""
-    return (f"it follows {checkpoint}, and this shard starts with restore_from {restore_from}, a checkpoint of "
-            f"{counts[0]} shards: the log was left by a run of {num_shards} shards before the job was re-sharded")
+    written = max(segment_path(path, number).stat().st_mtime for number in segments)
+    saved = min(manifest.stat().st_mtime for manifest in manifests)
+    if written >= saved:
+        return ""
+    return (f"it follows {checkpoint} and its last record was written at {_utc(written)}, before restore_from "
+            f"{restore_from} was saved ({_utc(saved)}): the log was left by an earlier run")
+
+
+def _utc(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
 
 
 def _set_aside(path: Path, segments: list[int]) -> Path:

@@ -195,6 +195,8 @@ def test_a_log_left_by_an_earlier_shard_count_is_not_replayed_over_a_later_resha
     store.lookup("a", ids, train=True)
     store.update("a", ids, torch.ones(40, 4))
     store.save(str(tmp_path / "one-shard"))
+    for segment in (tmp_path / "wal").glob("wal-*.log"):  # its last write an hour before the later run's save
+        os.utime(segment, (time.time() - 3600, time.time() - 3600))
     for index in range(2):  # ... then the job went on with two shards, and saved
         shard = ShardStore(index, 2, seed=3)
         shard.load(str(tmp_path / "one-shard"))
@@ -203,5 +205,21 @@ def test_a_log_left_by_an_earlier_shard_count_is_not_replayed_over_a_later_resha
         shard.save(str(tmp_path / "two-shards"))
     restarted = _start(tmp_path, "two", restore_from=str(tmp_path / "two-shards"))  # back to one shard
     report = restarted.log.report
-    assert not report.replayed and "left by a run of 1 shards before the job was re-sharded" in report.not_trusted
+    assert not report.replayed and "before restore_from" in report.not_trusted and "left by an earlier run" in report.not_trusted
     assert torch.equal(_values(restarted, "a", ids), torch.full((40, 4), -2.0))  # the two-shard run's rows
+
+
+def test_a_log_newer_than_restore_from_is_replayed(tmp_path):
+    """The supervisor's restore_from lags a later load or save of the shards: the log is the newer, and trusted."""
+    store = _start(tmp_path, "one")
+    store.configure(TableConfig("a", 4, optimizer=SGD(lr=1.0), init=Constant(0.0)))
+    ids = torch.arange(10)
+    store.lookup("a", ids, train=True)
+    store.save(str(tmp_path / "first"))
+    store.update("a", ids, torch.ones(10, 4))
+    store.save(str(tmp_path / "second"))
+    store.load(str(tmp_path / "first"))  # a rollback the supervisor has not heard of
+    store.update("a", ids, torch.ones(10, 4))
+    restarted = _start(tmp_path, "two", restore_from=str(tmp_path / "second"))
+    assert restarted.log.report.replayed and restarted.log.report.not_trusted == ""
+    assert torch.equal(_values(restarted, "a", ids), torch.full((10, 4), -1.0))

@@ -158,6 +158,7 @@ class Differential:
         self._trace: list[str] = []
         self._generation = 0
         self._save_attempts = 0
+        self._tables_made = 0
         self._cluster: Optional[_Cluster] = None
 
     def run(self) -> Report:
@@ -233,7 +234,8 @@ class Differential:
         self._model.update(name, ids, grads)
 
     def _create_table(self) -> None:
-        number = len(self._tables)
+        number = self._tables_made  # never a name in use: a load keeps the tables of its checkpoint, not the last ones
+        self._tables_made += 1
         optimizer = self._rng.choice([SGD(lr=0.5), Adagrad(lr=0.3, rowwise=True), Adagrad(lr=0.2)])
         disk = self.scenario.storage == "disk"
         config = TableConfig(f"t{number}", self._rng.choice([4, 8]), optimizer=optimizer, storage="disk" if disk else "memory",

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from lightning_persia.remote_ps.client import PSClient  # noqa: E402
+from lightning_persia.remote_ps.client import PSClient, RetryPolicy  # noqa: E402
 from lightning_persia.remote_ps.config import DURABILITY  # noqa: E402
 from lightning_persia.remote_ps.launcher import LocalShards  # noqa: E402
 from walbench.compare import auc_figures, differences  # noqa: E402
@@ -142,7 +142,7 @@ def _read_replays(client: PSClient, run: Run, seen: set) -> None:
 def inject(process: subprocess.Popen, shards: LocalShards, run: Run, args: argparse.Namespace, seed: int) -> None:
     """The kills of one run (see the module docstring), spread over its steps, drawn from ``seed``."""
     rng = random.Random(seed)
-    client = PSClient(shards.addresses, timeout_s=10, max_retries=100, retry_for_s=120)
+    client = PSClient(shards.addresses, retry=RetryPolicy(timeout_s=10, max_retries=100, retry_for_s=120))
     seen: set = set()
     killed = [0] * args.shards
     try:

@@ -232,7 +232,7 @@ class PersiaStrategy(DDPStrategy):
             addresses = self.broadcast(addresses)
             if isinstance(addresses, str):
                 raise RuntimeError(addresses)
-        self.client = PSClient(addresses, token=self.ps.token, tls_root_cert=self.ps.tls_root_cert, timeout_s=self.ps.timeout_s,
+        self.client = PSClient(addresses, token=self.ps.token, tls_root_cert=self.ps.tls_root_cert, retry=self.recovery.retry_policy(self.ps.timeout_s),
                                interceptors=[self._metrics.client_interceptor] if self._metrics is not None else ())
         self._recovery.attach(self.client, None, self._cluster)
         self.client.wait_healthy(self.ps.timeout_s, on_wait=_report_wait, report_every_s=WAIT_REPORT_INTERVAL_S)

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 import torch
 
 from lightning_persia.embedding.pipeline import EmbeddingLookupError
-from lightning_persia.remote_ps.client import PSClient, PSError, ShardRestartedError, ShardUnavailableError
+from lightning_persia.remote_ps.client import PSClient, PSError, RetryPolicy, ShardRestartedError, ShardUnavailableError
 from lightning_persia.remote_ps.protocol import COMMIT_MARKER
 
 if TYPE_CHECKING:
@@ -144,12 +144,12 @@ class RecoveryConfig:
     """Embedded mode: the launcher restarts a dead shard on its port, from the latest checkpoint."""
     max_local_restarts: int = 3
     """Embedded mode: restarts per shard before the launcher gives up on it."""
-    client_max_retries: int = 5
+    client_max_retries: int = RetryPolicy.max_retries
     """Retries of a PS call that failed with UNAVAILABLE or DEADLINE_EXCEEDED (each with ``PSSettings.timeout_s``), at
     least; more until the call has lasted ``wait_for_shards_s``."""
-    client_backoff_s: float = 0.1
+    client_backoff_s: float = RetryPolicy.backoff_s
     """First back-off between retries (doubles each time, with jitter)."""
-    client_max_backoff_s: float = 5.0
+    client_max_backoff_s: float = RetryPolicy.max_backoff_s
     """Longest back-off between retries."""
 
     def __post_init__(self) -> None:
@@ -157,6 +157,11 @@ class RecoveryConfig:
             raise ValueError("RecoveryConfig: max_rollbacks, max_local_restarts and client_max_retries must be >= 0")
         if self.wait_for_shards_s <= 0 or self.client_backoff_s < 0 or self.client_max_backoff_s < 0:
             raise ValueError("RecoveryConfig: wait_for_shards_s must be > 0 and the back-offs >= 0")
+
+    def retry_policy(self, timeout_s: float) -> RetryPolicy:
+        """The retries of every parameter-server call, each attempt with the deadline ``timeout_s``."""
+        return RetryPolicy(timeout_s=timeout_s, max_retries=self.client_max_retries, retry_for_s=self.wait_for_shards_s,
+                           backoff_s=self.client_backoff_s, max_backoff_s=self.client_max_backoff_s)
 
 
 @dataclass
@@ -192,10 +197,7 @@ class Recovery:
     # ---- hooks called by the strategy ----------------------------------------------------------------
 
     def attach(self, client: Any, embeddings: Optional[RecoverableEmbeddings], shards: Optional[RestartableShards]) -> None:
-        """Applies the client's retry settings and makes failed updates wait for the next check."""
-        retry = client.retry
-        retry.max_retries, retry.retry_for_s = self.config.client_max_retries, self.config.wait_for_shards_s
-        retry.backoff_s, retry.max_backoff_s = self.config.client_backoff_s, self.config.client_max_backoff_s
+        """Makes failed updates wait for the next check (``client`` retries under :meth:`RecoveryConfig.retry_policy`)."""
         self._client, self._embeddings, self._shards = client, embeddings, shards
         if embeddings is not None and self.config.enabled:
             embeddings.set_update_error_handler(self._on_update_error)

@@ -55,7 +55,8 @@ import torch
 
 from lightning_persia.embedding.pipeline import EmbeddingLookupError
 from lightning_persia.remote_ps.client import PSClient, PSError, RetryPolicy, ShardRestartedError, ShardUnavailableError
-from lightning_persia.remote_ps.protocol import COMMIT_MARKER
+from lightning_persia.remote_ps.remote_folder import is_remote
+from lightning_persia.strategy import ps_checkpoint
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -203,21 +204,18 @@ class Recovery:
             embeddings.set_update_error_handler(self._on_update_error)
             embeddings.set_lookup_error_handler(self._on_lookup_error)
 
-    def saved(self, filepath: Any, ps_dir: Optional[Path], commit: bool = True) -> None:
+    def saved(self, filepath: Any, ps_dir: Optional[str], commit: bool = True) -> None:
         """A checkpoint (dense file + PS folder) is complete: the target of the next rollback.
 
         Rank 0 marks the PS folder committed (a shard started with ``--restore-from`` on a folder of checkpoints
         then prefers it to a PS folder whose ``.ckpt`` was never written)."""
         self.last_checkpoint = str(filepath)
         if commit and ps_dir is not None and self.strategy.is_global_zero:
-            try:
-                (ps_dir / COMMIT_MARKER).write_text(f"{Path(str(filepath)).name}\n")
-            except OSError as err:  # the shards' file system may not be this rank's; nothing depends on it
-                log.debug("cannot mark %s committed: %s", ps_dir, err)
-        if self._shards is not None and ps_dir is not None:
-            self._shards.restore_from = str(ps_dir)
+            ps_checkpoint.mark_committed(ps_dir, Path(str(filepath)).name)
+        if self._shards is not None and ps_dir is not None and not is_remote(ps_dir):  # a shard restores from a path
+            self._shards.restore_from = ps_dir
 
-    def loaded(self, filepath: Any, ps_dir: Optional[Path]) -> None:
+    def loaded(self, filepath: Any, ps_dir: Optional[str]) -> None:
         """The run resumed from a checkpoint: it is the rollback target until a newer one is saved."""
         self.saved(filepath, ps_dir, commit=False)
 
@@ -358,13 +356,13 @@ class Recovery:
         except Exception as err:  # noqa: BLE001
             dense, error = None, f"cannot read {target}: {type(err).__name__}: {err}"
         self._all_ok(error, "reading the checkpoint")
-        ps_dir = Path(target).parent / entry["ps_dir"] if entry else None
+        ps_dir = ps_checkpoint.folder_named_by(target, entry["ps_dir"]) if entry else None
         status = "ok"
         if strategy.is_global_zero:
             try:
                 client.wait_healthy(self.config.wait_for_shards_s)
                 if ps_dir is not None:
-                    client.load(str(ps_dir))
+                    client.load(ps_dir)
             except Exception as err:  # noqa: BLE001
                 status = (f"the shards did not come back within {self.config.wait_for_shards_s:.0f} s or refused the "
                           f"checkpoint {ps_dir}: {type(err).__name__}: {err}{self._cluster_events()}")

@@ -6,9 +6,8 @@ import math
 import pytest
 import torch
 
-from lightning_persia.data import FeatureTransform, SyntheticCriteoDataModule, hash_categorical, make_batch
+from lightning_persia.data import FeatureTransform, hash_categorical, make_batch
 from lightning_persia.data.batch import hash_feature_values
-from lightning_persia.data.transform import recorded_transform
 from lightning_persia.serving import CriteoRequestDecoder, RequestError
 
 DECODER = CriteoRequestDecoder(["a", "b"], num_dense=2)
@@ -110,14 +109,3 @@ def test_a_transform_that_does_not_make_the_model_s_features_is_refused():
         CriteoRequestDecoder(["a", "c"], num_dense=2, transform=HASHED)
     with pytest.raises(ValueError, match="the model takes 3 dense features, its data module's transform makes 2"):
         CriteoRequestDecoder(["a"], num_dense=3, transform=HASHED)
-
-
-def test_the_transform_round_trips_and_is_what_a_data_module_s_checkpoint_records():
-    module = SyntheticCriteoDataModule(num_train_batches=1, batch_size=4)
-    transform = module.feature_transform()
-    assert (transform.ids, transform.dense, transform.text_ids, len(transform.sparse_features)) == ("hash", "log1p", "hex", 26)
-    assert FeatureTransform.from_dict(transform.to_dict()) == transform
-    assert recorded_transform({"state_dict": {}, "SyntheticCriteoDataModule": module.state_dict()}) == transform
-    assert recorded_transform({"state_dict": {}}) is None
-    with pytest.raises(ValueError, match=r"unknown fields \['vocab'\]"):
-        FeatureTransform.from_dict({**transform.to_dict(), "vocab": 3})

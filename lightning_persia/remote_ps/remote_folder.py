@@ -30,7 +30,8 @@ def is_remote(directory: str) -> bool:
 
 def local_path(directory: str) -> str:
     """The absolute path on this machine of ``directory``, a path or a ``file://`` URL."""
-    return fsspec.core.url_to_fs(directory)[1]
+    _, path = fsspec.core.split_protocol(directory)
+    return os.path.abspath(path)
 
 
 @contextlib.contextmanager

@@ -36,12 +36,12 @@ from lightning_persia.embedding.rank_merge import RankMerge
 from lightning_persia.ops.pooled_lookup import kernel_in_use
 from lightning_persia.remote_ps.client import PSClient, ShardWait
 from lightning_persia.remote_ps.table_config import TABLE_SETTING_NAMES, InitLike, OptimizerLike, TableSettings
+from lightning_persia.strategy import ps_checkpoint
 from lightning_persia.strategy.interception import MODULE_KINDS, TableDefaults, TableOverride, intercept
 from lightning_persia.strategy.lightning_internals import keep_the_users_samplers
 from lightning_persia.strategy.local_cluster import LocalCluster
 from lightning_persia.strategy.metrics import MetricsEndpoint, TrainerMetrics
 from lightning_persia.strategy.moved_arguments import refuse_moved_arguments
-from lightning_persia.strategy import ps_checkpoint
 from lightning_persia.strategy.ps_settings import PSSettings
 from lightning_persia.strategy.recovery import (
     PersiaRecoveryError, Recovery, RecoveryConfig, RollbackEvent, is_shard_failure, new_save_id,

@@ -92,16 +92,23 @@ def test_load_from_checkpoint_names_where_the_tables_are(memory_fs):
     assert TABLES_ELSEWHERE_KEY in state and not any(k.startswith("ebc.") for k in state)
 
 
-def test_a_shard_refuses_a_url_outside_its_checkpoint_root_and_reports_a_missing_folder(memory_fs, tmp_path):
-    rooted, free = _shards(1, (f"checkpoint_root={tmp_path}",)) + _shards(1)
+def test_a_shard_s_checkpoint_root_confines_urls_and_a_missing_folder_is_named(memory_fs, tmp_path):
+    path_rooted, url_rooted = _shards(1, (f"checkpoint_root={tmp_path}",)) + _shards(1, ("checkpoint_root=memory://ckpts/allowed",))
     try:
-        with PSClient([rooted.address]) as client:
+        with PSClient([path_rooted.address]) as client:
             client.configure([TableConfig("t", 2)])
             with pytest.raises(PSRequestError, match="outside this shard's checkpoint_root"):
-                client.save("memory://ckpts/x")
-        with PSClient([free.address]) as client:
-            with pytest.raises(PSRequestError, match="no checkpoint folder at memory://ckpts/missing"):
-                client.load("memory://ckpts/missing")
+                client.save("memory://ckpts/x")  # a path root allows no URL
+        with PSClient([url_rooted.address]) as client:
+            client.configure([TableConfig("t", 2)])
+            client.save("memory://ckpts/allowed/run")
+            assert memory_fs.exists("/ckpts/allowed/run/shard-00000-of-00001/manifest.json")
+            client.load("memory://ckpts/allowed/run")
+            for outside in ("memory://ckpts/other", "memory://ckpts/allowed/../other"):
+                with pytest.raises(PSRequestError, match="outside this shard's checkpoint_root"):
+                    client.save(outside)
+            with pytest.raises(PSRequestError, match="no checkpoint folder at memory://ckpts/allowed/missing"):
+                client.load("memory://ckpts/allowed/missing")
     finally:
-        rooted.stop(0)
-        free.stop(0)
+        path_rooted.stop(0)
+        url_rooted.stop(0)

@@ -287,6 +287,6 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
     def _checkpoint_url(self, url: str) -> str:
         """``url`` if this shard may save and load there: with a ``checkpoint_root``, only under it."""
         root = self.config.checkpoint_root
-        if root is not None and not (remote_folder.is_remote(root) and url.startswith(root.rstrip("/") + "/") and "/../" not in url):
+        if root is not None and not (remote_folder.is_remote(root) and url.startswith(root.rstrip("/") + "/") and ".." not in url.split("/")):
             raise RpcRefusal(grpc.StatusCode.PERMISSION_DENIED, f"checkpoint folder {url!r} is outside this shard's checkpoint_root {root!r}")
         return url

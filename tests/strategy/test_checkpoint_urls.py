@@ -104,7 +104,7 @@ def test_a_shard_s_checkpoint_root_confines_urls_and_a_missing_folder_is_named(m
             client.save("memory://ckpts/allowed/run")
             assert memory_fs.exists("/ckpts/allowed/run/shard-00000-of-00001/manifest.json")
             client.load("memory://ckpts/allowed/run")
-            for outside in ("memory://ckpts/other", "memory://ckpts/allowed/../other"):
+            for outside in ("memory://ckpts/other", "memory://ckpts/allowed/../other", "memory://ckpts/allowed/.."):
                 with pytest.raises(PSRequestError, match="outside this shard's checkpoint_root"):
                     client.save(outside)
             with pytest.raises(PSRequestError, match="no checkpoint folder at memory://ckpts/allowed/missing"):

@@ -231,8 +231,8 @@ class EmulatedNetwork:
         """Median time of a Stats RPC to every shard at once, measured from the trainers' namespace."""
         code = (
             "import json, statistics, sys, time\n"
-            "from lightning_persia.remote_ps.client import PSClient\n"
-            "c = PSClient(json.loads(sys.argv[1]), token=sys.argv[2], timeout_s=30)\n"
+            "from lightning_persia.remote_ps.client import PSClient, RetryPolicy\n"
+            "c = PSClient(json.loads(sys.argv[1]), token=sys.argv[2], retry=RetryPolicy(timeout_s=30))\n"
             "c.wait_healthy(30)\n"
             "ts = []\n"
             f"for _ in range({calls}):\n"

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from lightning_persia.remote_ps.client import PSClient
+from lightning_persia.remote_ps.client import PSClient, RetryPolicy
 from lightning_persia.remote_ps.launcher import LocalShards
 from lightning_persia.remote_ps.store import ShardStore
 from lightning_persia.remote_ps.table_config import Adagrad, TableConfig
@@ -95,7 +95,7 @@ def in_process(args, batches, grads) -> dict:
 
 
 def through_grpc(args, num_shards: int, batches, grads) -> dict:
-    with LocalShards(num_shards) as shards, PSClient(shards.addresses, timeout_s=120) as client:
+    with LocalShards(num_shards) as shards, PSClient(shards.addresses, retry=RetryPolicy(timeout_s=120)) as client:
         client.wait_healthy(120)
         client.configure([table_config(args.dim)])
         for batch in batches:  # admit the pool, so the timed part reads and updates existing rows
@@ -110,7 +110,7 @@ def through_grpc(args, num_shards: int, batches, grads) -> dict:
 
 def memory(args) -> dict:
     """Shard RSS growth per stored row after ``memory_rows`` rows were admitted and updated once."""
-    with LocalShards(1) as shards, PSClient(shards.addresses, timeout_s=300) as client:
+    with LocalShards(1) as shards, PSClient(shards.addresses, retry=RetryPolicy(timeout_s=300)) as client:
         client.wait_healthy(120)
         client.configure([table_config(args.dim)])
         pid = shards.processes[0].pid

@@ -67,7 +67,7 @@ import torch
 from benchmarks.common.host_probe import drop_page_cache
 from benchmarks.ps.ps_bench import rss_bytes
 from lightning_persia.remote_ps.allocator import ALLOCATORS, JEMALLOC, preloads_jemalloc, shard_environment
-from lightning_persia.remote_ps.client import PSClient, PSError
+from lightning_persia.remote_ps.client import PSClient, PSError, RetryPolicy
 from lightning_persia.remote_ps.launcher import LocalShards
 from lightning_persia.remote_ps.table_config import Adagrad, TableConfig
 
@@ -149,7 +149,7 @@ def start(num_shards: int, dtype: str, overrides: Sequence[str], configure: bool
     variables the shards' environment adds (``LocalShards``)."""
     shards = LocalShards(num_shards, overrides=["max_ids_per_request=4194304", "torch_threads=1", *overrides], allocator=allocator,
                          env=env)
-    client = PSClient(shards.addresses, timeout_s=600.0, checkpoint_timeout_s=7200.0)
+    client = PSClient(shards.addresses, checkpoint_timeout_s=7200.0, retry=RetryPolicy(timeout_s=600.0))
     client.wait_healthy(120)
     if configure:
         storage = {"capacity": memory_rows, "storage": "disk"} if memory_rows else {"capacity": (1 << 31) - 1}
@@ -315,7 +315,7 @@ class _Trainer(threading.Thread):
 
     def __init__(self, addresses: list[str], rows: int, request_ids: int) -> None:
         super().__init__(daemon=True)
-        self.client = PSClient(addresses, timeout_s=600.0)
+        self.client = PSClient(addresses, retry=RetryPolicy(timeout_s=600.0))
         self.rows, self.request_ids = rows, request_ids
         self.stop = threading.Event()
         self.worst = 0.0

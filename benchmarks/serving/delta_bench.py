@@ -52,7 +52,7 @@ def _in_chunks(ids: torch.Tensor, size: int = 1 << 19):
 
 
 def measure_delta(rows: int, storage_dtype: str, scratch: Path) -> dict:
-    from lightning_persia.remote_ps.client import PSClient
+    from lightning_persia.remote_ps.client import PSClient, RetryPolicy
     from lightning_persia.remote_ps.launcher import LocalShards
     from lightning_persia.remote_ps.table_config import Adagrad, TableConfig
 
@@ -60,7 +60,7 @@ def measure_delta(rows: int, storage_dtype: str, scratch: Path) -> dict:
     ids = torch.arange(2 * rows) * 7919 + 13  # spread over both shards by the id hash
     folder = scratch / storage_dtype
     out: dict = {"storage": storage_dtype, "rows": rows}
-    with LocalShards(2) as training, PSClient(training.addresses, timeout_s=300) as client:
+    with LocalShards(2) as training, PSClient(training.addresses, retry=RetryPolicy(timeout_s=300)) as client:
         client.wait_healthy(60)
         client.configure([table])
         for chunk in _in_chunks(ids):
@@ -74,7 +74,7 @@ def measure_delta(rows: int, storage_dtype: str, scratch: Path) -> dict:
         started = time.perf_counter()
         client.save_delta(folder / "v2", "v2", base_id="v1")
         out["delta_s"], out["delta_bytes"] = time.perf_counter() - started, _bytes(folder / "v2")
-    with LocalShards(2, extra_args=["--read-only", "--restore-from", str(folder / "base")]) as serving, PSClient(serving.addresses, timeout_s=300) as client:
+    with LocalShards(2, extra_args=["--read-only", "--restore-from", str(folder / "base")]) as serving, PSClient(serving.addresses, retry=RetryPolicy(timeout_s=300)) as client:
         client.wait_healthy(120)
         started = time.perf_counter()
         staged = client.stage_delta(folder / "v2", version=1, base_version=0)

@@ -67,7 +67,7 @@ def request_rows(count: int) -> tuple[list, list[bytes]]:
     batch = next(iter(data.val_dataloader()))
     features, ids = batch.sparse_features.keys(), batch.sparse_ids()
     rows = [make_batch(ids[i : i + 1], batch.dense_features[i : i + 1], batch.labels[i : i + 1], features) for i in range(count)]
-    bodies = [json.dumps({"sparse": {f: [int(ids[i, j])] for j, f in enumerate(features)},
+    bodies = [json.dumps({"transformed": True, "sparse": {f: [int(ids[i, j])] for j, f in enumerate(features)},
                           "dense": batch.dense_features[i].tolist()}).encode() for i in range(count)]
     return rows, bodies
 

@@ -36,7 +36,7 @@ from typing import Optional
 
 from benchmarks.wal.compare import auc_figures, differences
 from benchmarks.wal.lag import HISTOGRAMS, mean_lag
-from lightning_persia.remote_ps.client import PSClient
+from lightning_persia.remote_ps.client import PSClient, RetryPolicy
 from lightning_persia.remote_ps.config import DURABILITY
 from lightning_persia.remote_ps.launcher import LocalShards
 
@@ -139,7 +139,7 @@ def _read_replays(client: PSClient, run: Run, seen: set) -> None:
 def inject(process: subprocess.Popen, shards: LocalShards, run: Run, args: argparse.Namespace, seed: int) -> None:
     """The kills of one run (see the module docstring), spread over its steps, drawn from ``seed``."""
     rng = random.Random(seed)
-    client = PSClient(shards.addresses, timeout_s=10, max_retries=100, retry_for_s=120)
+    client = PSClient(shards.addresses, retry=RetryPolicy(timeout_s=10, max_retries=100, retry_for_s=120))
     seen: set = set()
     killed = [0] * args.shards
     try:

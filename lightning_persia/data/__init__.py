@@ -29,6 +29,7 @@ from lightning_persia.data.criteo import (
 )
 from lightning_persia.data.criteo_binary import CriteoBinaryDataModule, CriteoBinaryDataset
 from lightning_persia.data.parquet import ParquetDataModule, ParquetDataset
+from lightning_persia.data.transform import FeatureTransform
 from lightning_persia.data.synthetic import (
     SyntheticCriteo,
     SyntheticCriteoDataModule,
@@ -60,6 +61,7 @@ __all__ = [
     "CriteoBinaryDataset",
     "CriteoDataModule",
     "CriteoIterableDataset",
+    "FeatureTransform",
     "ParquetDataModule",
     "ParquetDataset",
     "SYNTHETIC_DEFAULT_CARDINALITIES",

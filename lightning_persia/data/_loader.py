@@ -7,6 +7,8 @@ from typing import Any, Dict, List, Optional
 from lightning.pytorch import LightningDataModule, Trainer
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from lightning_persia.data.transform import TransformedFeatures
+
 SPLITS = ("train", "val", "test")
 MAX_AUTO_WORKERS = 8
 
@@ -43,7 +45,7 @@ def batch_loader(
     )
 
 
-class SplitDataModule(LightningDataModule):
+class SplitDataModule(TransformedFeatures, LightningDataModule):
     """A data module of streaming datasets, one per split (:meth:`make_dataset`), each read by this rank's share.
 
     Args:

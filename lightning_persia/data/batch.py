@@ -91,13 +91,21 @@ def hash_categorical(values: Tensor, missing: Optional[Tensor] = None) -> Tensor
     """
     if values.dim() != 2:
         raise ValueError(f"expected [B, F] values, got shape {tuple(values.shape)}")
+    return _hash(values, torch.arange(values.shape[1], dtype=torch.int64).unsqueeze(0), missing)
+
+
+def hash_feature_values(values: Tensor, feature_index: int, missing: Optional[Tensor] = None) -> Tensor:
+    """:func:`hash_categorical`'s ids of any number of values of the one feature at position ``feature_index``."""
+    return _hash(values, torch.tensor(feature_index, dtype=torch.int64), missing)
+
+
+def _hash(values: Tensor, feature_index: Tensor, missing: Optional[Tensor]) -> Tensor:
     values = values.to(torch.int64)
     if bool(((values < 0) | (values >= _MISSING_BIT)).any()):
         raise ValueError("categorical values must lie in [0, 2**32)")
     if missing is not None:
         values = torch.where(missing, torch.full_like(values, _MISSING_BIT), values)
-    feature = (torch.arange(1, values.shape[1] + 1, dtype=torch.int64) << _FEATURE_SHIFT).unsqueeze(0)
-    return mix64(values | feature) & _POSITIVE
+    return mix64(values | ((feature_index + 1) << _FEATURE_SHIFT)) & _POSITIVE
 
 
 def missing_ids(num_features: int) -> Tensor:

@@ -30,6 +30,7 @@ from lightning_persia.data._files import expand_files
 from lightning_persia.data._loader import FileSplitDataModule
 from lightning_persia.data._sharding import reader_shard
 from lightning_persia.data.batch import CriteoBatch, hash_categorical, transform_dense
+from lightning_persia.data.transform import FeatureTransform
 
 CRITEO_NUM_DENSE = 13
 CRITEO_NUM_SPARSE = 26
@@ -156,6 +157,10 @@ class CriteoFeatures:
     @property
     def num_dense_features(self) -> int:
         return CRITEO_NUM_DENSE
+
+    def feature_transform(self) -> FeatureTransform:
+        """Criteo's TSV cells: hex categorical values hashed, dense counts ``log1p``'d (a missing one is 0)."""
+        return FeatureTransform(tuple(CRITEO_SPARSE_FEATURES), tuple(CRITEO_DENSE_FEATURES), ids="hash", dense="log1p", text_ids="hex")
 
 
 class CriteoIterableDataset(BatchStream):

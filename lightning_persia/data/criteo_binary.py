@@ -31,7 +31,8 @@ from lightning_persia.data._batching import BatchStream, Rows, cut_batches
 from lightning_persia.data._loader import FileSplitDataModule
 from lightning_persia.data._sharding import deal_pieces
 from lightning_persia.data.batch import CriteoBatch, hash_categorical
-from lightning_persia.data.criteo import CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE, CRITEO_SPARSE_FEATURES, CriteoFeatures
+from lightning_persia.data.criteo import CRITEO_DENSE_FEATURES, CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE, CRITEO_SPARSE_FEATURES, CriteoFeatures
+from lightning_persia.data.transform import FeatureTransform
 
 PARTS = ("dense", "sparse", "labels")
 _UINT32 = 1 << 32
@@ -204,6 +205,11 @@ class CriteoBinaryDataModule(CriteoFeatures, FileSplitDataModule):
     ) -> None:
         super().__init__(train_files, val_files, test_files, batch_size, eval_batch_size, drop_last, num_workers, pin_memory)
         self.save_hyperparameters()
+
+    def feature_transform(self) -> FeatureTransform:
+        """The days' values: 32-bit categorical values hashed (a negative int32 is its unsigned value), the dense
+        values as the files hold them (TorchRec's preprocessing transformed them already)."""
+        return FeatureTransform(tuple(CRITEO_SPARSE_FEATURES), tuple(CRITEO_DENSE_FEATURES), ids="hash", dense="none")
 
     def read_files(self, files: List[str], batch_size: int, drop_last: bool) -> CriteoBinaryDataset:
         return CriteoBinaryDataset(files, batch_size=batch_size, drop_last=drop_last)

@@ -25,6 +25,7 @@ from lightning_persia.data._files import expand_files
 from lightning_persia.data._loader import FileSplitDataModule
 from lightning_persia.data._sharding import deal_pieces
 from lightning_persia.data.batch import CriteoBatch, hash_categorical, transform_dense
+from lightning_persia.data.transform import FeatureTransform
 
 DENSE_TRANSFORMS = ("log1p", "none")
 _UINT32 = 1 << 32
@@ -213,6 +214,12 @@ class ParquetDataModule(FileSplitDataModule):
     @property
     def num_dense_features(self) -> int:
         return len(self.columns["dense_columns"])
+
+    def feature_transform(self) -> FeatureTransform:
+        """The columns' values: integer categorical values hashed (a null is the feature's missing id), the dense
+        columns through ``dense_transform``."""
+        return FeatureTransform(tuple(self.sparse_feature_names), tuple(self.columns["dense_columns"]), ids="hash",
+                                dense=self.columns["dense_transform"])
 
     def read_files(self, files: List[str], batch_size: int, drop_last: bool) -> ParquetDataset:
         return ParquetDataset(files, **self.columns, batch_size=batch_size, drop_last=drop_last)

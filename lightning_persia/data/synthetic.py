@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_persia.data._loader import batch_loader
 from lightning_persia.data._sharding import process_rank
+from lightning_persia.data.transform import TransformedFeatures
 from lightning_persia.data.batch import CriteoBatch, hash_categorical, make_batch, transform_dense
 from lightning_persia.data.criteo import (
     CRITEO_KAGGLE_CARDINALITIES,
@@ -364,7 +365,7 @@ class SyntheticCriteoDataset(Dataset):
         return self.generator.batch(self.split, index, self.batch_size)
 
 
-class SyntheticCriteoDataModule(CriteoFeatures, LightningDataModule):
+class SyntheticCriteoDataModule(CriteoFeatures, TransformedFeatures, LightningDataModule):
     """Synthetic Criteo-shaped batches generated on the fly (see :class:`SyntheticCriteo`).
 
     ``num_*_batches`` are global counts, dealt round-robin to the ranks. The same seed gives the same data.

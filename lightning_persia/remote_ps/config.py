@@ -75,7 +75,8 @@ class PSConfig:
     """Most tables one shard holds; a Configure that would create more is RESOURCE_EXHAUSTED."""
     checkpoint_root: Optional[str] = None
     """Save and Load only under this folder (PERMISSION_DENIED elsewhere); ``None`` allows any absolute path the
-    shard process can write, which any client holding the token can then use."""
+    shard process can write, and any ``fsspec`` URL its credentials reach, which any client holding the token can then
+    use. A URL root (``s3://bucket/checkpoints``) allows the URLs under it; a path root allows no URL."""
     restore_from: Optional[str] = None
     """Load a checkpoint before serving: a checkpoint folder, or a folder holding several (the newest complete
     one is loaded, e.g. a PersiaStrategy ``<ckpt>.ps`` folder or a whole checkpoint directory). A shard

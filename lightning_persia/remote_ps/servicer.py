@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import grpc
 
 from lightning_persia.ops import wire
-from lightning_persia.remote_ps import messages
+from lightning_persia.remote_ps import messages, remote_folder
 from lightning_persia.remote_ps.config import PSConfig
 from lightning_persia.remote_ps.exactly_once import UpdateDeduplicator
 from lightning_persia.remote_ps.messages import RpcRefusal, invalid, read_only
@@ -178,14 +178,25 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
     def Save(self, request: persia_pb2.SaveRequest, context) -> persia_pb2.SaveResponse:
         if self.config.read_only:
             raise read_only("Save")
-        self.store.save(self._checkpoint_directory(request.directory), save_id=request.save_id)
+        if remote_folder.is_remote(request.directory):
+            with remote_folder.saved_to(self._checkpoint_url(request.directory)) as staging:
+                self.store.save(staging, save_id=request.save_id)
+        else:
+            self.store.save(self._checkpoint_directory(request.directory), save_id=request.save_id)
         return persia_pb2.SaveResponse()
 
     @_rpc
     def Load(self, request: persia_pb2.LoadRequest, context) -> persia_pb2.LoadResponse:
         if self.config.read_only:
             raise read_only("Load")
-        self.store.load(self._checkpoint_directory(request.directory))
+        if remote_folder.is_remote(request.directory):
+            try:
+                with remote_folder.loaded_from(self._checkpoint_url(request.directory)) as staging:
+                    self.store.load(staging)
+            except FileNotFoundError as err:
+                raise RpcRefusal(grpc.StatusCode.NOT_FOUND, str(err)) from None
+        else:
+            self.store.load(self._checkpoint_directory(request.directory))
         return persia_pb2.LoadResponse()
 
     @_rpc
@@ -272,3 +283,10 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
 
     def _checkpoint_directory(self, directory: str) -> str:
         return messages.checkpoint_directory(directory, self.config.checkpoint_root)
+
+    def _checkpoint_url(self, url: str) -> str:
+        """``url`` if this shard may save and load there: with a ``checkpoint_root``, only under it."""
+        root = self.config.checkpoint_root
+        if root is not None and not (remote_folder.is_remote(root) and url.startswith(root.rstrip("/") + "/") and ".." not in url.split("/")):
+            raise RpcRefusal(grpc.StatusCode.PERMISSION_DENIED, f"checkpoint folder {url!r} is outside this shard's checkpoint_root {root!r}")
+        return url

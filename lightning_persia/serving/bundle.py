@@ -164,6 +164,12 @@ class Bundle(ChecksummedFolder):
     def remote_tables(self) -> list[str]:
         return list(self.manifest["remote_tables"])
 
+    @property
+    def feature_transform(self) -> Optional[dict[str, Any]]:
+        """How the training data module made its batches from its files' features
+        (``lightning_persia.data.FeatureTransform.to_dict()``); ``None`` when the checkpoint recorded none."""
+        return self.manifest.get("feature_transform")
+
 
 def is_bundle(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a folder with a bundle manifest (damaged or not)."""

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_persia.data import CriteoBatch
+from lightning_persia.data.transform import FeatureTransform, TransformError
 
 if TYPE_CHECKING:
     from lightning_persia.serving.predictor import Predictor
@@ -50,61 +51,88 @@ class RequestDecoder(ABC):
 
 
 class CriteoRequestDecoder(RequestDecoder):
-    """``{"sparse": {"<feature>": [ids, ...], ...}, "dense": [floats, ...]}`` -> :class:`CriteoBatch` rows.
+    """Request bodies -> :class:`CriteoBatch` rows, in two forms.
 
-    Every feature of ``sparse_features`` must be given (an empty list is a row without ids for it); ids are
-    64-bit integers; ``dense`` holds exactly ``num_dense`` finite numbers.
+    As the training files hold the features (the default)::
+
+        {"sparse": {"cat_0": "68fd1e64", "cat_1": [7, null], ...}, "dense": [3, null, 0.5, ...]}
+
+    a feature's value or list of values (text or integers, ``null`` for a missing value) and the dense values
+    (numbers, ``null`` for missing) go through the training data module's :class:`FeatureTransform` (hashing or raw
+    ids, the dense transform), recorded in the bundle. Already transformed, marked so::
+
+        {"transformed": true, "sparse": {"cat_0": [4284822064372588020], ...}, "dense": [0.0, 1.9459, ...]}
+
+    the model's inputs as they are: ids are 64-bit integers, ``dense`` holds exactly ``num_dense`` finite numbers.
+    Every feature of ``sparse_features`` must be given either way (an empty list is a row without ids for it).
 
     Example::
 
         decoder = CriteoRequestDecoder(["cat_0", "cat_1"], num_dense=2)
-        batch = decoder.collate([decoder.decode({"sparse": {"cat_0": [3], "cat_1": []}, "dense": [0.1, 2.0]})])
+        batch = decoder.collate([decoder.decode({"transformed": True, "sparse": {"cat_0": [3], "cat_1": []}, "dense": [0.1, 2.0]})])
     """
 
-    def __init__(self, sparse_features: Sequence[str], num_dense: int) -> None:
+    def __init__(self, sparse_features: Sequence[str], num_dense: int, transform: Optional[FeatureTransform] = None) -> None:
         if not sparse_features:
             raise ValueError("CriteoRequestDecoder needs at least one sparse feature")
         self.sparse_features = list(sparse_features)
         self.num_dense = int(num_dense)
+        self.transform = transform
         self._known = set(self.sparse_features)
+        if transform is not None:
+            unknown = sorted(self._known - set(transform.sparse_features))
+            if unknown:
+                raise ValueError(f"the model reads features {unknown} that its data module's transform does not make "
+                                 f"(it makes {list(transform.sparse_features)})")
+            if len(transform.dense_features) != self.num_dense:
+                raise ValueError(f"the model takes {self.num_dense} dense features, its data module's transform makes "
+                                 f"{len(transform.dense_features)}")
 
     @classmethod
     def from_predictor(cls, predictor: "Predictor") -> "CriteoRequestDecoder":
-        """The features the predictor's twins read, and the module's ``num_dense_features`` hyper-parameter."""
+        """The features the predictor's twins read, the module's ``num_dense_features`` hyper-parameter and the
+        bundle's feature transform."""
         num_dense = predictor.module.hparams.get("num_dense_features")
         if num_dense is None:
             raise ValueError(
                 f"{predictor.bundle.module_class_path} has no num_dense_features hyper-parameter, so the default request "
                 "decoder cannot check the dense features; give the endpoint a decoder for this model"
             )
-        return cls(predictor.sparse_features, num_dense)
+        recorded = predictor.bundle.feature_transform
+        return cls(predictor.sparse_features, num_dense, None if recorded is None else FeatureTransform.from_dict(recorded))
 
     def decode(self, payload: dict[str, Any]) -> tuple[list[list[int]], list[float]]:
         if not isinstance(payload, dict):
             raise RequestError("body", f"must be a JSON object, got {type(payload).__name__}")
-        unknown = sorted(set(payload) - {"sparse", "dense"})
+        unknown = sorted(set(payload) - {"sparse", "dense", "transformed"})
         if unknown:
-            raise RequestError(unknown[0], "unknown field; a request has 'sparse' and 'dense'")
+            raise RequestError(unknown[0], "unknown field; a request has 'sparse', 'dense' and optionally 'transformed'")
+        transformed = payload.get("transformed", False)
+        if not isinstance(transformed, bool):
+            raise RequestError("transformed", f"must be true or false, got {transformed!r}")
+        if not transformed and self.transform is None:
+            raise RequestError("transformed", "this model's bundle records no feature transform (its checkpoint predates it, or its "
+                                              "data module describes none): send the model's inputs marked \"transformed\": true")
         sparse = payload.get("sparse")
         if not isinstance(sparse, dict):
-            raise RequestError("sparse", "missing or not an object {\"<feature>\": [ids, ...]}")
+            raise RequestError("sparse", "missing or not an object {\"<feature>\": [values, ...]}")
         extra = sorted(set(sparse) - self._known)
         if extra:
             raise RequestError(f"sparse.{extra[0]}", f"unknown feature; the model reads {self.sparse_features}")
-        ids = []
-        for feature in self.sparse_features:
-            if feature not in sparse:
-                raise RequestError(f"sparse.{feature}", "missing feature (give [] for a row without ids)")
-            ids.append(_ids(sparse[feature], f"sparse.{feature}"))
+        missing = [f for f in self.sparse_features if f not in sparse]
+        if missing:
+            raise RequestError(f"sparse.{missing[0]}", "missing feature (give [] for a row without ids)")
         dense = payload.get("dense")
         if not isinstance(dense, list):
             raise RequestError("dense", f"missing or not a list of {self.num_dense} numbers")
-        if len(dense) != self.num_dense:
-            raise RequestError("dense", f"{len(dense)} numbers, the model takes {self.num_dense}")
-        for position, value in enumerate(dense):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise RequestError(f"dense[{position}]", f"{value!r} is not a finite number")
-        return ids, [float(v) for v in dense]
+        if transformed:
+            return [_ids(sparse[f], f"sparse.{f}") for f in self.sparse_features], _dense(dense, self.num_dense)
+        assert self.transform is not None
+        try:
+            ids = [self.transform.sparse_ids(f, _values(sparse[f]), f"sparse.{f}").tolist() for f in self.sparse_features]
+            return ids, self.transform.dense_values(dense).tolist()
+        except TransformError as err:
+            raise RequestError(err.field, err.reason) from None
 
     def collate(self, rows: Sequence[tuple[list[list[int]], list[float]]]) -> CriteoBatch:
         count = len(rows)
@@ -130,3 +158,17 @@ def _ids(value: Any, field: str) -> list[int]:
         if not _INT64[0] <= item <= _INT64[1]:
             raise RequestError(f"{field}[{position}]", f"{item} does not fit in 64 bits")
     return value
+
+
+def _dense(values: list, count: int) -> list[float]:
+    if len(values) != count:
+        raise RequestError("dense", f"{len(values)} numbers, the model takes {count}")
+    for position, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise RequestError(f"dense[{position}]", f"{value!r} is not a finite number")
+    return [float(v) for v in values]
+
+
+def _values(value: Any) -> list:
+    """A raw feature's values: a list as it is, one value (or null) as a list of one."""
+    return value if isinstance(value, list) else [value]

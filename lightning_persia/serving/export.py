@@ -15,9 +15,11 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from lightning_persia import checksum
+from lightning_persia.data.transform import FeatureTransform, recorded_transform
 from lightning_persia.serving.bundle import (DENSE_FILE, FORMAT, FORMAT_VERSION, MANIFEST, TABLES_DIR, Bundle, BundleError,
                                              file_references)
 from lightning_persia.strategy.persia import CHECKPOINT_KEY
+from lightning_persia.strategy.ps_checkpoint import TABLES_ELSEWHERE_KEY
 
 _SHARD_FOLDER = re.compile(r"^shard-(\d+)-of-(\d+)$")
 
@@ -30,6 +32,7 @@ def export_bundle(
     model_class: Optional[str] = None,
     version: int = 1,
     ps_seed: Optional[int] = None,
+    feature_transform: Optional[FeatureTransform] = None,
     progress: bool = False,
 ) -> Bundle:
     """Writes the serving bundle of checkpoint ``ckpt`` into the new folder ``out`` and returns it.
@@ -45,6 +48,8 @@ def export_bundle(
         ps_seed: seed of the shards that trained the tables (their unseen ids' rows); default the strategy's
             ``ps.seed`` recorded in the checkpoint. Give it when the tables lived on shards started by hand
             with another ``seed``.
+        feature_transform: how the training data module featurised its files (what the endpoint applies to raw
+            requests); default: the one the checkpoint records (its data module's ``state_dict``), if any.
         progress: show a progress bar (tqdm, on stderr) of the bytes copied and checksummed.
 
     Raises:
@@ -67,12 +72,13 @@ def export_bundle(
     num_shards = _check_ps_folder(ps_dir, ckpt)
     module = _module_spec(checkpoint, ckpt, config, model_class)
     interception = entry["interception"]
+    transform = feature_transform if feature_transform is not None else recorded_transform(checkpoint)
 
     temporary = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(temporary, ignore_errors=True)
     try:
         temporary.mkdir(parents=True)
-        state = checkpoint.get("state_dict") or {}
+        state = {name: tensor for name, tensor in (checkpoint.get("state_dict") or {}).items() if name != TABLES_ELSEWHERE_KEY}
         # safetensors refuses tensors that share memory; a copy of each costs the dense weights once more
         save_file({name: tensor.detach().clone().contiguous() for name, tensor in state.items()}, str(temporary / DENSE_FILE))
         _link_tree(ps_dir, temporary / TABLES_DIR, progress)
@@ -89,6 +95,7 @@ def export_bundle(
             "ps_seed": int(interception["seed"] if ps_seed is None else ps_seed),
             "num_shards": num_shards,
             "remote_tables": list(entry["tables"]),
+            "feature_transform": None if transform is None else transform.to_dict(),
             "files": files,
         }
         with open(temporary / MANIFEST, "w") as f:

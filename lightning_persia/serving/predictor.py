@@ -16,7 +16,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import instantiate_module
 from safetensors.torch import load_file
 
-from lightning_persia.remote_ps.client import PSClient, PSError
+from lightning_persia.remote_ps.client import PSClient, PSError, RetryPolicy
 from lightning_persia.remote_ps.launcher import LocalShards
 from lightning_persia.remote_ps.table_config import TableConfig
 from lightning_persia.serving.bundle import DENSE_FILE, Bundle, BundleError
@@ -171,7 +171,7 @@ class Predictor:
                     startup_timeout_s=startup_timeout_s,
                 )
                 ps_addresses = shards.addresses
-            client = PSClient(list(ps_addresses), token=token, tls_root_cert=tls_root_cert, timeout_s=timeout_s)
+            client = PSClient(list(ps_addresses), token=token, tls_root_cert=tls_root_cert, retry=RetryPolicy(timeout_s=timeout_s))
             client.wait_healthy(startup_timeout_s)
             _check_shard_tables(client, twins, bundle)
             served = _shard_version(client, bundle, following=deltas is not None)

@@ -7,9 +7,11 @@ names. Settings come from the strategy's defaults, then from a per-table overrid
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import typing
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from torch import nn
 from torchrec.modules.embedding_configs import PoolingType
@@ -28,9 +30,7 @@ from lightning_persia.remote_ps.table_config import (
     TABLE_SETTING_NAMES,
     Constant,
     EmbeddingInit,
-    InitLike,
     Normal,
-    OptimizerLike,
     TableConfig,
     TableSettings,
     Uniform,
@@ -58,34 +58,29 @@ def _registered(module: nn.Module) -> Optional[tuple[str, TwinBuilder]]:
     return None
 
 
-@dataclass
-class TableOverride:
-    """Per-table settings that replace the strategy's ``tables`` defaults; ``None`` keeps the default.
+def _override_of(cls: type, config: TableConfig) -> "TableOverride":
+    """Every setting of ``config``, as an override (what replays a recorded table exactly)."""
+    return cls(**{name: getattr(config, name) for name in TABLE_SETTING_NAMES})
 
-    The fields are those of :class:`TableSettings`, each optional (see there for what they mean).
+
+# Derived from TableSettings, so that a new table setting is overridable per table without being listed twice.
+TableOverride = dataclasses.make_dataclass(
+    "TableOverride",
+    [(name, Optional[hint], field(default=None)) for name, hint in typing.get_type_hints(TableSettings).items()
+     if name in TABLE_SETTING_NAMES],
+    namespace={"of": classmethod(_override_of)},
+)
+TableOverride.__module__ = __name__  # make_dataclass takes ``module=`` only from Python 3.12
+TableOverride.__doc__ = """Per-table settings that replace the strategy's ``tables`` defaults; ``None`` keeps the default.
+
+    The fields are those of :class:`TableSettings`, each optional (see there for what they mean);
+    ``TableOverride.of(config)`` gives every setting of a :class:`TableConfig`.
 
     Example (YAML)::
 
         table_overrides:
           t_cat_0: {capacity: 1000000, optimizer: {class_path: lightning_persia.SGD, init_args: {lr: 0.1}}}
     """
-
-    optimizer: Optional[OptimizerLike] = None
-    init: Optional[InitLike] = None
-    capacity: Optional[int] = None
-    eviction: Optional[Literal["lru", "lfu"]] = None
-    admit_probability: Optional[float] = None
-    weight_bound: Optional[float] = None
-    storage_dtype: Optional[Literal["fp16", "fp32"]] = None
-    storage: Optional[Literal["memory", "disk"]] = None
-    ttl_steps: Optional[int] = None
-    ttl_seconds: Optional[float] = None
-    admit_after: Optional[int] = None
-
-    @classmethod
-    def of(cls, config: TableConfig) -> "TableOverride":
-        """Every setting of ``config``, as an override (what replays a recorded table exactly)."""
-        return cls(**{name: getattr(config, name) for name in TABLE_SETTING_NAMES})
 
 
 @dataclass(kw_only=True)

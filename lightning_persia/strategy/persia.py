@@ -10,10 +10,9 @@ import itertools
 import json
 import logging
 import math
-import shutil
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Mapping, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -37,7 +36,9 @@ from lightning_persia.embedding.rank_merge import RankMerge
 from lightning_persia.ops.pooled_lookup import kernel_in_use
 from lightning_persia.remote_ps.client import PSClient, ShardWait
 from lightning_persia.remote_ps.table_config import TABLE_SETTING_NAMES, InitLike, OptimizerLike, TableSettings
+from lightning_persia.strategy import ps_checkpoint
 from lightning_persia.strategy.interception import MODULE_KINDS, TableDefaults, TableOverride, intercept
+from lightning_persia.strategy.lightning_internals import keep_the_users_samplers
 from lightning_persia.strategy.local_cluster import LocalCluster
 from lightning_persia.strategy.metrics import MetricsEndpoint, TrainerMetrics
 from lightning_persia.strategy.moved_arguments import refuse_moved_arguments
@@ -232,7 +233,7 @@ class PersiaStrategy(DDPStrategy):
             addresses = self.broadcast(addresses)
             if isinstance(addresses, str):
                 raise RuntimeError(addresses)
-        self.client = PSClient(addresses, token=self.ps.token, tls_root_cert=self.ps.tls_root_cert, timeout_s=self.ps.timeout_s,
+        self.client = PSClient(addresses, token=self.ps.token, tls_root_cert=self.ps.tls_root_cert, retry=self.recovery.retry_policy(self.ps.timeout_s),
                                interceptors=[self._metrics.client_interceptor] if self._metrics is not None else ())
         self._recovery.attach(self.client, None, self._cluster)
         self.client.wait_healthy(self.ps.timeout_s, on_wait=_report_wait, report_every_s=WAIT_REPORT_INTERVAL_S)
@@ -246,7 +247,7 @@ class PersiaStrategy(DDPStrategy):
         self.data_parallel_tables = [m for m in self.model.modules() if isinstance(m, DataParallelTables)]
         self._announce()
         if self.world_size == 1:
-            _keep_the_users_samplers(trainer)
+            keep_the_users_samplers(trainer)
         super().setup(trainer)
 
     def _announce(self) -> None:
@@ -413,22 +414,21 @@ class PersiaStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
-        """Saves the shards' state beside the ``.ckpt`` (in ``<file>.ps/``), consistent with the same step."""
+        """Saves the shards' state beside the ``.ckpt`` (in ``<file>.ps/``, a path or an ``fsspec`` URL), consistent
+        with the same step."""
         ps_dir = None
         if self.client is not None and self.remote_modules:
             ps_dir = self._save_shards(filepath, checkpoint)
-            checkpoint[CHECKPOINT_KEY] = {"ps_dir": f"{ps_dir.parent.name}/{ps_dir.name}",
+            checkpoint[CHECKPOINT_KEY] = {"ps_dir": ps_checkpoint.relative_name(ps_dir),
                                           "tables": [t.name for m in self.remote_modules for t in m.remote_tables],
                                           "interception": self._interception_record()}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         if ps_dir is not None:
             if self.is_global_zero:
-                for old in ps_dir.parent.iterdir():
-                    if old.name != ps_dir.name:
-                        shutil.rmtree(old, ignore_errors=True)
+                ps_checkpoint.remove_other_saves(ps_dir)
             self._recovery.saved(filepath, ps_dir)
 
-    def _save_shards(self, filepath: _PATH, checkpoint: dict[str, Any]) -> Path:
+    def _save_shards(self, filepath: _PATH, checkpoint: dict[str, Any]) -> str:
         """Every shard saves its state, consistent with ``checkpoint`` (the dense state of the same step), into a
         fresh folder; returns it. A shard that fails during the save is a shard failure like any other: every rank
         rolls back (``checkpoint`` is refilled with the restored state) and the save starts again, so the ``.ckpt``
@@ -440,14 +440,14 @@ class PersiaStrategy(DDPStrategy):
             self._recovery.check("checkpoint", checkpoint)
             # A fresh folder per save (<file>.ps/<save id>/): the previous one, named by the .ckpt it belongs to,
             # stays intact until the new .ckpt has replaced it, so a save killed half-way never breaks the pair.
-            ps_dir = _ps_dir(filepath) / self.broadcast(new_save_id())
+            ps_dir = ps_checkpoint.folder_of(filepath, self.broadcast(new_save_id()))
             error: Optional[tuple[bool, str]] = None
             if self.is_global_zero:
                 try:
-                    self.client.save(str(ps_dir))
+                    self.client.save(ps_dir)
                 except Exception as err:  # noqa: BLE001 - every rank hears of it below
                     error = (is_shard_failure(err), f"{type(err).__name__}: {err}")
-                    shutil.rmtree(ps_dir, ignore_errors=True)  # what the shards that did answer wrote
+                    ps_checkpoint.remove(ps_dir)  # what the shards that did answer wrote
             error = self.broadcast(error)
             if error is None:
                 return ps_dir
@@ -476,10 +476,10 @@ class PersiaStrategy(DDPStrategy):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         entry = checkpoint.get(CHECKPOINT_KEY)
         if entry is not None and self.client is not None:
-            ps_dir = Path(checkpoint_path).parent / entry["ps_dir"]
+            ps_dir = ps_checkpoint.folder_named_by(checkpoint_path, entry["ps_dir"])
             self.barrier("persia_load_checkpoint")
             if self.is_global_zero:
-                self.client.load(str(ps_dir))
+                self.client.load(ps_dir)
             self.barrier("persia_load_checkpoint_done")
             self.client.refresh_incarnations()  # every shard holds this checkpoint now, a restarted one too
             self._recovery.loaded(checkpoint_path, ps_dir)
@@ -489,7 +489,21 @@ class PersiaStrategy(DDPStrategy):
     def remove_checkpoint(self, filepath: _PATH) -> None:
         super().remove_checkpoint(filepath)
         if self.is_global_zero:
-            shutil.rmtree(_ps_dir(filepath), ignore_errors=True)
+            ps_checkpoint.remove(f"{filepath}.ps")
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = super().lightning_module_state_dict()
+        if self.remote_modules:
+            state[ps_checkpoint.TABLES_ELSEWHERE_KEY] = ps_checkpoint.tables_elsewhere_marker()
+        return state
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        state = checkpoint["state_dict"]
+        if ps_checkpoint.TABLES_ELSEWHERE_KEY in state:
+            checkpoint = {**checkpoint, "state_dict": {k: v for k, v in state.items() if k != ps_checkpoint.TABLES_ELSEWHERE_KEY}}
+        super().load_model_state_dict(checkpoint, strict=strict)
 
     # ---- teardown ----------------------------------------------------------------------------------
 
@@ -546,27 +560,12 @@ def _report_wait(wait: ShardWait) -> None:
     )
 
 
-def _keep_the_users_samplers(trainer: "pl.Trainer") -> None:
-    """With one process the loaders keep the samplers their user made, as under Lightning's single-device strategy.
-
-    Lightning counts every ``DDPStrategy`` as distributed, whatever the world size, and then replaces each
-    loader's sampler by a ``DistributedSampler`` (a shuffling one for training): with one process that only
-    reorders the user's data, and with it their results. Lightning reads no strategy hook for this, only the
-    trainer's ``use_distributed_sampler`` flag, so the flag is what is set.
-    """
-    trainer._accelerator_connector.use_distributed_sampler = False
-
-
 def _names(names: list[str]) -> str:
     return ", ".join(names) if names else "none"
 
 
 def _holds_meta_tensors(module: torch.nn.Module) -> bool:
     return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
-
-
-def _ps_dir(filepath: _PATH) -> Path:
-    return Path(str(filepath) + ".ps")
 
 
 # The one registration of "persia" (Lightning calls ``register_strategies`` of its own strategies only).

@@ -54,8 +54,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 import torch
 
 from lightning_persia.embedding.pipeline import EmbeddingLookupError
-from lightning_persia.remote_ps.client import PSClient, PSError, ShardRestartedError, ShardUnavailableError
-from lightning_persia.remote_ps.protocol import COMMIT_MARKER
+from lightning_persia.remote_ps.client import PSClient, PSError, RetryPolicy, ShardRestartedError, ShardUnavailableError
+from lightning_persia.remote_ps.remote_folder import is_remote
+from lightning_persia.strategy import ps_checkpoint
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -144,12 +145,12 @@ class RecoveryConfig:
     """Embedded mode: the launcher restarts a dead shard on its port, from the latest checkpoint."""
     max_local_restarts: int = 3
     """Embedded mode: restarts per shard before the launcher gives up on it."""
-    client_max_retries: int = 5
+    client_max_retries: int = RetryPolicy.max_retries
     """Retries of a PS call that failed with UNAVAILABLE or DEADLINE_EXCEEDED (each with ``PSSettings.timeout_s``), at
     least; more until the call has lasted ``wait_for_shards_s``."""
-    client_backoff_s: float = 0.1
+    client_backoff_s: float = RetryPolicy.backoff_s
     """First back-off between retries (doubles each time, with jitter)."""
-    client_max_backoff_s: float = 5.0
+    client_max_backoff_s: float = RetryPolicy.max_backoff_s
     """Longest back-off between retries."""
 
     def __post_init__(self) -> None:
@@ -157,6 +158,11 @@ class RecoveryConfig:
             raise ValueError("RecoveryConfig: max_rollbacks, max_local_restarts and client_max_retries must be >= 0")
         if self.wait_for_shards_s <= 0 or self.client_backoff_s < 0 or self.client_max_backoff_s < 0:
             raise ValueError("RecoveryConfig: wait_for_shards_s must be > 0 and the back-offs >= 0")
+
+    def retry_policy(self, timeout_s: float) -> RetryPolicy:
+        """The retries of every parameter-server call, each attempt with the deadline ``timeout_s``."""
+        return RetryPolicy(timeout_s=timeout_s, max_retries=self.client_max_retries, retry_for_s=self.wait_for_shards_s,
+                           backoff_s=self.client_backoff_s, max_backoff_s=self.client_max_backoff_s)
 
 
 @dataclass
@@ -192,30 +198,24 @@ class Recovery:
     # ---- hooks called by the strategy ----------------------------------------------------------------
 
     def attach(self, client: Any, embeddings: Optional[RecoverableEmbeddings], shards: Optional[RestartableShards]) -> None:
-        """Applies the client's retry settings and makes failed updates wait for the next check."""
-        retry = client.retry
-        retry.max_retries, retry.retry_for_s = self.config.client_max_retries, self.config.wait_for_shards_s
-        retry.backoff_s, retry.max_backoff_s = self.config.client_backoff_s, self.config.client_max_backoff_s
+        """Makes failed updates wait for the next check (``client`` retries under :meth:`RecoveryConfig.retry_policy`)."""
         self._client, self._embeddings, self._shards = client, embeddings, shards
         if embeddings is not None and self.config.enabled:
             embeddings.set_update_error_handler(self._on_update_error)
             embeddings.set_lookup_error_handler(self._on_lookup_error)
 
-    def saved(self, filepath: Any, ps_dir: Optional[Path], commit: bool = True) -> None:
+    def saved(self, filepath: Any, ps_dir: Optional[str], commit: bool = True) -> None:
         """A checkpoint (dense file + PS folder) is complete: the target of the next rollback.
 
         Rank 0 marks the PS folder committed (a shard started with ``--restore-from`` on a folder of checkpoints
         then prefers it to a PS folder whose ``.ckpt`` was never written)."""
         self.last_checkpoint = str(filepath)
         if commit and ps_dir is not None and self.strategy.is_global_zero:
-            try:
-                (ps_dir / COMMIT_MARKER).write_text(f"{Path(str(filepath)).name}\n")
-            except OSError as err:  # the shards' file system may not be this rank's; nothing depends on it
-                log.debug("cannot mark %s committed: %s", ps_dir, err)
-        if self._shards is not None and ps_dir is not None:
-            self._shards.restore_from = str(ps_dir)
+            ps_checkpoint.mark_committed(ps_dir, Path(str(filepath)).name)
+        if self._shards is not None and ps_dir is not None and not is_remote(ps_dir):  # a shard restores from a path
+            self._shards.restore_from = ps_dir
 
-    def loaded(self, filepath: Any, ps_dir: Optional[Path]) -> None:
+    def loaded(self, filepath: Any, ps_dir: Optional[str]) -> None:
         """The run resumed from a checkpoint: it is the rollback target until a newer one is saved."""
         self.saved(filepath, ps_dir, commit=False)
 
@@ -356,13 +356,13 @@ class Recovery:
         except Exception as err:  # noqa: BLE001
             dense, error = None, f"cannot read {target}: {type(err).__name__}: {err}"
         self._all_ok(error, "reading the checkpoint")
-        ps_dir = Path(target).parent / entry["ps_dir"] if entry else None
+        ps_dir = ps_checkpoint.folder_named_by(target, entry["ps_dir"]) if entry else None
         status = "ok"
         if strategy.is_global_zero:
             try:
                 client.wait_healthy(self.config.wait_for_shards_s)
                 if ps_dir is not None:
-                    client.load(str(ps_dir))
+                    client.load(ps_dir)
             except Exception as err:  # noqa: BLE001
                 status = (f"the shards did not come back within {self.config.wait_for_shards_s:.0f} s or refused the "
                           f"checkpoint {ps_dir}: {type(err).__name__}: {err}{self._cluster_events()}")

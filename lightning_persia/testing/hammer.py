@@ -47,12 +47,12 @@ def expected_rows(clients: Sequence[int], steps: int, num_ids: int = NUM_IDS, di
 
 def run(addresses: list[str], client_index: int, steps: int, tables: list[str], *, drop_probability: float = 0.0,
         in_flight: int = 4, seed: int = 0, max_retries: int = 60) -> dict:
-    from lightning_persia.remote_ps.client import PSClient
+    from lightning_persia.remote_ps.client import PSClient, RetryPolicy
     from lightning_persia.testing.chaos_proxy import ChaosProxy
 
     proxies = [ChaosProxy(a, drop_probability=drop_probability, seed=seed * 100 + i) for i, a in enumerate(addresses)] if drop_probability else []
     targets = [p.address for p in proxies] or addresses
-    client = PSClient(targets, timeout_s=20, max_retries=max_retries, backoff_s=0.02, max_backoff_s=0.5)
+    client = PSClient(targets, retry=RetryPolicy(timeout_s=20, max_retries=max_retries, backoff_s=0.02, max_backoff_s=0.5))
     started = time.perf_counter()
     pending = []
     try:

@@ -1,13 +1,17 @@
 """Every example config.yaml is a valid LightningCLI config: it parses, instantiates and runs a step."""
 from __future__ import annotations
 
+import json
 import os
 import re
 
 import pytest
+import torch
 
 from lightning_persia.cli import lightning_cli
+from lightning_persia.data import CRITEO_SPARSE_FEATURES, SyntheticCriteoDataModule
 from lightning_persia.data.synthetic import scaled_cardinalities
+from lightning_persia.serving import CriteoRequestDecoder
 
 _EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
 
@@ -114,3 +118,15 @@ def test_the_dlrm_data_configs_read_their_files(name, tmp_path, caplog):
     assert cli.trainer.global_step == 4
     assert re.search(r"end of fit: val_auc 0\.\d{4} \(step 4\)$", caplog.records[-1].getMessage())
     cli.trainer.strategy.close()
+
+
+def test_the_dlrm_request_is_a_validation_row_as_the_files_hold_it_and_decodes_to_the_model_s_inputs():
+    with open(os.path.join(_EXAMPLES, "dlrm", "request.json")) as f:
+        body = json.load(f)
+    assert "transformed" not in body and all(v is None or isinstance(v, str) for v in body["sparse"].values())
+    data = SyntheticCriteoDataModule(seed=0, cardinality_scale=0.1, zipf_alpha=1.1)  # the example config's data
+    decoder = CriteoRequestDecoder(CRITEO_SPARSE_FEATURES, 13, data.feature_transform())
+    decoded = decoder.collate([decoder.decode(body)])
+    row = data.generator.batch("val", 0, 1)
+    assert torch.equal(decoded.sparse_features.values(), row.sparse_features.values())
+    torch.testing.assert_close(decoded.dense_features, row.dense_features)

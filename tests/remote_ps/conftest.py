@@ -77,7 +77,6 @@ def make_client():
     clients: list[PSClient] = []
 
     def make(addresses, **kwargs) -> PSClient:
-        kwargs.setdefault("timeout_s", 30)
         client = PSClient(addresses, **kwargs)
         clients.append(client)
         return client

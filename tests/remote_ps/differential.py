@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from lightning_persia.remote_ps.client import PSClient
+from lightning_persia.remote_ps.client import PSClient, RetryPolicy
 from lightning_persia.remote_ps.client.errors import ShardRestartedError
 from lightning_persia.remote_ps.launcher import LocalShards
 from lightning_persia.remote_ps.store import ShardStore
@@ -98,7 +98,8 @@ class _Cluster:
                      f"disk_dir={root / 'disk'}", "fault_ack_delay_s=0.003", "fault_replay_delay_s=0.002"]
         self.shards = LocalShards(num_shards, overrides=overrides, restart=True, max_restarts=10_000,
                                   restore_from=restore_from, poll_s=0.05)
-        self.client = PSClient(self.shards.addresses, timeout_s=20, retry_for_s=300, backoff_s=0.05, max_backoff_s=0.5)
+        self.client = PSClient(self.shards.addresses,
+                               retry=RetryPolicy(timeout_s=20, retry_for_s=300, backoff_s=0.05, max_backoff_s=0.5))
         self.client.wait_healthy(120)
         self._report, self._rng = report, random.Random(rng.random())
         self._mean_s = scenario.kill_every_s

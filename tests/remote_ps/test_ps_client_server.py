@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_persia.ops.hashing import shard_of
-from lightning_persia.remote_ps.client import PSError, PSRequestError, ShardUnavailableError, ShardWait
+from lightning_persia.remote_ps.client import PSError, PSRequestError, RetryPolicy, ShardUnavailableError, ShardWait
 from lightning_persia.remote_ps.launcher import LocalShards
 from lightning_persia.remote_ps.store import ShardStore
 from lightning_persia.remote_ps.table_config import SGD, Adagrad, Adam, Constant, Normal, TableConfig, TableSettings, Uniform
@@ -275,7 +275,7 @@ def test_retried_update_is_applied_once(ps_cluster, make_client):
                 raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "answer lost")
             return call
 
-    client = make_client(ps_cluster.addresses, backoff_s=0.01, interceptors=[LoseFirstAnswers()])
+    client = make_client(ps_cluster.addresses, interceptors=[LoseFirstAnswers()], retry=RetryPolicy(backoff_s=0.01))
     client.configure([TableConfig("retry", 2, optimizer=SGD(lr=1.0), init=Constant(0.0))])
     ids = torch.arange(100)
     client.lookup({"retry": ids}, train=True)
@@ -291,7 +291,7 @@ def test_unreachable_shard_raises_after_retries(make_client):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    client = make_client([f"127.0.0.1:{port}"], max_retries=2, backoff_s=0.01, timeout_s=2)
+    client = make_client([f"127.0.0.1:{port}"], retry=RetryPolicy(max_retries=2, backoff_s=0.01, timeout_s=2))
     with pytest.raises(ShardUnavailableError, match=rf"shard 0 at 127\.0\.0\.1:{port} did not answer after 3 tries"):
         client.lookup({"t": torch.arange(3)}, train=False)
     with pytest.raises(ShardUnavailableError):
@@ -302,7 +302,7 @@ def test_a_call_keeps_retrying_for_retry_for_s_and_answers_once_the_shard_is_bac
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    client = make_client([f"127.0.0.1:{port}"], max_retries=0, retry_for_s=1.0, backoff_s=0.01, max_backoff_s=0.05, timeout_s=2)
+    client = make_client([f"127.0.0.1:{port}"], retry=RetryPolicy(max_retries=0, retry_for_s=1.0, backoff_s=0.01, max_backoff_s=0.05, timeout_s=2))
     started = time.monotonic()
     with pytest.raises(ShardUnavailableError) as info:
         client.stats()

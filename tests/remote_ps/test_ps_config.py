@@ -1,6 +1,8 @@
 """The PS YAML config: defaults, OmegaConf env interpolation, dotlist overrides, clear errors."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from lightning_persia.remote_ps.config import PSConfig, load_ps_config
@@ -59,3 +61,14 @@ def test_malformed_yaml_is_named(tmp_path):
     broken.write_text("nice: [unclosed\n")
     with pytest.raises(ConfigError, match="cannot read PS config .*ps.yaml"):
         load_ps_config(str(broken))
+
+
+def test_the_example_ps_yaml_loads_with_its_environment(monkeypatch, tmp_path):
+    example = Path(__file__).resolve().parents[2] / "examples" / "ps.yaml"
+    monkeypatch.delenv("PERSIA_PS_SEED", raising=False)
+    monkeypatch.delenv("PERSIA_CHECKPOINT_ROOT", raising=False)
+    monkeypatch.setenv("PERSIA_WAL_DIR", str(tmp_path / "wal"))
+    config = load_ps_config(str(example), ["server_threads=16"])
+    assert (config.seed, config.server_threads, config.checkpoint_root, config.wal_dir) == (0, 16, None, str(tmp_path / "wal"))
+    user = config.table_configs()["user_id"]
+    assert (user.dim, user.capacity, user.storage_dtype, user.optimizer) == (16, 10_000_000, "fp16", Adagrad(lr=0.05, rowwise=True))

@@ -16,7 +16,7 @@ import torch
 
 from lightning_persia import cli
 from lightning_persia.ops.hashing import shard_of
-from lightning_persia.remote_ps.client import PSRequestError, ShardRestartedError, ShardUnavailableError
+from lightning_persia.remote_ps.client import PSRequestError, RetryPolicy, ShardRestartedError, ShardUnavailableError
 from lightning_persia.remote_ps.launcher import LocalShards
 from lightning_persia.remote_ps.store import CheckpointError, ShardStore
 from lightning_persia.remote_ps.table_config import SGD, Constant, TableConfig
@@ -61,7 +61,7 @@ def _wait_for_event(shards: LocalShards, kind: str, count: int = 1, timeout_s: f
 
 def test_killed_shard_restarts_from_the_checkpoint_and_stale_clients_are_fenced(restarting, tmp_path, make_client):
     shards = restarting
-    client = make_client(shards.addresses, backoff_s=0.05, max_retries=3)
+    client = make_client(shards.addresses, retry=RetryPolicy(backoff_s=0.05, max_retries=3))
     client.wait_healthy(30)
     before = client.stats()
     _table(client, "faults")
@@ -103,7 +103,7 @@ def test_save_killed_half_way_never_replaces_or_mixes_the_previous_checkpoint(re
     result is refused as a mix (never loaded half old, half new); the previous save in another directory
     (what PersiaStrategy does: ``<ckpt>.ps/<save_id>/``) is untouched and loads."""
     shards = restarting
-    client = make_client(shards.addresses, max_retries=0, timeout_s=30)
+    client = make_client(shards.addresses, retry=RetryPolicy(max_retries=0, timeout_s=30))
     client.wait_healthy(30)
     _table(client, "faults_save")
     _push(client, "faults_save")
@@ -144,7 +144,7 @@ def test_save_killed_half_way_never_replaces_or_mixes_the_previous_checkpoint(re
 def test_restart_without_checkpoint_then_give_up_after_max_restarts(restarting, make_client):
     shards = restarting
     shards.restore_from = None
-    client = make_client(shards.addresses, backoff_s=0.05, max_retries=2, timeout_s=2)
+    client = make_client(shards.addresses, retry=RetryPolicy(backoff_s=0.05, max_retries=2, timeout_s=2))
     client.wait_healthy(30)
     _table(client, "faults_empty")
     os.kill(shards.processes[0].pid, signal.SIGKILL)
@@ -216,7 +216,7 @@ def test_restore_from_a_folder_of_checkpoints_loads_the_newest_complete_one(tmp_
 def test_slow_link_times_out_with_a_clear_error_and_applies_the_update_once(ps_cluster, make_client):
     proxies = [ChaosProxy(address) for address in ps_cluster.addresses]
     try:
-        slow = make_client([p.address for p in proxies], timeout_s=0.25, max_retries=1, backoff_s=0.01)
+        slow = make_client([p.address for p in proxies], retry=RetryPolicy(timeout_s=0.25, max_retries=1, backoff_s=0.01))
         slow.stats()  # connected; from now on every chunk each way waits 0.6 s
         for proxy in proxies:
             proxy.delay_s = 0.6

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_persia import checksum
-from lightning_persia.remote_ps.client import PSClient, PSRequestError
+from lightning_persia.remote_ps.client import PSClient, PSRequestError, RetryPolicy
 from lightning_persia.remote_ps.launcher import LocalShards
 from lightning_persia.remote_ps.store import CheckpointError, ShardStore
 from lightning_persia.remote_ps.table_config import SGD, Constant, TableConfig
@@ -24,7 +24,7 @@ def test_insecure_non_loopback_shard_starts_warns_and_confines_checkpoints(tmp_p
     try:
         assert shards.addresses[0].startswith("0.0.0.0:")
         port = shards.addresses[0].rsplit(":", 1)[1]
-        with PSClient([f"127.0.0.1:{port}"], timeout_s=10) as client:
+        with PSClient([f"127.0.0.1:{port}"], retry=RetryPolicy(timeout_s=10)) as client:
             client.wait_healthy(10)
             client.configure([TableConfig("hardening", 2, optimizer=SGD(lr=1.0), init=Constant(0.0))])
             client.lookup({"hardening": torch.arange(4)}, train=True)

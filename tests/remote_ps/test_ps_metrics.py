@@ -12,7 +12,7 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from lightning_persia.remote_ps.client import PSClient, PSRequestError, ShardUnavailableError
+from lightning_persia.remote_ps.client import PSClient, PSRequestError, RetryPolicy, ShardUnavailableError
 from lightning_persia.remote_ps.metrics import ClientRpcMetrics
 from lightning_persia.remote_ps.protocol import LISTENING_PREFIX, METRICS_PREFIX
 from lightning_persia.remote_ps.table_config import SGD, TableConfig
@@ -43,7 +43,7 @@ def metrics_url(shards, index: int = 0) -> str:
 def test_a_shard_serves_its_rpc_table_and_process_figures(start_ps_cluster):
     shards = start_ps_cluster(1, extra_args=["--metrics-port", "0", "--token", TOKEN])
     url = metrics_url(shards)
-    with PSClient(shards.addresses, token=TOKEN, timeout_s=10, max_retries=0) as client:
+    with PSClient(shards.addresses, token=TOKEN, retry=RetryPolicy(timeout_s=10, max_retries=0)) as client:
         client.wait_healthy(30)
         client.configure([TableConfig("m.small", dim=4, capacity=8, optimizer=SGD(lr=0.1)),
                           TableConfig("m.picky", dim=2, admit_probability=0.0)])
@@ -54,7 +54,7 @@ def test_a_shard_serves_its_rpc_table_and_process_figures(start_ps_cluster):
         with pytest.raises(PSRequestError, match="NOT_FOUND"):
             client.lookup({"m.unknown": torch.arange(3)}, train=True)
         incarnation = client.stats()[0]["incarnation"]
-    with PSClient(shards.addresses, token="wrong", timeout_s=10, max_retries=0) as intruder:
+    with PSClient(shards.addresses, token="wrong", retry=RetryPolicy(timeout_s=10, max_retries=0)) as intruder:
         with pytest.raises(PSRequestError, match="UNAUTHENTICATED"):
             intruder.lookup({"m.small": torch.arange(2)}, train=False)
 
@@ -92,7 +92,7 @@ def test_a_shard_serves_its_rpc_table_and_process_figures(start_ps_cluster):
 
 def test_a_shard_with_a_write_ahead_log_reports_its_size_and_its_replay(start_ps_cluster, tmp_path):
     shards = start_ps_cluster(1, extra_args=["--metrics-port", "0"], overrides=["durability=log", f"wal_dir={tmp_path / 'wal'}"])
-    with PSClient(shards.addresses, timeout_s=10) as client:
+    with PSClient(shards.addresses, retry=RetryPolicy(timeout_s=10)) as client:
         client.wait_healthy(30)
         client.configure([TableConfig("m.logged", dim=4, optimizer=SGD(lr=0.1))])
         client.lookup({"m.logged": torch.arange(50)}, train=True)
@@ -134,7 +134,7 @@ def test_the_client_interceptor_counts_calls_and_leaves_errors_as_they_are(start
     registry = CollectorRegistry()
     interceptor = ClientRpcMetrics(registry)
     shards = start_ps_cluster(1)
-    with PSClient(shards.addresses, interceptors=[interceptor], timeout_s=10, max_retries=0) as client:
+    with PSClient(shards.addresses, interceptors=[interceptor], retry=RetryPolicy(timeout_s=10, max_retries=0)) as client:
         client.wait_healthy(30)
         client.configure([TableConfig("c.t", dim=2)])
         assert client.lookup({"c.t": torch.arange(3)}, train=True)["c.t"].shape == (3, 2)
@@ -143,7 +143,7 @@ def test_the_client_interceptor_counts_calls_and_leaves_errors_as_they_are(start
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         gone = f"127.0.0.1:{closed.getsockname()[1]}"
-    with PSClient([gone], interceptors=[interceptor], timeout_s=2, max_retries=1, backoff_s=0.01) as client:
+    with PSClient([gone], interceptors=[interceptor], retry=RetryPolicy(timeout_s=2, max_retries=1, backoff_s=0.01)) as client:
         with pytest.raises(ShardUnavailableError, match=f"shard 0 at {gone} did not answer after 2 tries"):
             client.lookup({"c.t": torch.arange(3)}, train=False)
     samples = {(s.name, frozenset(s.labels.items())): s.value

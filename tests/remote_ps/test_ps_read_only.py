@@ -5,7 +5,7 @@ import grpc
 import pytest
 import torch
 
-from lightning_persia.remote_ps.client import PSClient, PSRequestError
+from lightning_persia.remote_ps.client import PSClient, PSRequestError, RetryPolicy
 from lightning_persia.remote_ps.store.initializers import initial_rows
 from lightning_persia.remote_ps.table_config import SGD, TableConfig, Uniform
 
@@ -18,7 +18,7 @@ UNSEEN = torch.tensor([1000, 1001, -7])
 def trained_rows(ps_cluster, tmp_path_factory):
     """A table trained on the 2-shard cluster and saved; returns (checkpoint folder, its rows of TRAINED)."""
     directory = tmp_path_factory.mktemp("read-only") / "ckpt"
-    with PSClient(ps_cluster.addresses, timeout_s=30) as client:
+    with PSClient(ps_cluster.addresses, retry=RetryPolicy(timeout_s=30)) as client:
         client.configure([TABLE])
         client.lookup({TABLE.name: TRAINED}, train=True)
         client.update({TABLE.name: (TRAINED, torch.ones(len(TRAINED), 4))}, wire_dtype="fp32")
@@ -31,7 +31,7 @@ def trained_rows(ps_cluster, tmp_path_factory):
 def read_only(trained_rows, start_ps_cluster, ps_seed):
     """One read-only shard restored from the 2-shard checkpoint (the tables re-shard on load)."""
     shards = start_ps_cluster(1, extra_args=["--read-only", "--restore-from", str(trained_rows[0])], overrides=[f"seed={ps_seed}"])
-    with PSClient(shards.addresses, timeout_s=30, max_retries=0) as client:
+    with PSClient(shards.addresses, retry=RetryPolicy(timeout_s=30, max_retries=0)) as client:
         client.wait_healthy(60)
         yield client
 

@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from lightning_persia import cli
-from lightning_persia.remote_ps.client import PSRequestError, ShardUnavailableError
+from lightning_persia.remote_ps.client import PSRequestError, RetryPolicy, ShardUnavailableError
 from lightning_persia.remote_ps.protocol import AUTH_METADATA_KEY, SERVICE, bearer_metadata
 from lightning_persia.remote_ps.security import BindSecurityError, check_bind_security
 from lightning_persia.remote_ps.table_config import SGD, Constant, TableConfig
@@ -103,7 +103,7 @@ def test_tls_with_a_self_signed_certificate(secured, make_client):
     client = make_client([address], tls_root_cert=secured["server_cert"])
     client.wait_healthy(10)
     _round_trip(client, "tls_table")
-    plaintext = make_client([address], max_retries=0, timeout_s=5)
+    plaintext = make_client([address], retry=RetryPolicy(max_retries=0, timeout_s=5))
     with pytest.raises(ShardUnavailableError, match="did not answer after 1 tries"):
         plaintext.stats()
 
@@ -114,7 +114,7 @@ def test_tls_with_client_certificates(secured, make_client):
         root = f.read()  # PEM bytes work as well as paths
     client = make_client([address], tls_root_cert=root, tls_client_cert=secured["client_cert"], tls_client_key=secured["client_key"])
     _round_trip(client, "mtls_table")
-    anonymous = make_client([address], tls_root_cert=root, max_retries=0, timeout_s=5)
+    anonymous = make_client([address], tls_root_cert=root, retry=RetryPolicy(max_retries=0, timeout_s=5))
     with pytest.raises((ShardUnavailableError, PSRequestError)):
         anonymous.stats()
 

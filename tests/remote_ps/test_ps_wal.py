@@ -14,7 +14,7 @@ import grpc
 import pytest
 import torch
 
-from lightning_persia.remote_ps.client import PSRequestError
+from lightning_persia.remote_ps.client import PSRequestError, RetryPolicy
 from lightning_persia.remote_ps.launcher import LocalShards, read_listening_address, serve_command, stop_processes
 from lightning_persia.remote_ps.table_config import SGD, Constant, TableConfig
 
@@ -46,7 +46,7 @@ def test_shards_killed_at_random_moments_replay_and_every_update_lands_exactly_o
     shards = LocalShards(2, restart=True, max_restarts=4,
                          overrides=["seed=5", "durability=log", f"wal_dir={tmp_path / 'wal'}"])
     try:
-        client = make_client(shards.addresses, backoff_s=0.05, retry_for_s=60, timeout_s=5)
+        client = make_client(shards.addresses, retry=RetryPolicy(backoff_s=0.05, retry_for_s=60, timeout_s=5))
         client.wait_healthy(30)
         incarnations = client.refresh_incarnations()
         _table(client, "t")
@@ -96,7 +96,7 @@ def test_a_full_disk_stops_the_acknowledgements_with_a_clear_error_and_a_restart
     try:
         address = read_listening_address(shard, lines, time.monotonic() + 60, "limited-shard")
         assert address, lines
-        client = make_client([address], max_retries=0)
+        client = make_client([address], retry=RetryPolicy(max_retries=0))
         client.wait_healthy(30)
         _table(client, "t")
         acknowledged = 0

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import pytest
 
@@ -12,8 +13,17 @@ from lightning_persia.strategy.interception import TableDefaults
 
 def test_override_has_exactly_the_settings_each_optional():
     override_fields = {f.name: f for f in dataclasses.fields(TableOverride)}
-    assert set(override_fields) == set(TABLE_SETTING_NAMES)
+    assert list(override_fields) == list(TABLE_SETTING_NAMES)
     assert all(getattr(TableOverride(), name) is None for name in TABLE_SETTING_NAMES)
+    settings_types = typing.get_type_hints(TableSettings)
+    for name, hint in typing.get_type_hints(TableOverride).items():
+        assert hint == typing.Optional[settings_types[name]], name  # what LightningCLI parses a YAML override as
+
+
+def test_override_of_a_config_replays_every_setting():
+    config = TableConfig("t", 4, capacity=9, optimizer=SGD(lr=0.2), init=Normal(std=0.5), ttl_seconds=3.0, admit_after=4)
+    replayed = TableDefaults(overrides={"t": TableOverride.of(config)}).config_for("t", "t", 4, Uniform())
+    assert replayed == config
 
 
 def test_a_table_config_takes_its_defaults_from_the_settings():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_persia import PublishDeltas, cli
-from lightning_persia.remote_ps.client import PSClient, PSRequestError
+from lightning_persia.remote_ps.client import PSClient, PSRequestError, RetryPolicy
 from lightning_persia.serving import BundleError, DeltaError, Predictor
 from lightning_persia.serving.delta import Delta, DeltaWatcher, delta_path, next_delta
 from tiny_dlrm import ROOT, serving_env
@@ -98,7 +98,7 @@ def test_the_watcher_logs_a_refusal_once_keeps_its_version_and_applies_the_delta
 def test_inference_shards_stage_and_commit_versions_in_order_and_training_shards_refuse_to(bundle, online, start_ps_cluster, ps_cluster):
     shards = start_ps_cluster(1, extra_args=["--read-only", "--restore-from", str(bundle.path)])
     delta = Delta.open(delta_path(online.deltas, 3))
-    with PSClient(shards.addresses, max_retries=0) as client:
+    with PSClient(shards.addresses, retry=RetryPolicy(max_retries=0)) as client:
         with pytest.raises(PSRequestError, match="makes version 3 from version 2, but this shard serves version 1") as caught:
             client.stage_delta(delta.tables_path, 3, 2)
         assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
@@ -111,7 +111,7 @@ def test_inference_shards_stage_and_commit_versions_in_order_and_training_shards
         assert client.stats()[0]["server"]["model_version"] == 2
         with pytest.raises(PSRequestError, match="refused: this shard serves in read-only mode"):
             client.save_delta(online.deltas.parent / "nope", "x")
-    with PSClient(ps_cluster.addresses, max_retries=0) as client:
+    with PSClient(ps_cluster.addresses, retry=RetryPolicy(max_retries=0)) as client:
         with pytest.raises(PSRequestError, match="only read-only \\(inference\\) shards apply deltas"):
             client.stage_delta(delta.tables_path, 3, 2)
         with pytest.raises(PSRequestError, match="a delta needs a save_id"):

@@ -4,9 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_persia.data import FeatureTransform
 from lightning_persia.remote_ps.client import PSClient
-from lightning_persia.serving import BundleError, Predictor
-from tiny_dlrm import FEATURES
+from lightning_persia.serving import BundleError, CriteoRequestDecoder, Predictor, export_bundle
+from tiny_dlrm import FEATURES, MODEL_CLASS
 
 
 def _check_equal(predictor: Predictor, expected: dict, atol: float) -> None:
@@ -40,3 +41,18 @@ def test_a_two_shard_bundle_served_by_other_shard_counts(trained, bundle, start_
 def test_shards_that_do_not_serve_the_bundle_are_refused(bundle, ps_cluster):
     with pytest.raises(BundleError, match=r"do not serve table 'ebc\.cat_0' \(dim 4\).*--read-only --restore-from"):
         Predictor.from_bundle(bundle.path, ps_addresses=ps_cluster.addresses)
+
+
+def test_a_bundle_records_the_feature_transform_and_raw_requests_score_as_the_transformed(trained, tmp_path):
+    # The tiny model trained on vocabulary ids and untransformed dense values: its data module's transform is raw/none.
+    transform = FeatureTransform(tuple(FEATURES), ("d0", "d1", "d2"), ids="raw", dense="none")
+    raw_bundle = export_bundle(trained.ckpt, tmp_path / "bundle", model_class=MODEL_CLASS, feature_transform=transform)
+    assert FeatureTransform.from_dict(raw_bundle.feature_transform) == transform
+    requests, expected = trained.expected["requests"][:8], trained.expected["flat_scores"][:8]
+    with Predictor.from_bundle(raw_bundle.path) as predictor:
+        decoder = CriteoRequestDecoder.from_predictor(predictor)
+        assert decoder.transform == transform
+        raw = [{"sparse": body["sparse"], "dense": body["dense"]} for body in requests]  # not marked: the transform applies
+        for bodies in (requests, raw):
+            scores = decoder.scores(predictor.predict(decoder.collate([decoder.decode(b) for b in bodies])).output, len(bodies))
+            torch.testing.assert_close(torch.tensor(scores), torch.tensor(expected), atol=1e-6, rtol=0)

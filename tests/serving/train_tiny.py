@@ -57,7 +57,7 @@ def requests_of(test: list) -> list[dict]:
     requests = []
     for batch in test:
         ids = batch.sparse_ids()
-        requests += [{"sparse": {f: [int(ids[row, i])] for i, f in enumerate(FEATURES)}, "dense": batch.dense_features[row].tolist()}
+        requests += [{"transformed": True, "sparse": {f: [int(ids[row, i])] for i, f in enumerate(FEATURES)}, "dense": batch.dense_features[row].tolist()}
                      for row in range(batch.batch_size)]
     return requests
 

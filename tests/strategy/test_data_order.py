@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lightning_persia import SGD, PersiaStrategy
+from lightning_persia.strategy.lightning_internals import keep_the_users_samplers
 from toy import INIT, ToyRecommender, make_batches
 
 BATCHES = 8
@@ -140,3 +141,13 @@ def test_a_stateful_loader_checkpointed_mid_epoch_resumes_at_the_first_batch_not
     finally:
         strategy.close()
     assert resumed.seen["fit"] == [3, 4, 5], "the batches read ahead of the checkpoint's step must not be skipped"
+
+
+def test_lightning_still_decides_the_sampler_by_the_flag_the_strategy_turns_off():
+    # The strategy writes Lightning's private trainer._accelerator_connector.use_distributed_sampler (no public way
+    # exists for a strategy); this fails when Lightning stops keeping the flag there or deciding by it.
+    trainer = _trainer(_strategy(staleness=0))
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2, shuffle=True)
+    assert trainer._data_connector._requires_distributed_sampler(loader)
+    keep_the_users_samplers(trainer)
+    assert not trainer._data_connector._requires_distributed_sampler(loader)

@@ -6,7 +6,7 @@ import re
 import pytest
 from lightning.pytorch.cli import LightningCLI
 
-from lightning_persia import SGD, Adagrad, Adam, MetricsEndpoint, Normal, PersiaArgumentParser, PersiaStrategy, PSSettings, TableSettings
+from lightning_persia import SGD, Adagrad, Adam, Constant, MetricsEndpoint, Normal, PersiaArgumentParser, PersiaStrategy, PSSettings, TableSettings
 from toy import ToyRecommender
 
 STRATEGY = """
@@ -56,7 +56,7 @@ TABLES_CONFIG = STRATEGY + """\
         storage_dtype: fp16
         optimizer: {class_path: lightning_persia.SGD, init_args: {lr: 0.3}}
       table_overrides:
-        t0: {capacity: 1000, storage: disk}
+        t0: {capacity: 1000, storage: disk, eviction: lru, ttl_steps: 50, admit_after: 2, init: {class_path: lightning_persia.Constant, init_args: {value: 0.5}}}
 """
 
 
@@ -68,6 +68,15 @@ def test_yaml_table_settings_and_overrides(tmp_path):
     assert (defaults.capacity, defaults.storage_dtype, defaults.eviction, defaults.optimizer) == (5000, "fp16", "lfu", SGD(lr=0.3))
     t0 = defaults.config_for("emb.t0", "t0", 4, Normal())
     assert (t0.capacity, t0.storage, t0.storage_dtype, t0.optimizer) == (1000, "disk", "fp16", SGD(lr=0.3))
+    assert (t0.ttl_steps, t0.admit_after, t0.init, t0.eviction) == (50, 2, Constant(value=0.5), "lru")
+
+
+def test_yaml_override_of_a_wrong_type_is_refused_naming_the_setting(tmp_path, capsys):
+    path = tmp_path / "config.yaml"
+    path.write_text(TABLES_CONFIG.replace("storage: disk", "storage: tape"))
+    with pytest.raises(SystemExit):
+        LightningCLI(ToyRecommender, run=False, args=["--config", str(path)])
+    assert "storage" in capsys.readouterr().err
 
 
 def test_a_moved_flat_argument_names_its_new_place():

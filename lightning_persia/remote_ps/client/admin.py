@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import grpc.aio
 from grpc_health.v1 import health_pb2
 
+from lightning_persia.remote_ps import remote_folder
 from lightning_persia.remote_ps.client.connection import ShardConnection
 from lightning_persia.remote_ps.client.errors import PSError, ShardUnavailableError
 from lightning_persia.remote_ps.protocol import SERVICE_NAME, persia_pb2
@@ -69,18 +70,19 @@ class ShardAdmin(ShardConnection):
     # ---- checkpoints and deltas ----------------------------------------------------------------------
 
     def save(self, directory: Union[str, os.PathLike]) -> None:
-        """Every shard writes its part of a checkpoint under ``directory`` (a path all shards can reach).
+        """Every shard writes its part of a checkpoint under ``directory``: a path all shards can reach, or an
+        ``fsspec`` URL (``s3://bucket/run/step-100``) that each shard uploads its part to (``remote_ps/remote_folder.py``).
 
         Each shard's folder appears atomically; all carry one save id, so a save into the same directory that
         is interrupted half-way leaves a checkpoint that loads refuse. Save into a fresh directory to keep the
         previous checkpoint loadable until this one is complete.
         """
-        request = persia_pb2.SaveRequest(directory=os.path.abspath(directory), save_id=uuid.uuid4().hex)
+        request = persia_pb2.SaveRequest(directory=_folder(directory), save_id=uuid.uuid4().hex)
         self._all("Save", request, self.checkpoint_timeout_s)
 
     def load(self, directory: Union[str, os.PathLike]) -> None:
         """Every shard replaces its tables by its part of the checkpoint under ``directory`` (any shard count)."""
-        self._all("Load", persia_pb2.LoadRequest(directory=os.path.abspath(directory)), self.checkpoint_timeout_s)
+        self._all("Load", persia_pb2.LoadRequest(directory=_folder(directory)), self.checkpoint_timeout_s)
         self._dims.clear()
 
     def save_delta(self, directory: Union[str, os.PathLike], save_id: str, base_id: str = "") -> None:
@@ -90,13 +92,13 @@ class ShardAdmin(ShardConnection):
         since) writes its tables whole; its manifest says so per table (``since: 0``). Used by
         ``lightning_persia.serving.PublishDeltas``.
         """
-        request = persia_pb2.SaveDeltaRequest(directory=os.path.abspath(directory), save_id=save_id, base_id=base_id)
+        request = persia_pb2.SaveDeltaRequest(directory=_folder(directory), save_id=save_id, base_id=base_id)
         self._all("SaveDelta", request, self.checkpoint_timeout_s)
 
     def stage_delta(self, directory: Union[str, os.PathLike], version: int, base_version: int) -> int:
         """Read-only shards read and check the delta's tables at ``directory`` (from ``base_version`` to ``version``)
         without applying them; returns the rows they will write. Nothing is staged on a shard that refuses it."""
-        request = persia_pb2.StageDeltaRequest(directory=os.path.abspath(directory), version=version, base_version=base_version)
+        request = persia_pb2.StageDeltaRequest(directory=_folder(directory), version=version, base_version=base_version)
         return sum(response.rows for response in self._all("StageDelta", request, self.checkpoint_timeout_s))
 
     def commit_delta(self, version: int) -> None:
@@ -193,3 +195,9 @@ def check_shard_order(addresses: Sequence[str], identities: Sequence[Tuple[int, 
                   if len(by_index) == listed else "an address is listed twice: list every shard of the cluster, once each")
     raise PSError(f"the parameter-server addresses do not match the shards: {details}. {advice} "
                   f"(listed: {', '.join(addresses)})")
+
+
+def _folder(directory: Union[str, os.PathLike]) -> str:
+    """``directory`` as the shards are sent it: a remote URL as it is, a path or ``file://`` URL made absolute."""
+    directory = os.fspath(directory)
+    return directory if remote_folder.is_remote(directory) else remote_folder.local_path(directory)

@@ -39,20 +39,20 @@ class PSClient(ShardAdmin):
         tls_client_cert, tls_client_key: PEM bytes or paths of this client's certificate, for shards that
             require client certificates.
         tls_server_name: name to check the shards' certificates against, when it differs from the address.
-        timeout_s: deadline of one attempt of a lookup, update or table call.
-        max_retries: retries of an attempt that failed with UNAVAILABLE or DEADLINE_EXCEEDED (every call is
-            safe to retry: updates carry a sequence number that the shard applies once).
-        retry_for_s: a failed attempt is also retried, beyond ``max_retries``, until the call has lasted this
-            long: how long a shard may take to come back (a restart, a paused host) before the call fails.
-            ``PersiaStrategy`` sets it to ``RecoveryConfig.wait_for_shards_s``.
-        backoff_s, max_backoff_s: exponential back-off between retries (with jitter).
+        retry: deadline of one attempt and retries of a lookup, update or table call (default ``RetryPolicy()``;
+            every call is safe to retry: updates carry a sequence number that the shard applies once).
+            ``PersiaStrategy`` sets its ``retry_for_s`` to ``RecoveryConfig.wait_for_shards_s``.
         client_id: identity of this client for exactly-once updates; unique by default.
         max_ids_per_message: larger requests to one shard are split into several messages.
         max_message_mb: gRPC message limit; requests are also split to stay under half of it.
         checkpoint_timeout_s: deadline of a save or load.
         interceptors: ``grpc.aio`` client interceptors of every channel (e.g. ``remote_ps.metrics.ClientRpcMetrics``).
 
-    The retry settings are :attr:`retry` (a :class:`RetryPolicy`), which may be changed while the client is in use.
+    The retry settings are :attr:`retry`, which may be changed while the client is in use.
+
+    Example::
+
+        PSClient(["ps-0:5000", "ps-1:5000"], retry=RetryPolicy(timeout_s=10, max_retries=0))
     """
 
     def __init__(
@@ -64,11 +64,7 @@ class PSClient(ShardAdmin):
         tls_client_cert: Optional[PathOrPEM] = None,
         tls_client_key: Optional[PathOrPEM] = None,
         tls_server_name: Optional[str] = None,
-        timeout_s: float = 30.0,
-        max_retries: int = 5,
-        retry_for_s: float = 0.0,
-        backoff_s: float = 0.1,
-        max_backoff_s: float = 5.0,
+        retry: Optional[RetryPolicy] = None,
         client_id: Optional[str] = None,
         max_ids_per_message: int = 1 << 18,
         max_message_mb: int = 512,
@@ -77,14 +73,12 @@ class PSClient(ShardAdmin):
     ) -> None:
         if max_ids_per_message < 1:
             raise ValueError(f"PSClient: max_ids_per_message must be >= 1, got {max_ids_per_message}")
-        retry = RetryPolicy(timeout_s=timeout_s, max_retries=max_retries, retry_for_s=retry_for_s, backoff_s=backoff_s,
-                            max_backoff_s=max_backoff_s)
         self.client_id = client_id or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.max_ids_per_message = max_ids_per_message
         self._seqs: Dict[str, List[Iterator[int]]] = {}  # per sender, per shard
         self._seq_lock = threading.Lock()
         super().__init__(
-            addresses, retry=retry, checkpoint_timeout_s=checkpoint_timeout_s, token=token, tls_root_cert=tls_root_cert,
+            addresses, retry=retry if retry is not None else RetryPolicy(), checkpoint_timeout_s=checkpoint_timeout_s, token=token, tls_root_cert=tls_root_cert,
             tls_client_cert=tls_client_cert, tls_client_key=tls_client_key, tls_server_name=tls_server_name,
             max_message_mb=max_message_mb, interceptors=interceptors,
         )

@@ -32,9 +32,9 @@ from lightning_persia.remote_ps.store.demoter import SLICE_ROWS
 from lightning_persia.remote_ps.store.disk_tier import DISK_FIELDS, DiskTier, ReadAhead, take_records
 from lightning_persia.remote_ps.store.errors import InvalidRequestError, StoreError
 from lightning_persia.remote_ps.store.free_rows import FreeRows
-from lightning_persia.ops import native
 from lightning_persia.remote_ps.store.index import NativeIdIndex, make_index
 from lightning_persia.remote_ps.store.initializers import initial_rows, table_key
+from lightning_persia.remote_ps.store.native import jobs as native
 from lightning_persia.remote_ps.store.optimizers import make_rule
 from lightning_persia.remote_ps.store.promotions import PendingPromotion, PendingPromotions
 from lightning_persia.remote_ps.store.removal_log import RemovalLog

@@ -39,8 +39,8 @@ def prepare_shard_process(config: PSConfig) -> None:
         os.nice(config.nice)
     if config.scheduling == "idle":
         schedule_idle()
-    # Loads the kernels (or warns that it cannot) now, not inside the first request: the store's, and the
-    # trainer's that check which shard owns an id.
+    # Loads the kernels (or warns that it cannot) now, not inside the first request: the store's, and ops' that
+    # check which shard owns the ids of a request.
     store_native.available()
     native.available()
     # Before the tables: a frozen object is never collected, and a table a load replaces must be freed.

@@ -1,6 +1,5 @@
-/* A training request's kernels, a table's whole part of it in one call: the lookups of many tables, their sparse
- * updates, and the admission of the ids a lookup did not find. They work on the id index (id_index.c) and the rows
- * (store.h). */
+/* A training request's kernels: the lookups and the sparse updates of many tables in one call, and the admission of
+ * the ids a table's lookup did not find. They work on the id index (id_index.c) and the rows (store.h). */
 #include "store.h"
 
 /* ---- a request of many tables in one call ------------------------------------------------------------------

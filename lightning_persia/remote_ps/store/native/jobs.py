@@ -1,5 +1,6 @@
-"""Bindings of ``jobs.c``: a training request's kernels, each over many tables in one call (lookups, sparse updates)
-or a table's whole part of it (admission). :class:`~.id_index.Index` builds the jobs, checking their buffers."""
+"""Bindings of ``jobs.c``: a training request's kernels, the lookups and the sparse updates of many tables in one call
+and the admission of the ids a table's lookup did not find. :class:`~.id_index.Index` builds the jobs, checking
+their buffers."""
 from __future__ import annotations
 
 import ctypes
@@ -16,8 +17,8 @@ SIGNATURES = {
     "lp_update_many": ([_P, _I64], None),
     "lp_admit": ([_P], _I64),
 }
-"""Argument and result types of every function of ``jobs.c`` (tests/remote_ps/store/test_store_native_interface.py checks
-them, and the job structures below)."""
+"""Argument and result types of every function of ``jobs.c`` (tests/remote_ps/store/test_store_native_interface.py
+checks them, and the job structures below)."""
 
 native.LIBRARY.declare(SIGNATURES)
 

@@ -21,8 +21,8 @@ SIGNATURES = {
     "lp_row_bits": ([_P, _I64, _I64, _I64, _P], None),
     "lp_uniform_rows": ([_P, _I64, _I64, _I64, ctypes.c_double, ctypes.c_double, _P], None),
 }
-"""Argument and result types of every function of ``rows.c`` (tests/remote_ps/store/test_store_native_interface.py checks
-them)."""
+"""Argument and result types of every function of ``rows.c`` (tests/remote_ps/store/test_store_native_interface.py
+checks them)."""
 
 native.LIBRARY.declare(SIGNATURES)
 

@@ -7,10 +7,10 @@ PY := .venv/bin/python
 setup:
 	@bash scripts/setup.sh
 
-# A source checkout's kernels: built in place, from whatever kernels.c holds now (a library built from another
-# version of it is never loaded).
+# A source checkout's kernels, the trainer's and the store's: built in place, from whatever their C files hold now (a
+# library built from another version of them is never loaded).
 native:
-	@rm -f lightning_persia/ops/native/_kernels_*.so
+	@rm -f lightning_persia/ops/native/_kernels_*.so lightning_persia/remote_ps/store/native/_kernels_*.so
 	@$(PY) setup.py -q build_ext --inplace
 
 test: setup native

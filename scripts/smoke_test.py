@@ -18,6 +18,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 import lightning_persia
 from lightning_persia import Adagrad, PersiaStrategy, PSSettings
 from lightning_persia.ops import native
+from lightning_persia.remote_ps.store import native as store_native
 
 
 class Tiny(L.LightningModule):
@@ -51,7 +52,7 @@ def batches(count: int) -> list:
 def main() -> None:
     installed = Path(lightning_persia.__file__).resolve().parent
     assert "site-packages" in installed.parts, f"lightning_persia imported from {installed}, not from an installed package"
-    assert native.available(), "the native kernels were not compiled into the installed package"
+    assert native.available() and store_native.available(), "the native kernels were not compiled into the installed package"
     script = shutil.which("lightning-persia", path=os.path.dirname(sys.executable))
     assert script, "the lightning-persia console script is not installed beside this Python"
     usage = subprocess.run([script, "--help"], capture_output=True, text=True, check=True).stdout
@@ -65,7 +66,8 @@ def main() -> None:
     rows = sum(table["rows"] for shard in stats for table in shard["tables"].values())
     strategy.close()
     assert trainer.global_step == 4 and rows > 0, (trainer.global_step, rows)
-    print(f"smoke test passed: lightning_persia from {installed}, native kernels {native._built_library().name}, "
+    print(f"smoke test passed: lightning_persia from {installed}, native kernels {native.LIBRARY.built().name} and "
+          f"{store_native.LIBRARY.built().name}, "
           f"4 steps on 2 shards holding {rows} rows")
 
 

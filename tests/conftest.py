@@ -8,6 +8,8 @@ import pytest
 import torch.distributed as dist
 
 from lightning_persia.ops import native
+from lightning_persia.ops.native.library import NATIVE_ENV
+from lightning_persia.remote_ps.store import native as store_native
 from lightning_persia.remote_ps.launcher import LocalShards
 
 # What a Trainer leaves in the environment and the process; a later subprocess would take it for its own launch.
@@ -44,14 +46,14 @@ def clean_distributed():
 
 @pytest.fixture
 def native_kernels() -> None:
-    """For tests of the C kernels themselves (``lightning_persia.ops.native``).
+    """For tests of the C kernels themselves (``lightning_persia.ops.native``, ``lightning_persia.remote_ps.store.native``).
 
     They are compiled when the package is built (``make native`` in a checkout) with the machine's C compiler;
     without one there is nothing to test, and the library runs its tensor implementation instead, which is
     tested on its own (the "tensor" cases of tests/remote_ps/store/test_index.py, tests/ops/test_hashing.py).
     CI machines have a compiler, and ``make test`` builds the library first.
     """
-    if not native.available():
+    if not (native.available() and store_native.available()):
         pytest.skip(f"the native kernels are not in use: {_why_no_native()}. The library then runs its tensor "
                     "implementation, which has its own tests (test_index.py 'tensor' cases, test_hashing.py)")
 
@@ -60,15 +62,15 @@ def native_kernels() -> None:
 def disk_tier_kernels() -> None:
     """For tests of ``storage: disk`` tables: the disk tier's id map and record reads exist in C only, so without
     the native kernels a disk table is refused (with an error naming why), and there is nothing to test."""
-    if not native.available():
+    if not store_native.available():
         pytest.skip(f"the disk tier needs the native kernels, which are not in use: {_why_no_native()}. Without "
                     "them a disk table is refused with an error saying so (remote_ps/store/disk_tier.py)")
 
 
 def _why_no_native() -> str:
-    if os.environ.get(native.NATIVE_ENV) == "0":
-        return f"{native.NATIVE_ENV}=0 switches them off for this run"
-    return ("the library is not built from this kernels.c (`make native`; a build without a working C compiler "
+    if os.environ.get(NATIVE_ENV) == "0":
+        return f"{NATIVE_ENV}=0 switches them off for this run"
+    return ("the libraries are not built from these sources (`make native`; a build without a working C compiler "
             "skips it; the warning above says more)")
 
 @pytest.fixture(scope="session")

@@ -7,11 +7,10 @@ code and by this checkout's, measured in turns (with ``--memory-table``, beside 
     .venv/bin/python -m benchmarks.disk.disk_ab_bench --baseline HEAD --baseline-eviction lru --eviction lfu --disk-dir /work/tmp-ab
 
 A shard a table: the baseline's disk table (``git archive`` of ``--baseline`` into a folder under ``--disk-dir``,
-its native kernels built there, or copied from this checkout where their source is the same), this checkout's disk
-table, and with ``--memory-table`` an all-in-memory table (this checkout's). At 100M rows the three take ~15 GB of
-resident memory and their disk tables' files ~9 GB of page cache: more than the development VM's 24 GB, so the
-memory table is left out by default. Each shard runs the package of its own folder
-(``PYTHONPATH``, and ``PYTHONSAFEPATH`` so that the folder the benchmark runs in does not come first). The tables
+its native kernels built there), this checkout's disk table, and with ``--memory-table`` an all-in-memory table (this
+checkout's). At 100M rows the three take ~15 GB of resident memory and their disk tables' files ~9 GB of page
+cache: more than the development VM's 24 GB, so the memory table is left out by default. Each shard runs the package
+of its own folder (``PYTHONPATH``, and ``PYTHONSAFEPATH`` so that the folder the benchmark runs in does not come first). The tables
 are grown alike to ``--rows`` by training lookups, then the Zipf(1.1) stream of ``scale_bench.py`` (its seed) runs in
 turns of :data:`scale_bench.PAIRED_BLOCK` requests, the other shards stopped meanwhile (``malloc_bench.measure``): every
 shard sees the machine of the same minutes, whose speed moved the memory table's rate between 4.2M and 8.3M rows/s
@@ -37,13 +36,12 @@ from benchmarks.ps.malloc_bench import describe, grow_and_measure, turns
 from benchmarks.ps.scale_bench import Shards
 
 _CHECKOUT = Path(__file__).resolve().parents[2]
-_KERNELS = Path("lightning_persia/ops/native")
 _BASELINE, _CHANGED, _MEMORY = "baseline", "this checkout", "memory"
 
 
 def baseline_tree(commit: str, folder: Path) -> Path:
-    """The package of ``commit`` (of this checkout's repository) unpacked into ``folder``, its native kernels built or,
-    where their source is this checkout's, copied (the library's name carries the hash of its source)."""
+    """The package of ``commit`` (of this checkout's repository) unpacked into ``folder``, its native kernels built
+    there (a few seconds; each library's name carries the digest of its sources, so the shard loads its own)."""
     found = subprocess.run(["git", "-C", str(_CHECKOUT), "rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}"],
                            capture_output=True, text=True)
     if found.returncode:
@@ -55,12 +53,8 @@ def baseline_tree(commit: str, folder: Path) -> Path:
     archive.stdout.close()
     if archive.wait():
         raise SystemExit(f"disk_ab_bench: git archive of {commit!r} failed")
-    if (folder / _KERNELS / "kernels.c").read_bytes() == (_CHECKOUT / _KERNELS / "kernels.c").read_bytes():
-        for built in (_CHECKOUT / _KERNELS).glob("_kernels_*.so"):
-            shutil.copy2(built, folder / _KERNELS / built.name)
-    else:
-        subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=folder, check=True,
-                       stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=folder, check=True,
+                   stdout=subprocess.DEVNULL)
     return folder
 
 

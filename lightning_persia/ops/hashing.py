@@ -11,6 +11,7 @@ import hashlib
 import torch
 
 from lightning_persia.ops import native
+from lightning_persia.ops.native import ids as native_ids
 
 _MASK64 = (1 << 64) - 1
 
@@ -63,7 +64,7 @@ def first_foreign(ids: torch.Tensor, num_shards: int, shard: int) -> int:
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     if native.available() and ids.device.type == "cpu":
-        return native.first_foreign(ids, num_shards, shard)
+        return native_ids.first_foreign(ids, num_shards, shard)
     foreign = torch.nonzero(shard_of(ids, num_shards) != shard)
     return int(foreign[0, 0]) if foreign.numel() else -1
 

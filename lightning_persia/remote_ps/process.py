@@ -23,6 +23,7 @@ from lightning_persia.ops import native
 from lightning_persia.remote_ps.allocator import SYSTEM, keep_freed_memory, running_allocator
 from lightning_persia.remote_ps.config import PSConfig
 from lightning_persia.remote_ps.gc_freeze import freeze_startup_objects
+from lightning_persia.remote_ps.store import native as store_native
 
 log = logging.getLogger("lightning_persia.ps")
 
@@ -38,7 +39,10 @@ def prepare_shard_process(config: PSConfig) -> None:
         os.nice(config.nice)
     if config.scheduling == "idle":
         schedule_idle()
-    native.available()  # loads the kernels (or warns that it cannot) now, not inside the first request
+    # Loads the kernels (or warns that it cannot) now, not inside the first request: the store's, and ops' that
+    # check which shard owns the ids of a request.
+    store_native.available()
+    native.available()
     # Before the tables: a frozen object is never collected, and a table a load replaces must be freed.
     freeze_startup_objects()
 

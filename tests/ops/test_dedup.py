@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from lightning_persia.ops import dedup, native
+from lightning_persia.ops.native import ids as native_ids
 from lightning_persia.ops.dedup import keyed_unique, unique_by_table
 from lightning_persia.ops.keyed_ids import KeyedIds
 
@@ -66,4 +67,4 @@ def test_the_native_dedup_refuses_counts_that_do_not_add_up():
     if not native.available():
         pytest.skip("the native kernels are not built here (no C compiler at install time)")
     with pytest.raises(ValueError, match="counts add up to 2 for 3 ids"):
-        native.unique_by_table(torch.arange(3), (2,))
+        native_ids.unique_by_table(torch.arange(3), (2,))

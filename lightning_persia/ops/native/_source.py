@@ -1,17 +1,25 @@
-"""The native kernels' source and the name of the library built from it.
+"""The C sources of a folder of native kernels, and the name of the library built from them.
 
-Read by the loader (``__init__.py``) and by ``setup.py``, which builds the library without importing the package
-(a build environment has no torch). The name carries a digest of the source and the flags, so a library built
-from another version of ``kernels.c`` is never loaded.
+Read by the loader (``library.py``) and by ``setup.py``, which builds the libraries without importing the package
+(a build environment has no torch). The name carries a digest of the folder's sources (its ``*.c`` and ``*.h``
+files) and of the flags, so a library built from another version of them is never loaded.
 """
 import hashlib
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("kernels.c")
 COMPILE_ARGS = ("-O3", "-std=c99", "-ffp-contract=off")  # no fused multiply-add: initial rows equal torch's, bit for bit
 
 
-def library_name() -> str:
-    """``_kernels_<digest>``: the module name setuptools builds the library under (plus the platform's suffix)."""
-    digest = hashlib.sha1(SOURCE.read_bytes() + " ".join(COMPILE_ARGS).encode()).hexdigest()[:16]
-    return f"_kernels_{digest}"
+def sources(folder: Path) -> list[Path]:
+    """The folder's C files (each compiled) and headers (included by them), in name order."""
+    return sorted(path for path in folder.iterdir() if path.suffix in (".c", ".h"))
+
+
+def library_name(folder: Path) -> str:
+    """``_kernels_<digest>``: the module name setuptools builds the folder's library under (plus the platform's
+    suffix)."""
+    digest = hashlib.sha1()
+    for path in sources(folder):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    digest.update(" ".join(COMPILE_ARGS).encode())
+    return f"_kernels_{digest.hexdigest()[:16]}"

@@ -14,7 +14,7 @@ The first write to a page of fresh memory costs a fault, and a huge page's fault
 compact memory: tens to hundreds of milliseconds that an inserting request would spend holding its table's lock.
 So a table past its first chunk has the memory of the rows it will append next committed ahead of it, by a
 background thread (``MADV_POPULATE_WRITE``, which commits pages without changing what they hold).
-Gathers and scatters run as native loops over the chunks' addresses (``ops/native``) or, without them, as
+Gathers and scatters run as native loops over the chunks' addresses (``store/native/rows.c``) or, without them, as
 tensor indexing of typed views of each chunk.
 """
 from __future__ import annotations
@@ -27,7 +27,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from lightning_persia.ops import native
+from lightning_persia.remote_ps.store import native
+from lightning_persia.remote_ps.store.native import rows as native_rows
 
 CHUNK_BYTES = 1 << 27
 """Target size of one chunk of records: the unit of growth and of a checkpoint's copy."""
@@ -77,7 +78,7 @@ class _Records:
         self.chunk_rows = 1 << self.shift
         self.chunks: list[torch.Tensor] = []  # uint8 [chunk_rows, record_bytes]
         self.maps: list[tuple[mmap.mmap, int]] = []  # each chunk's map and the chunk's address in it
-        self.layout = native.Chunks(torch.empty(0, dtype=torch.int64), self.shift, record_bytes)
+        self.layout = native_rows.Chunks(torch.empty(0, dtype=torch.int64), self.shift, record_bytes)
         self.populated = 0  # rows whose memory is committed (or being committed) ahead of the writes
         self.last_populate: Optional[Future] = None  # the latest commit asked (the populator runs them in order)
 
@@ -87,7 +88,7 @@ class _Records:
         memory = torch.frombuffer(buffer, dtype=torch.uint8)[start : start + self.chunk_rows * self.record_bytes]
         self.chunks.append(memory.view(self.chunk_rows, self.record_bytes))
         self.maps.append((buffer, memory.data_ptr()))
-        self.layout = native.Chunks(torch.tensor([c.data_ptr() for c in self.chunks], dtype=torch.int64),
+        self.layout = native_rows.Chunks(torch.tensor([c.data_ptr() for c in self.chunks], dtype=torch.int64),
                                     self.shift, self.record_bytes)
 
     def populate_ahead(self, rows: int, limit: int) -> None:
@@ -158,7 +159,7 @@ class ChunkedField:
         if out is None:
             out = torch.empty(self.spec.shape(rows.numel()), dtype=self.spec.dtype)
         if native.available():
-            return native.gather(self._rows.layout, self.offset, rows, out)
+            return native_rows.gather(self._rows.layout, self.offset, rows, out)
         for chunk, positions, offsets in self._rows.by_chunk(rows):
             out[positions] = self._take(chunk, self._rows.chunk_rows, offsets)
         return out
@@ -167,7 +168,7 @@ class ChunkedField:
         """The field of row ``rows[i]`` becomes ``values[i]`` (``-1`` skipped)."""
         values = values.to(self.spec.dtype)
         if native.available():
-            native.scatter(self._rows.layout, self.offset, rows, values)
+            native_rows.scatter(self._rows.layout, self.offset, rows, values)
             return
         raw = values.contiguous().view(torch.uint8).view(values.shape[0], self.spec.row_bytes)
         for chunk, positions, offsets in self._rows.by_chunk(rows):
@@ -176,7 +177,7 @@ class ChunkedField:
     def fill(self, rows: torch.Tensor, value: int, add: bool = False) -> None:
         """An int32 field of ``rows`` (``-1`` skipped) becomes ``value``, or grows by it with ``add``."""
         if native.available():
-            native.set_int32(self._rows.layout, self.offset, rows, value, add)
+            native_rows.set_int32(self._rows.layout, self.offset, rows, value, add)
             return
         for chunk, _, offsets in self._rows.by_chunk(rows):
             view = self.chunk(chunk, self._rows.chunk_rows)
@@ -221,7 +222,7 @@ class ChunkedRows:
         return self._records.chunks
 
     @property
-    def layout(self) -> native.Chunks:
+    def layout(self) -> native_rows.Chunks:
         return self._records.layout
 
     @property
@@ -248,7 +249,7 @@ class ChunkedRows:
     def gather_fields(self, rows: torch.Tensor, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``out[name]`` = field ``name`` of ``rows``, every field in one pass over the records; returns ``out``."""
         if native.available():
-            native.fields(self.layout, rows, {self.fields[name].offset: array for name, array in out.items()}, to_rows=False)
+            native_rows.fields(self.layout, rows, {self.fields[name].offset: array for name, array in out.items()}, to_rows=False)
             return out
         for name, array in out.items():
             self.fields[name].gather(rows, array)
@@ -258,7 +259,7 @@ class ChunkedRows:
         """Field ``name`` of ``rows`` = ``values[name]``, every field in one pass over the records."""
         values = {name: array.to(self.fields[name].spec.dtype) for name, array in values.items()}
         if native.available():
-            native.fields(self.layout, rows, {self.fields[name].offset: array for name, array in values.items()}, to_rows=True)
+            native_rows.fields(self.layout, rows, {self.fields[name].offset: array for name, array in values.items()}, to_rows=True)
             return
         for name, array in values.items():
             self.fields[name].scatter(rows, array)

@@ -25,12 +25,12 @@ import numpy as np
 import torch
 
 from lightning_persia import checksum
-from lightning_persia.ops import native
 from lightning_persia.ops.hashing import shard_of
 from lightning_persia.remote_ps.store import disk_map_file
 from lightning_persia.remote_ps.store.chunked_rows import FieldSpec
 from lightning_persia.remote_ps.store.disk_tier import DiskTier, FrozenTier, link, live_slots, unpack
 from lightning_persia.remote_ps.store.errors import CheckpointError
+from lightning_persia.remote_ps.store.native.disk_map import DiskMap
 
 _LIVE = "live.bits"
 _BLOCK_ROWS = 1 << 20
@@ -87,7 +87,7 @@ def segments(shard_folder: Path, entry: dict) -> Iterator[tuple[int, int, Path, 
         start += (rows + 7) >> 3
 
 
-def id_map(shard_folder: Path, entry: dict) -> Optional[Callable[[native.DiskMap], None]]:
+def id_map(shard_folder: Path, entry: dict) -> Optional[Callable[[DiskMap], None]]:
     """What maps the checkpoint's saved id map into a tier's empty map (for :meth:`DiskTier.attach`); ``None`` for
     a checkpoint saved without one (its ids are then indexed from the ids files)."""
     if "idmap" not in entry:

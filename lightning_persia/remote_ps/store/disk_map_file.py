@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from lightning_persia import checksum
-from lightning_persia.ops import native
 from lightning_persia.remote_ps.store.errors import CheckpointError
+from lightning_persia.remote_ps.store.native.disk_map import DiskMap
 
 FILE = "idmap.bin"
 MAGIC = b"LPDMAP\0\0"
@@ -33,11 +33,11 @@ VERSION = 1
 _HEADER = struct.Struct("<8sII")
 
 
-def write(disk_map: native.DiskMap, path: Path, lock: threading.Lock) -> dict:
+def write(disk_map: DiskMap, path: Path, lock: threading.Lock) -> dict:
     """Writes ``disk_map`` as at its save's point (:meth:`DiskMap.save_begin`, taken by ``DiskTier.freeze``) to
     ``path``, each partition copied with ``lock`` (its table's) held, written without it; ends the save. Returns the
     manifest entry."""
-    parts = native.DiskMap.PARTS
+    parts = DiskMap.PARTS
     table = np.zeros((parts, 3), dtype="<i8")
     offset = _HEADER.size + table.nbytes
     try:
@@ -62,11 +62,11 @@ def write(disk_map: native.DiskMap, path: Path, lock: threading.Lock) -> dict:
     return {"file": path.name, "bytes": offset, "head": digest.entry()}
 
 
-def adopt(disk_map: native.DiskMap, path: Path, entry: dict) -> None:
+def adopt(disk_map: DiskMap, path: Path, entry: dict) -> None:
     """Maps the id map of a checkpoint's ``entry`` (written by :func:`write`) into ``disk_map`` (empty). Raises
     :class:`CheckpointError` naming the file when it is missing, truncated, of another version or its header is
     damaged."""
-    parts = native.DiskMap.PARTS
+    parts = DiskMap.PARTS
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as err:

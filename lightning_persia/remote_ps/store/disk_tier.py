@@ -9,9 +9,9 @@ its slot is no longer live. A full segment whose live rows fell below :data:`COM
 of the tier, into segments apart from the demotions', then its files are deleted, so that a workload that brings
 the same rows in and out again and again does not grow the files without end.
 
-The id map (``native.DiskMap``) keeps an 8-byte entry an id in memory (a fingerprint and the slot), at loads of 0.6
+The id map (``DiskMap``) keeps an 8-byte entry an id in memory (a fingerprint and the slot), at loads of 0.6
 to 0.85: a billion rows on disk take ~12 GB of map, against ~60 bytes a row in memory. A lookup confirms each match against the id in
-the record it reads, in file order, in one native call (``native.read_records``): a copy from a segment mapped
+the record it reads, in file order, in one native call (``read_records``): a copy from a segment mapped
 ahead of the reads (``segment_mapping.py``), a ``pread`` from any other.
 
 Faults: a write that fails (a full disk) raises :class:`DiskTierError` before anything changes, so the rows stay
@@ -31,9 +31,11 @@ from typing import Callable, ContextManager, Iterator, Optional
 import numpy as np
 import torch
 
-from lightning_persia.ops import native
+from lightning_persia.remote_ps.store import native
 from lightning_persia.remote_ps.store.chunked_rows import FieldSpec
 from lightning_persia.remote_ps.store.errors import StoreError
+from lightning_persia.remote_ps.store.native.disk_map import DiskMap
+from lightning_persia.remote_ps.store.native.records import get_bits, read_records, set_bits
 from lightning_persia.remote_ps.store.segment_mapping import MAPPED_BYTES, SegmentMapping
 
 SEGMENT_SHIFT = 22
@@ -76,7 +78,7 @@ class FrozenTier:
     directory: Path
     segments: list[tuple[int, int]]
     live: list[torch.Tensor]  # one per segment: a bit per written slot (uint8, little-endian bit order)
-    id_map: Optional[native.DiskMap] = None  # the tier's map, being saved as at the point (DiskMap.save_begin)
+    id_map: Optional[DiskMap] = None  # the tier's map, being saved as at the point (DiskMap.save_begin)
     lock: Optional[threading.Lock] = None  # the table's: held to copy a part of the map
     released: Optional[Callable[[], None]] = None  # tells the tier (its lock held): its segments may be deleted again
 
@@ -110,7 +112,7 @@ class ReadAhead:
         sorted_slots, order = torch.sort(self.slots[found])  # file order: neighbouring records share the pages read
         records = torch.empty(self.ids.numel(), self._record_bytes, dtype=torch.uint8)
         try:
-            native.read_records(*self._tables, SEGMENT_SHIFT, sorted_slots, records, into=found[order])
+            read_records(*self._tables, SEGMENT_SHIFT, sorted_slots, records, into=found[order])
         except Exception:  # noqa: BLE001 - read again under the lock, which reports what failed
             return
         self.records = records
@@ -132,13 +134,13 @@ class DiskTier:
         """``lock``: the table's (a checkpoint copies the id map a part at a time holding it); a tier of its own by default.
         ``mapped_bytes``: records kept in the shard's page tables, at most (:class:`SegmentMapping`)."""
         if not native.available():
-            raise StoreError("storage 'disk' needs the native kernels (see lightning_persia.ops.native.available)")
+            raise StoreError("storage 'disk' needs the native kernels (see lightning_persia.remote_ps.store.native.available)")
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.specs = {name: specs[name] for name in DISK_FIELDS if name in specs and specs[name].row_bytes > 0}
         self.record_bytes = sum(spec.row_bytes for spec in self.specs.values())
         self._lock = lock if lock is not None else threading.Lock()
-        self._map = native.DiskMap()
+        self._map = DiskMap()
         self._fds: list[int] = []  # the records' file of each segment (-1: gone)
         self._mapping = SegmentMapping(self.record_bytes, SEGMENT_ROWS * self.record_bytes, mapped_bytes)
         self._id_fds: list[int] = []
@@ -303,7 +305,7 @@ class DiskTier:
         request's promotions, which the demoter makes between requests, left most of them as they were."""
         again = slots < 0
         if removed:
-            again |= ~native.get_bits(self._live_table, SEGMENT_SHIFT, slots)
+            again |= ~get_bits(self._live_table, SEGMENT_SHIFT, slots)
         positions = torch.nonzero(again).squeeze(1)
         now = self._map.find(ids[positions])
         slots = slots.clone()
@@ -316,7 +318,7 @@ class DiskTier:
         table's lock, while the :attr:`generation` of the read lasts: a segment deleted since has no live slot, and
         its number written anew would hold other records."""
         stored = record_ids(records)
-        return native.get_bits(self._live_table, SEGMENT_SHIFT, slots) & (stored == ids)
+        return get_bits(self._live_table, SEGMENT_SHIFT, slots) & (stored == ids)
 
     def begin_read(self, positions: torch.Tensor, ids: torch.Tensor) -> Optional["ReadAhead"]:
         """The slots of ``ids`` (at ``positions`` of a request) on disk, to read with :meth:`ReadAhead.read` without
@@ -372,7 +374,7 @@ class DiskTier:
         try:
             self._mapping.changed()
             mapping = self._mapping
-            native.read_records(self._fd_table, mapping.bases, mapping.mapped, mapping.reads, SEGMENT_SHIFT, slots, records,
+            read_records(self._fd_table, mapping.bases, mapping.mapped, mapping.reads, SEGMENT_SHIFT, slots, records,
                                 into=positions[order])
         except OSError as err:
             raise DiskTierError(f"the disk tier at {self.directory} could not read: {err.strerror or err}") from None
@@ -551,7 +553,7 @@ class DiskTier:
         self._saves -= 1
 
     def attach(self, files: Iterator[tuple[int, int, Path, Path, torch.Tensor]],
-               adopt_map: Optional[Callable[[native.DiskMap], None]] = None) -> None:
+               adopt_map: Optional[Callable[[DiskMap], None]] = None) -> None:
         """Takes segments of a checkpoint, ``(number, rows, records file, ids file, live bits)`` each: links their
         files into this (empty) tier, then indexes the ids of their live slots: ``adopt_map`` (the checkpoint's saved
         map: ``disk_map_file.adopt``) maps them, else they are read from the ids files and inserted."""
@@ -590,7 +592,7 @@ class DiskTier:
     # ---- bookkeeping -------------------------------------------------------------------------------------
 
     def _set_live(self, slots: torch.Tensor, value: bool) -> None:
-        changed = native.set_bits(self._live_table, SEGMENT_SHIFT, slots, value)
+        changed = set_bits(self._live_table, SEGMENT_SHIFT, slots, value)
         self._live_counts += changed if value else -changed
 
     @property

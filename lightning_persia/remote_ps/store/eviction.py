@@ -20,7 +20,8 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from lightning_persia.ops import native
+from lightning_persia.remote_ps.store import native
+from lightning_persia.remote_ps.store.native import rows as native_rows
 
 FREE = -1
 _HIDDEN = (1 << 31) - 1  # above any threshold: a row hidden from a selection looks the hottest
@@ -110,7 +111,7 @@ def _cold_among(values: torch.Tensor, threshold: int, count: int) -> tuple[torch
     In C where it can (one pass that stops at the last one taken): the tensor ops read the whole slice three times,
     1.0 ms of a 16,384-row demotion's 5.25 ms with the lock held (100M rows, 40M in memory)."""
     if native.available():
-        return native.select_at_most(values, threshold, FREE, count)
+        return native_rows.select_at_most(values, threshold, FREE, count)
     hits = torch.nonzero((values <= threshold) & (values != FREE)).squeeze(1)[:count]
     return hits, values.numel() if hits.numel() < count else int(hits[-1]) + 1
 

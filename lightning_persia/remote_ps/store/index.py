@@ -1,6 +1,6 @@
 """Id -> row index of one table. The keys live in the table's rows (their ``ids`` field); the index holds row numbers.
 
-:func:`make_index` picks the native index when the kernels are loaded (``ops/native/kernels.c``: buckets of
+:func:`make_index` picks the native index when the kernels are loaded (``store/native/id_index.c``: buckets of
 12 tagged slots in one cache line, 4,096 partitions grown one at a time, at most ~131k rows (and one partition)
 rehashed per insert, so a growing table never waits for a whole-index rebuild, and a lookup costs about one cache
 miss in the index), else :class:`TensorIdIndex`, a vectorised open-addressing table in tensor ops (same answers,
@@ -12,9 +12,11 @@ from typing import Optional, Protocol
 
 import torch
 
-from lightning_persia.ops import native
 from lightning_persia.ops.hashing import slot_hash
+from lightning_persia.remote_ps.store import native
 from lightning_persia.remote_ps.store.chunked_rows import ChunkedField, ChunkedRows
+from lightning_persia.remote_ps.store.native import jobs
+from lightning_persia.remote_ps.store.native.id_index import Index
 
 EMPTY = -1
 TOMBSTONE = -2
@@ -66,7 +68,7 @@ class NativeIdIndex:
         if rows["ids"].offset != 0:
             raise ValueError("the native index reads a row's id from the start of its record")
         self._rows = rows
-        self._index = native.Index()
+        self._index = Index()
 
     @property
     def nbytes(self) -> int:
@@ -94,20 +96,20 @@ class NativeIdIndex:
                                 touch=(touch[0].offset, touch[1], touch[2]) if touch is not None else None)
 
     def find_job(self, ids: torch.Tensor, rows: torch.Tensor, copy: tuple[ChunkedField, torch.Tensor],
-                 touch: Optional[tuple[ChunkedField, int, bool]] = None) -> native.FindJob:
-        """:meth:`find` as one job of a :func:`~lightning_persia.ops.native.find_many` call, into ``rows``."""
+                 touch: Optional[tuple[ChunkedField, int, bool]] = None) -> jobs.FindJob:
+        """:meth:`find` as one job of a :func:`~.native.jobs.find_many` call, into ``rows``."""
         return self._index.find_job(ids, rows, self._rows.layout, (copy[0].offset, copy[1]),
                                     (touch[0].offset, touch[1], touch[2]) if touch is not None else None)
 
     def update_job(self, ids: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor, rule: str, weights: ChunkedField,
                    state_offset: int, version: tuple[ChunkedField, int], lr: float, eps: float, weight_decay: float,
-                   bound: Optional[float]) -> native.UpdateJob:
-        """A native sparse update of the rows of ``ids`` (see :func:`~lightning_persia.ops.native.update_many`)."""
+                   bound: Optional[float]) -> jobs.UpdateJob:
+        """A native sparse update of the rows of ``ids`` (see :func:`~.native.jobs.update_many`)."""
         return self._index.update_job(ids, rows, grads, self._rows.layout, rule, (weights.offset, weights.spec.dtype),
                                       state_offset, (version[0].offset, version[1]), lr, eps, weight_decay, bound)
 
-    def admit_job(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, fresh: torch.Tensor, fields: native.AdmitFields,
-                  init_key: int, uniform: tuple[float, float]) -> native.AdmitJob:
+    def admit_job(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, fresh: torch.Tensor, fields: jobs.AdmitFields,
+                  init_key: int, uniform: tuple[float, float]) -> jobs.AdmitJob:
         return self._index.admit_job(ids, rows, out, self._rows.layout, fresh, fields, init_key, uniform)
 
     def insert(self, ids: torch.Tensor, rows: torch.Tensor) -> None:

@@ -10,8 +10,9 @@ import math
 
 import torch
 
-from lightning_persia.ops import native
 from lightning_persia.ops.hashing import mix64, mix64_int, name_hash
+from lightning_persia.remote_ps.store import native
+from lightning_persia.remote_ps.store.native import rows as native_rows
 from lightning_persia.remote_ps.table_config import Constant, EmbeddingInit, Normal, Uniform
 
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed word
@@ -21,7 +22,7 @@ _MANTISSA = (1 << 53) - 1
 def _uniform01(ids: torch.Tensor, key: int, columns: int) -> torch.Tensor:
     """U(0, 1) in float64, shape [n, columns], never exactly 0."""
     if native.available():  # the same words in one C loop instead of a dozen [n, columns] int64 tensor ops
-        bits = native.row_bits(ids, key, columns)
+        bits = native_rows.row_bits(ids, key, columns)
     else:
         row_key = mix64(ids ^ key)
         bits = mix64(row_key.unsqueeze(1) + torch.arange(columns, dtype=torch.int64).unsqueeze(0) * _GOLDEN)
@@ -47,7 +48,7 @@ def initial_rows(init: EmbeddingInit, seed: int, table: str, ids: torch.Tensor, 
     ids = ids.reshape(-1).to(torch.int64)
     if isinstance(init, Uniform):
         if native.available():  # one C loop instead of a dozen passes over [n, dim] float64 tensors
-            return native.uniform_rows(ids, key, dim, init.low, init.high)
+            return native_rows.uniform_rows(ids, key, dim, init.low, init.high)
         u = _uniform01(ids, key, dim)
         return (init.low + (init.high - init.low) * u).to(torch.float32)
     if isinstance(init, Normal):

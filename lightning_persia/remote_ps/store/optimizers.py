@@ -16,7 +16,7 @@ from lightning_persia.remote_ps.table_config import SGD, Adagrad, Adam, Embeddin
 class SparseRule:
     """One optimizer's update of a block of rows; ``state_width`` float32 columns of state per row.
 
-    ``native``: the name of the same rule in the native kernels (``ops/native``: SGD and both Adagrads run there
+    ``native``: the name of the same rule in the native kernels (``store/native/jobs.c``: SGD and both Adagrads run there
     over a request's rows in place, in the same float32 operations), or None where only this class runs it.
     """
 

@@ -4,7 +4,7 @@ A ``pread`` of a 48-byte record cost 0.8 to 1.8 us on the development VM; a copy
 pages in the process's page tables 0.3 to 0.5 us; a read through a mapping whose page is not there yet costs a
 fault, up to 2 us under load. So segments are mapped and populated ahead of
 the reads, off the request path (called by the shard's demoter), and the records of the others are read with
-``pread``: ``native.read_records`` takes the tables of this class. A step chooses what to map and publishes it with
+``pread``: ``native_records.read_records`` takes the tables of this class. A step chooses what to map and publishes it with
 the table's lock held, but reads the pages in without it: where the page cache no longer holds them (a billion
 rows on this VM), that read is disk I/O that would otherwise hold every request, and a checkpoint, behind it.
 
@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from lightning_persia.ops import native
+from lightning_persia.remote_ps.store.native import records as native_records
 
 MAPPED_BYTES = 1 << 30
 """Records of a tier whose pages the shard keeps in its page tables, at most, unless the shard says otherwise."""
@@ -112,7 +112,7 @@ class SegmentMapping:
             self._unmap(coldest)
             room = self._budget - self.bytes
         if not int(self.bases[segment]):
-            self.bases[segment] = native.map_file(int(fds[segment]), self.segment_bytes)
+            self.bases[segment] = native_records.map_file(int(fds[segment]), self.segment_bytes)
         first = int(self.mapped[segment]) * self.record_bytes
         start = first & ~4095  # from the page the mapped records end in
         end = min(int(written[segment]) * self.record_bytes, first + min(room, _STEP_BYTES))
@@ -126,14 +126,14 @@ class SegmentMapping:
     def _unmap(self, segment: int) -> None:
         """Takes ``segment``'s pages out of the page tables; the mapping stays, so a read under way still copies
         from it (a fault brings the page back)."""
-        native.map_pages(int(self.bases[segment]), int(self.mapped[segment]) * self.record_bytes, drop=True)
+        native_records.map_pages(int(self.bases[segment]), int(self.mapped[segment]) * self.record_bytes, drop=True)
         self.mapped[segment] = 0
 
     @staticmethod
     def populate(job: MapJob) -> None:
         """Reads the job's pages into the page tables: from the disk, where the page cache lacks them. Call it
         without the table's lock (a segment's written records never change; the mapping stays until :meth:`publish`)."""
-        native.map_pages(job.address, job.nbytes)
+        native_records.map_pages(job.address, job.nbytes)
 
     def publish(self, job: MapJob, populated: bool = True) -> int:
         """Makes the populated records of ``job`` readable through the mapping (``populated`` False: a failed
@@ -154,7 +154,7 @@ class SegmentMapping:
     def drop(self, segment: int) -> None:
         """Unmaps ``segment`` (deleted; the table's lock held, no read under way)."""
         if int(self.bases[segment]):
-            native.unmap_file(int(self.bases[segment]), self.segment_bytes)
+            native_records.unmap_file(int(self.bases[segment]), self.segment_bytes)
         self.bases[segment] = self.mapped[segment] = self.reads[segment] = 0
 
     def close(self) -> None:
@@ -167,5 +167,5 @@ class SegmentMapping:
     def _unmap_all(self) -> None:
         for base in self.bases.tolist():
             if base:
-                native.unmap_file(base, self.segment_bytes)
+                native_records.unmap_file(base, self.segment_bytes)
         self.bases = self.mapped = self.reads = torch.zeros(0, dtype=torch.int64)

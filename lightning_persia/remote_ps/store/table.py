@@ -32,9 +32,9 @@ from lightning_persia.remote_ps.store.demoter import SLICE_ROWS
 from lightning_persia.remote_ps.store.disk_tier import DISK_FIELDS, DiskTier, ReadAhead, take_records
 from lightning_persia.remote_ps.store.errors import InvalidRequestError, StoreError
 from lightning_persia.remote_ps.store.free_rows import FreeRows
-from lightning_persia.ops import native
 from lightning_persia.remote_ps.store.index import NativeIdIndex, make_index
 from lightning_persia.remote_ps.store.initializers import initial_rows, table_key
+from lightning_persia.remote_ps.store.native import jobs as native
 from lightning_persia.remote_ps.store.optimizers import make_rule
 from lightning_persia.remote_ps.store.promotions import PendingPromotion, PendingPromotions
 from lightning_persia.remote_ps.store.removal_log import RemovalLog
@@ -804,7 +804,7 @@ class Table:
                 and self.config.admit_probability >= 1.0 and self._sightings is None and missing <= self.config.capacity)
 
     def _admit_natively(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, missing: int) -> None:
-        """Admits the absent ids of a training lookup and fills their rows of ``out`` (``kernels.c``'s ``lp_admit``).
+        """Admits the absent ids of a training lookup and fills their rows of ``out`` (``jobs.c``'s ``lp_admit``).
 
         Rows are taken for every absent occurrence (a client sends each id once; an id repeated in a request takes
         one row and hands the others back to the free list), except where rows must be evicted for them. Only the

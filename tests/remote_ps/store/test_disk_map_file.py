@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from lightning_persia.ops import native
+from lightning_persia.remote_ps.store.native.disk_map import DiskMap
 from lightning_persia.remote_ps.store import CheckpointError, disk_map_file
 from lightning_persia.remote_ps.store.chunked_rows import FieldSpec
 from lightning_persia.remote_ps.store.disk_tier import DiskTier
@@ -39,7 +39,7 @@ def test_the_saved_map_is_the_point_s_whatever_changed_before_its_parts_were_cop
     entry = disk_map_file.write(frozen.id_map, tmp_path / "idmap.bin", threading.Lock())
     frozen.release()
 
-    adopted = native.DiskMap()
+    adopted = DiskMap()
     disk_map_file.adopt(adopted, tmp_path / "idmap.bin", entry)
     assert adopted.info()[0] == ids.numel()
     assert torch.equal(adopted.find(ids), at_point)
@@ -58,17 +58,17 @@ def test_a_damaged_truncated_or_foreign_map_file_is_refused_naming_it(tmp_path):
     data = path.read_bytes()
     path.write_bytes(data[:-8])
     with pytest.raises(CheckpointError, match="idmap.bin is truncated or its header is damaged"):
-        disk_map_file.adopt(native.DiskMap(), path, entry)
+        disk_map_file.adopt(DiskMap(), path, entry)
     path.write_bytes(data[:20] + bytes([data[20] ^ 1]) + data[21:])
     with pytest.raises(CheckpointError, match="idmap.bin is truncated or its header is damaged"):
-        disk_map_file.adopt(native.DiskMap(), path, entry)
+        disk_map_file.adopt(DiskMap(), path, entry)
     path.write_bytes(b"LPDMAP\0\0" + (2).to_bytes(4, "little") + data[12:])
     digest = disk_map_file.checksum.Digest()
-    digest.update(path.read_bytes()[: 16 + native.DiskMap.PARTS * 24])  # a header as sound as another version's
+    digest.update(path.read_bytes()[: 16 + DiskMap.PARTS * 24])  # a header as sound as another version's
     with pytest.raises(CheckpointError, match="id map of version 2 .* this version reads version 1"):
-        disk_map_file.adopt(native.DiskMap(), path, {**entry, "head": digest.entry()})
+        disk_map_file.adopt(DiskMap(), path, {**entry, "head": digest.entry()})
     with pytest.raises(CheckpointError, match="cannot be opened"):
-        disk_map_file.adopt(native.DiskMap(), tmp_path / "absent.bin", entry)
+        disk_map_file.adopt(DiskMap(), tmp_path / "absent.bin", entry)
 
 
 def _saved(tmp_path):

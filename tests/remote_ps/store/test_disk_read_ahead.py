@@ -49,13 +49,13 @@ def _during_read(monkeypatch, table, meanwhile):
 def _reads_under_lock(monkeypatch, table):
     """``(locked, start)``: once ``start()`` is called, each read of records appends to ``locked`` whether the
     table's lock was held during it."""
-    real_read_records, locked = disk_tier.native.read_records, []
+    real_read_records, locked = disk_tier.read_records, []
 
     def read_records(*args, **kwargs):
         locked.append(table.lock.locked())
         real_read_records(*args, **kwargs)
 
-    return locked, lambda: monkeypatch.setattr(disk_tier.native, "read_records", read_records)
+    return locked, lambda: monkeypatch.setattr(disk_tier, "read_records", read_records)
 
 
 def test_the_misses_are_read_without_the_lock_and_serve_the_same_rows(tmp_path, monkeypatch):

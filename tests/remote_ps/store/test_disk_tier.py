@@ -7,7 +7,8 @@ import threading
 import pytest
 import torch
 
-from lightning_persia.ops import native
+from lightning_persia.remote_ps.store.native import records as native_records
+from lightning_persia.remote_ps.store.native.disk_map import DiskMap
 from lightning_persia.remote_ps.store import disk_tier, segment_mapping, thread_clock
 from lightning_persia.remote_ps.store.chunked_rows import FieldSpec
 from lightning_persia.remote_ps.store.disk_tier import DiskTier, DiskTierError
@@ -28,7 +29,7 @@ def small_segments(monkeypatch):
 
 
 def test_disk_map_moves_entries_in_place_and_a_save_keeps_the_points_slots():
-    disk_map = native.DiskMap()
+    disk_map = DiskMap()
     ids = torch.unique(torch.randint(-(1 << 62), 1 << 62, (100_000,), generator=torch.Generator().manual_seed(2)))
     slots = torch.arange(ids.numel())
     disk_map.insert(ids, slots)
@@ -39,7 +40,7 @@ def test_disk_map_moves_entries_in_place_and_a_save_keeps_the_points_slots():
     assert disk_map.move(ids[1::2], slots[1::2] + 1, slots[1::2]) == 0  # no entry of those slots: nothing moved
     found = disk_map.find(ids)
     assert torch.equal(found[::2], to) and torch.equal(found[1::2], slots[1::2]) and disk_map.info()[0] == ids.numel()
-    saved = [copied] + [disk_map.save_part(part) for part in range(1, native.DiskMap.PARTS)]
+    saved = [copied] + [disk_map.save_part(part) for part in range(1, DiskMap.PARTS)]
     disk_map.save_end()
     entries = torch.cat([part for part, _ in saved])
     at_point = (entries[entries != 0] & 0xFFFFFFFF) - 1
@@ -65,7 +66,7 @@ def _table(tmp_path, capacity=1000, **kwargs):
 
 
 def test_disk_map_finds_removes_and_grows():
-    disk_map = native.DiskMap()
+    disk_map = DiskMap()
     ids = torch.unique(torch.randint(-(1 << 62), 1 << 62, (200_000,), generator=torch.Generator().manual_seed(1)))
     slots = torch.arange(ids.numel())
     disk_map.insert(ids, slots)
@@ -82,7 +83,7 @@ def test_disk_map_finds_removes_and_grows():
 def test_disk_map_removals_in_rounds_keep_every_other_entry_findable():
     """Entries shifted back into the holes removals leave, over partitions' wrapped ends, and inserted again."""
     generator = torch.Generator().manual_seed(2)
-    disk_map = native.DiskMap()
+    disk_map = DiskMap()
     ids = torch.unique(torch.randint(-(1 << 62), 1 << 62, (100_000,), generator=generator))
     slots = torch.randperm(ids.numel(), generator=generator)
     disk_map.insert(ids, slots)
@@ -147,21 +148,21 @@ def test_records_are_read_into_the_rows_named_and_live_bits_set_across_segments(
     fds = torch.tensor([os.open(tmp_path / "tier" / f"segment-{s:06d}.rows", os.O_RDONLY) for s in range(3)])
     none, reads = torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)
     out = torch.zeros(4, tier.record_bytes, dtype=torch.uint8)
-    native.read_records(fds, none, none, reads, 10, torch.tensor([5, 1500, 2499]), out, into=torch.tensor([3, 0, 1]))
+    native_records.read_records(fds, none, none, reads, 10, torch.tensor([5, 1500, 2499]), out, into=torch.tensor([3, 0, 1]))
     assert tier.unpack(out)["ids"].tolist() == [ids[1500], ids[2499], 0, ids[5]]  # row 2 named by no slot: left as it was
     assert reads.tolist() == [1, 1, 1]
     with pytest.raises(ValueError, match="into"):
-        native.read_records(fds, none, none, reads, 10, torch.tensor([5]), out, into=torch.tensor([4]))
+        native_records.read_records(fds, none, none, reads, 10, torch.tensor([5]), out, into=torch.tensor([4]))
     for fd in fds.tolist():
         os.close(fd)
     pages = [torch.zeros(128, dtype=torch.uint8), torch.zeros(128, dtype=torch.uint8)]
     table = torch.tensor([pages[0].data_ptr(), 0, pages[1].data_ptr()])
-    native.set_bits(table, 10, torch.tensor([3, 2048 + 9]), True)
+    native_records.set_bits(table, 10, torch.tensor([3, 2048 + 9]), True)
     assert pages[0][0] == 8 and pages[1][1] == 2
     with pytest.raises(ValueError, match="slot 1030 has no bits"):  # segment 1 has none
-        native.set_bits(table, 10, torch.tensor([4, 1030]), True)
+        native_records.set_bits(table, 10, torch.tensor([4, 1030]), True)
     assert pages[0][0] == 8 | 16  # the slot before it was set
-    got = native.get_bits(table, 10, torch.tensor([3, 4, 5, 2048 + 9, 2048 + 8, 1030, -1, 5000]))
+    got = native_records.get_bits(table, 10, torch.tensor([3, 4, 5, 2048 + 9, 2048 + 8, 1030, -1, 5000]))
     assert got.tolist() == [True, True, False, True, False, False, False, False]  # no page, or none: not set
 
 
@@ -362,7 +363,7 @@ def test_a_map_step_reads_its_pages_in_without_the_tables_lock_and_a_close_meanw
         real_populate(job)
 
     monkeypatch.setattr(segment_mapping.SegmentMapping, "populate", staticmethod(populate))
-    monkeypatch.setattr(native, "unmap_file", lambda address, nbytes: unmapped.append(address))
+    monkeypatch.setattr(native_records, "unmap_file", lambda address, nbytes: unmapped.append(address))
     assert tier.map_step() == 1024 * tier.record_bytes
     assert tier.map_step() == 0 and tier.closed  # closed during the step: published as unmapped
     assert held_while_populating == [False, False] and len(unmapped) == 2  # both segments' mappings ended

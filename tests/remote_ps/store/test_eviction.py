@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from lightning_persia.ops import native
+from lightning_persia.remote_ps.store import native
+from lightning_persia.remote_ps.store.native import rows as native_rows
 from lightning_persia.remote_ps.store import eviction
 from lightning_persia.remote_ps.store.eviction import FREE, select_victims
 
@@ -100,12 +101,12 @@ def test_the_kernels_take_the_cold_values_of_a_field_of_records_as_the_tensor_op
 
 
 def test_the_kernels_read_no_value_for_a_count_of_none_and_refuse_other_dtypes(native_kernels):
-    hits, stop = native.select_at_most(torch.tensor([1, 2, 3], dtype=torch.int32), 5, FREE, 0)
+    hits, stop = native_rows.select_at_most(torch.tensor([1, 2, 3], dtype=torch.int32), 5, FREE, 0)
     assert hits.numel() == 0 and stop == 0
     with pytest.raises(ValueError, match="values must be a 1-D torch.int32"):
-        native.select_at_most(torch.tensor([1, 2, 3]), 5, FREE, 1)
+        native_rows.select_at_most(torch.tensor([1, 2, 3]), 5, FREE, 1)
     with pytest.raises(ValueError, match="count must not be negative"):
-        native.select_at_most(torch.tensor([1, 2, 3], dtype=torch.int32), 5, FREE, -1)
+        native_rows.select_at_most(torch.tensor([1, 2, 3], dtype=torch.int32), 5, FREE, -1)
 
 
 def test_the_victims_are_the_same_with_the_kernels_and_without(native_kernels, monkeypatch):

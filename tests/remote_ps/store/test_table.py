@@ -223,9 +223,9 @@ def test_an_id_repeated_in_a_training_lookup_is_admitted_once(native_kernels):
 def test_an_admission_cut_short_keeps_what_it_admitted_and_frees_the_other_rows(native_kernels, monkeypatch):
     """The native pass stops where it fails (the index cannot grow, or too few rows were given): the ids admitted
     until then stay and are counted, the rows it did not use go back to the free list, and nothing leaks."""
-    from lightning_persia.ops import native
+    from lightning_persia.remote_ps.store.native import jobs
 
-    admit = native.admit
+    admit = jobs.admit
 
     def cut_short(job):
         job.fresh_count = 3  # the pass runs out of rows after 3 ids
@@ -233,12 +233,12 @@ def test_an_admission_cut_short_keeps_what_it_admitted_and_frees_the_other_rows(
 
     store = ShardStore(0, 1)
     store.configure(TableConfig("t", 4))
-    monkeypatch.setattr(native, "admit", cut_short)
+    monkeypatch.setattr(jobs, "admit", cut_short)
     with pytest.raises(ValueError, match="too few"):
         store.lookup("t", torch.arange(10), train=True)
     stats = store.stats()["t"]
     assert (stats["rows"], stats["inserted"], stats["rows_allocated"]) == (3, 3, 10)
-    monkeypatch.setattr(native, "admit", admit)
+    monkeypatch.setattr(jobs, "admit", admit)
     rows = store.lookup("t", torch.arange(10), train=True)
     assert torch.equal(rows, initial_rows(TableConfig("t", 4).init, 0, "t", torch.arange(10), 4))
     stats = store.stats()["t"]

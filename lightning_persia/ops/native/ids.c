@@ -1,0 +1,95 @@
+/* The trainer's kernels over a batch's ids: each table's unique ids, and the first id another shard owns.
+ *
+ * Called through ctypes on the buffers of CPU tensors (see ids.py). The hash is lightning_persia.ops.hashing's
+ * splitmix64 finaliser, bit for bit (the store's kernels, remote_ps/store/native, hash with the same one).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const uint64_t SLOT_SALT = 0x9E3779B97F4A7C15ULL;
+static const uint64_t SHARD_SALT = 0x2545F4914F6CDD1DULL;
+
+static inline uint64_t mix64(uint64_t x) {
+    x ^= x >> 30;
+    x *= 0xBF58476D1CE4E5B9ULL;
+    x ^= x >> 27;
+    x *= 0x94D049BB133111EBULL;
+    return x ^ (x >> 31);
+}
+
+/* ---- shard ownership ------------------------------------------------------------------------------------ */
+
+/* Index of the first id not owned by shard `shard` of `num_shards`, or -1 when all are. */
+int64_t lp_first_foreign(const int64_t *ids, int64_t n, int64_t num_shards, int64_t shard) {
+    for (int64_t i = 0; i < n; ++i) {
+        const uint64_t h = mix64((uint64_t)ids[i] ^ SHARD_SALT) & 0x7FFFFFFFFFFFFFFFULL;
+        if ((int64_t)(h % (uint64_t)num_shards) != shard) return i;
+    }
+    return -1;
+}
+
+/* ---- a batch's ids deduplicated, table by table (the trainer's planning of a lookup) -----------------------
+ * Table t's ids are ids[starts[t] .. starts[t + 1]). Writes each table's unique ids in ascending order into
+ * `unique` (tables one after another), how many into counts[t], and for every id its position among its own
+ * table's unique ids into inverse. A hash table per table (twice its ids' slots, so it stays in the caches for a
+ * batch's few thousand ids a table) finds the unique ids in one pass; only they are sorted. Returns 0, or -1 when
+ * memory for the scratch space cannot be had. */
+
+typedef struct { int64_t id; int64_t first; } seen_t;
+
+static int by_id(const void *a, const void *b) {
+    int64_t x = ((const seen_t *)a)->id, y = ((const seen_t *)b)->id;
+    return (x > y) - (x < y);
+}
+
+int64_t lp_unique_by_table(const int64_t *ids, const int64_t *starts, int64_t num_tables, int64_t *unique, int64_t *counts,
+                           int64_t *inverse) {
+    int64_t widest = 0;
+    for (int64_t t = 0; t < num_tables; t++)
+        if (starts[t + 1] - starts[t] > widest) widest = starts[t + 1] - starts[t];
+    int64_t slots = 16;
+    while (slots < 2 * widest) slots <<= 1;
+    int32_t *slot_of = malloc(sizeof(int32_t) * (size_t)slots);
+    seen_t *seen = malloc(sizeof(seen_t) * (size_t)(widest ? widest : 1));
+    int64_t *rank = malloc(sizeof(int64_t) * (size_t)(widest ? widest : 1));
+    if (!slot_of || !seen || !rank) {
+        free(slot_of);
+        free(seen);
+        free(rank);
+        return -1;
+    }
+    int64_t written = 0;
+    for (int64_t t = 0; t < num_tables; t++) {
+        const int64_t first = starts[t], n = starts[t + 1] - starts[t];
+        int64_t size = 16;
+        while (size < 2 * n) size <<= 1;
+        const uint64_t mask = (uint64_t)size - 1;
+        memset(slot_of, 0xFF, sizeof(int32_t) * (size_t)size);
+        int64_t found = 0;
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t id = ids[first + i];
+            uint64_t s = mix64((uint64_t)id ^ SLOT_SALT) & mask;
+            while (slot_of[s] >= 0 && seen[slot_of[s]].id != id) s = (s + 1) & mask;
+            if (slot_of[s] < 0) {
+                slot_of[s] = (int32_t)found;
+                seen[found].id = id;
+                seen[found].first = found;
+                found++;
+            }
+            inverse[first + i] = slot_of[s];
+        }
+        qsort(seen, (size_t)found, sizeof(seen_t), by_id);
+        for (int64_t u = 0; u < found; u++) {
+            rank[seen[u].first] = u;
+            unique[written + u] = seen[u].id;
+        }
+        for (int64_t i = 0; i < n; i++) inverse[first + i] = rank[inverse[first + i]];
+        counts[t] = found;
+        written += found;
+    }
+    free(slot_of);
+    free(seen);
+    free(rank);
+    return 0;
+}

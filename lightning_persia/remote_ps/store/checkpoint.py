@@ -331,7 +331,8 @@ class TableSource:
         job.finish()
 
 
-def open_for_shard(directory: str | os.PathLike, shard_index: int, num_shards: int, check_first: bool = True) -> list[TableSource]:
+def open_for_shard(directory: str | os.PathLike, shard_index: int, num_shards: int, check_first: bool = True,
+                   own_part: bool = False) -> list[TableSource]:
     """The tables of the checkpoint at ``directory``, as shard ``shard_index`` of ``num_shards`` reloads them.
 
     Every file the shard will read is checked first (size and checksum against the manifest), so a load can replace
@@ -339,9 +340,16 @@ def open_for_shard(directory: str | os.PathLike, shard_index: int, num_shards: i
     table) only the sizes are, and :meth:`TableSource.blocks` checks the checksums while it reads the rows.
     Into as many shards as saved it, a shard reads its own folder (the hash puts no id of it anywhere else);
     otherwise it reads every folder and keeps its ids.
+    ``own_part``: where the checkpoint holds this shard's own folder (saved by as many shards), that folder alone is
+    read, whatever became of the others: the part of a save a shard's write-ahead log follows, which the shard wrote
+    itself, while the other shards may still be writing theirs (or never finish).
     Raises :class:`CheckpointError` naming the file when the checkpoint is incomplete or corrupted.
     """
-    manifests = _manifests(Path(directory))
+    own = shard_folder(directory, shard_index, num_shards)
+    if own_part and (own / "manifest.json").is_file():
+        manifests = [(own, _read_manifest(own / "manifest.json", shard_index))]
+    else:
+        manifests = _manifests(Path(directory))
     if len(manifests) == num_shards:
         manifests = [manifests[shard_index]]
     sources: dict[str, TableSource] = {}
@@ -374,6 +382,16 @@ def open_for_shard(directory: str | os.PathLike, shard_index: int, num_shards: i
             for array in SAVED_FIELDS:
                 _ArrayReader(part.folder, part.entry, array).close()
     return list(sources.values())
+
+
+def _read_manifest(path: Path, index: int) -> dict:
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"cannot read {path}: {err}") from None
+    if not isinstance(manifest, dict) or manifest.get("format_version") not in READABLE_VERSIONS or manifest.get("shard_index") != index:
+        raise CheckpointError(f"{path} is not a manifest of shard {index} in a format this version reads {READABLE_VERSIONS}")
+    return manifest
 
 
 def _saved_shards(part: _Part) -> int:
@@ -411,16 +429,7 @@ def _read_manifests(directory: Path) -> list[tuple[Path, dict]]:
     missing = sorted(set(range(total)) - set(found))
     if missing:
         raise CheckpointError(f"{directory} is incomplete: shard folders {missing} of {total} are missing")
-    out = []
-    for index in range(total):
-        path = found[index] / "manifest.json"
-        try:
-            manifest = json.loads(path.read_text())
-        except (OSError, ValueError) as err:
-            raise CheckpointError(f"cannot read {path}: {err}") from None
-        if not isinstance(manifest, dict) or manifest.get("format_version") not in READABLE_VERSIONS or manifest.get("shard_index") != index:
-            raise CheckpointError(f"{path} is not a manifest of shard {index} in a format this version reads {READABLE_VERSIONS}")
-        out.append((found[index], manifest))
+    out = [(found[index], _read_manifest(found[index] / "manifest.json", index)) for index in range(total)]
     save_ids = {manifest.get("save_id", "") for _, manifest in out}
     if len(save_ids) > 1:
         raise CheckpointError(

@@ -293,8 +293,11 @@ class ShardStore:
                 if rows is not None:
                     table.upsert_locked(rows)
 
-    def load(self, directory: str) -> None:
+    def load(self, directory: str, own_part: bool = False) -> None:
         """Replaces every table by the rows of the checkpoint at ``directory`` that belong to this shard.
+
+        ``own_part``: read this shard's own folder alone where there is one (``checkpoint.open_for_shard``): what a
+        replay of its log starts from.
 
         The checkpoint may come from any number of shards. Every file is checked before a table is replaced:
         nothing changes if the checkpoint is incomplete or corrupted. The tables are then read a block at a
@@ -305,7 +308,8 @@ class ShardStore:
         """
         with self._lock:
             holds_tables = bool(self._tables)
-        sources = checkpoint.open_for_shard(directory, self.shard_index, self.num_shards, check_first=holds_tables)
+        sources = checkpoint.open_for_shard(directory, self.shard_index, self.num_shards, check_first=holds_tables,
+                                            own_part=own_part)
         with self._save_lock:
             with self._lock:
                 dropped, self._tables = self._tables, {}

@@ -38,7 +38,7 @@ class ReplayTarget(Protocol):
 
     shard_index: int
 
-    def load(self, directory: str) -> None: ...
+    def load(self, directory: str, own_part: bool = False) -> None: ...
 
     def load_latest(self, root: str) -> str: ...
 
@@ -265,7 +265,7 @@ def _replay_segments(store: ReplayTarget, path: Path, base: Optional[dict], segm
     report.checkpoint = base["checkpoint"]
     try:
         if report.checkpoint:
-            store.load(report.checkpoint)
+            store.load(report.checkpoint, own_part=True)  # the other shards may not have finished that save
     except CheckpointError as err:
         return f"its checkpoint {report.checkpoint} does not load: {err}"
     report.load_seconds = time.monotonic() - started

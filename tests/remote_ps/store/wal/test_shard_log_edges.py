@@ -223,3 +223,22 @@ def test_a_log_newer_than_restore_from_is_replayed(tmp_path):
     restarted = _start(tmp_path, "two", restore_from=str(tmp_path / "second"))
     assert restarted.log.report.replayed and restarted.log.report.not_trusted == ""
     assert torch.equal(_values(restarted, "a", ids), torch.full((10, 4), -1.0))
+
+
+def test_a_shard_restarted_before_the_other_shards_finished_a_save_replays_from_its_own_part(tmp_path):
+    """Its log follows the save it finished; another shard's folder of that save is not written yet (or never is)."""
+    stores = [ShardStore(i, 2, seed=3, demotion_interval_s=None) for i in range(2)]
+    for i, store in enumerate(stores):
+        store.log = open_shard_log(store, str(tmp_path / f"wal-{i}"), "log", "one", None, window=64)
+        store.configure(TableConfig("a", 4, optimizer=SGD(lr=1.0), init=Constant(0.0)))
+    ids = torch.arange(40)
+    mine = ids[shard_of(ids, 2) == 1]
+    stores[1].lookup("a", mine, train=True)
+    stores[1].update("a", mine, torch.ones(mine.numel(), 4))
+    stores[1].save(str(tmp_path / "save"))  # shard 0 has not written its folder: the save is not complete
+    stores[1].update("a", mine, torch.ones(mine.numel(), 4))
+    restarted = ShardStore(1, 2, seed=3, demotion_interval_s=None)
+    restarted.log = open_shard_log(restarted, str(tmp_path / "wal-1"), "log", "two", None, window=64)
+    report = restarted.log.report
+    assert report.replayed and report.not_trusted == "" and restarted.log.accepted == {"one", "two"}
+    assert torch.equal(_values(restarted, "a", mine), torch.full((mine.numel(), 4), -2.0))

@@ -18,6 +18,7 @@ from lightning_persia.ops.hashing import mix64
 _POSITIVE = (1 << 63) - 1
 _MISSING_BIT = 1 << 32
 _FEATURE_SHIFT = 33
+_WIDE_SALT = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: salts the wide values apart from the 32-bit ones
 
 
 @dataclass
@@ -82,22 +83,37 @@ def make_batch(
 
 
 def hash_categorical(values: Tensor, missing: Optional[Tensor] = None) -> Tensor:
-    """Stable, collision-free int64 ids of ``[B, F]`` 32-bit categorical values (column ``f`` = feature ``f``).
+    """Stable, collision-free int64 ids of ``[B, F]`` int64 categorical values (column ``f`` = feature ``f``).
 
-    The id of value ``v`` of feature ``f`` is ``mix64(((f + 1) << 33) | v)`` with the sign bit cleared; a
-    missing value has the fixed id ``mix64(((f + 1) << 33) | 2**32)``. ``mix64`` is a bijection, so two
-    (feature, value) pairs (missing included) never share an id apart from the cleared sign bit (a chance of
-    2**-63 per pair). The result is a pure function of (feature index, value): the same in every process.
+    The id of a 32-bit value ``v`` (in ``[0, 2**32)``) of feature ``f`` is ``mix64(((f + 1) << 33) | v)`` with the
+    sign bit cleared; a missing value has the fixed id ``mix64(((f + 1) << 33) | 2**32)``. ``mix64`` is a bijection,
+    so two (feature, value) pairs (missing included) never share an id apart from the cleared sign bit (a chance of
+    2**-63 per pair). Any other int64 (ids of ``2**32`` and more, negative ones such as Spark's signed ``xxhash64``)
+    is mixed on its own first, ``mix64(mix64(v) ^ salt(f))``: a chance of 2**-63 per pair to meet another id. The
+    result is a pure function of (feature index, value): the same in every process.
     """
     if values.dim() != 2:
         raise ValueError(f"expected [B, F] values, got shape {tuple(values.shape)}")
-    values = values.to(torch.int64)
-    if bool(((values < 0) | (values >= _MISSING_BIT)).any()):
-        raise ValueError("categorical values must lie in [0, 2**32)")
+    feature = torch.arange(values.shape[1], dtype=torch.int64).unsqueeze(0)
+    return _hash(values.to(torch.int64), feature, missing)
+
+
+def hash_feature_ids(values: Tensor, feature: int, missing: Optional[Tensor] = None) -> Tensor:
+    """:func:`hash_categorical`'s ids of any-shaped int64 ``values`` of the ``feature``-th feature (multi-hot bags);
+    ``missing`` (same shape) marks nulls."""
+    return _hash(values.to(torch.int64), torch.tensor(feature, dtype=torch.int64), missing)
+
+
+def _hash(values: Tensor, feature: Tensor, missing: Optional[Tensor]) -> Tensor:
+    narrow = (values >= 0) & (values < _MISSING_BIT)
     if missing is not None:
         values = torch.where(missing, torch.full_like(values, _MISSING_BIT), values)
-    feature = (torch.arange(1, values.shape[1] + 1, dtype=torch.int64) << _FEATURE_SHIFT).unsqueeze(0)
-    return mix64(values | feature) & _POSITIVE
+        narrow = narrow | missing
+    tagged = ((feature + 1) << _FEATURE_SHIFT) | torch.where(narrow, values, torch.zeros_like(values))
+    ids = mix64(tagged)
+    if not bool(narrow.all()):
+        ids = torch.where(narrow, ids, mix64(mix64(values) ^ (tagged * _WIDE_SALT)))
+    return ids & _POSITIVE
 
 
 def missing_ids(num_features: int) -> Tensor:

@@ -25,11 +25,12 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from lightning_persia.data._batching import BatchStream, Rows, cut_batches
+from lightning_persia.data._batching import Bags, BatchStream, Rows, cut_batches, sparse_columns
 from lightning_persia.data._files import expand_files
 from lightning_persia.data._loader import FileSplitDataModule
 from lightning_persia.data._sharding import reader_shard
-from lightning_persia.data.batch import CriteoBatch, hash_categorical, transform_dense
+from lightning_persia.data.batch import CriteoBatch
+from lightning_persia.data.transform import DataTransform, IdsSetting, resolve_ids
 
 CRITEO_NUM_DENSE = 13
 CRITEO_NUM_SPARSE = 26
@@ -85,10 +86,19 @@ def _digits(cells: np.ndarray, lut: np.ndarray, base: int, max_digits: int, sign
     return values, empty & ~negative, invalid
 
 
-class _ParsedRows:
-    """Featurised rows of one chunk of lines: ids ``[n, 26]``, dense ``[n, 13]`` float32, labels ``[n]``."""
+def criteo_transform(ids: IdsSetting, default: str, dense_transform: str) -> DataTransform:
+    """The :class:`DataTransform` of a source with Criteo's columns (26 sparse ``cat_*``, 13 dense ``int_*``)."""
+    return DataTransform(tuple(CRITEO_SPARSE_FEATURES), resolve_ids(ids, CRITEO_SPARSE_FEATURES, default),
+                         tuple(CRITEO_DENSE_FEATURES), dense_transform)
 
-    def __init__(self, ids: torch.Tensor, dense: torch.Tensor, labels: torch.Tensor) -> None:
+
+_HASHED = criteo_transform("hash", "hash", "log1p")
+
+
+class _ParsedRows:
+    """Featurised rows of one chunk of lines: ids (:class:`Bags` of 26 features), dense ``[n, 13]`` float32, labels ``[n]``."""
+
+    def __init__(self, ids: Bags, dense: torch.Tensor, labels: torch.Tensor) -> None:
         self.ids, self.dense, self.labels = ids, dense, labels
 
     def __len__(self) -> int:
@@ -98,8 +108,9 @@ class _ParsedRows:
         return self.ids, self.dense, self.labels
 
 
-def parse_criteo_lines(lines: Sequence[bytes]) -> Tuple[_ParsedRows, List[Tuple[int, str]]]:
-    """Parse raw Criteo lines; returns the featurised good rows and ``(index, reason)`` of each bad line."""
+def parse_criteo_lines(lines: Sequence[bytes], transform: DataTransform = _HASHED) -> Tuple[_ParsedRows, List[Tuple[int, str]]]:
+    """Parse raw Criteo lines; returns the rows featurised by ``transform`` (default: hashed ids) and ``(index, reason)``
+    of each bad line."""
     bad: dict[int, str] = {}
     rows = []
     placeholder = [b"0"] + [b""] * (CRITEO_NUM_FIELDS - 1)
@@ -111,7 +122,7 @@ def parse_criteo_lines(lines: Sequence[bytes]) -> Tuple[_ParsedRows, List[Tuple[
         rows.append(fields)
     if not rows:
         empty = torch.zeros(0, dtype=torch.int64)
-        return _ParsedRows(empty.view(0, CRITEO_NUM_SPARSE), torch.zeros(0, CRITEO_NUM_DENSE), empty.float()), []
+        return _ParsedRows(Bags.one_hot(empty.view(0, CRITEO_NUM_SPARSE)), torch.zeros(0, CRITEO_NUM_DENSE), empty.float()), []
     table = np.array(rows, dtype=np.bytes_)
 
     label_cells = table[:, 0]
@@ -134,8 +145,8 @@ def parse_criteo_lines(lines: Sequence[bytes]) -> Tuple[_ParsedRows, List[Tuple[
     keep = np.ones(len(rows), dtype=bool)
     if bad:
         keep[list(bad)] = False
-    ids = hash_categorical(torch.from_numpy(cats[keep]), torch.from_numpy(cat_missing[keep]))
-    dense_t = transform_dense(torch.from_numpy(dense[keep]), torch.from_numpy(dense_missing[keep]))
+    ids = sparse_columns(transform, torch.from_numpy(cats[keep]), torch.from_numpy(cat_missing[keep]))
+    dense_t = transform.dense(torch.from_numpy(dense[keep]), torch.from_numpy(dense_missing[keep]))
     labels = torch.from_numpy((label_cells[keep] == b"1").astype(np.float32))
     return _ParsedRows(ids, dense_t, labels), sorted(bad.items())
 
@@ -169,6 +180,7 @@ class CriteoIterableDataset(BatchStream):
         drop_last: drop the last, incomplete batch of a pass.
         rank: trainer rank; ``None`` reads it from ``torch.distributed`` (or 0 when not initialised).
         world_size: number of trainer ranks; ``None`` as ``rank``.
+        ids: ``hash`` (the default) or ``raw`` (the hex values as ids), for every feature or per feature.
     """
 
     def __init__(
@@ -179,10 +191,12 @@ class CriteoIterableDataset(BatchStream):
         drop_last: bool = False,
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
+        ids: IdsSetting = "hash",
     ) -> None:
         super().__init__(batch_size, drop_last, rank, world_size)
         self.files = expand_files(files, "Criteo file")
         self.skip_malformed = skip_malformed
+        self.transform = criteo_transform(ids, "hash", "log1p")
         #: Malformed lines skipped by the last pass of this process (``skip_malformed=True``). With
         #: ``num_workers > 0`` the workers count in their own copies; their skips are logged as warnings.
         self.malformed_lines = 0
@@ -205,7 +219,7 @@ class CriteoIterableDataset(BatchStream):
                 position += line_no
 
     def _parse(self, lines: List[bytes], where: List[Tuple[int, int]]) -> _ParsedRows:
-        rows, bad = parse_criteo_lines(lines)
+        rows, bad = parse_criteo_lines(lines, self.transform)
         if bad:
             index, reason = bad[0]
             file_index, line_no = where[index]
@@ -244,37 +258,27 @@ class CriteoDataModule(CriteoFeatures, FileSplitDataModule):
     multiple of the batch size; use ``Trainer(limit_train_batches=...)`` to pin them).
 
     Args:
-        train_files: training TSV files (plain or gzip; glob patterns allowed), read in order.
-        val_files: validation files; none means no validation loop.
-        test_files: test files; none means ``trainer.test`` has nothing to run.
-        batch_size: rows per training batch.
-        eval_batch_size: rows per validation/test batch (default: ``batch_size``).
-        num_workers: DataLoader worker processes per rank (each parses its own share of the lines, but reads, and
-            decompresses, every file: more workers parse faster and read more); ``None``: half the rank's share of
-            the cores less one, at most 8. Batches hold other rows with another worker count.
+        ids: ``hash`` (the default: Criteo's hex values hashed per feature) or ``raw`` (the values as ids), for every
+            feature or per feature (``{cat_3: raw}``); see :mod:`lightning_persia.data.transform`.
         skip_malformed: skip and count malformed lines instead of raising ``ValueError``.
-        drop_last: drop the last incomplete training batch of each pass.
-        pin_memory: pin batches in host memory; ``None``: when the trainer runs on a GPU.
+        **kwargs: :class:`~lightning_persia.data._loader.FileSplitDataModule`'s: ``train_files`` (plain or gzip TSV;
+            glob patterns allowed), ``val_files``, ``test_files``, ``batch_size``, ``eval_batch_size``, ``drop_last``,
+            ``num_workers`` (each worker parses its own share of the lines but reads, and decompresses, every file:
+            batches hold other rows with another worker count), ``pin_memory``.
     """
 
-    def __init__(
-        self,
-        train_files: List[str],
-        val_files: Optional[List[str]] = None,
-        test_files: Optional[List[str]] = None,
-        batch_size: int = 4096,
-        eval_batch_size: Optional[int] = None,
-        num_workers: Optional[int] = 0,
-        skip_malformed: bool = False,
-        drop_last: bool = False,
-        pin_memory: Optional[bool] = None,
-    ) -> None:
-        super().__init__(train_files, val_files, test_files, batch_size, eval_batch_size, drop_last, num_workers, pin_memory)
+    def __init__(self, ids: IdsSetting = "hash", skip_malformed: bool = False, **kwargs) -> None:
+        super().__init__(**kwargs)
         self.save_hyperparameters()
+        #: the ``ids`` setting (:attr:`transform` gives each feature's mode)
+        self.ids = ids
         self.skip_malformed = skip_malformed
+        #: what the batches are made of: the hex values hashed (or raw), the counts through ``log1p``
+        self.transform = criteo_transform(ids, "hash", "log1p")
 
     def read_files(self, files: List[str], batch_size: int, drop_last: bool) -> CriteoIterableDataset:
-        return CriteoIterableDataset(files, batch_size=batch_size, skip_malformed=self.skip_malformed, drop_last=drop_last)
+        return CriteoIterableDataset(files, batch_size=batch_size, skip_malformed=self.skip_malformed, drop_last=drop_last,
+                                     ids=self.ids)
 
     @property
     def malformed_lines(self) -> int:

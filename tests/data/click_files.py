@@ -45,3 +45,51 @@ def write_parquet(path: str, rows, row_group_size: int, extra_column: bool = Tru
         columns["user_agent"] = pa.array(["x"] * len(rows))
     pq.write_table(pa.table(columns), path, row_group_size=row_group_size)
     return path
+
+
+def torchrec_days(directory, day_rows, contiguous: bool = True):
+    """Days written by TorchRec's own tools from the synthetic TSV: ``BinaryCriteoUtils.tsv_to_npys`` (32-bit values,
+    int32), then, when ``contiguous``, ``BinaryCriteoUtils.sparse_to_contiguous`` (vocabulary ids, values seen fewer
+    than 3 times mapped to 1), as TorchRec's Criteo preprocessing does. Returns the day prefixes."""
+    import shutil
+
+    import pytest
+
+    pytest.importorskip("iopath", reason="TorchRec's BinaryCriteoUtils needs iopath (in the test extra)")
+    from torchrec.datasets.criteo import BinaryCriteoUtils
+
+    raw, out = directory / "npy", directory / "contiguous"
+    raw.mkdir(exist_ok=True)
+    out.mkdir(exist_ok=True)
+    start, prefixes = 0, []
+    for day, rows in enumerate(day_rows):
+        tsv = _generator().write_tsv(str(directory / f"day_{day}.tsv"), rows, start=start)
+        start += rows
+        prefix = str(raw / f"day_{day}")
+        BinaryCriteoUtils.tsv_to_npys(tsv, f"{prefix}_dense.npy", f"{prefix}_sparse.npy", f"{prefix}_labels.npy")
+        prefixes.append(prefix)
+    if not contiguous:
+        return prefixes
+    BinaryCriteoUtils.sparse_to_contiguous([f"{p}_sparse.npy" for p in prefixes], str(out), output_file_suffix=".npy")
+    for day in range(len(day_rows)):
+        for part in ("dense", "labels"):
+            shutil.copy(raw / f"day_{day}_{part}.npy", out / f"day_{day}_{part}.npy")
+    return [str(out / f"day_{day}") for day in range(len(day_rows))]
+
+
+def write_multi_hot_day(prefix: str, one_hot_prefix: str, multi_hot_sizes, num_embeddings, seed: int = 0) -> str:
+    """A day in MLPerf DLRM-DCNv2's multi-hot layout, made from a one-hot day the way MLPerf's
+    ``materialize_synthetic_multihot_dataset.py`` makes it: per feature, each (one-hot id mod the table size) picks a
+    fixed row of ``k_f`` ids, saved with ``np.savez`` as members ``0`` .. ``25`` (``int32 [N, k_f]``)."""
+    import shutil
+
+    sparse = np.load(f"{one_hot_prefix}_sparse.npy")
+    rng = np.random.default_rng(seed)
+    members = {}
+    for f, (k, rows) in enumerate(zip(multi_hot_sizes, num_embeddings)):
+        table = rng.integers(0, rows, size=(rows, k), dtype=np.int32)  # MLPerf's multi_hot_tables_l, one per feature
+        members[str(f)] = table[sparse[:, f].astype(np.int64) % rows]
+    np.savez(f"{prefix}_sparse_multi_hot.npz", **members)
+    for part in ("dense", "labels"):
+        shutil.copy(f"{one_hot_prefix}_{part}.npy", f"{prefix}_{part}.npy")
+    return prefix

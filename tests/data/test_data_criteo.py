@@ -13,6 +13,7 @@ from lightning_persia.data import (
     CriteoDataModule,
     CriteoIterableDataset,
     hash_categorical,
+    hash_feature_ids,
     missing_ids,
 )
 
@@ -154,8 +155,15 @@ def test_stable_hashing_across_runs_and_features():
     ids = hash_categorical(torch.arange(1000).repeat(26, 1).t())
     assert len(set(ids.flatten().tolist())) == 26 * 1000
     assert len(set(missing_ids(26).tolist()) | set(ids.flatten().tolist())) == 26 * 1000 + 26
-    with pytest.raises(ValueError):
-        hash_categorical(torch.tensor([[1 << 32]]))
+    # any int64 (ids of 2**32 and more, negative ones such as Spark's signed xxhash64) has ids of its own per feature
+    wide = torch.tensor([[1 << 32, -1, -(1 << 63), (1 << 63) - 1]]).repeat(2, 1)
+    wide[1] = torch.tensor([5, 6, 7, 8])
+    ids = hash_categorical(wide)
+    assert (ids >= 0).all() and len(set(ids.flatten().tolist()) | set(missing_ids(4).tolist())) == 12
+    assert hash_categorical(wide[:, [1, 0]])[0].tolist() != ids[0, [0, 1]].tolist()  # another feature, another id
+    assert hash_categorical(wide)[0, 1] == hash_feature_ids(torch.tensor([-1, -1]), 1)[0]
+    with pytest.raises(ValueError, match="expected \\[B, F\\] values"):
+        hash_categorical(torch.tensor([1, 2]))
 
 
 def test_datamodule_splits_and_globs(tmp_path):

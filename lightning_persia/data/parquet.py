@@ -6,11 +6,12 @@ opens (``file://``, ``s3://``, ``gs://``, ``hdfs://``, ``memory://``...). Each r
 (0/1: integers, floats or booleans), dense columns (numbers) and sparse columns. Which column is what is given by
 name, so the files may hold more columns than these, in any order:
 
-* sparse column ``c`` of feature ``f`` (``sparse_columns: {f: c}``) becomes the ids of the KJT key ``f``: any int64
-  (dictionary-encoded columns too), one per row, or a ``list<int>`` column (Merlin's multi-hot: a bag of ids per
-  row, pooled by the model's ``EmbeddingBagCollection``); ``ids: raw`` (the default: vocabulary ids, as NVTabular's
-  ``Categorify`` writes them) uses them as they are, ``ids: hash`` hashes them per feature
-  (:func:`~lightning_persia.data.batch.hash_categorical`); see :mod:`lightning_persia.data.transform` for nulls;
+* sparse column ``c`` of feature ``f`` (``sparse_columns: {f: c}``) becomes the ids of the KJT key ``f``: any int64,
+  one per row, or a ``list<int>`` column (Merlin's multi-hot: a bag of ids per row, pooled by the model's
+  ``EmbeddingBagCollection``); ``ids: raw`` (the default: vocabulary ids, as NVTabular's ``Categorify`` writes them)
+  uses them as they are, ``ids: hash`` hashes them per feature (:func:`~lightning_persia.data.batch.hash_categorical`),
+  and takes string columns too, plain or dictionary-encoded (pandas' categoricals: each string's 8-byte blake2b, then
+  hashed); see :mod:`lightning_persia.data.transform` for nulls;
 * dense columns, in the order given: null -> 0, then ``log(1 + max(x, 0))`` (``dense_transform: log1p``, the
   Criteo transform) or as they are (``none``: NVTabular's output, already ``log``'d).
 
@@ -20,6 +21,7 @@ batches. The files' schemas are checked when the dataset is built (their footers
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -36,6 +38,27 @@ from lightning_persia.data.transform import DENSE_TRANSFORMS, DataTransform, Ids
 def _integers(kind: Any) -> bool:
     pa = _pyarrow()[0]
     return pa.types.is_integer(kind) or (pa.types.is_dictionary(kind) and pa.types.is_integer(kind.value_type))
+
+
+def _strings(kind: Any) -> bool:
+    pa = _pyarrow()[0]
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind)
+
+
+def _string_keys(array: Any) -> Tuple[np.ndarray, np.ndarray]:
+    """int64 keys of a string column (plain or dictionary-encoded: pandas' categoricals), each distinct string hashed
+    once (blake2b, 8 bytes), and its nulls: what ``ids: hash`` then hashes per feature."""
+    pa = _pyarrow()[0]
+    encoded = array if pa.types.is_dictionary(array.type) else array.dictionary_encode()
+    keys = np.array([_string_key(v) for v in encoded.dictionary.to_pylist()] or [0], dtype=np.int64)
+    indices = encoded.indices.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+    return keys[indices], array.is_null().to_numpy(zero_copy_only=False)
+
+
+def _string_key(value: str) -> int:
+    return int.from_bytes(hashlib.blake2b(value.encode(), digest_size=8).digest(), "little", signed=True)
 
 
 def _bags(kind: Any) -> bool:
@@ -125,8 +148,14 @@ class ParquetDataset(BatchStream):
         fields.update({f.name: f.type for f in partitions})
         wanted = [(self.label_column, "the label", _numbers, "numbers")]
         wanted += [(c, f"dense feature {i}", _numbers, "numbers") for i, c in enumerate(self.dense_columns)]
-        wanted += [(c, f"sparse feature {f!r}", lambda k: _integers(k) or _bags(k), "integers (one id per row) or lists of integers")
-                   for f, c in zip(self.feature_names, self.sparse_columns)]
+        for f, c, mode in zip(self.feature_names, self.sparse_columns, self.transform.ids):
+            if mode == "hash":
+                wanted.append((c, f"sparse feature {f!r}", lambda k: _integers(k) or _bags(k) or _strings(k),
+                               "integers (one id per row), lists of integers or strings"))
+            else:
+                wanted.append((c, f"sparse feature {f!r}", lambda k: _integers(k) or _bags(k),
+                               "integers (one id per row) or lists of integers: ids raw takes the ids as stored (ids hash "
+                               "takes strings)"))
         pa = _pyarrow()[0]
         for column, role, accepts, expected in wanted:
             if column not in fields:
@@ -162,7 +191,8 @@ class ParquetDataset(BatchStream):
 
         def column(name: str) -> Any:
             values = record.column(name)
-            return values.dictionary_decode() if pa.types.is_dictionary(values.type) else values
+            values = values.dictionary_decode() if pa.types.is_dictionary(values.type) else values
+            return values.cast(pa.int8()) if pa.types.is_boolean(values.type) else values
 
         def numbers(name: str) -> Tuple[np.ndarray, np.ndarray]:
             values = column(name)
@@ -178,7 +208,7 @@ class ParquetDataset(BatchStream):
         if any(_bags(column(c).type) for c in self.sparse_columns):
             sparse = self._bags([column(c) for c in self.sparse_columns], path, first_row)
         else:
-            parts = [numbers(c) for c in self.sparse_columns]
+            parts = [_string_keys(record.column(c)) if _strings(record.column(c).type) else numbers(c) for c in self.sparse_columns]
             sparse = sparse_columns(self.transform, torch.from_numpy(np.stack([v.astype(np.int64) for v, _ in parts], axis=1)),
                                     torch.from_numpy(np.stack([m for _, m in parts], axis=1)))
         if self.dense_columns:
@@ -204,8 +234,9 @@ class ParquetDataset(BatchStream):
                 values.append(self.transform.feature_ids(f, ids))
                 lengths.append(torch.from_numpy(pc.list_value_length(array).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int32)))
             else:
-                stored = torch.from_numpy(array.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64))
-                ids, length = sparse_column(self.transform, f, stored, torch.from_numpy(array.is_null().to_numpy(zero_copy_only=False)))
+                keys, missing = _string_keys(array) if _strings(array.type) else (
+                    array.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64), array.is_null().to_numpy(zero_copy_only=False))
+                ids, length = sparse_column(self.transform, f, torch.from_numpy(keys), torch.from_numpy(missing))
                 values.append(ids)
                 lengths.append(length)
         return Bags(values, torch.stack(lengths))

@@ -93,3 +93,58 @@ def write_multi_hot_day(prefix: str, one_hot_prefix: str, multi_hot_sizes, num_e
     for part in ("dense", "labels"):
         shutil.copy(f"{one_hot_prefix}_{part}.npy", f"{prefix}_{part}.npy")
     return prefix
+
+
+#: The columns TorchRec's NVTabular pipeline (torchrec/datasets/scripts/nvt) writes: label, int_0.., cat_0...
+NVT_COLUMNS = {"label_column": "label", "dense_columns": [f"int_{i}" for i in range(13)],
+               "sparse_columns": {f: f for f in CRITEO_SPARSE_FEATURES}, "dense_transform": "none"}
+
+
+def nvtabular_table(rows):
+    """``rows`` as NVTabular's Criteo workflow leaves them: dense filled, clipped at 0 and ``log1p``'d (float32),
+    categoricals as frequency-ordered vocabulary ids (``Categorify``: 0 for nulls), label int32."""
+    import pyarrow as pa
+
+    columns = {"label": pa.array(rows.labels.astype(np.int32))}
+    for j in range(13):
+        columns[f"int_{j}"] = pa.array(np.log1p(np.clip(np.where(rows.dense_missing[:, j], 0, rows.dense_values[:, j]), 0, None)).astype(np.float32))
+    for j in range(26):
+        values, counts = np.unique(rows.cat_values[:, j][~rows.cat_missing[:, j]], return_counts=True)
+        vocabulary = {v: i + 1 for i, v in enumerate(values[np.argsort(-counts, kind="stable")])}
+        columns[f"cat_{j}"] = pa.array([0 if m else vocabulary[v] for v, m in zip(rows.cat_values[:, j], rows.cat_missing[:, j])], pa.int64())
+    return pa.table(columns)
+
+
+def write_nvtabular_output(directory, table, files: int = 2, row_group_size: int = 64) -> str:
+    """``table`` laid out as NVTabular's ``Dataset.to_parquet`` leaves a directory: ``part_N.parquet`` beside
+    ``_file_list.txt``, ``_metadata`` (the row groups' footers), ``_metadata.json`` and ``schema.pbtxt``."""
+    import pyarrow.parquet as pq
+
+    directory.mkdir(parents=True, exist_ok=True)
+    step = -(-table.num_rows // files)
+    collector = []
+    for i in range(files):
+        pq.write_table(table.slice(i * step, step), directory / f"part_{i}.parquet", row_group_size=row_group_size,
+                       metadata_collector=collector)
+        collector[-1].set_file_path(f"part_{i}.parquet")
+    pq.write_metadata(table.schema, directory / "_metadata", metadata_collector=collector)
+    (directory / "_file_list.txt").write_text(f"{files}\n" + "".join(f"part_{i}.parquet\n" for i in range(files)))
+    (directory / "_metadata.json").write_text('{"file_stats": []}')
+    (directory / "schema.pbtxt").write_text('feature { name: "cat_0" type: INT }\n')
+    return str(directory)
+
+
+def write_spark_output(directory, table, partition_by=None, rows_per_file: int = 128) -> str:
+    """``table`` laid out as Spark's ``df.write.parquet`` leaves it: ``part-NNNNN-<uuid>-c000.snappy.parquet``
+    files (with ``partition_by``, under ``column=value`` folders), their hidden ``.crc`` files and ``_SUCCESS``."""
+    import pyarrow.dataset as ds
+
+    ds.write_dataset(table, directory, format="parquet", basename_template="part-{i}-5f1c9a2e-c000.snappy.parquet",
+                     partitioning=partition_by, partitioning_flavor="hive" if partition_by else None,
+                     max_rows_per_file=rows_per_file, max_rows_per_group=rows_per_file // 2, existing_data_behavior="overwrite_or_ignore")
+    for path in list(directory.rglob("*.parquet")):
+        number, rest = path.name[len("part-"):].split("-", 1)
+        path = path.rename(path.parent / f"part-{int(number):05d}-{rest}")  # Spark's five digits
+        (path.parent / f".{path.name}.crc").write_bytes(b"crc")
+    (directory / "_SUCCESS").write_bytes(b"")
+    return str(directory)

@@ -86,14 +86,13 @@ def test_the_dlrm_online_config_publishes_versions(tmp_path):
 @pytest.mark.parametrize("name", ["criteo_binary", "parquet"])
 def test_the_dlrm_data_configs_read_their_files(name, tmp_path, caplog):
     """examples/dlrm/<name>.yaml over config.yaml: the DLRM example takes the batches of files in that layout."""
-    from tests.data.click_files import synthetic_rows, write_parquet, write_torchrec_day
+    from tests.data.click_files import nvtabular_table, synthetic_rows, torchrec_days, write_nvtabular_output
 
-    if name == "criteo_binary":
-        train = write_torchrec_day(str(tmp_path / "day_0"), synthetic_rows(512))
-        val = write_torchrec_day(str(tmp_path / "day_1"), synthetic_rows(256, start=512))
-    else:
-        train = write_parquet(str(tmp_path / "train.parquet"), synthetic_rows(512), row_group_size=128)
-        val = write_parquet(str(tmp_path / "val.parquet"), synthetic_rows(256, start=512), row_group_size=128)
+    if name == "criteo_binary":  # as TorchRec's preprocessing writes them: vocabulary ids
+        train, val = torchrec_days(tmp_path, [512, 256])
+    else:  # as TorchRec's NVTabular pipeline leaves them: directories of parts, its column names
+        train = write_nvtabular_output(tmp_path / "train", nvtabular_table(synthetic_rows(512)), row_group_size=128)
+        val = write_nvtabular_output(tmp_path / "validation", nvtabular_table(synthetic_rows(256, start=512)), row_group_size=64)
     cli = lightning_cli(
         [
             "fit",
@@ -113,4 +112,7 @@ def test_the_dlrm_data_configs_read_their_files(name, tmp_path, caplog):
     assert type(cli.datamodule).__name__ == {"criteo_binary": "CriteoBinaryDataModule", "parquet": "ParquetDataModule"}[name]
     assert cli.trainer.global_step == 4
     assert re.search(r"end of fit: val_auc 0\.\d{4} \(step 4\)$", caplog.records[-1].getMessage())
+    assert cli.datamodule.transform.raw_features == tuple(cli.model.sparse_feature_names)  # vocabulary ids: ids raw
+    if name == "criteo_binary":  # the last day's second half is the test set, as TorchRec's
+        assert sum(b.batch_size for b in cli.datamodule.test_dataloader()) == 128
     cli.trainer.strategy.close()

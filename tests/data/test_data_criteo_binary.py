@@ -7,7 +7,13 @@ import torch
 from click_files import synthetic_rows, torchrec_days, write_multi_hot_day, write_torchrec_day
 from torch.utils.data import DataLoader
 
-from lightning_persia.data import CRITEO_SPARSE_FEATURES, CriteoBinaryDataModule, CriteoBinaryDataset, hash_categorical
+from lightning_persia.data import (
+    CRITEO_SPARSE_FEATURES,
+    CriteoBinaryDataModule,
+    CriteoBinaryDataset,
+    hash_categorical,
+    hash_feature_ids,
+)
 
 
 @pytest.fixture
@@ -151,3 +157,80 @@ def test_hash_mode_gives_the_tsv_readers_ids_for_torchrecs_32_bit_days(tmp_path)
     assert per_feature.ids[:2] == ("hash", "raw")
     with pytest.raises(ValueError, match=r"ids names features the data has not: \['C1'\]"):
         CriteoBinaryDataset([prefix], ids={"C1": "hash"})
+
+
+#: MLPerf DLRM-DCNv2's ids per row of each feature (its --multi_hot_sizes)
+MLPERF_MULTI_HOT_SIZES = [3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1]
+
+
+@pytest.fixture
+def multi_hot_days(tmp_path):
+    """Two MLPerf-layout multi-hot days (300 and 201 rows) made from TorchRec's contiguous days, tables of 50 rows."""
+    one_hot = torchrec_days(tmp_path, [300, 201])
+    (tmp_path / "multi_hot").mkdir()
+    return [write_multi_hot_day(str(tmp_path / "multi_hot" / f"day_{d}"), prefix, MLPERF_MULTI_HOT_SIZES, [50] * 26, seed=d)
+            for d, prefix in enumerate(one_hot)]
+
+
+def test_mlperf_multi_hot_days_give_bags_of_their_ids(multi_hot_days):
+    """day_N_sparse_multi_hot.npz (np.savez of 0.npy .. 25.npy, [N, k_f] int32): feature f's bag in a row is its
+    k_f stored ids, as TorchRec's MultiHotCriteoIterDataPipe builds the KJT; batches span the days."""
+    batches = list(CriteoBinaryDataset(multi_hot_days, batch_size=128))
+    assert [b.batch_size for b in batches] == [128, 128, 128, 117]
+    members = [np.load(f"{p}_sparse_multi_hot.npz") for p in multi_hot_days]
+    for f, (name, k) in enumerate(zip(CRITEO_SPARSE_FEATURES, MLPERF_MULTI_HOT_SIZES)):
+        stored = np.concatenate([m[str(f)] for m in members]).astype(np.int64)
+        assert stored.shape == (501, k)
+        got = [b.sparse_features[name] for b in batches]
+        assert all(j.lengths().tolist() == [k] * len(j.lengths()) for j in got)
+        assert torch.equal(torch.cat([j.values() for j in got]), torch.from_numpy(stored.reshape(-1)))
+    dense = np.concatenate([np.load(f"{p}_dense.npy") for p in multi_hot_days])
+    assert torch.equal(torch.cat([b.dense_features for b in batches]), torch.from_numpy(dense))
+    hashed = next(iter(CriteoBinaryDataset(multi_hot_days, batch_size=128, ids="hash"))).sparse_features["cat_20"].values()
+    assert torch.equal(hashed, hash_feature_ids(batches[0].sparse_features["cat_20"].values(), 20))
+
+
+def test_multi_hot_bags_are_pooled_by_an_embedding_bag_collection(multi_hot_days):
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+    (batch, *_) = CriteoBinaryDataset(multi_hot_days, batch_size=4)
+    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=f, embedding_dim=3, num_embeddings=50, feature_names=[f])
+                                         for f in CRITEO_SPARSE_FEATURES])
+    pooled = ebc(batch.sparse_features)["cat_20"]  # 100 ids a row
+    ids = torch.from_numpy(np.load(f"{multi_hot_days[0]}_sparse_multi_hot.npz")["20"][:4].astype(np.int64))
+    torch.testing.assert_close(pooled, ebc.embedding_bags["cat_20"].weight[ids].sum(1))
+
+
+def test_the_last_day_is_halved_into_validation_and_test_as_torchrec_does(multi_hot_days, days):
+    """val_test_split (the default): validation the first ceil(N / 2) rows of the val days, test the rest; the
+    datasets' lengths are the batches each rank runs."""
+    module = CriteoBinaryDataModule(train_files=multi_hot_days[:1], val_files=multi_hot_days[1:], batch_size=64,
+                                    eval_batch_size=32, num_workers=0)
+    labels = np.load(f"{multi_hot_days[1]}_labels.npy")[:, 0].astype(np.float32)
+    val = torch.cat([b.labels for b in module.val_dataloader()])
+    test = torch.cat([b.labels for b in module.test_dataloader()])
+    assert (len(val), len(test)) == (101, 100)  # 201 rows: TorchRec's second_half_start_index = 101
+    assert val.tolist() == labels[:101].tolist() and test.tolist() == labels[101:].tolist()
+    assert len(module.dataset("val")) == 4 and len(module.dataset("test")) == 4 and len(module.dataset("train")) == 5
+    explicit = CriteoBinaryDataModule(train_files=days[:1], val_files=days[1:], test_files=days[1:], num_workers=0)
+    assert explicit.dataset("val").num_rows == explicit.dataset("test").num_rows == 200  # test_files given: no halves
+    for world_size in (1, 2, 3):
+        for drop_last in (False, True):
+            per_rank = [CriteoBinaryDataset(days, batch_size=64, rank=r, world_size=world_size, drop_last=drop_last) for r in range(world_size)]
+            assert [len(d) for d in per_rank] == [len(list(d)) for d in per_rank]
+
+
+def test_multi_hot_layout_errors_name_the_archive(tmp_path, multi_hot_days):
+    prefix = multi_hot_days[0]
+    members = dict(np.load(f"{prefix}_sparse_multi_hot.npz"))
+    np.savez_compressed(f"{prefix}_sparse_multi_hot.npz", **members)
+    with pytest.raises(ValueError, match=r"day_0_sparse_multi_hot\.npz: member 0\.npy is compressed; write the archive with np\.savez"):
+        CriteoBinaryDataset([prefix])
+    del members["25"]
+    np.savez(f"{prefix}_sparse_multi_hot.npz", **members)
+    with pytest.raises(ValueError, match=r"holds members \['0', .*'24'\]; expected 0\.npy \.\. 25\.npy"):
+        CriteoBinaryDataset([prefix])
+    for part in ("dense", "labels"):
+        np.save(str(tmp_path / f"day_7_{part}.npy"), np.zeros((2, 13 if part == "dense" else 1), np.float32))
+    with pytest.raises(FileNotFoundError, match=r"neither '.*day_7_sparse\.npy' .* nor '.*day_7_sparse_multi_hot\.npz'"):
+        CriteoBinaryDataset([str(tmp_path / "day_7")])

@@ -151,6 +151,59 @@ def parse_criteo_lines(lines: Sequence[bytes], transform: DataTransform = _HASHE
     return _ParsedRows(ids, dense_t, labels), sorted(bad.items())
 
 
+_COLUMN_NAMES = ["label", *CRITEO_DENSE_FEATURES, *CRITEO_SPARSE_FEATURES]
+
+
+def _tokenised(lines: Sequence[bytes], transform: DataTransform) -> Optional[_ParsedRows]:
+    """The rows of ``lines`` tokenised by ``pyarrow.csv`` (~2.5x the rate of :func:`parse_criteo_lines`), or ``None``
+    when pyarrow is missing or a line is not well formed: the caller then parses them line by line, to name it."""
+    try:
+        import pyarrow as pa
+        import pyarrow.csv as csv
+    except ImportError:
+        return None
+    types = {"label": pa.int64(), **{c: pa.int64() for c in CRITEO_DENSE_FEATURES}, **{c: pa.binary() for c in CRITEO_SPARSE_FEATURES}}
+    try:
+        table = csv.read_csv(
+            pa.py_buffer(b"".join(lines)),
+            read_options=csv.ReadOptions(column_names=_COLUMN_NAMES, use_threads=False, block_size=1 << 26),
+            parse_options=csv.ParseOptions(delimiter="\t", quote_char=False, double_quote=False, ignore_empty_lines=False),
+            convert_options=csv.ConvertOptions(column_types=types, strings_can_be_null=False, quoted_strings_can_be_null=False),
+        )
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return None
+    if table.num_rows != len(lines):
+        return None
+    labels = table.column("label")
+    if labels.null_count or not bool(np.isin(labels.to_numpy(), (0, 1)).all()):
+        return None
+    dense = np.stack([table.column(c).fill_null(0).to_numpy() for c in CRITEO_DENSE_FEATURES], axis=1)
+    dense_missing = np.stack([table.column(c).is_null().to_numpy(zero_copy_only=False) for c in CRITEO_DENSE_FEATURES], axis=1)
+    cells = np.stack([_fixed_width(table.column(c).combine_chunks()) for c in CRITEO_SPARSE_FEATURES], axis=1)
+    if cells.dtype.itemsize > _MAX_HEX_DIGITS:
+        return None
+    cats, cat_missing, cat_invalid = _digits(cells, _HEX_LUT, 16, _MAX_HEX_DIGITS, False)
+    if cat_invalid.any():
+        return None
+    ids = sparse_columns(transform, torch.from_numpy(cats), torch.from_numpy(cat_missing))
+    dense_t = transform.dense(torch.from_numpy(dense), torch.from_numpy(dense_missing))
+    return _ParsedRows(ids, dense_t, torch.from_numpy(labels.to_numpy().astype(np.float32)))
+
+
+def _fixed_width(column) -> np.ndarray:
+    """A binary arrow column as numpy fixed-width bytes (``S<longest>``), built from its buffers without a Python
+    loop: the cells' bytes, zero-padded, as :func:`_digits` reads them."""
+    n = len(column)
+    offsets = np.frombuffer(column.buffers()[1], dtype=np.int32)[column.offset : column.offset + n + 1]
+    data = np.frombuffer(column.buffers()[2], dtype=np.uint8) if column.buffers()[2] is not None else np.zeros(0, np.uint8)
+    data = data if len(data) else np.zeros(1, np.uint8)  # every cell empty: nothing to gather
+    lengths = np.diff(offsets)
+    width = max(int(lengths.max(initial=0)), 1)
+    positions = offsets[:-1, None] + np.arange(width)
+    cells = np.where(np.arange(width) < lengths[:, None], data[np.minimum(positions, len(data) - 1)], 0).astype(np.uint8)
+    return np.ascontiguousarray(cells).view(f"S{width}")[:, 0]
+
+
 def _open(path: str) -> IO[bytes]:
     with open(path, "rb") as probe:
         magic = probe.read(2)
@@ -219,6 +272,9 @@ class CriteoIterableDataset(BatchStream):
                 position += line_no
 
     def _parse(self, lines: List[bytes], where: List[Tuple[int, int]]) -> _ParsedRows:
+        fast = _tokenised(lines, self.transform)
+        if fast is not None:
+            return fast
         rows, bad = parse_criteo_lines(lines, self.transform)
         if bad:
             index, reason = bad[0]

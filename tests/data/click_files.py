@@ -77,6 +77,10 @@ def torchrec_days(directory, day_rows, contiguous: bool = True):
     return [str(out / f"day_{day}") for day in range(len(day_rows))]
 
 
+#: MLPerf DLRM-DCNv2's ids per row of each feature (its --multi_hot_sizes)
+MLPERF_MULTI_HOT_SIZES = [3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1]
+
+
 def write_multi_hot_day(prefix: str, one_hot_prefix: str, multi_hot_sizes, num_embeddings, seed: int = 0) -> str:
     """A day in MLPerf DLRM-DCNv2's multi-hot layout, made from a one-hot day the way MLPerf's
     ``materialize_synthetic_multihot_dataset.py`` makes it: per feature, each (one-hot id mod the table size) picks a

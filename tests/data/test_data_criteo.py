@@ -15,6 +15,7 @@ from lightning_persia.data import (
     hash_categorical,
     hash_feature_ids,
     missing_ids,
+    parse_criteo_lines,
 )
 
 
@@ -176,3 +177,21 @@ def test_datamodule_splits_and_globs(tmp_path):
     assert dm.test_dataloader() == []
     with pytest.raises(FileNotFoundError):
         CriteoDataModule(train_files=[str(tmp_path / "nothing_*.tsv")]).train_dataloader()
+
+
+def test_pyarrow_tokenising_gives_the_line_parsers_rows(tmp_path):
+    """The pyarrow.csv path and the line-by-line parser agree (missing fields, upper-case hex, negative counts,
+    CRLF endings); a malformed chunk is left to the line parser, which names the line."""
+    from lightning_persia.data.criteo import _HASHED, _tokenised, criteo_transform
+
+    lines = [line.encode() for line in _rows(40)]
+    lines[3] = _line("0", ["", "-7"] + ["3"] * 11, ["", "ABCDEF01"] + ["0"] * 24).encode()
+    lines[5] = lines[5].replace(b"\n", b"\r\n")
+    lines.append(_line("1", [""] * 13, [""] * 26).encode())
+    for transform in (_HASHED, criteo_transform("raw", "hash", "log1p")):
+        fast, (slow, bad) = _tokenised(lines, transform), parse_criteo_lines(lines, transform)
+        assert fast is not None and not bad
+        assert all(torch.equal(a, b) for a, b in zip(fast.ids.values, slow.ids.values))
+        assert torch.equal(fast.ids.lengths, slow.ids.lengths) and torch.equal(fast.dense, slow.dense) and torch.equal(fast.labels, slow.labels)
+    assert _tokenised(lines + [b"1\t2\n"], _HASHED) is None and _tokenised(lines + [_line("2").encode()], _HASHED) is None
+    assert _tokenised([_line("1", cats=["123456789"] + ["0"] * 25).encode()], _HASHED) is None

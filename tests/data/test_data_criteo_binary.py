@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from click_files import synthetic_rows, torchrec_days, write_multi_hot_day, write_torchrec_day
+from click_files import MLPERF_MULTI_HOT_SIZES, synthetic_rows, torchrec_days, write_multi_hot_day, write_torchrec_day
 from torch.utils.data import DataLoader
 
 from lightning_persia.data import (
@@ -157,10 +157,6 @@ def test_hash_mode_gives_the_tsv_readers_ids_for_torchrecs_32_bit_days(tmp_path)
     assert per_feature.ids[:2] == ("hash", "raw")
     with pytest.raises(ValueError, match=r"ids names features the data has not: \['C1'\]"):
         CriteoBinaryDataset([prefix], ids={"C1": "hash"})
-
-
-#: MLPerf DLRM-DCNv2's ids per row of each feature (its --multi_hot_sizes)
-MLPERF_MULTI_HOT_SIZES = [3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1]
 
 
 @pytest.fixture

@@ -116,3 +116,37 @@ def test_the_dlrm_data_configs_read_their_files(name, tmp_path, caplog):
     if name == "criteo_binary":  # the last day's second half is the test set, as TorchRec's
         assert sum(b.batch_size for b in cli.datamodule.test_dataloader()) == 128
     cli.trainer.strategy.close()
+
+
+def test_the_dlrm_dcn_multi_hot_config_trains_on_mlperf_days(tmp_path, caplog):
+    """examples/dlrm/dcn_multi_hot.yaml on days in MLPerf's multi-hot layout (ids below MLPerf's table sizes, bags of
+    1 to 100 ids): the 9 tables of at most 1,000 rows kept on the trainer read the raw ids directly, the bags are
+    pooled, validation runs at a fraction of the epoch and test on the last day's second half."""
+    from examples.dlrm.model import MLPERF_NUM_EMBEDDINGS
+    from tests.data.click_files import MLPERF_MULTI_HOT_SIZES, torchrec_days, write_multi_hot_day
+
+    (tmp_path / "multi_hot").mkdir()
+    days = [write_multi_hot_day(str(tmp_path / "multi_hot" / f"day_{d}"), prefix, MLPERF_MULTI_HOT_SIZES,
+                                [min(n, 2000) for n in MLPERF_NUM_EMBEDDINGS], seed=d)
+            for d, prefix in enumerate(torchrec_days(tmp_path, [1024, 512]))]
+    cli = lightning_cli(
+        [
+            "fit",
+            "--config", os.path.join(_EXAMPLES, "dlrm", "dcn_multi_hot.yaml"),
+            f"--data.init_args.train_files=[{days[0]}]",
+            f"--data.init_args.val_files=[{days[1]}]",
+            "--data.init_args.batch_size=128",
+            "--data.init_args.num_workers=0",
+            "--trainer.devices=1",
+            "--trainer.enable_progress_bar=false",
+            f"--trainer.default_root_dir={tmp_path}",
+        ]
+    )
+    assert cli.trainer.global_step == 8  # 1024 rows in batches of 128, one epoch
+    assert cli.trainer.num_val_batches == [2] and cli.trainer.val_check_batch == 2  # 0.25 of 8 batches
+    assert re.search(r"PersiaStrategy: 17 tables on the shards .*; 9 kept on the trainers", caplog.text)
+    kept = cli.model.dlrm.sparse_arch.embedding_bag_collection.data_parallel
+    assert kept.raw_features == tuple(f for f, n in zip(cli.model.sparse_feature_names, MLPERF_NUM_EMBEDDINGS) if n <= 1000)
+    (result,) = cli.trainer.test(cli.model, datamodule=cli.datamodule)
+    assert 0.0 <= result["test_auc"] <= 1.0 and cli.trainer.num_test_batches == [2]
+    cli.trainer.strategy.close()

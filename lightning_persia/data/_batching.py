@@ -75,6 +75,9 @@ class BatchStream(IterableDataset):
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.batch_size, self.drop_last = batch_size, drop_last
         self.rank, self.world_size = rank, world_size
+        #: the DataLoader workers that read it (0: the process that iterates it); the data module sets it to its
+        #: loader's, for the datasets whose number of batches depends on it
+        self.num_workers = 0
 
 
 def _batch(rows: Rows, feature_names: Sequence[str]) -> CriteoBatch:

@@ -7,6 +7,8 @@ from typing import Any, Dict, List, Optional
 from lightning.pytorch import LightningDataModule, Trainer
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from lightning_persia.data._batching import BatchStream
+
 SPLITS = ("train", "val", "test")
 MAX_AUTO_WORKERS = 8
 
@@ -74,7 +76,12 @@ class SplitDataModule(LightningDataModule):
 
     def _loader(self, split: str) -> Any:
         dataset = self.dataset(split)
-        return [] if dataset is None else batch_loader(dataset, self.num_workers, self.pin_memory, self.trainer)
+        if dataset is None:
+            return []
+        loader = batch_loader(dataset, self.num_workers, self.pin_memory, self.trainer)
+        if isinstance(dataset, BatchStream):
+            dataset.num_workers = loader.num_workers
+        return loader
 
     def train_dataloader(self) -> DataLoader:
         if self.dataset("train") is None:

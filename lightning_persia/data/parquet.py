@@ -30,7 +30,7 @@ import torch
 from lightning_persia.data._batching import Bags, BatchStream, Rows, cut_batches, sparse_column, sparse_columns
 from lightning_persia.data._dataset_files import _pyarrow, parquet_datasets
 from lightning_persia.data._loader import FileSplitDataModule
-from lightning_persia.data._sharding import deal_pieces
+from lightning_persia.data._sharding import deal_pieces, rank_batches
 from lightning_persia.data.batch import CriteoBatch
 from lightning_persia.data.transform import DENSE_TRANSFORMS, DataTransform, IdsSetting, resolve_ids
 
@@ -169,6 +169,12 @@ class ParquetDataset(BatchStream):
     @property
     def num_rows(self) -> int:
         return sum(rows for _, _, rows, _ in self.row_groups)
+
+    def __len__(self) -> int:
+        """Batches this rank yields: each reader cuts its own row groups, so the count depends on how many DataLoader
+        workers read it (:attr:`num_workers`, which the data module sets to its loader's)."""
+        return rank_batches([g[2] for g in self.row_groups], self.batch_size, self.drop_last, self.rank, self.world_size,
+                            self.num_workers)
 
     def __iter__(self) -> Iterator[CriteoBatch]:
         mine, limit = deal_pieces([g[2] for g in self.row_groups], self.batch_size, self.drop_last, self.rank, self.world_size)

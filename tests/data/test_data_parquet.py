@@ -65,7 +65,9 @@ def test_row_groups_are_dealt_to_ranks_and_workers(files, world_size, num_worker
     rank_batches = []
     for rank in range(world_size):
         dataset = _dataset(files, batch_size=30, rank=rank, world_size=world_size)
+        dataset.num_workers = num_workers
         rank_batches.append(list(DataLoader(dataset, batch_size=None, num_workers=num_workers)))
+        assert len(dataset) == len(rank_batches[-1])  # what the rank's workers yield together
     assert len({len(batches) for batches in rank_batches}) == 1
     seen = torch.cat([b.labels.unsqueeze(1) + b.dense_features for batches in rank_batches for b in batches])
     assert len(torch.unique(seen, dim=0)) == len(seen) > 300  # synthetic rows are distinct (their dense values too)

@@ -1,8 +1,8 @@
 """The batch every data module of this package yields, and the featurisation the Criteo-shaped sources share.
 
-A batch holds the sparse features as a TorchRec ``KeyedJaggedTensor`` (one key per categorical feature, one id
-per row and feature, a missing value being an id of its own), the dense features as a ``[B, num_dense]``
-float32 tensor and the labels as a ``[B]`` float32 tensor.
+A batch holds the sparse features as a TorchRec ``KeyedJaggedTensor`` (one key per categorical feature; per row a
+bag of ids: one for a one-hot feature, several for a multi-hot one, none for a null read as raw ids), the dense
+features as a ``[B, num_dense]`` float32 tensor and the labels as a ``[B]`` float32 tensor.
 """
 from __future__ import annotations
 

@@ -4,9 +4,11 @@ Format, one example per line: ``label <TAB> I1 .. I13 <TAB> C1 .. C26``: a 0/1 l
 features and 26 categorical features given as 32-bit hex ids (at most 8 hex digits). Any feature may be
 empty (missing). Files may be gzip-compressed (detected from the content, not the name).
 
-* Sparse ids: each categorical value is hashed, per feature, to a stable non-negative int64 id by
-  :func:`~lightning_persia.data.batch.hash_categorical` (no vocabulary pass); a missing value gets a fixed
-  per-feature "missing" id.
+* Sparse ids (``ids: hash``, the default): each categorical value is hashed, per feature, to a stable non-negative
+  int64 id by :func:`~lightning_persia.data.batch.hash_categorical` (no vocabulary pass); a missing value gets a fixed
+  per-feature "missing" id. ``ids: raw`` takes the hex values as the ids (a missing value: no id).
+* Tokenised by ``pyarrow.csv`` a batch of lines at a time; a batch with a malformed line is parsed line by line
+  instead, which names the line (or skips it: ``skip_malformed``).
 * Dense values: missing -> 0, then ``log(1 + max(x, 0))``.
 * Split: the lines of all files, counted as one sequence, are dealt round-robin to the readers, one reader per
   (trainer rank, DataLoader worker); every reader scans every file but parses only its own lines, so the parts

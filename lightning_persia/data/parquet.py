@@ -32,7 +32,7 @@ from lightning_persia.data._dataset_files import _pyarrow, parquet_datasets
 from lightning_persia.data._loader import FileSplitDataModule
 from lightning_persia.data._sharding import deal_pieces, rank_batches
 from lightning_persia.data.batch import CriteoBatch
-from lightning_persia.data.transform import DENSE_TRANSFORMS, DataTransform, IdsSetting, resolve_ids
+from lightning_persia.data.transform import DataTransform, IdsSetting, resolve_ids
 
 
 def _integers(kind: Any) -> bool:
@@ -107,8 +107,6 @@ class ParquetDataset(BatchStream):
         ids: IdsSetting = "raw",
     ) -> None:
         super().__init__(batch_size, drop_last, rank, world_size)
-        if dense_transform not in DENSE_TRANSFORMS:
-            raise ValueError(f"dense_transform must be one of {DENSE_TRANSFORMS}, got {dense_transform!r}")
         if not sparse_columns:
             raise ValueError("sparse_columns maps no feature to a column")
         self.label_column, self.dense_columns = label_column, list(dense_columns)

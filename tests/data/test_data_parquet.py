@@ -201,7 +201,7 @@ def test_dictionary_encoded_string_columns_hash_and_workers_read_a_directory(tmp
         pq.write_table(table.slice(100 * i, 100), tmp_path / "clicks" / f"part.{i}.parquet", row_group_size=50)
     columns = dict(SPARK_COLUMNS, sparse_columns={"country": "country", "city": "city"})
     dataset = ParquetDataset([str(tmp_path / "clicks")], **columns, batch_size=50, ids="hash")
-    assert pa.types.is_dictionary(dataset._schemas[0].field("country").type)
+    assert pa.types.is_dictionary(pq.read_schema(dataset.files[0]).field("country").type)
     alone = list(dataset)
     with_workers = list(DataLoader(dataset, batch_size=None, num_workers=2))
     for batches in (alone, with_workers):

@@ -157,8 +157,9 @@ _COLUMN_NAMES = ["label", *CRITEO_DENSE_FEATURES, *CRITEO_SPARSE_FEATURES]
 
 
 def _tokenised(lines: Sequence[bytes], transform: DataTransform) -> Optional[_ParsedRows]:
-    """The rows of ``lines`` tokenised by ``pyarrow.csv`` (~2.5x the rate of :func:`parse_criteo_lines`), or ``None``
-    when pyarrow is missing or a line is not well formed: the caller then parses them line by line, to name it."""
+    """The rows of ``lines`` tokenised by ``pyarrow.csv``, or ``None`` when pyarrow is missing or a line is not well
+    formed: the caller then parses them line by line, to name it. (47k rows/s against the line parser's 32k, batches
+    of 4096, one core of a busy 2-core machine.)"""
     try:
         import pyarrow as pa
         import pyarrow.csv as csv

@@ -240,3 +240,24 @@ def test_list_columns_are_bags_pooled_as_torchrec_pools_them(tmp_path):
     (hashed,) = _read([str(tmp_path / "m.parquet")], columns, ids="hash")
     assert hashed.sparse_features["genres"].values().tolist() == hash_feature_ids(torch.tensor([1, 4, 2, 0, 3, 4]), 0).tolist()
     assert hashed.sparse_features["movie"].lengths().tolist() == [1] * 5  # hashed: a null is the feature's missing id
+
+
+def test_bags_cut_into_batches_across_row_groups_keep_every_id_in_order(tmp_path):
+    """Batches of 17 rows cut from row groups of 30: each row's bag whole, in order, through workers too."""
+    bags = [list(range(i, i + i % 4)) if i % 5 else None for i in range(200)]
+    table = pa.table({"y": pa.array([i % 2 for i in range(200)], pa.int8()), "row": pa.array(np.arange(200, dtype=np.float32)),
+                      "tags": pa.array(bags, pa.list_(pa.int64())), "user": pa.array(np.arange(200) * 7)})
+    pq.write_table(table, tmp_path / "t.parquet", row_group_size=30)
+    columns = {"label_column": "y", "dense_columns": ["row"], "sparse_columns": {"tags": "tags", "user": "user"}, "dense_transform": "none"}
+    dataset = ParquetDataset([str(tmp_path / "t.parquet")], **columns, batch_size=17)
+    for batches in (list(dataset), list(DataLoader(dataset, batch_size=None, num_workers=2))):
+        rows = torch.cat([b.dense_features[:, 0] for b in batches]).long().tolist()
+        got = {}
+        for b in batches:
+            lengths, values = b.sparse_features["tags"].lengths().tolist(), b.sparse_features["tags"].values().tolist()
+            for r, start, n in zip(b.dense_features[:, 0].long().tolist(), np.cumsum([0] + lengths[:-1]), lengths):
+                got[r] = values[start : start + n]
+        assert sorted(rows) == list(range(200)) and all(b.batch_size <= 17 for b in batches)
+        assert got == {i: bag or [] for i, bag in enumerate(bags)}
+        users = torch.cat([b.sparse_features["user"].values() for b in batches])
+        assert users.tolist() == [r * 7 for r in rows]

@@ -2,7 +2,7 @@
 # and build the native kernels of this checkout (setup.py; without a C compiler the tensor fallback runs).
 PY := .venv/bin/python
 
-.PHONY: setup native test demo
+.PHONY: setup native test scenarios demo
 
 setup:
 	@bash scripts/setup.sh
@@ -14,7 +14,11 @@ native:
 	@$(PY) setup.py -q build_ext --inplace
 
 test: setup native
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests -m "not scenario"
+
+# The long scenario runs (minutes each: many kills, longer streams); CI runs them after `make test`.
+scenarios: setup native
+	$(PY) -m pytest -q tests -m scenario
 
 demo: setup native
 	$(PY) -m lightning_persia.cli fit --config examples/dlrm/config.yaml --config examples/dlrm/demo.yaml

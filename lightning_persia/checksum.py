@@ -2,10 +2,9 @@
 
 A manifest's entry for a file holds its size and one digest, under the name of the algorithm that made it:
 ``{"file": ..., "bytes": ..., "xxh3_128": "<32 hex digits>"}``. Files are checksummed with XXH3-128, which runs
-at ~8 GB/s on a core where sha256 runs at ~1.2 (measured on the development machine:
-benchmarks/results/2026-11-25-scale-history.md, *Checksums at memory speed*): a shard's save and load hash every
-byte they write or read, so with sha256 a quarter of a load's CPU went to the hash. Entries of older checkpoints and bundles hold a
-``"sha256"`` instead, and still verify.
+at ~8 GB/s on a core where sha256 runs at ~1.2 (measured on the development machine): a shard's save and load
+hash every byte they write or read, so with sha256 a quarter of a load's CPU went to the hash. Entries of older
+checkpoints and bundles hold a ``"sha256"`` instead, and still verify.
 
 Neither detects more than damage (a truncated file, flipped bits, a file from another save): no key signs a
 manifest, so whoever can rewrite a file can rewrite its digest too. Loading never runs code from a file

@@ -77,7 +77,7 @@ def test_a_dangling_path_is_caught_and_other_words_are_not(tmp_path):
                    "`embedding/worker.py`, `vanished.py`, `examples/nowhere/`.\n"
                    "Not paths of ours: `/tmp/x`, `--wal-dir DIR`, [site](https://a.org/b.py), `lightning_persia.remote_ps`, "
                    "`ls ~/.cache/x`, `manifest.json`, `rows/s`, `runs/dlrm/deltas/`, `shard-*.yaml`.\n"
-                   "Present: `README.md`, `lightning_persia/remote_ps/`, `remote_ps/store/`, `trainbench/run_one.py:12`.\n")
+                   "Present: `README.md`, `lightning_persia/remote_ps/`, `remote_ps/store/`, `trainer/run_one.py:12`.\n")
     assert dangling(doc) == sorted(["lightning_persia/remote_ps/nowhere.py", "../nowhere/README.md", "store/gone.py",
                                     "embedding/worker.py", "vanished.py", "examples/nowhere/"])
 

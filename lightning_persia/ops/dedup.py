@@ -26,7 +26,7 @@ def keyed_unique(keyed: KeyedIds) -> tuple[KeyedIds, torch.Tensor]:
     """
     if native.available() and keyed.ids.device.type == "cpu":
         # a hash table per table in C, the same result: 1.7 ms of CPU for a Criteo-shaped batch of 4,096 where the
-        # sort below takes 4.1 (benchmarks/results/2026-11-25-embedding-path.md)
+        # sort below takes 4.1
         unique, counts, inverse = native.unique_by_table(keyed.ids, keyed.counts)
         return KeyedIds(keyed.tables, tuple(counts.tolist()), unique), inverse
     if len(keyed.tables) == 1 and keyed.ids.numel():
@@ -69,7 +69,7 @@ def _unique(keys: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     (numpy's vectorised sort, several times faster than an argsort) gives the order and the sorted keys at once.
     The packed values are distinct, so any sort gives the same result; numpy's stable one (timsort) makes use of
     their arriving table after table, already ordered in their high bits (4.1 against 5.5 ms of CPU for a
-    Criteo-shaped batch of 4,096: benchmarks/results/2026-11-25-embedding-path.md).
+    Criteo-shaped batch of 4,096).
     """
     n = keys.numel()
     position_bits = (n - 1).bit_length()

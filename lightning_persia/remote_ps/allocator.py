@@ -3,8 +3,8 @@
 **Which allocator.** A shard's request threads allocate and free a few tensors of every size per request, while its
 demoter frees and allocates others beside them. Under glibc's malloc the free chunks of such a heap pile up, and a
 request thread's allocations search them: ``_int_malloc`` was 14% of a disk table's request threads' CPU at the steady
-state of a Zipf stream, against 2.6% for an all-in-memory table (``benchmarks/results/2026-11-25-disk-tier.md``,
-section 23). jemalloc allocates from size classes instead. It cannot be chosen from inside a running process (it
+state of a Zipf stream over 100M rows, 40M in memory, against 2.6% for an all-in-memory table. jemalloc allocates
+from size classes instead. It cannot be chosen from inside a running process (it
 must be loaded before anything allocates), so the launchers start shards with it preloaded
 (:func:`shard_environment`: ``LD_PRELOAD``), where the system has it (Debian, Ubuntu: ``libjemalloc2``), and the
 shard says which one it runs with (:func:`running_allocator`).

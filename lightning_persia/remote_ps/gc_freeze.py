@@ -1,8 +1,8 @@
 """A shard process keeps the objects of its start-up out of Python's full collections.
 
 Python's cyclic garbage collector now and then runs a full collection, which visits every tracked object of
-the process: ~180k after importing torch, gRPC and the package, 35 to 45 ms on the development machine's 2 cores (measured in
-benchmarks/results/2026-11-25-scale-history.md, *Rebuilds that keep up with less*). It runs inside
+the process: ~180k after importing torch, gRPC and the package, 35 to 45 ms on the development machine's 2 cores. It
+runs inside
 whatever allocation crosses its threshold, so in a shard sometimes inside a request that holds its table's lock,
 where it adds those ms to what the table's other requests wait. The objects of the start-up (modules, classes,
 functions) live as long as the process: :func:`freeze_startup_objects` moves them to the collector's permanent

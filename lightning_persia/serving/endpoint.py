@@ -39,8 +39,7 @@ class PredictAPI(ls.LitAPI):
         predictor_options: more arguments of :meth:`Predictor.from_bundle` (``wire_dtype``, ``num_shards``, ...).
         torch_threads: intra-op threads of the inference worker; 0 keeps torch's default. Batches of a few rows
             gain nothing from more, and on cores shared with the shards more threads wait on each other (one
-            row took 9 ms with 1 thread, 27 ms with 2, on 2 busy cores: measured in
-            benchmarks/results/2026-11-25-benchmarks-history.md, section 5).
+            row took 9 ms with 1 thread, 27 ms with 2, on 2 busy cores).
         log_level: the level of the worker's ``lightning_persia`` log on stderr (the versions it applies, the
             deltas it refuses); ``None`` leaves logging as it is.
     """

@@ -22,7 +22,7 @@ EMBEDDED_SCHEDULING = "idle" if hasattr(os, "SCHED_IDLE") else "normal"
 """The embedded shards' priority (``PSConfig.nice`` and ``PSConfig.scheduling``) unless the PS config sets either.
 They share the trainers' cores: a trainer's parallel regions (two intra-op threads on a 2-core machine) stall on
 any core a shard takes from them, while a prefetched lookup has steps to come back. ``train_bench.py --ranks 1
---staleness 4 --steps 150`` on 2 cores (benchmarks/results/2026-11-25-benchmarks-history.md): hybrid at 0.91-0.96x local's samples/s at nice 0 (median
+--staleness 4 --steps 150`` on 2 cores: hybrid at 0.91-0.96x local's samples/s at nice 0 (median
 of 4 runs 0.935), 0.88-1.00x at nice 10 (median of 7 runs 0.96), and with ``SCHED_IDLE`` (where the platform has
 it; nice then does not matter) 1.00-1.08x (median of 5 runs 1.06) against 0.95-1.02x at nice 10 in the same rounds."""
 
@@ -30,7 +30,7 @@ it; nice then does not matter) 1.00-1.08x (median of 5 runs 1.06) against 0.95-1
 EMBEDDED_DURABILITY = "log"
 """The embedded shards' ``PSConfig.durability`` unless the PS config sets it: a shard that dies is restarted by the
 launcher and replays its log, and the trainers go on without a rollback. ``train_bench.py --durability none log
-fsync`` (DLRM τ=4, 1 rank, 2 cores shared with other jobs; benchmarks/results/2026-11-25-wal.md): ``log`` at 0.96x
+fsync`` (DLRM τ=4, 1 rank, 2 cores shared with other jobs): ``log`` at 0.96x
 of ``none``'s samples/s, ``fsync`` at 0.93x (medians of 3 rounds; 0.99x and 0.89x in a run under heavy load). ``log`` rather than ``fsync``: the embedded
 shards, and their log folder, end with their trainer's machine, so surviving the machine buys nothing here."""
 

@@ -3,7 +3,7 @@
 :func:`fuzz_cases` is a Hypothesis strategy of ``(method, request bytes, label)``; :class:`FuzzTarget` sends them
 raw (no client-side validation) and checks each answer: a clear status (never INTERNAL or UNKNOWN, never
 a hang), a message for every refusal, and at the end the *sentinel* table's rows unchanged and the shard
-alive. Used by ``tests/remote_ps/test_ps_fuzz.py`` (a fast subset) and ``benchmarks/fuzz_ps.py``.
+alive. Used by ``tests/remote_ps/test_ps_fuzz.py`` (a fast subset) and ``tools/fuzz_ps.py``.
 
 Hypothesis comes with the ``test`` extra only: :func:`fuzz_cases` imports it when called, so this module
 imports without it. Each strategy below is a function of ``(draw, st)``, made a Hypothesis strategy there.

@@ -5,7 +5,7 @@ equal to :func:`step_value`; with ``SGD(lr=1)`` and ``Constant(0)`` rows, row ``
 ``-sum(step_value(k, s) * count of i in step_ids(k, s))`` over every client and step: small integers, exact
 in float32 whatever the order the shard applies them in. A lost update or one applied twice shows.
 
-Run one client per process (what the tests and ``benchmarks/ps_load.py`` do)::
+Run one client per process (what the tests and ``tools/ps_soak.py`` do)::
 
     python -m lightning_persia.testing.hammer --addresses 127.0.0.1:5000,127.0.0.1:5001 --client 0 --steps 200 \\
         --tables load_a,load_b [--drop-probability 0.01]

@@ -7,7 +7,7 @@
     | between steps | save (from Lightning's dump of a checkpoint on) | validation | end of training | after fit
 
 The strategy's ``rolling back``/``rolled back`` log lines mark a rollback. Used by
-``benchmarks/fault_scenarios.py --random``::
+``tools/fault_scenarios.py --random``::
 
     trainer.callbacks: [{class_path: lightning_persia.testing.phases.PhaseMarks}]
 """

@@ -1,4 +1,4 @@
-"""A fast subset of the RPC fuzzing of ``benchmarks/fuzz_ps.py``: random bytes, mutated and malformed
+"""A fast subset of the RPC fuzzing of ``tools/fuzz_ps.py``: random bytes, mutated and malformed
 protobufs, huge counts, odd sizes and unknown tables, sent raw to a real shard. Every answer is a clear
 status with a message, nothing hangs, the shard keeps serving and the sentinel table is unchanged."""
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Load and exactness: 4 client processes x 2 shards push known SGD gradients, two of them through a proxy
 that resets connections; the final rows equal the analytic sum exactly (no update lost, none applied twice).
-The longer run is ``benchmarks/ps_load.py``."""
+The longer run is ``tools/ps_soak.py``."""
 from __future__ import annotations
 
 import json

@@ -1,7 +1,7 @@
 """Faults of trainer processes (each run a subprocess of run_faults.py; the DDP launcher re-runs it):
 rank 0 SIGKILLed in the middle of a checkpoint save. The job fails cleanly (every rank and shard gone, no
 hang), the previous checkpoint pair is intact, the half-written one never replaces it, and the run resumes.
-The other scenarios (rank 1 killed, a shard killed under 2-rank DDP) run in ``benchmarks/fault_scenarios.py``."""
+The other scenarios (rank 1 killed, a shard killed under 2-rank DDP) run in ``tools/fault_scenarios.py``."""
 from __future__ import annotations
 
 import json

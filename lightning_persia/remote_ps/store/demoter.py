@@ -1,8 +1,8 @@
 """Demotion off the request path: a shard's thread keeps each disk table's memory tier below its budget.
 
 A request that needs rows the memory tier does not have free would otherwise demote colder rows itself, with the
-table's lock held: a lookup that inserted 131,072 new ids into a full 100M-row table spent up to 1.5 s of CPU so
-(2026-11-25-disk-tier.md). :class:`Demoter` instead demotes a table's coldest rows whenever its memory tier holds
+table's lock held: a lookup that inserted 131,072 new ids into a full 100M-row table spent up to 1.5 s of CPU so.
+:class:`Demoter` instead demotes a table's coldest rows whenever its memory tier holds
 more than its budget less half of :data:`HEADROOM_FRACTION`, down to the budget less all of it, :data:`SLICE_ROWS` at a
 time, the table's lock held for one slice only. A request then finds free rows, and demotes only when the rows
 it brings in exceed the headroom left (the budget is a hard limit: it demotes what it needs, no more): a slice at

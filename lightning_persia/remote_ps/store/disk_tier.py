@@ -407,23 +407,24 @@ class DiskTier:
         """``{field: values}`` of uint8 records ``[n, record_bytes]``."""
         return unpack(records, self.specs)
 
-    def expire(self, limit: int, lock) -> int:
+    def expire(self, limit: int, lock, dropped: Callable[[torch.Tensor], None] = lambda ids: None) -> int:
         """Drops the live rows whose access value is at or below ``limit`` (see :mod:`expiry`); returns how many.
 
         Reads each segment's records a block at a time without ``lock`` (a written record never changes), then takes
-        ``lock`` (the table's) only to drop the block's expired rows that are still live.
+        ``lock`` (the table's) only to drop the block's expired rows that are still live, and tells ``dropped`` their
+        ids with it held.
         """
         with lock:
             if self.closed:
                 return 0
             self._readers += 1  # the files stay open for the sweep, whatever closes the tier meanwhile
         try:
-            return self._expire(limit, lock)
+            return self._expire(limit, lock, dropped)
         finally:
             with lock:
                 self.end_read()
 
-    def _expire(self, limit: int, lock) -> int:
+    def _expire(self, limit: int, lock, dropped_ids: Callable[[torch.Tensor], None]) -> int:
         offset = sum(spec.row_bytes for name, spec in self.specs.items() if name in DISK_FIELDS[: DISK_FIELDS.index("access")])
         dropped = 0
         for segment in range(len(self._fds)):
@@ -445,6 +446,8 @@ class DiskTier:
                     old = old[torch.from_numpy(flags[(old + start).numpy()].astype(bool))]
                     ids = record_ids(records, old)
                     self.forget(ids, old + start + (segment << SEGMENT_SHIFT))
+                    if ids.numel():
+                        dropped_ids(ids)
                 dropped += old.numel()
         return dropped
 

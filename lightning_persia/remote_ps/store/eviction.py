@@ -12,16 +12,18 @@ the capacity at once held a 67M-row table's lock 1.3 to 1.5 s: every access valu
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from bisect import bisect_right
 from itertools import accumulate
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
 from lightning_persia.ops import native
 
 FREE = -1
+_HIDDEN = (1 << 31) - 1  # above any threshold: a row hidden from a selection looks the hottest
 BULK_FRACTION = 0.05
 """Victims are taken among the coldest this fraction of the live rows (and, in a small table, this fraction of
 its capacity at a time)."""
@@ -106,8 +108,7 @@ def _cold_among(values: torch.Tensor, threshold: int, count: int) -> tuple[torch
     """The positions of up to ``count`` live ``values`` at or below ``threshold``, in order, and how many values that
     took: up to the last one taken (the next sweep starts right after it), or all of them where fewer were found.
     In C where it can (one pass that stops at the last one taken): the tensor ops read the whole slice three times,
-    1.0 ms of a 16,384-row demotion's 5.25 ms with the lock held (100M rows, 40M in memory: 2026-11-25-disk-tier.md,
-    section 27)."""
+    1.0 ms of a 16,384-row demotion's 5.25 ms with the lock held (100M rows, 40M in memory)."""
     if native.available():
         return native.select_at_most(values, threshold, FREE, count)
     hits = torch.nonzero((values <= threshold) & (values != FREE)).squeeze(1)[:count]
@@ -130,6 +131,22 @@ def _threshold(access: Sequence[torch.Tensor], count: float, total: int, generat
     quantile = min(1.0, max(BULK_FRACTION, count / max(total * live_fraction, 1.0)))
     rank = math.ceil(quantile * (sample.numel() - 1)) + 1  # the quantile's "higher" value, selected without a sort
     return int(torch.kthvalue(sample, rank).values), live_fraction
+
+
+@contextlib.contextmanager
+def hidden(access, rows: Optional[torch.Tensor]) -> Iterator[None]:
+    """Within the block, ``rows`` (of a table's ``access`` field) look the hottest, so that a selection passes over
+    them; their access values come back after it. A selection that takes every row of a small table may still name
+    them: the caller drops those."""
+    if rows is None or not rows.numel():
+        yield
+        return
+    values = access.gather(rows)
+    access.fill(rows, _HIDDEN)
+    try:
+        yield
+    finally:
+        access.scatter(rows, values)
 
 
 def bulk_size(needed: int, capacity: int) -> int:

@@ -1,8 +1,8 @@
 """How many bytes of its disk tables' records a shard with a memory limit keeps mapped: what the limit leaves.
 
 A read of a mapped record is a memory copy; a read of any other is a ``pread``, whose page-cache lookup was most of
-what a Zipf(1.1) request at 100M rows spent in the kernel (2026-11-25-disk-tier.md, section 29). Where the tier's
-files fit in the machine's memory, the page cache holds their pages whether they are mapped or not: mapping them
+the 2.6 ms a Zipf(1.1) request at 100M rows, 40M in memory, spent in the kernel (0.5 ms on the memory table). Where
+the tier's files fit in the machine's memory, the page cache holds their pages whether they are mapped or not: mapping them
 changes what the shard's resident memory counts, not what the machine holds. So a shard given a memory limit
 (``PSConfig.memory_limit_mb``) maps records up to it, and gives mapped pages back as its rows and id maps grow:
 each pass of the demoter, the room left under the limit, less :data:`MARGIN` of it (the requests' own short-lived

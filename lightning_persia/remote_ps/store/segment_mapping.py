@@ -2,7 +2,7 @@
 
 A ``pread`` of a 48-byte record cost 0.8 to 1.8 us on the development VM; a copy from a segment mapped with its
 pages in the process's page tables 0.3 to 0.5 us; a read through a mapping whose page is not there yet costs a
-fault, up to 2 us under load (2026-11-25-disk-tier.md, section 5). So segments are mapped and populated ahead of
+fault, up to 2 us under load. So segments are mapped and populated ahead of
 the reads, off the request path (called by the shard's demoter), and the records of the others are read with
 ``pread``: ``native.read_records`` takes the tables of this class. A step chooses what to map and publishes it with
 the table's lock held, but reads the pages in without it: where the page cache no longer holds them (a billion

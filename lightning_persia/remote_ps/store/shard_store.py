@@ -2,17 +2,14 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
-import os
 import threading
 import time
-from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
 from lightning_persia.ops.hashing import first_foreign, shard_of
-from lightning_persia.remote_ps.store import checkpoint, disk_checkpoint
+from lightning_persia.remote_ps.store import checkpoint, disk_checkpoint, tier_folders
 from lightning_persia.remote_ps.store.demoter import Demoter
 from lightning_persia.remote_ps.store.expiry import Expirer
 
@@ -56,8 +53,9 @@ class ShardStore:
         demotion_interval_s: Optional[float] = 0.01, disk_mapped_bytes: int = MAPPED_BYTES,
         memory_limit_bytes: Optional[int] = None,
     ) -> None:
-        """``disk_dir``: where the disk tiers of the tables of ``storage="disk"`` live (a folder per table and generation
-        under ``shard-<i>-of-<n>/``, deleted with its table); ``None``: such tables are refused.
+        """``disk_dir``: where the disk tiers of the tables of ``storage="disk"`` live (a folder per tier under
+        ``shard-<i>-of-<n>/``, deleted with its table; what earlier incarnations left there is deleted when this
+        shard makes its first disk table: ``tier_folders.py``); ``None``: such tables are refused.
         ``expiry_interval_s``: how often the rows of tables with a TTL are swept (on a thread of the store's own,
         started with the first such table). ``demotion_interval_s``: how often the demoter looks for disk tables
         whose memory tier needs room (``demoter.py``; started with the first disk table); ``None``: no demoter, a
@@ -83,8 +81,7 @@ class ShardStore:
         self.progress = Progress(f"shard {shard_index}/{num_shards}")
         self._disk_dir = disk_dir
         self._disk_mapped_bytes = disk_mapped_bytes
-        self._generation = itertools.count()
-        self._expirer = Expirer(self._tables_with_ttl, expiry_interval_s)
+        self._expirer = Expirer(self._tables_with_ttl, expiry_interval_s, journal=lambda: self._journal("", 0, []))
         budget = MappedBudget(memory_limit_bytes) if memory_limit_bytes is not None else None
         self._demoter = Demoter(self._disk_tables, demotion_interval_s, budget) if demotion_interval_s is not None else None
         self.log: Optional[ShardLog] = None  # set once the shard restored itself (wal/shard_log.py)
@@ -133,7 +130,8 @@ class ShardStore:
             found = [tables[0].lookup(requests[0][1], train, dtype, journal)]
         else:
             found = Table.lookup_together([(table, ids) for table, (_, ids) in zip(tables, requests)], train, dtype, journal)
-        self._wait_logged(tickets)
+        if self.log is not None:  # the rows read may hold an update whose record is still queued: none is served unlogged
+            self.log.wait_all()
         return found
 
     def update(self, name: str, ids: torch.Tensor, grads: torch.Tensor) -> int:
@@ -190,6 +188,14 @@ class ShardStore:
             if config.name not in self._tables:
                 self._tables[config.name] = self._new_table(config)
 
+    def clear(self) -> None:
+        """Drops every table (a replay that stopped half-way: nothing of it may stay)."""
+        with self._save_lock, self._lock:
+            dropped, self._tables = self._tables, {}
+            self._delta_points.clear()
+        for table in dropped.values():
+            table.close()
+
     def stats(self) -> dict[str, dict[str, int | float | str | list]]:
         with self._lock:
             tables = dict(self._tables)
@@ -224,13 +230,14 @@ class ShardStore:
 
     def _save(self, directory: str, save_id: str, since: Optional[dict[str, int]]) -> dict[str, int]:
         with self._save_lock:
-            with self._lock:
-                tables = [self._tables[name] for name in sorted(self._tables)]
-            if since is not None:
-                for table in tables:
-                    table.remember_removals()
             segment = None
-            with contextlib.ExitStack() as held:
+            # The shard's lock from the listing of the tables to the log's new segment: a table created in between
+            # would be in neither the checkpoint nor the log the checkpoint truncates (table locks come after it).
+            with self._lock, contextlib.ExitStack() as held:
+                tables = [self._tables[name] for name in sorted(self._tables)]
+                if since is not None:
+                    for table in tables:
+                        table.remember_removals()
                 for table in tables:
                     held.enter_context(table.lock)
                 snapshots = [self._begin(table, (since or {}).get(table.config.name, 0)) for table in tables]
@@ -364,7 +371,8 @@ class ShardStore:
 
     def expire(self, now: Optional[float] = None) -> int:
         """Sweeps every table with a TTL now (the expiry thread does every ``expiry_interval_s``); returns the rows deleted."""
-        return sum(table.expire(time.monotonic() if now is None else now) for table in self._tables_with_ttl())
+        return sum(table.expire(time.monotonic() if now is None else now, self._journal("", 0, []))
+                   for table in self._tables_with_ttl())
 
     def _tables_with_ttl(self) -> list[Table]:
         with self._lock:
@@ -381,8 +389,9 @@ class ShardStore:
             self._demoter.start()
         disk = None
         if config.storage == "disk" and self._disk_dir is not None:
-            folder = f"shard-{self.shard_index:05d}-of-{self.num_shards:05d}"
-            disk = str(Path(self._disk_dir) / folder / f"{config.name}.{os.getpid()}.{next(self._generation)}")
+            folder = tier_folders.shard_folder(self._disk_dir, self.shard_index, self.num_shards)
+            tier_folders.claim(folder)
+            disk = str(tier_folders.tier_folder(folder, config.name))
         return Table(config, self.seed, disk_dir=disk, disk_mapped_bytes=self._disk_mapped_bytes,
                      promote_later=self._demoter is not None)
 

@@ -403,7 +403,7 @@ class Table:
         fresh = torch.nonzero(~present).squeeze(1)
         positions = found.clone()
         if fresh.numel():
-            new_rows = self._take_rows(fresh.numel())
+            new_rows = self._take_rows(fresh.numel(), keep=found[present])
             positions[fresh] = new_rows
             self._rows["ids"].scatter(new_rows, ids[fresh])
         for name in SAVED_FIELDS[1:]:
@@ -527,10 +527,12 @@ class Table:
 
     # ---- time to live ------------------------------------------------------------------------------
 
-    def expire(self, now: float) -> int:
+    def expire(self, now: float, journal: Optional[Journal] = None) -> int:
         """Deletes the rows no training lookup touched within the table's TTL (see :mod:`expiry`); returns how many.
 
         Sweeps the rows a slice at a time, the lock held for one slice; then the disk tier's rows a block at a time.
+        ``journal`` hears of the ids each slice deleted: a replay that missed them would bring the rows back with
+        their old values.
         """
         config = self.config
         if config.ttl_steps is None and config.ttl_seconds is None:
@@ -548,18 +550,29 @@ class Table:
                 values = self._rows["access"].chunk(chunk, offset + min(step, size - start))[offset:]
                 rows = torch.nonzero((values <= limit) & (values != eviction.FREE)).squeeze(1) + start
                 if rows.numel():
+                    self._start_recording(journal)
                     self._drop(rows)
+                    _journal([self], journal, always=False)
                     expired += rows.numel()
         if self._disk is not None:
-            expired += self._disk.expire(limit, self.lock)
+            expired += self._disk.expire(limit, self.lock, dropped=lambda ids: self._journal_removed(ids, journal))
         with self.lock:
             self._counters["expired"] += expired
         return expired
+
+    def _journal_removed(self, ids: torch.Tensor, journal: Optional[Journal]) -> None:
+        """Tells ``journal`` of ``ids`` deleted from the disk tier (expired); the lock held."""
+        self._start_recording(journal)
+        if self._recording is not None:
+            self._recording.removed.append(ids)
+        _journal([self], journal, always=False)
 
     def _drop(self, rows: torch.Tensor) -> None:
         """Deletes live ``rows`` (expired); the lock held."""
         self._preserve(rows)
         gone = self._rows["ids"].gather(rows)
+        if self._recording is not None:
+            self._recording.removed.append(gone)
         self._index.remove(gone)
         self._removals.add(self._version, gone)
         self._rows["access"].fill(rows, eviction.FREE)
@@ -741,20 +754,23 @@ class Table:
         """Brings the rows of ``ids`` (unique) that are on disk into memory (an update applies to them). The lock held."""
         if self._disk is None or not self._disk.rows:
             return
-        absent = ids[self._index.find(ids) < 0]
+        found = self._index.find(ids)
+        absent = torch.unique(ids[found < 0])
         if not absent.numel():
             return
         with self._disk_work.operation("update"), self._disk_work.timed():
             slots, records = self._disk.find(absent)
             hit = slots >= 0
             if bool(hit.any()):
-                self._promote(absent[hit], slots[hit], self._disk.unpack(take_records(records, hit)))
+                self._promote(absent[hit], slots[hit], self._disk.unpack(take_records(records, hit)), keep=found[found >= 0])
 
-    def _promote(self, ids: torch.Tensor, slots: torch.Tensor, values: dict[str, torch.Tensor], step: Optional[int] = None) -> torch.Tensor:
+    def _promote(self, ids: torch.Tensor, slots: torch.Tensor, values: dict[str, torch.Tensor], step: Optional[int] = None,
+                 keep: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Moves rows read from disk (``ids`` unique, at ``slots``) into memory; returns their rows. ``step``: the
-        lookup step that read them (LRU; the table's step now by default). The lock held."""
+        lookup step that read them (LRU; the table's step now by default); ``keep``: rows the operation under way
+        goes on to write, which the room made for these must not demote. The lock held."""
         n = ids.numel()
-        rows = self._take_rows(n)  # may demote colder rows: written to disk before anything else changes
+        rows = self._take_rows(n, keep)  # may demote colder rows: written to disk before anything else changes
         self._preserve(rows)
         policy = self.config.eviction
         access = (torch.full((n,), self._step if step is None else step, dtype=torch.int32) if policy == "lru"
@@ -863,10 +879,15 @@ class Table:
         with self.lock:
             self._removals.start(self._version - 1)
 
-    def _take_rows(self, n: int) -> torch.Tensor:
+    def _take_rows(self, n: int, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``n`` free rows, cold ones evicted (a disk table: demoted) where the table is full, none of ``keep``: the
+        rows the operation under way goes on to write. A demoted row it then wrote into would leave its id with the
+        old value on disk and the new one in a row another id may take: a replay that made room so lost 632 of 5,000
+        rows. Where only rows of ``keep`` are cold enough, the table holds more than its capacity until the demoter
+        catches up."""
         room = self.config.capacity - self._live
         if n > room:  # a disk table's demoter keeps room ahead (demoter.py): demote what this request needs, no more
-            self._evict(n - room if self._disk is not None else eviction.bulk_size(n - room, self.config.capacity))
+            self._evict(n - room if self._disk is not None else eviction.bulk_size(n - room, self.config.capacity), keep=keep)
 
         reused = self._free.take(n)
         appended = n - reused.numel()
@@ -881,13 +902,17 @@ class Table:
         return [access.chunk(c, min(self._rows.chunk_rows, self._size - (c << self._rows.shift)))
                 for c in range((self._size + self._rows.chunk_rows - 1) >> self._rows.shift)]
 
-    def _evict(self, count: int, estimated: Optional[tuple[int, float]] = None) -> None:
-        """Evicts (a disk table: demotes) ``count`` cold rows; ``estimated``: their threshold (:func:`eviction.estimate`)."""
+    def _evict(self, count: int, estimated: Optional[tuple[int, float]] = None, keep: Optional[torch.Tensor] = None) -> None:
+        """Evicts (a disk table: demotes) ``count`` cold rows, none of ``keep``; ``estimated``: their threshold
+        (:func:`eviction.estimate`)."""
         access = self._rows["access"]
         in_use = self._access_in_use()
         victims = torch.empty(0, dtype=torch.int64)
         if in_use:
-            victims, self._evict_from = eviction.select_victims(in_use, count, self._eviction_sample, self._evict_from, estimated)
+            with eviction.hidden(access, keep):
+                victims, self._evict_from = eviction.select_victims(in_use, count, self._eviction_sample, self._evict_from, estimated)
+            if keep is not None and keep.numel():
+                victims = victims[~torch.isin(victims, keep)]
         gone = self._rows["ids"].gather(victims)
         if self._disk is not None and victims.numel():  # demoted: written to disk first (a failure changes nothing)
             with self._disk_work.timed(demoting=True):

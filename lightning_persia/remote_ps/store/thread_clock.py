@@ -93,7 +93,7 @@ class LockWaits:
     """The wall time requests waited to take a table's lock, in all: behind the shard's demoter, its expiry, a
     checkpoint's copy of the rows, or another request. What the table's background work costs its requests beyond
     their own CPU: at 100M rows, 40M of them in memory, a steady Zipf lookup waited 0.8 ms of its 11.4 ms through the
-    shard (2026-11-25-disk-tier.md, section 29)."""
+    shard."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.seconds = 0.0

@@ -122,6 +122,12 @@ class WriteAheadLog:
             self._cond.notify()
             return self._appended
 
+    def wait_all(self) -> None:
+        """Returns once every record queued so far is written with the log's durability."""
+        with self._cond:
+            ticket = self._appended
+        self.wait(ticket)
+
     def wait(self, ticket: int) -> None:
         """Returns once record ``ticket`` (and every one before it) is written with the log's durability."""
         with self._cond:

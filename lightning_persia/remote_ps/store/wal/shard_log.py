@@ -3,10 +3,15 @@
 :func:`open_shard_log` runs once at start, before the shard serves: it loads the checkpoint the log follows,
 replays the log past it (:class:`ReplayReport` says how far it got, and how fast), and opens a new segment for
 this process. A shard whose log replayed completely holds every write it acknowledged before it died, so the
-clients of its earlier incarnations may go on without a rollback: :attr:`ShardLog.accepted` lists them. A log
-that is missing, whose checkpoint is gone, or that was written with ``durability: log`` before the machine
-restarted (its last records may have been lost with the page cache) is not trusted: the shard starts as today
-(``restore_from``, or empty) with a fresh log, and its clients roll back.
+clients of its earlier incarnations may go on without a rollback: :attr:`ShardLog.accepted` lists them.
+
+A log that cannot be used is not trusted: one without its ``BASE.json`` or with segments missing, whose checkpoint
+does not load (damaged or incomplete), that was written with ``durability: log`` before the machine restarted (its
+last records may have been lost with the page cache), with a damaged record before its end, or whose replay fails
+(an unknown table, a record that does not decode, a full disk). The shard then starts from ``restore_from`` (or
+empty) with a fresh log, its clients roll back, and the old log is kept whole in a folder beside the new one
+(``untrusted-*``), never deleted. A log whose checkpoint folder is missing or cannot be read is kept as it is and
+the shard refuses to start, naming it: a volume not mounted yet is no reason to roll back.
 """
 from __future__ import annotations
 
@@ -21,7 +26,8 @@ from typing import Callable, Optional, Protocol
 
 from lightning_persia.remote_ps.store.errors import CheckpointError
 from lightning_persia.remote_ps.store.wal import changes as records
-from lightning_persia.remote_ps.store.wal.log import WriteAheadLog, read_base, segment_numbers, segment_path
+from lightning_persia.durable import fsync_path
+from lightning_persia.remote_ps.store.wal.log import BASE_FILE, WriteAheadLog, read_base, segment_numbers, segment_path
 from lightning_persia.remote_ps.store.wal.records import ReadEnd, read_records
 
 log = logging.getLogger("lightning_persia.ps")
@@ -39,6 +45,8 @@ class ReplayTarget(Protocol):
     def replay_configure(self, config: dict) -> None: ...
 
     def replay_change(self, change: records.Change) -> int: ...
+
+    def clear(self) -> None: ...
 
 
 def boot_id() -> str:
@@ -121,6 +129,11 @@ class ShardLog:
     def wait(self, ticket: int) -> None:
         self.wal.wait(ticket)
 
+    def wait_all(self) -> None:
+        """Returns once every record queued so far is written: whatever a caller has seen of the tables is then in
+        the log."""
+        self.wal.wait_all()
+
     def begin_base(self, base: Optional[str]) -> int:
         """Starts a segment after every record so far (a checkpoint's consistent point: call it with every table's
         lock held); the segment's number, for :meth:`end_base` once the checkpoint is complete."""
@@ -154,12 +167,17 @@ def open_shard_log(store: ReplayTarget, directory: str, durability: str, incarna
     segments = segment_numbers(path)
     base = read_base(path)
     if segments:
-        reason = _replay(store, path, base, segments, report, accepted, applied, window, on_progress, pause_s)
+        _check_readable(path, base)
+        reason = (_left_behind(path, segments, base, restore_from)
+                  or _replay(store, path, base, segments, report, accepted, applied, window, on_progress, pause_s))
         if reason:
-            report.not_trusted = reason
+            report.not_trusted, report.replayed = reason, False
             accepted.clear()
             applied.clear()
-            log.warning("shard %d: its write-ahead log in %s is not used (%s); its clients roll back", store.shard_index, path, reason)
+            store.clear()  # nothing of a replay that stopped half-way stays
+            kept = _set_aside(path, segments)
+            log.warning("shard %d: its write-ahead log in %s is not used (%s); its clients roll back; the log is kept in %s",
+                        store.shard_index, path, reason, kept)
     if not report.replayed:
         report.checkpoint = store.load_latest(restore_from) if restore_from else None
     accepted.add(incarnation)
@@ -171,9 +189,70 @@ def open_shard_log(store: ReplayTarget, directory: str, durability: str, incarna
     return ShardLog(wal, incarnation, sorted(accepted), applied, window, report)
 
 
+def _check_readable(path: Path, base: Optional[dict]) -> None:
+    """Raises :class:`CheckpointError` when the checkpoint the log follows is missing or cannot be read: the shard does
+    not start, and the log stays as it is for a start that can read it."""
+    checkpoint = base.get("checkpoint") if base else None
+    if not checkpoint:
+        return
+    try:
+        os.listdir(checkpoint)
+    except OSError as err:
+        raise CheckpointError(
+            f"the write-ahead log in {path} follows the checkpoint {checkpoint}, which cannot be read now "
+            f"({err.strerror or err}); the shard does not start, so that a start that can read it replays the log with "
+            f"no rollback. To start without it (its clients then roll back), move {path} away.") from None
+
+
+def _left_behind(path: Path, segments: list[int], base: Optional[dict], restore_from: Optional[str]) -> str:
+    """Why the log is older than the checkpoint this start was told to restore from, or "": its last record was
+    written before ``restore_from`` (a checkpoint folder, not the one the log follows) was saved. Such a log was left
+    by an earlier run of this shard, before the job went on elsewhere (another shard count, another cluster) and
+    saved ``restore_from``; replayed, it would serve that earlier run's rows. A ``restore_from`` older than the log
+    (the supervisor's last checkpoint, from before a later save or load) leaves the log trusted."""
+    checkpoint = base.get("checkpoint") if base else None
+    if not restore_from or not checkpoint or os.path.abspath(checkpoint) == os.path.abspath(restore_from):
+        return ""
+    manifests = list(Path(restore_from).glob("shard-*-of-*/manifest.json"))
+    if not manifests:  # a folder of checkpoints, or none: nothing to compare with
+        return ""
+    written = max(segment_path(path, number).stat().st_mtime for number in segments)
+    saved = min(manifest.stat().st_mtime for manifest in manifests)
+    if written >= saved:
+        return ""
+    return (f"it follows {checkpoint} and its last record was written at {_utc(written)}, before restore_from "
+            f"{restore_from} was saved ({_utc(saved)}): the log was left by an earlier run")
+
+
+def _utc(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
+
+
+def _set_aside(path: Path, segments: list[int]) -> Path:
+    """Moves the segments and the ``BASE.json`` of a log that is not used into a folder of their own beside it."""
+    kept = path / time.strftime("untrusted-%Y%m%dT%H%M%S", time.gmtime())
+    while kept.exists():
+        kept = kept.with_name(kept.name + "+")
+    kept.mkdir()
+    for number in segments:
+        os.replace(segment_path(path, number), segment_path(kept, number))
+    if (path / BASE_FILE).exists():
+        os.replace(path / BASE_FILE, kept / BASE_FILE)
+    fsync_path(path)
+    return kept
+
+
 def _replay(store: ReplayTarget, path: Path, base: Optional[dict], segments: list[int], report: ReplayReport, accepted: set[str],
             applied: dict[str, deque], window: int, on_progress, pause_s: float) -> str:
     """Loads the log's checkpoint and replays the segments after it; returns why the log is not trusted, or ""."""
+    try:
+        return _replay_segments(store, path, base, segments, report, accepted, applied, window, on_progress, pause_s)
+    except Exception as err:  # noqa: BLE001 - whatever stops a replay half-way makes the log unusable, not the shard
+        return f"its replay failed: {type(err).__name__}: {err}"
+
+
+def _replay_segments(store: ReplayTarget, path: Path, base: Optional[dict], segments: list[int], report: ReplayReport,
+                     accepted: set[str], applied: dict[str, deque], window: int, on_progress, pause_s: float) -> str:
     if base is None:
         return f"no {path / 'BASE.json'} names the checkpoint it follows"
     first = int(base["segment"])
@@ -194,7 +273,6 @@ def _replay(store: ReplayTarget, path: Path, base: Optional[dict], segments: lis
     report.segments = len(following)
     report.bytes_total = sum(segment_path(path, n).stat().st_size for n in following)
     this_boot = boot_id()
-    distrust = ""
     on_progress(report)
     last_report = time.monotonic()
     for number in following:
@@ -212,8 +290,8 @@ def _replay(store: ReplayTarget, path: Path, base: Optional[dict], segments: lis
                     for client, seqs in opening.applied.items():
                         applied.setdefault(client, deque(maxlen=window)).extend(seqs)
                     if opening.boot_id != this_boot and opening.durability != "fsync":
-                        distrust = (f"segment {number} was written with durability {opening.durability!r} before the "
-                                    "machine restarted: its last acknowledged records may be lost")
+                        return (f"segment {number} was written with durability {opening.durability!r} before the "
+                                "machine restarted: its last acknowledged records may be lost")
                 elif kind == records.CONFIGURE:
                     store.replay_configure(meta["table"])
                 elif kind == records.CHANGE:
@@ -228,6 +306,9 @@ def _replay(store: ReplayTarget, path: Path, base: Optional[dict], segments: lis
                     last_report = time.monotonic()
                     report.seconds = last_report - started
                     on_progress(report)
+        if end.damaged:
+            return (f"{segment_path(path, number).name} holds a damaged record followed by whole ones ({end.reason}): "
+                    "acknowledged records after it cannot be replayed in order")
         if end.dropped_bytes:
             report.dropped_bytes += end.dropped_bytes
             report.dropped = f"{segment_path(path, number).name}: {end.reason}"
@@ -235,4 +316,4 @@ def _replay(store: ReplayTarget, path: Path, base: Optional[dict], segments: lis
     report.seconds = time.monotonic() - started
     report.replayed = True
     on_progress(report)
-    return distrust
+    return ""

@@ -7,6 +7,8 @@ from lightning_persia.remote_ps.store.wal import open_shard_log
 from lightning_persia.remote_ps.store.wal.log import segment_numbers, segment_path
 from lightning_persia.remote_ps.table_config import Adagrad, Normal, TableConfig
 
+from shard_log_helpers import assert_same, contents, train
+
 
 def _start(tmp_path, *, durability="log", incarnation="one", restore_from=None):
     # no demoter: which rows of a disk table are in memory (what _contents compares) then depends on the requests alone
@@ -14,39 +16,6 @@ def _start(tmp_path, *, durability="log", incarnation="one", restore_from=None):
 
     store.log = open_shard_log(store, str(tmp_path / "wal"), durability, incarnation, restore_from, window=64)
     return store
-
-
-def _train(store, steps, *, client="c", first_seq=1, tables=("a", "b"), seed=0):
-    """τ=0 steps: a training lookup of random ids in every table, then one update of them all."""
-    generator = torch.Generator().manual_seed(seed)
-    for step in range(steps):
-        ids = {name: torch.randint(0, 400, (64,), generator=generator).unique() for name in tables}
-        store.lookup_many(list(ids.items()), train=True)
-        grads = [(name, table_ids, torch.randn(table_ids.numel(), store.describe(name).dim, generator=generator))
-                 for name, table_ids in ids.items()]
-        store.update_many(grads, client=client, seq=first_seq + step)
-
-
-def _contents(store, folder) -> dict:
-    """Every table's rows sorted by id, read back from a checkpoint of the store."""
-    store.save(str(folder))
-    out = {}
-    for source in checkpoint.open_for_shard(str(folder), 0, 1):
-        blocks = [{k: v.clone() for k, v in block.items()} for block in source.blocks(0, 1)]
-        rows = {k: torch.cat([b[k] for b in blocks]) for k in blocks[0]}
-        order = torch.argsort(rows["ids"])
-        out[source.name] = ({k: v[order] for k, v in rows.items()}, source.step)
-    return out
-
-
-def _assert_same(left: dict, right: dict) -> None:
-    assert left.keys() == right.keys()
-    for name in left:
-        (rows, step), (other, other_step) = left[name], right[name]
-        assert step == other_step, name
-        assert rows.keys() == other.keys()
-        for field in rows:
-            assert torch.equal(rows[field], other[field]), (name, field)
 
 
 @pytest.mark.parametrize("capacity,admit,storage", [(1 << 20, 1.0, "memory"), (300, 1.0, "memory"), (1 << 20, 0.5, "memory"),
@@ -59,18 +28,18 @@ def test_a_restarted_shard_replays_to_exactly_the_rows_it_acknowledged(tmp_path,
     store.configure(TableConfig("a", 8, optimizer=Adagrad(lr=0.1, rowwise=True), capacity=capacity, admit_probability=admit,
                                 storage=storage))
     store.configure(TableConfig("b", 4, optimizer=Adagrad(lr=0.1), init=Normal(0, 0.1), capacity=capacity))
-    _train(store, 12)
+    train(store, 12)
     store.save(str(tmp_path / "ckpt"))  # the log before it is deleted, the replay starts from it
-    _train(store, 12, first_seq=13, seed=1)
-    before = _contents(store, tmp_path / "expected")  # (a save of its own: it rotates the log, nothing lost)
-    _train(store, 3, first_seq=25, seed=2)
-    expected = _contents(store, tmp_path / "expected-2")
+    train(store, 12, first_seq=13, seed=1)
+    before = contents(store, tmp_path / "expected")  # (a save of its own: it rotates the log, nothing lost)
+    train(store, 3, first_seq=25, seed=2)
+    expected = contents(store, tmp_path / "expected-2")
 
     restarted = _start(tmp_path, incarnation="two")  # the first process is abandoned as a kill would leave it
     report = restarted.log.report
     assert report.replayed and report.records > 0 and report.checkpoint == str(tmp_path / "expected-2")
     assert restarted.log.accepted == {"one", "two"}
-    _assert_same(_contents(restarted, tmp_path / "replayed"), expected)
+    assert_same(contents(restarted, tmp_path / "replayed"), expected)
     assert before != {}
 
 
@@ -78,11 +47,11 @@ def test_the_replay_starts_past_the_checkpoint_and_rebuilds_the_exactly_once_mem
     store = _start(tmp_path)
     store.configure(TableConfig("a", 8))
     store.configure(TableConfig("b", 8))
-    _train(store, 5)
+    train(store, 5)
     store.save(str(tmp_path / "ckpt"))
     assert len(segment_numbers(tmp_path / "wal")) == 1  # truncated at the checkpoint
-    _train(store, 4, first_seq=6)
-    expected = _contents(store, tmp_path / "expected")
+    train(store, 4, first_seq=6)
+    expected = contents(store, tmp_path / "expected")
     segment = segment_path(tmp_path / "wal", segment_numbers(tmp_path / "wal")[-1])
     with open(segment, "ab") as f:  # a write torn by the kill: a header and part of a record
         f.write(b"LAWP\x00\x10\x00\x00\x01\x02\x03\x04partial")
@@ -93,17 +62,17 @@ def test_the_replay_starts_past_the_checkpoint_and_rebuilds_the_exactly_once_mem
     assert report.checkpoint == str(tmp_path / "expected")
     assert restarted.log.applied_seqs()["c"] == list(range(1, 10))  # seqs 1-5 from the checkpoint's segment opening
     assert not segment.read_bytes().endswith(b"partial")  # cut off: no torn record between whole ones later
-    _assert_same(_contents(restarted, tmp_path / "replayed"), expected)
+    assert_same(contents(restarted, tmp_path / "replayed"), expected)
 
 
 def test_a_log_whose_checkpoint_is_gone_is_not_trusted_and_the_shard_starts_from_restore_from(tmp_path):
     store = _start(tmp_path)
     store.configure(TableConfig("a", 8))
     store.configure(TableConfig("b", 8))
-    _train(store, 3)
+    train(store, 3)
     store.save(str(tmp_path / "old"))
     store.save(str(tmp_path / "new"))
-    _train(store, 3, first_seq=4)
+    train(store, 3, first_seq=4)
     for path in (tmp_path / "new").rglob("*"):
         if path.is_file():
             path.unlink()
@@ -118,18 +87,19 @@ def test_a_log_written_without_fsync_before_the_machine_restarted_is_not_trusted
     store = _start(tmp_path)
     store.configure(TableConfig("a", 8))
     store.configure(TableConfig("b", 8))
-    _train(store, 2)
+    train(store, 2)
     monkeypatch.setattr("lightning_persia.remote_ps.store.wal.shard_log.boot_id", lambda: "another boot")
     restarted = _start(tmp_path, incarnation="two")
-    assert restarted.log.report.replayed and "machine restarted" in restarted.log.report.not_trusted
-    assert restarted.log.accepted == {"two"}
+    report = restarted.log.report
+    assert not report.replayed and "machine restarted" in report.not_trusted and report.checkpoint is None
+    assert restarted.log.accepted == {"two"} and restarted.tables() == []  # restore_from (none here), not the replay
 
 
 def test_a_log_written_with_fsync_is_trusted_after_the_machine_restarted(tmp_path, monkeypatch):
     store = _start(tmp_path, durability="fsync")
     store.configure(TableConfig("a", 8))
     store.configure(TableConfig("b", 8))
-    _train(store, 2)
+    train(store, 2)
     monkeypatch.setattr("lightning_persia.remote_ps.store.wal.shard_log.boot_id", lambda: "another boot")
     restarted = _start(tmp_path, durability="fsync", incarnation="two")
     assert restarted.log.report.not_trusted == "" and restarted.log.accepted == {"one", "two"}

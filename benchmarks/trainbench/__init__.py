@@ -1,1 +1,0 @@
-"""Helpers of benchmarks/train_bench.py."""

@@ -1,0 +1,3 @@
+"""Long test campaigns run by hand, beside the test suite: RPC fuzzing (``fuzz_ps.py``), a load soak
+(``ps_soak.py``) and fault scenarios of whole training runs (``fault_scenarios.py``). Run each from the repository
+root as a module, e.g. ``.venv/bin/python -m tools.fuzz_ps``; their fast subsets are in ``tests/``."""

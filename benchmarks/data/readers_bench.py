@@ -5,23 +5,20 @@
 - **binary days**: a day in TorchRec's one-hot layout and the same rows in MLPerf DLRM-DCNv2's multi-hot layout
   (``day_N_sparse_multi_hot.npz``, MLPerf's 1 to 100 ids a feature, 214 a row), read by ``CriteoBinaryDataset``.
 
-    .venv/bin/python benchmarks/data_bench.py [--rows 100000] [--batch-size 4096] [--json]
+    .venv/bin/python -m benchmarks.data.readers_bench [--rows 100000] [--batch-size 4096] [--json]
 """
 
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from lightning_persia.data import CriteoBinaryDataset, CriteoIterableDataset, SyntheticCriteo  # noqa: E402
-from lightning_persia.data.criteo import _HASHED, _tokenised, parse_criteo_lines  # noqa: E402
+from lightning_persia.data import CriteoBinaryDataset, CriteoIterableDataset, SyntheticCriteo
+from lightning_persia.data.criteo import _HASHED, _tokenised, parse_criteo_lines
 
 #: MLPerf DLRM-DCNv2's ids per row of each feature (its --multi_hot_sizes)
 MULTI_HOT_SIZES = [3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1]

@@ -9,7 +9,7 @@ from benchmarks.data import readers_bench
 def test_every_rate_is_measured_on_the_rows_asked_for(monkeypatch):
     timed = []
     real = readers_bench._best_rate
-    monkeypatch.setattr(data_bench, "_best_rate", lambda rows, run, repeats=3: timed.append(run()) or real(rows, run, 1))
+    monkeypatch.setattr(readers_bench, "_best_rate", lambda rows, run, repeats=3: timed.append(run()) or real(rows, run, 1))
     out = readers_bench.main(["--rows", "300", "--batch-size", "64", "--json"])
     assert all(out[k] > 0 for k in out if k.endswith("_rows_per_s"))
     assert timed[2:] == [300, 300, 300]  # the TSV reader and both binary layouts yield every row

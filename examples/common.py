@@ -9,9 +9,10 @@ The models are ordinary LightningModules with ordinary ``torchrec.EmbeddingBagCo
   collections by remote twins (whose optimizer is the strategy's) before the optimizers are configured, so
   :meth:`RecommenderModule.configure_optimizers` then sees the dense parameters only.
 
-Local tables (``embedding_device="cpu"``) see ids reduced modulo each table's ``num_embeddings`` (the usual
-hashing trick), since the data modules hash categorical values to arbitrary non-negative int64 ids. Remote
-tables (``"meta"``) are not bounded by ``num_embeddings`` and see the ids as they are.
+Local tables (``embedding_device="cpu"``) see ids reduced modulo each table's ``num_embeddings``: the usual hashing
+trick for hashed ids (``ids: hash``: arbitrary non-negative int64), the ids themselves for vocabulary ids below the
+table's size (``ids: raw``). Remote tables (``"meta"``) are not bounded by ``num_embeddings`` and see the ids as
+they are.
 """
 from __future__ import annotations
 

@@ -3,6 +3,7 @@ LightningCLI does not warn about the command line it is given."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -54,3 +55,26 @@ def test_an_old_flat_strategy_argument_ends_with_its_new_place(monkeypatch, caps
         "error: lightning_persia.PersiaStrategy: PersiaStrategy(ps_timeout_s=...) moved: "
         "PersiaStrategy(ps=PSSettings(timeout_s=...)); in YAML init_args.ps.timeout_s"
     )
+
+
+@pytest.mark.parametrize(
+    "module, own",
+    [
+        ("lightning_persia.data.CriteoDataModule", ["--data.ids", "--data.skip_malformed"]),
+        ("lightning_persia.data.CriteoBinaryDataModule", ["--data.ids", "--data.val_test_split"]),
+        ("lightning_persia.data.ParquetDataModule", ["--data.ids", "--data.label_column", "--data.sparse_columns"]),
+    ],
+)
+def test_the_file_data_modules_list_the_shared_arguments_once_with_one_default(module, own, monkeypatch, capsys):
+    """Each declares only its own arguments and passes the shared ones (FileSplitDataModule's) on: LightningCLI's help
+    lists both, and num_workers has the one default (None: auto) everywhere."""
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as done:
+        lightning_cli(["fit", "--config", DLRM, "--data.help", module])
+    assert done.value.code == 0
+    shown = capsys.readouterr().out
+    for argument in [*own, "--data.train_files", "--data.val_files", "--data.batch_size", "--data.eval_batch_size",
+                     "--data.drop_last", "--data.pin_memory"]:
+        assert f"  {argument} " in shown, argument
+    num_workers = shown[shown.index("  --data.num_workers NUM_WORKERS"):shown.index("  --data.pin_memory")]
+    assert re.search(r"\(type:\s+Optional\[int\], default: null\)", num_workers)

@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Optional
 from lightning.pytorch import LightningDataModule, Trainer
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from lightning_persia.data._batching import BatchStream
 from lightning_persia.data.transform import TransformedFeatures
 
 SPLITS = ("train", "val", "test")
@@ -76,7 +77,12 @@ class SplitDataModule(TransformedFeatures, LightningDataModule):
 
     def _loader(self, split: str) -> Any:
         dataset = self.dataset(split)
-        return [] if dataset is None else batch_loader(dataset, self.num_workers, self.pin_memory, self.trainer)
+        if dataset is None:
+            return []
+        loader = batch_loader(dataset, self.num_workers, self.pin_memory, self.trainer)
+        if isinstance(dataset, BatchStream):
+            dataset.num_workers = loader.num_workers
+        return loader
 
     def train_dataloader(self) -> DataLoader:
         if self.dataset("train") is None:
@@ -92,19 +98,25 @@ class SplitDataModule(TransformedFeatures, LightningDataModule):
 
 class FileSplitDataModule(SplitDataModule):
     """A :class:`SplitDataModule` whose splits are lists of files, read in batches of one size for training and
-    another for evaluation; :meth:`read_files` makes the dataset of one list.
+    another for evaluation; :meth:`read_files` makes the dataset of one list. The file data modules declare their own
+    arguments and pass these on (``**kwargs``), so that their help and YAML configs list these too.
 
     Args:
-        train_files, val_files, test_files: the files of each split (no validation or test files: no such loop).
+        train_files: the training files (patterns allowed), read in order.
+        val_files: the validation files; none means no validation loop.
+        test_files: the test files; none means ``trainer.test`` has nothing to run.
         batch_size: rows per training batch.
         eval_batch_size: rows per validation/test batch (default: ``batch_size``).
         drop_last: drop the last incomplete training batch of a pass.
-        num_workers, pin_memory: as :class:`SplitDataModule`'s.
+        num_workers: DataLoader worker processes per rank, each reading its share; ``None``: half the rank's share
+            of the cores less one, at most 8 (0 on 2 cores).
+        pin_memory: pin batches in host memory; ``None``: when the trainer runs on a GPU.
     """
 
     def __init__(
-        self, train_files: List[str], val_files: Optional[List[str]], test_files: Optional[List[str]], batch_size: int,
-        eval_batch_size: Optional[int], drop_last: bool, num_workers: Optional[int], pin_memory: Optional[bool],
+        self, train_files: List[str], val_files: Optional[List[str]] = None, test_files: Optional[List[str]] = None,
+        batch_size: int = 4096, eval_batch_size: Optional[int] = None, drop_last: bool = False,
+        num_workers: Optional[int] = None, pin_memory: Optional[bool] = None,
     ) -> None:
         super().__init__(num_workers=num_workers, pin_memory=pin_memory)
         self.files = {"train": list(train_files), "val": list(val_files or []), "test": list(test_files or [])}

@@ -34,17 +34,19 @@ def reader_shard(rank: Optional[int] = None, world_size: Optional[int] = None) -
 
 
 def deal_pieces(
-    piece_rows: Sequence[int], batch_size: int, drop_last: bool, rank: Optional[int] = None, world_size: Optional[int] = None
+    piece_rows: Sequence[int], batch_size: int, drop_last: bool, rank: Optional[int] = None, world_size: Optional[int] = None,
+    worker: Optional[Tuple[int, int]] = None,
 ) -> Tuple[List[int], int]:
     """This reader's pieces of a stream cut into pieces (row groups, batches), and how many batches it yields.
 
     Piece ``k`` goes to rank ``k % world_size``; the rank's ``j``-th piece to DataLoader worker ``j % num_workers``.
     A reader cuts its pieces' rows into batches of ``batch_size`` (the last one short unless ``drop_last``). With
     several ranks every rank yields as many batches as the rank with the fewest (a DDP step is collective): the
-    readers of a rank with more stop early, its last workers first. Returns ``(piece indices, batch limit)``.
+    readers of a rank with more stop early, its last workers first. Returns ``(piece indices, batch limit)``;
+    ``worker``: ``(worker id, number of workers)`` to ask for another reader than this process.
     """
     rank, world_size = process_rank(rank, world_size)
-    worker, num_workers = worker_rank()
+    worker, num_workers = worker or worker_rank()
     pieces = np.arange(len(piece_rows))
     reader = (pieces % world_size) * num_workers + (pieces // world_size) % num_workers  # rank-major
     rows = np.bincount(reader, weights=np.asarray(piece_rows, dtype=np.float64), minlength=world_size * num_workers)
@@ -59,3 +61,11 @@ def deal_pieces(
             if w == worker:
                 limit -= cut
     return pieces[reader == rank * num_workers + worker].tolist(), limit
+
+
+def rank_batches(
+    piece_rows: Sequence[int], batch_size: int, drop_last: bool, rank: Optional[int], world_size: Optional[int], num_workers: int,
+) -> int:
+    """The batches a rank yields, all its ``num_workers`` DataLoader workers (0: the rank's own process) together."""
+    readers = max(num_workers, 1)
+    return sum(deal_pieces(piece_rows, batch_size, drop_last, rank, world_size, (w, readers))[1] for w in range(readers))

@@ -1,11 +1,12 @@
 """The batch every data module of this package yields, and the featurisation the Criteo-shaped sources share.
 
-A batch holds the sparse features as a TorchRec ``KeyedJaggedTensor`` (one key per categorical feature, one id
-per row and feature, a missing value being an id of its own), the dense features as a ``[B, num_dense]``
-float32 tensor and the labels as a ``[B]`` float32 tensor.
+A batch holds the sparse features as a TorchRec ``KeyedJaggedTensor`` (one key per categorical feature; per row a
+bag of ids: one for a one-hot feature, several for a multi-hot one, none for a null read as raw ids), the dense
+features as a ``[B, num_dense]`` float32 tensor and the labels as a ``[B]`` float32 tensor.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -18,6 +19,7 @@ from lightning_persia.ops.hashing import mix64
 _POSITIVE = (1 << 63) - 1
 _MISSING_BIT = 1 << 32
 _FEATURE_SHIFT = 33
+_WIDE_SALT = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: salts the wide values apart from the 32-bit ones
 
 
 @dataclass
@@ -82,30 +84,43 @@ def make_batch(
 
 
 def hash_categorical(values: Tensor, missing: Optional[Tensor] = None) -> Tensor:
-    """Stable, collision-free int64 ids of ``[B, F]`` 32-bit categorical values (column ``f`` = feature ``f``).
+    """Stable, collision-free int64 ids of ``[B, F]`` int64 categorical values (column ``f`` = feature ``f``).
 
-    The id of value ``v`` of feature ``f`` is ``mix64(((f + 1) << 33) | v)`` with the sign bit cleared; a
-    missing value has the fixed id ``mix64(((f + 1) << 33) | 2**32)``. ``mix64`` is a bijection, so two
-    (feature, value) pairs (missing included) never share an id apart from the cleared sign bit (a chance of
-    2**-63 per pair). The result is a pure function of (feature index, value): the same in every process.
+    The id of a 32-bit value ``v`` (in ``[0, 2**32)``) of feature ``f`` is ``mix64(((f + 1) << 33) | v)`` with the
+    sign bit cleared; a missing value has the fixed id ``mix64(((f + 1) << 33) | 2**32)``. ``mix64`` is a bijection,
+    so two (feature, value) pairs (missing included) never share an id apart from the cleared sign bit (a chance of
+    2**-63 per pair). Any other int64 (ids of ``2**32`` and more, negative ones such as Spark's signed ``xxhash64``)
+    is mixed on its own first, ``mix64(mix64(v) ^ salt(f))``: a chance of 2**-63 per pair to meet another id. The
+    result is a pure function of (feature index, value): the same in every process.
     """
     if values.dim() != 2:
         raise ValueError(f"expected [B, F] values, got shape {tuple(values.shape)}")
-    return _hash(values, torch.arange(values.shape[1], dtype=torch.int64).unsqueeze(0), missing)
+    feature = torch.arange(values.shape[1], dtype=torch.int64).unsqueeze(0)
+    return _hash(values.to(torch.int64), feature, missing)
 
 
-def hash_feature_values(values: Tensor, feature_index: int, missing: Optional[Tensor] = None) -> Tensor:
-    """:func:`hash_categorical`'s ids of any number of values of the one feature at position ``feature_index``."""
-    return _hash(values, torch.tensor(feature_index, dtype=torch.int64), missing)
+def hash_feature_ids(values: Tensor, feature: int, missing: Optional[Tensor] = None) -> Tensor:
+    """:func:`hash_categorical`'s ids of any-shaped int64 ``values`` of the ``feature``-th feature (multi-hot bags);
+    ``missing`` (same shape) marks nulls."""
+    return _hash(values.to(torch.int64), torch.tensor(feature, dtype=torch.int64), missing)
 
 
-def _hash(values: Tensor, feature_index: Tensor, missing: Optional[Tensor]) -> Tensor:
-    values = values.to(torch.int64)
-    if bool(((values < 0) | (values >= _MISSING_BIT)).any()):
-        raise ValueError("categorical values must lie in [0, 2**32)")
+def _hash(values: Tensor, feature: Tensor, missing: Optional[Tensor]) -> Tensor:
+    narrow = (values >= 0) & (values < _MISSING_BIT)
     if missing is not None:
         values = torch.where(missing, torch.full_like(values, _MISSING_BIT), values)
-    return mix64(values | ((feature_index + 1) << _FEATURE_SHIFT)) & _POSITIVE
+        narrow = narrow | missing
+    tagged = ((feature + 1) << _FEATURE_SHIFT) | torch.where(narrow, values, torch.zeros_like(values))
+    ids = mix64(tagged)
+    if not bool(narrow.all()):
+        ids = torch.where(narrow, ids, mix64(mix64(values) ^ (tagged * _WIDE_SALT)))
+    return ids & _POSITIVE
+
+
+def string_key(value: str) -> int:
+    """The int64 key of a string categorical value (its UTF-8's 8-byte blake2b), which ``ids: hash`` then hashes per
+    feature as any other value."""
+    return int.from_bytes(hashlib.blake2b(value.encode(), digest_size=8).digest(), "little", signed=True)
 
 
 def missing_ids(num_features: int) -> Tensor:

@@ -41,6 +41,7 @@ from lightning_persia.data.criteo import (
     CRITEO_NUM_SPARSE,
     CRITEO_SPARSE_FEATURES,
     CriteoFeatures,
+    tsv_transform,
 )
 
 #: Approximate share of missing values per categorical feature in Criteo Kaggle (C1..C26).
@@ -417,6 +418,8 @@ class SyntheticCriteoDataModule(CriteoFeatures, TransformedFeatures, LightningDa
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.pin_memory = pin_memory
+        #: what the batches are made of: the generated values featurised as the TSV reader does (hashed, log1p)
+        self.transform = tsv_transform("hash")
 
     @property
     def cardinalities(self) -> List[int]:

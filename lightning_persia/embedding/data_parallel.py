@@ -14,13 +14,15 @@ tables of a TorchRec collection that have at most ``N`` rows on the trainer inst
 * the rule's state is a buffer: checkpoints carry it with the weights.
 
 Rows start from the parameter server's deterministic initialiser, so a table gets the same first values
-wherever it is placed. Ids are folded into a kept table's rows modulo its size (a remote table takes any
+wherever it is placed. The ids of a feature the data gives as vocabulary ids (``raw_features``: the data module's
+``ids: raw``, :class:`~lightning_persia.data.transform.DataTransform`) index a kept table's rows directly, and one
+outside them is an error; hashed ids are folded into the rows modulo the table's size (a remote table takes any
 id; see :meth:`DataParallelTables.rows_of`).
 """
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import Optional, Union
+from typing import Iterable, Optional, Union
 
 import torch
 from torch import nn
@@ -56,7 +58,10 @@ class DataParallelTables(nn.Module):
         tables.apply_gradients(scale=1.0)
     """
 
-    def __init__(self, configs: list[TableConfig], num_embeddings: list[int], features: list[tuple[str, ...]], seed: int) -> None:
+    def __init__(
+        self, configs: list[TableConfig], num_embeddings: list[int], features: list[tuple[str, ...]], seed: int,
+        raw_features: Iterable[str] = (),
+    ) -> None:
         super().__init__()
         self.configs = list(configs)
         self.num_embeddings = list(num_embeddings)
@@ -84,6 +89,10 @@ class DataParallelTables(nn.Module):
         self._dropped_on_device: Optional[torch.Tensor] = None  # counted on a GPU without reading the count back
         self._fused: Optional[FusedArguments] = None  # the layout's fused-lookup arguments on the weight's device
         self.register_buffer("_rows_per_feature", torch.tensor([self.num_embeddings[t] for t in self.feature_tables]), persistent=False)
+        raw = set(raw_features)
+        #: the features whose ids index the rows as they are (the others are folded modulo the table's size)
+        self.raw_features = tuple(f for f in self.features if f in raw)
+        self.register_buffer("_raw_per_feature", torch.tensor([f in raw for f in self.features], dtype=torch.bool), persistent=False)
 
     @property
     def dropped_nonfinite_rows(self) -> int:
@@ -91,20 +100,32 @@ class DataParallelTables(nn.Module):
         on_device = int(self._dropped_on_device) if self._dropped_on_device is not None else 0
         return self._dropped + on_device
 
+    def raw_feature_rows(self) -> dict[str, int]:
+        """The rows of the table each of :attr:`raw_features` indexes (its ids must lie in ``[0, rows)``)."""
+        return {f: self.num_embeddings[t] for f, t in zip(self.features, self.feature_tables) if f in self.raw_features}
+
     def table_view(self, table: int) -> torch.Tensor:
         """Rows of table ``table`` as ``[num_embeddings, dim]`` (a view of the parameter)."""
         offsets = self.layout.table_offsets
         return self.weight[offsets[table] : offsets[table + 1]].view(self.num_embeddings[table], self.configs[table].dim)
 
     def rows_of(self, ids: torch.Tensor, lengths_per_feature: list[int]) -> torch.Tensor:
-        """Row of each id in its feature's table, ``id mod num_embeddings`` (the hashing trick), on this module's device.
-
-        A remote table takes any int64 id; a kept one has ``num_embeddings`` rows, so ids are folded into
-        them, as the examples' local models do (ids already in ``[0, num_embeddings)`` map to themselves).
-        """
+        """Row of each id in its feature's table, on this module's device: the id itself for a raw feature (an id
+        outside ``[0, num_embeddings)`` raises ``ValueError`` naming the feature, the id and the table's size), else
+        ``id mod num_embeddings`` (the hashing trick: hashed ids, as the examples' local models fold them)."""
         counts = small_tensor(lengths_per_feature, self._rows_per_feature.device)
         modulus = torch.repeat_interleave(self._rows_per_feature, counts, output_size=ids.numel())
-        return torch.remainder(ids.to(modulus.device), modulus)
+        ids = ids.to(modulus.device)
+        if not self.raw_features:
+            return torch.remainder(ids, modulus)
+        raw = torch.repeat_interleave(self._raw_per_feature, counts, output_size=ids.numel())
+        outside = raw & ((ids < 0) | (ids >= modulus))
+        if bool(outside.any()):  # a read back from a GPU: the price of naming a bad id before it reads another row
+            position = int(torch.nonzero(outside)[0, 0])
+            feature = self.features[int(torch.searchsorted(torch.tensor(list(accumulate(lengths_per_feature))), position, right=True))]
+            raise ValueError(f"feature {feature!r}: id {int(ids[position])} is outside its table of {int(modulus[position])} rows "
+                             "kept on the trainers (ids: raw indexes rows directly; give the table more rows, or hash the ids)")
+        return torch.where(raw, ids, torch.remainder(ids, modulus))
 
     def pooled(self, ids: torch.Tensor, offsets: torch.Tensor, pooling: str, per_sample_weights: Optional[torch.Tensor]) -> torch.Tensor:
         """Pooled embeddings ``[B, sum of feature dims]`` of this module's features (bags feature-major)."""

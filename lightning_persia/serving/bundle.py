@@ -18,9 +18,12 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator, Optional
 
 from lightning_persia import checksum
+
+if TYPE_CHECKING:
+    from lightning_persia.data.transform import DataTransform
 
 MANIFEST = "manifest.json"
 DENSE_FILE = "dense.safetensors"
@@ -165,10 +168,18 @@ class Bundle(ChecksummedFolder):
         return list(self.manifest["remote_tables"])
 
     @property
-    def feature_transform(self) -> Optional[dict[str, Any]]:
-        """How the training data module made its batches from its files' features
-        (``lightning_persia.data.FeatureTransform.to_dict()``); ``None`` when the checkpoint recorded none."""
-        return self.manifest.get("feature_transform")
+    def data_transform(self) -> Optional["DataTransform"]:
+        """How the training data module made its batches from its files' values; ``None`` when the checkpoint
+        recorded none. Raises :class:`BundleError` when the record is damaged."""
+        record = self.manifest.get("data_transform")
+        if record is None:
+            return None
+        from lightning_persia.data.transform import DataTransform  # here: the shards read bundles without torch
+
+        try:
+            return DataTransform.from_dict(record)
+        except (ValueError, TypeError) as err:
+            raise BundleError(f"{self.path / MANIFEST}: its data_transform is not a DataTransform record: {err}") from None
 
 
 def is_bundle(path: str | os.PathLike) -> bool:

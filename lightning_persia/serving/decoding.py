@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_persia.data import CriteoBatch
-from lightning_persia.data.transform import FeatureTransform, TransformError
+from lightning_persia.data.transform import DataTransform, TransformError
 
 if TYPE_CHECKING:
     from lightning_persia.serving.predictor import Predictor
@@ -57,14 +57,17 @@ class CriteoRequestDecoder(RequestDecoder):
 
         {"sparse": {"cat_0": "68fd1e64", "cat_1": [7, null], ...}, "dense": [3, null, 0.5, ...]}
 
-    a feature's value or list of values (text or integers, ``null`` for a missing value) and the dense values
-    (numbers, ``null`` for missing) go through the training data module's :class:`FeatureTransform` (hashing or raw
-    ids, the dense transform), recorded in the bundle. Already transformed, marked so::
+    a feature's value or list of values (integers, or text as the files write it, ``null`` for a missing value) and
+    the dense values (numbers, ``null`` for missing) go through the training data module's
+    :class:`~lightning_persia.data.DataTransform` (each feature's ids hashed or raw, the dense transform), recorded
+    in the bundle. Already transformed, marked so::
 
         {"transformed": true, "sparse": {"cat_0": [4284822064372588020], ...}, "dense": [0.0, 1.9459, ...]}
 
     the model's inputs as they are: ids are 64-bit integers, ``dense`` holds exactly ``num_dense`` finite numbers.
     Every feature of ``sparse_features`` must be given either way (an empty list is a row without ids for it).
+    Either way, the id of a raw-id feature whose table is kept on the trainers (``raw_id_rows``: feature -> rows) is
+    the row it reads, so one outside ``[0, rows)`` is refused naming the feature.
 
     Example::
 
@@ -72,12 +75,16 @@ class CriteoRequestDecoder(RequestDecoder):
         batch = decoder.collate([decoder.decode({"transformed": True, "sparse": {"cat_0": [3], "cat_1": []}, "dense": [0.1, 2.0]})])
     """
 
-    def __init__(self, sparse_features: Sequence[str], num_dense: int, transform: Optional[FeatureTransform] = None) -> None:
+    def __init__(
+        self, sparse_features: Sequence[str], num_dense: int, transform: Optional[DataTransform] = None,
+        raw_id_rows: Optional[Mapping[str, int]] = None,
+    ) -> None:
         if not sparse_features:
             raise ValueError("CriteoRequestDecoder needs at least one sparse feature")
         self.sparse_features = list(sparse_features)
         self.num_dense = int(num_dense)
         self.transform = transform
+        self.raw_id_rows = dict(raw_id_rows or {})
         self._known = set(self.sparse_features)
         if transform is not None:
             unknown = sorted(self._known - set(transform.sparse_features))
@@ -90,16 +97,15 @@ class CriteoRequestDecoder(RequestDecoder):
 
     @classmethod
     def from_predictor(cls, predictor: "Predictor") -> "CriteoRequestDecoder":
-        """The features the predictor's twins read, the module's ``num_dense_features`` hyper-parameter and the
-        bundle's feature transform."""
+        """The features the predictor's twins read, the module's ``num_dense_features`` hyper-parameter, the
+        bundle's data transform and the sizes of the kept tables its raw-id features index."""
         num_dense = predictor.module.hparams.get("num_dense_features")
         if num_dense is None:
             raise ValueError(
                 f"{predictor.bundle.module_class_path} has no num_dense_features hyper-parameter, so the default request "
                 "decoder cannot check the dense features; give the endpoint a decoder for this model"
             )
-        recorded = predictor.bundle.feature_transform
-        return cls(predictor.sparse_features, num_dense, None if recorded is None else FeatureTransform.from_dict(recorded))
+        return cls(predictor.sparse_features, num_dense, predictor.bundle.data_transform, predictor.raw_id_rows)
 
     def decode(self, payload: dict[str, Any]) -> tuple[list[list[int]], list[float]]:
         if not isinstance(payload, dict):
@@ -111,7 +117,7 @@ class CriteoRequestDecoder(RequestDecoder):
         if not isinstance(transformed, bool):
             raise RequestError("transformed", f"must be true or false, got {transformed!r}")
         if not transformed and self.transform is None:
-            raise RequestError("transformed", "this model's bundle records no feature transform (its checkpoint predates it, or its "
+            raise RequestError("transformed", "this model's bundle records no data transform (its checkpoint predates it, or its "
                                               "data module describes none): send the model's inputs marked \"transformed\": true")
         sparse = payload.get("sparse")
         if not isinstance(sparse, dict):
@@ -126,13 +132,21 @@ class CriteoRequestDecoder(RequestDecoder):
         if not isinstance(dense, list):
             raise RequestError("dense", f"missing or not a list of {self.num_dense} numbers")
         if transformed:
-            return [_ids(sparse[f], f"sparse.{f}") for f in self.sparse_features], _dense(dense, self.num_dense)
-        assert self.transform is not None
-        try:
-            ids = [self.transform.sparse_ids(f, _values(sparse[f]), f"sparse.{f}").tolist() for f in self.sparse_features]
-            return ids, self.transform.dense_values(dense).tolist()
-        except TransformError as err:
-            raise RequestError(err.field, err.reason) from None
+            ids, values = [_ids(sparse[f], f"sparse.{f}") for f in self.sparse_features], _dense(dense, self.num_dense)
+        else:
+            assert self.transform is not None
+            try:
+                ids = [self.transform.parse_ids(f, _values(sparse[f]), f"sparse.{f}").tolist() for f in self.sparse_features]
+                values = self.transform.parse_dense(dense).tolist()
+            except TransformError as err:
+                raise RequestError(err.field, err.reason) from None
+        for feature, feature_ids in zip(self.sparse_features, ids):
+            rows = self.raw_id_rows.get(feature)
+            outside = [i for i in feature_ids if rows is not None and not 0 <= i < rows]
+            if outside:
+                raise RequestError(f"sparse.{feature}", f"raw id {outside[0]} is outside the {rows} rows of the feature's table kept "
+                                                        "on the trainers (its ids are vocabulary ids, which index the rows directly)")
+        return ids, values
 
     def collate(self, rows: Sequence[tuple[list[list[int]], list[float]]]) -> CriteoBatch:
         count = len(rows)

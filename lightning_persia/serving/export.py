@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from lightning_persia import checksum
-from lightning_persia.data.transform import FeatureTransform, recorded_transform
+from lightning_persia.data.transform import DataTransform, recorded_transform
 from lightning_persia.serving.bundle import (DENSE_FILE, FORMAT, FORMAT_VERSION, MANIFEST, TABLES_DIR, Bundle, BundleError,
                                              file_references)
 from lightning_persia.strategy.persia import CHECKPOINT_KEY
@@ -32,7 +32,7 @@ def export_bundle(
     model_class: Optional[str] = None,
     version: int = 1,
     ps_seed: Optional[int] = None,
-    feature_transform: Optional[FeatureTransform] = None,
+    data_transform: Optional[DataTransform] = None,
     progress: bool = False,
 ) -> Bundle:
     """Writes the serving bundle of checkpoint ``ckpt`` into the new folder ``out`` and returns it.
@@ -48,8 +48,9 @@ def export_bundle(
         ps_seed: seed of the shards that trained the tables (their unseen ids' rows); default the strategy's
             ``ps.seed`` recorded in the checkpoint. Give it when the tables lived on shards started by hand
             with another ``seed``.
-        feature_transform: how the training data module featurised its files (what the endpoint applies to raw
-            requests); default: the one the checkpoint records (its data module's ``state_dict``), if any.
+        data_transform: how the training data module made its batches from its files' values (what the endpoint
+            applies to raw requests, and which features index kept tables with raw ids); default: the one the
+            checkpoint records (its data module's ``state_dict``), if any.
         progress: show a progress bar (tqdm, on stderr) of the bytes copied and checksummed.
 
     Raises:
@@ -72,7 +73,7 @@ def export_bundle(
     num_shards = _check_ps_folder(ps_dir, ckpt)
     module = _module_spec(checkpoint, ckpt, config, model_class)
     interception = entry["interception"]
-    transform = feature_transform if feature_transform is not None else recorded_transform(checkpoint)
+    transform = data_transform if data_transform is not None else recorded_transform(checkpoint)
 
     temporary = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(temporary, ignore_errors=True)
@@ -95,7 +96,7 @@ def export_bundle(
             "ps_seed": int(interception["seed"] if ps_seed is None else ps_seed),
             "num_shards": num_shards,
             "remote_tables": list(entry["tables"]),
-            "feature_transform": None if transform is None else transform.to_dict(),
+            "data_transform": None if transform is None else transform.as_dict(),
             "files": files,
         }
         with open(temporary / MANIFEST, "w") as f:

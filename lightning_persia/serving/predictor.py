@@ -16,6 +16,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import instantiate_module
 from safetensors.torch import load_file
 
+from lightning_persia.embedding.data_parallel import DataParallelTables
 from lightning_persia.remote_ps.client import PSClient, PSError, RetryPolicy
 from lightning_persia.remote_ps.launcher import LocalShards
 from lightning_persia.remote_ps.table_config import TableConfig
@@ -217,6 +218,12 @@ class Predictor:
         """The KeyedJaggedTensor keys the module's TorchRec twins read, in module order."""
         return kjt_features(self.module)
 
+    @property
+    def raw_id_rows(self) -> dict[str, int]:
+        """The rows of the kept table each raw-id feature indexes directly (an id must lie in ``[0, rows)``)."""
+        return {feature: rows for tables in self.module.modules() if isinstance(tables, DataParallelTables)
+                for feature, rows in tables.raw_feature_rows().items()}
+
     # ---- predictions ---------------------------------------------------------------------------------
 
     def predict(self, batch: Any) -> Prediction:
@@ -328,7 +335,9 @@ def _swap_embedding_modules(module: LightningModule, bundle: Bundle) -> list:
     record = bundle.interception
     configs = [TableConfig.from_dict(spec) for spec in record["tables"].values()]
     overrides = {c.name: TableOverride.of(c) for c in configs}
-    defaults = TableDefaults(overrides=overrides, data_parallel_max_rows=record["data_parallel_max_rows"])
+    transform = bundle.data_transform  # its raw features index kept tables directly, as in training
+    defaults = TableDefaults(overrides=overrides, data_parallel_max_rows=record["data_parallel_max_rows"],
+                             raw_features=() if transform is None else transform.raw_features)
     try:
         twins = intercept(module, record["intercept"], record["exclude"], defaults, seed=record["seed"])
     except ValueError as err:

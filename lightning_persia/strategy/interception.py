@@ -85,10 +85,13 @@ TableOverride.__doc__ = """Per-table settings that replace the strategy's ``tabl
 
 @dataclass(kw_only=True)
 class TableDefaults(TableSettings):
-    """The strategy's table settings, its per-table overrides and the size up to which tables stay on the trainer."""
+    """The strategy's table settings, its per-table overrides and the size up to which tables stay on the trainer;
+    ``raw_features``: the features whose ids index the rows of a table kept on the trainer directly (vocabulary ids:
+    the data module's ``DataTransform.raw_features``); the others' are folded modulo its size."""
 
     overrides: dict[str, TableOverride] = field(default_factory=dict)
     data_parallel_max_rows: int = 0
+    raw_features: tuple[str, ...] = ()
 
     def config_for(self, name: str, short_name: str, dim: int, module_init: EmbeddingInit) -> TableConfig:
         settings = {key: getattr(self, key) for key in TABLE_SETTING_NAMES}
@@ -215,4 +218,4 @@ def _torchrec_tables(path: str, configs, defaults: TableDefaults, seed: int) -> 
     if not kept:
         return remote, None
     configs_kept, rows, features = zip(*kept)
-    return remote, DataParallelTables(list(configs_kept), list(rows), list(features), seed)
+    return remote, DataParallelTables(list(configs_kept), list(rows), list(features), seed, defaults.raw_features)

@@ -6,6 +6,7 @@ the hooks lives in ``embedding/`` (the pipeline), ``strategy/interception.py``, 
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -28,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 import lightning.pytorch as pl
+from lightning_persia.data.transform import DataTransform
 from lightning_persia.embedding.data_parallel import DataParallelTables
 from lightning_persia.embedding.modules import RemoteModule
 from lightning_persia.embedding.pipeline import EmbeddingPipeline
@@ -243,7 +245,7 @@ class PersiaStrategy(DDPStrategy):
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         if not any(isinstance(m, RemoteModule) for m in self.model.modules()):
-            self._swap_embedding_modules()
+            self._swap_embedding_modules(_raw_id_features(trainer))
         self.data_parallel_tables = [m for m in self.model.modules() if isinstance(m, DataParallelTables)]
         self._announce()
         if self.world_size == 1:
@@ -265,9 +267,10 @@ class PersiaStrategy(DDPStrategy):
             f"PersiaStrategy: pooled lookups on {self.root_device}: {kernel_in_use(self.root_device.type)}"
         )
 
-    def _swap_embedding_modules(self) -> None:
+    def _swap_embedding_modules(self, raw_features: tuple[str, ...]) -> None:
         assert self.model is not None and self.client is not None
-        twins = intercept(self.model, self.intercept_kinds, self.exclude, self.table_defaults, seed=self.ps.seed)
+        defaults = dataclasses.replace(self.table_defaults, raw_features=raw_features)
+        twins = intercept(self.model, self.intercept_kinds, self.exclude, defaults, seed=self.ps.seed)
         self.remote_modules = [m for m in twins if m.remote_tables]
         if not self.remote_modules:
             log.warning("PersiaStrategy found no embedding table to serve remotely; training runs as plain DDP")
@@ -572,6 +575,13 @@ def _holds_meta_tensors(module: torch.nn.Module) -> bool:
 StrategyRegistry.register(
     PersiaStrategy.strategy_name, PersiaStrategy, description="PERSIA hybrid training: embeddings on PS shards, dense with DDP", override=True
 )
+
+
+def _raw_id_features(trainer: "pl.Trainer") -> tuple[str, ...]:
+    """The features the trainer's data module gives as vocabulary ids (its ``transform``), which the tables kept on
+    the trainers index directly; none without such a data module."""
+    transform = getattr(trainer.datamodule, "transform", None)
+    return transform.raw_features if isinstance(transform, DataTransform) else ()
 
 
 def _table_defaults(

@@ -13,7 +13,9 @@ from lightning_persia.data import (
     CriteoDataModule,
     CriteoIterableDataset,
     hash_categorical,
+    hash_feature_ids,
     missing_ids,
+    parse_criteo_lines,
 )
 
 
@@ -154,8 +156,15 @@ def test_stable_hashing_across_runs_and_features():
     ids = hash_categorical(torch.arange(1000).repeat(26, 1).t())
     assert len(set(ids.flatten().tolist())) == 26 * 1000
     assert len(set(missing_ids(26).tolist()) | set(ids.flatten().tolist())) == 26 * 1000 + 26
-    with pytest.raises(ValueError):
-        hash_categorical(torch.tensor([[1 << 32]]))
+    # any int64 (ids of 2**32 and more, negative ones such as Spark's signed xxhash64) has ids of its own per feature
+    wide = torch.tensor([[1 << 32, -1, -(1 << 63), (1 << 63) - 1]]).repeat(2, 1)
+    wide[1] = torch.tensor([5, 6, 7, 8])
+    ids = hash_categorical(wide)
+    assert (ids >= 0).all() and len(set(ids.flatten().tolist()) | set(missing_ids(4).tolist())) == 12
+    assert hash_categorical(wide[:, [1, 0]])[0].tolist() != ids[0, [0, 1]].tolist()  # another feature, another id
+    assert hash_categorical(wide)[0, 1] == hash_feature_ids(torch.tensor([-1, -1]), 1)[0]
+    with pytest.raises(ValueError, match="expected \\[B, F\\] values"):
+        hash_categorical(torch.tensor([1, 2]))
 
 
 def test_datamodule_splits_and_globs(tmp_path):
@@ -168,3 +177,21 @@ def test_datamodule_splits_and_globs(tmp_path):
     assert dm.test_dataloader() == []
     with pytest.raises(FileNotFoundError):
         CriteoDataModule(train_files=[str(tmp_path / "nothing_*.tsv")]).train_dataloader()
+
+
+def test_pyarrow_tokenising_gives_the_line_parsers_rows(tmp_path):
+    """The pyarrow.csv path and the line-by-line parser agree (missing fields, upper-case hex, negative counts,
+    CRLF endings); a malformed chunk is left to the line parser, which names the line."""
+    from lightning_persia.data.criteo import _HASHED, _tokenised, tsv_transform
+
+    lines = [line.encode() for line in _rows(40)]
+    lines[3] = _line("0", ["", "-7"] + ["3"] * 11, ["", "ABCDEF01"] + ["0"] * 24).encode()
+    lines[5] = lines[5].replace(b"\n", b"\r\n")
+    lines.append(_line("1", [""] * 13, [""] * 26).encode())
+    for transform in (_HASHED, tsv_transform("raw")):
+        fast, (slow, bad) = _tokenised(lines, transform), parse_criteo_lines(lines, transform)
+        assert fast is not None and not bad
+        assert all(torch.equal(a, b) for a, b in zip(fast.ids.values, slow.ids.values))
+        assert torch.equal(fast.ids.lengths, slow.ids.lengths) and torch.equal(fast.dense, slow.dense) and torch.equal(fast.labels, slow.labels)
+    assert _tokenised(lines + [b"1\t2\n"], _HASHED) is None and _tokenised(lines + [_line("2").encode()], _HASHED) is None
+    assert _tokenised([_line("1", cats=["123456789"] + ["0"] * 25).encode()], _HASHED) is None

@@ -1,6 +1,8 @@
 """The synthetic Criteo generator: determinism, skew, label rate, ceiling, TSV round trip, rank split."""
 from __future__ import annotations
 
+import json
+
 import lightning as L
 import numpy as np
 import pytest
@@ -9,6 +11,7 @@ import torch
 from lightning_persia.data import (
     CRITEO_SPARSE_FEATURES,
     CriteoDataModule,
+    DataTransform,
     SyntheticCriteo,
     SyntheticCriteoDataModule,
     SyntheticCriteoDataset,
@@ -156,3 +159,20 @@ def test_scaled_cardinalities():
     assert cards[8] == 3 and cards[2] == 1_013_123
     with pytest.raises(ValueError):
         scaled_cardinalities(0)
+
+
+def test_the_transform_says_how_the_batches_are_made():
+    """datamodule.transform: hashed ids and log1p'd counts, as the TSV reader's; repeating it on the generator's raw
+    values gives the batch (what a server must do with raw features)."""
+    module = SyntheticCriteoDataModule(num_train_batches=1, batch_size=32, cardinality_scale=0.001, num_workers=0)
+    transform = module.transform
+    assert transform.raw_features == () and transform.dense_transform == "log1p"
+    assert transform.sparse_features == tuple(CRITEO_SPARSE_FEATURES) and len(transform.dense_features) == 13
+    rows = module.generator.rows("train", 0, 32)
+    batch = module.generator.to_batch(rows)
+    ids = torch.stack([transform.feature_ids(f, torch.from_numpy(rows.cat_values[:, f]), torch.from_numpy(rows.cat_missing[:, f]))
+                       for f in range(26)], dim=1)
+    assert torch.equal(ids, batch.sparse_ids())
+    torch.testing.assert_close(transform.dense(torch.from_numpy(rows.dense_values), torch.from_numpy(rows.dense_missing)),
+                               batch.dense_features)
+    assert DataTransform.from_dict(json.loads(json.dumps(transform.as_dict()))) == transform

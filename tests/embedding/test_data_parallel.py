@@ -131,3 +131,21 @@ def test_the_masked_update_of_a_gpu_gives_the_rows_of_the_touched_row_update(opt
     torch.testing.assert_close(masked.optimizer_state, indexed.optimizer_state, rtol=0, atol=1e-6)
     assert masked.dropped_nonfinite_rows == indexed.dropped_nonfinite_rows == 2
     assert masked.weight.grad is None
+
+
+def test_raw_features_index_the_kept_rows_directly_and_an_id_outside_them_is_named():
+    """ids: raw (vocabulary ids) read their own row; hashed ids are folded; a raw id past the table is an error."""
+    model = nn.Module()
+    model.ebc = EmbeddingBagCollection(tables=[
+        EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=N, feature_names=["x"]),
+        EmbeddingBagConfig(name="b", embedding_dim=4, num_embeddings=N, feature_names=["y"]),
+    ])
+    intercept(model, ["EmbeddingBagCollection"], [], TableDefaults(init=INIT, data_parallel_max_rows=N, raw_features=("x",)), seed=3)
+    kept = model.ebc.data_parallel
+    assert kept.raw_features == ("x",)
+    rows = kept.rows_of(torch.tensor([0, N - 1, 7, N + 5, -1]), [3, 2])
+    assert rows.tolist() == [0, N - 1, 7, 5, N - 1]  # x's ids as they are, y's modulo 30
+    for bad in (N, -4):
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=["x", "y"], values=torch.tensor([3, bad, 1]), lengths=torch.tensor([2, 0, 1, 0]))
+        with pytest.raises(ValueError, match=rf"feature 'x': id {bad} is outside its table of {N} rows kept on the trainers"):
+            model.ebc(kjt)

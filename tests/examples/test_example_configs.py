@@ -90,14 +90,13 @@ def test_the_dlrm_online_config_publishes_versions(tmp_path):
 @pytest.mark.parametrize("name", ["criteo_binary", "parquet"])
 def test_the_dlrm_data_configs_read_their_files(name, tmp_path, caplog):
     """examples/dlrm/<name>.yaml over config.yaml: the DLRM example takes the batches of files in that layout."""
-    from tests.data.click_files import synthetic_rows, write_parquet, write_torchrec_day
+    from tests.data.click_files import nvtabular_table, synthetic_rows, torchrec_days, write_nvtabular_output
 
-    if name == "criteo_binary":
-        train = write_torchrec_day(str(tmp_path / "day_0"), synthetic_rows(512))
-        val = write_torchrec_day(str(tmp_path / "day_1"), synthetic_rows(256, start=512))
-    else:
-        train = write_parquet(str(tmp_path / "train.parquet"), synthetic_rows(512), row_group_size=128)
-        val = write_parquet(str(tmp_path / "val.parquet"), synthetic_rows(256, start=512), row_group_size=128)
+    if name == "criteo_binary":  # as TorchRec's preprocessing writes them: vocabulary ids
+        train, val = torchrec_days(tmp_path, [512, 256])
+    else:  # as TorchRec's NVTabular pipeline leaves them: directories of parts, its column names
+        train = write_nvtabular_output(tmp_path / "train", nvtabular_table(synthetic_rows(512)), row_group_size=128)
+        val = write_nvtabular_output(tmp_path / "validation", nvtabular_table(synthetic_rows(256, start=512)), row_group_size=64)
     cli = lightning_cli(
         [
             "fit",
@@ -117,6 +116,43 @@ def test_the_dlrm_data_configs_read_their_files(name, tmp_path, caplog):
     assert type(cli.datamodule).__name__ == {"criteo_binary": "CriteoBinaryDataModule", "parquet": "ParquetDataModule"}[name]
     assert cli.trainer.global_step == 4
     assert re.search(r"end of fit: val_auc 0\.\d{4} \(step 4\)$", caplog.records[-1].getMessage())
+    assert cli.datamodule.transform.raw_features == tuple(cli.model.sparse_feature_names)  # vocabulary ids: ids raw
+    if name == "criteo_binary":  # the last day's second half is the test set, as TorchRec's
+        assert sum(b.batch_size for b in cli.datamodule.test_dataloader()) == 128
+    cli.trainer.strategy.close()
+
+
+def test_the_dlrm_dcn_multi_hot_config_trains_on_mlperf_days(tmp_path, caplog):
+    """examples/dlrm/dcn_multi_hot.yaml on days in MLPerf's multi-hot layout (ids below MLPerf's table sizes, bags of
+    1 to 100 ids): the 9 tables of at most 1,000 rows kept on the trainer read the raw ids directly, the bags are
+    pooled, validation runs at a fraction of the epoch and test on the last day's second half."""
+    from examples.dlrm.model import MLPERF_NUM_EMBEDDINGS
+    from tests.data.click_files import MLPERF_MULTI_HOT_SIZES, torchrec_days, write_multi_hot_day
+
+    (tmp_path / "multi_hot").mkdir()
+    days = [write_multi_hot_day(str(tmp_path / "multi_hot" / f"day_{d}"), prefix, MLPERF_MULTI_HOT_SIZES,
+                                [min(n, 2000) for n in MLPERF_NUM_EMBEDDINGS], seed=d)
+            for d, prefix in enumerate(torchrec_days(tmp_path, [1024, 512]))]
+    cli = lightning_cli(
+        [
+            "fit",
+            "--config", os.path.join(_EXAMPLES, "dlrm", "dcn_multi_hot.yaml"),
+            f"--data.init_args.train_files=[{days[0]}]",
+            f"--data.init_args.val_files=[{days[1]}]",
+            "--data.init_args.batch_size=128",
+            "--data.init_args.num_workers=0",
+            "--trainer.devices=1",
+            "--trainer.enable_progress_bar=false",
+            f"--trainer.default_root_dir={tmp_path}",
+        ]
+    )
+    assert cli.trainer.global_step == 8  # 1024 rows in batches of 128, one epoch
+    assert cli.trainer.num_val_batches == [2] and cli.trainer.val_check_batch == 2  # 0.25 of 8 batches
+    assert re.search(r"PersiaStrategy: 17 tables on the shards .*; 9 kept on the trainers", caplog.text)
+    kept = cli.model.dlrm.sparse_arch.embedding_bag_collection.data_parallel
+    assert kept.raw_features == tuple(f for f, n in zip(cli.model.sparse_feature_names, MLPERF_NUM_EMBEDDINGS) if n <= 1000)
+    (result,) = cli.trainer.test(cli.model, datamodule=cli.datamodule)
+    assert 0.0 <= result["test_auc"] <= 1.0 and cli.trainer.num_test_batches == [2]
     cli.trainer.strategy.close()
 
 
@@ -125,7 +161,7 @@ def test_the_dlrm_request_is_a_validation_row_as_the_files_hold_it_and_decodes_t
         body = json.load(f)
     assert "transformed" not in body and all(v is None or isinstance(v, str) for v in body["sparse"].values())
     data = SyntheticCriteoDataModule(seed=0, cardinality_scale=0.1, zipf_alpha=1.1)  # the example config's data
-    decoder = CriteoRequestDecoder(CRITEO_SPARSE_FEATURES, 13, data.feature_transform())
+    decoder = CriteoRequestDecoder(CRITEO_SPARSE_FEATURES, 13, data.transform)
     decoded = decoder.collate([decoder.decode(body)])
     row = data.generator.batch("val", 0, 1)
     assert torch.equal(decoded.sparse_features.values(), row.sparse_features.values())

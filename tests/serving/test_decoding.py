@@ -6,8 +6,7 @@ import math
 import pytest
 import torch
 
-from lightning_persia.data import FeatureTransform, hash_categorical, make_batch
-from lightning_persia.data.batch import hash_feature_values
+from lightning_persia.data import DataTransform, hash_categorical, hash_feature_ids, make_batch, string_key
 from lightning_persia.serving import CriteoRequestDecoder, RequestError
 
 DECODER = CriteoRequestDecoder(["a", "b"], num_dense=2)
@@ -57,7 +56,7 @@ def test_scores_need_one_number_per_row():
         DECODER.scores(torch.zeros(2, 2), 2)
 
 
-HASHED = FeatureTransform(("a", "b"), ("x", "y"), ids="hash", dense="log1p", text_ids="hex")
+HASHED = DataTransform(("a", "b"), ("hash", "hash"), ("x", "y"), "log1p", text_ids="hex")
 RAW_DECODER = CriteoRequestDecoder(["a", "b"], num_dense=2, transform=HASHED)
 
 
@@ -74,20 +73,29 @@ def test_raw_features_get_the_data_module_s_transform_and_equal_the_transformed_
 
 def test_a_raw_id_sent_to_a_model_of_hashed_ids_is_hashed_not_read_as_it_is():
     (ids_a, ids_b), _ = RAW_DECODER.decode({"sparse": {"a": [5], "b": []}, "dense": [0, 0]})
-    assert ids_a == [int(hash_feature_values(torch.tensor([5]), 0)[0])] and ids_a != [5] and ids_b == []
+    assert ids_a == [int(hash_feature_ids(torch.tensor([5]), 0)[0])] and ids_a != [5] and ids_b == []
 
 
-def test_raw_ids_pass_as_they_are_when_the_data_module_s_ids_are_raw():
-    decoder = CriteoRequestDecoder(["b"], num_dense=1, transform=FeatureTransform(("a", "b"), ("x",), ids="raw", dense="none"))
-    (ids,), dense = decoder.decode({"sparse": {"b": [7, 2 ** 40]}, "dense": [-2.5]})
-    assert (ids, dense) == ([7, 2 ** 40], [-2.5])
-    with pytest.raises(RequestError, match=r"sparse.b\[0\]: missing value \(null\) where ids are raw"):
-        decoder.decode({"sparse": {"b": [None]}, "dense": [0]})
+def test_each_feature_s_ids_as_its_mode_says_and_raw_ids_within_their_kept_table():
+    # a raw feature (vocabulary ids; its table of 100 rows kept on the trainers) and a hashed string feature (Parquet)
+    transform = DataTransform(("a", "b"), ("hash", "raw"), ("x",), "none", text_ids="string")
+    decoder = CriteoRequestDecoder(["a", "b"], num_dense=1, transform=transform, raw_id_rows={"b": 100})
+    (ids_a, ids_b), dense = decoder.decode({"sparse": {"a": ["US", None], "b": [7, None, 99]}, "dense": [-2.5]})
+    assert ids_a == hash_feature_ids(torch.tensor([string_key("US"), 0]), 0, torch.tensor([False, True])).tolist()
+    assert (ids_b, dense) == ([7, 99], [-2.5])  # raw: as sent, a null is no id (as the readers leave it out)
+    for body in ({"sparse": {"a": [], "b": [100]}, "dense": [0]}, {"transformed": True, "sparse": {"a": [], "b": [-1]}, "dense": [0]}):
+        with pytest.raises(RequestError) as caught:
+            decoder.decode(body)
+        assert caught.value.field == "sparse.b" and "is outside the 100 rows of the feature's table kept on the trainers" in str(caught.value)
+    with pytest.raises(RequestError, match=r"sparse.b\[0\]: 'x7' is text; raw ids are integers"):
+        decoder.decode({"sparse": {"a": [], "b": ["x7"]}, "dense": [0]})
+    unkept = CriteoRequestDecoder(["b"], num_dense=1, transform=transform)  # a raw feature on a remote table: any int64
+    assert unkept.decode({"sparse": {"b": [2 ** 40]}, "dense": [0]})[0] == [[2 ** 40]]
 
 
 @pytest.mark.parametrize("body, field, message", [
     ({"sparse": {"a": ["zz"], "b": []}, "dense": [0, 0]}, "sparse.a[0]", "'zz' is not a hex categorical value"),
-    ({"sparse": {"a": [2 ** 32], "b": []}, "dense": [0, 0]}, "sparse.a[0]", "is not a 32-bit categorical value"),
+    ({"sparse": {"a": [2 ** 64], "b": []}, "dense": [0, 0]}, "sparse.a[0]", "does not fit in 64 bits"),
     ({"sparse": {"a": [1.5], "b": []}, "dense": [0, 0]}, "sparse.a[0]", "1.5 is not an integer or text categorical value"),
     ({"sparse": {"a": [1], "b": []}, "dense": [0]}, "dense", "1 values for the 2 dense features ['x', 'y']"),
     ({"sparse": {"a": [1], "b": []}, "dense": [0, "3"]}, "dense[1]", "'3' is not a finite number or null"),
@@ -100,7 +108,7 @@ def test_every_refusal_of_a_raw_request_names_its_field(body, field, message):
 
 
 def test_a_raw_request_to_a_model_whose_bundle_records_no_transform_is_refused_saying_how_to_send_it():
-    with pytest.raises(RequestError, match='transformed: .*records no feature transform.*"transformed": true'):
+    with pytest.raises(RequestError, match='transformed: .*records no data transform.*"transformed": true'):
         DECODER.decode({"sparse": {"a": [1], "b": [2]}, "dense": [0, 0]})
 
 

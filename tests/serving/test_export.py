@@ -44,7 +44,7 @@ def test_bundle_holds_weights_module_tables_and_checksums_of_every_file(trained,
     assert state.pop(TABLES_ELSEWHERE_KEY).numel() == 0  # what makes load_from_checkpoint say where the tables are
     assert dense.keys() == state.keys()
     assert all(torch.equal(dense[k], v) for k, v in state.items())
-    assert bundle.feature_transform is None  # trained from plain loaders: no data module described the features
+    assert bundle.data_transform is None  # trained from plain loaders: no data module described the features
     assert "ebc.data_parallel.weight" in dense  # the kept table travels with the dense weights
 
 

@@ -26,9 +26,11 @@ from lightning_persia.data import make_batch  # noqa: E402
 
 
 def batches(count: int, seed: int, batch_size: int = 16) -> list:
+    """Vocabulary ids (each below its table's rows, as a data module with ``ids: raw`` gives them), dense in [0, 1)."""
     gen = torch.Generator().manual_seed(seed)
+    rows = torch.tensor(NUM_EMBEDDINGS)
     return [
-        make_batch(torch.randint(0, 50, (batch_size, len(FEATURES)), generator=gen), torch.rand(batch_size, NUM_DENSE, generator=gen),
+        make_batch((torch.rand(batch_size, len(FEATURES), generator=gen) * rows).long(), torch.rand(batch_size, NUM_DENSE, generator=gen),
                    (torch.rand(batch_size, generator=gen) < 0.3).float(), FEATURES)
         for _ in range(count)
     ]

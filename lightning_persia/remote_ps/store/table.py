@@ -638,7 +638,7 @@ class Table:
         """Demotes ``shortfall`` rows for a request (none if 0), :data:`SLICE_ROWS` at a time, the lock taken for each
         slice and let go between: the demoter fell behind the rows requests bring in, and one request demoting them
         all with the lock held kept every other request of the table waiting for all of it (a lookup that inserted
-        131,072 ids held a billion-row table's lock for 0.378 s of demoting so, section 18 of 2026-11-25-disk-tier.md)."""
+        131,072 ids held a billion-row table's lock for 0.378 s of demoting so)."""
         if shortfall <= 0:
             return
         estimated = self.cold_estimate(shortfall)

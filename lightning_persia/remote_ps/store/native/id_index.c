@@ -8,8 +8,8 @@
  * index to be rebuilt, whatever the table size. Bucket counts need not be powers of two (the home bucket is a
  * multiply-shift of 32 hash bits), so a partition grows by what its load asks.
  *
- * A rebuild reads the key of every live row of its partition (a cache miss each: ~5 ms for 80k rows, measured in
- * benchmarks/results/2026-11-25-scale-history.md), and the partitions that pass their load in one insert call come in
+ * A rebuild reads the key of every live row of its partition (a cache miss each: ~5 ms for 80k rows on the
+ * development machine), and the partitions that pass their load in one insert call come in
  * random numbers: up to five rebuilds of ~290k rows each in one 65,536-id request at 300M rows with 1,024 partitions,
  * 0.1 s of a table's lock. So an insert call rehashes at most REBUILD_BUDGET rows (beyond it, a partition past its
  * load still takes ids, up to FULL_LOAD, and grows in a later call), and 4,096 partitions keep one rebuild a small

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scale_bench import stored_id, unique_batch, zipf_indices  # noqa: E402
 
-from lightning_persia.remote_ps.store.demoter import Demoter  # noqa: E402
+from lightning_persia.remote_ps.store.disk.demoter import Demoter  # noqa: E402
 from lightning_persia.remote_ps.store.table import Table  # noqa: E402
 from lightning_persia.remote_ps.table_config import Adagrad, TableConfig  # noqa: E402
 

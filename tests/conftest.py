@@ -64,7 +64,7 @@ def disk_tier_kernels() -> None:
     the native kernels a disk table is refused (with an error naming why), and there is nothing to test."""
     if not store_native.available():
         pytest.skip(f"the disk tier needs the native kernels, which are not in use: {_why_no_native()}. Without "
-                    "them a disk table is refused with an error saying so (remote_ps/store/disk_tier.py)")
+                    "them a disk table is refused with an error saying so (remote_ps/store/disk/tier.py)")
 
 
 def _why_no_native() -> str:

@@ -6,7 +6,7 @@ it reads batches of 65,536 distinct ids drawn from Zipf(1.1) and uniformly over 
 candidate: rows/s written and read (and the worst read batch), bytes on the disk, and the process's memory
 (anonymous, and file pages mapped: LMDB reads through a memory map) per stored row.
 
-- ``segments``: :class:`lightning_persia.remote_ps.store.disk_tier.DiskTier` (immutable segments, an 8-byte-an-id map).
+- ``segments``: :class:`lightning_persia.remote_ps.store.disk.tier.DiskTier` (immutable segments, an 8-byte-an-id map).
 - ``lmdb``: the ``lmdb`` binding, one B+tree, 8-byte big-endian keys, ``putmulti`` per batch, ``getmulti`` per read.
 - ``rocksdb``: ``rocksdict`` (RocksDB), a write batch per batch, ``get`` of a list of keys (a multi-get) per read.
 
@@ -23,11 +23,10 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from lightning_persia.remote_ps.store.chunked_rows import FieldSpec
-from lightning_persia.remote_ps.store.disk_tier import DiskTier
+from lightning_persia.remote_ps.store.disk.tier import DiskTier
 
 _ROOT = Path(__file__).resolve().parents[2]
 

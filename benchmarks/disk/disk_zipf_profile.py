@@ -24,7 +24,7 @@ import time
 import torch
 
 from benchmarks.ps.scale_bench import stored_id, unique_batch, zipf_indices
-from lightning_persia.remote_ps.store.demoter import Demoter
+from lightning_persia.remote_ps.store.disk.demoter import Demoter
 from lightning_persia.remote_ps.store.table import Table
 from lightning_persia.remote_ps.table_config import Adagrad, TableConfig
 

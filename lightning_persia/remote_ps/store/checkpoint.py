@@ -47,7 +47,7 @@ from lightning_persia import checksum
 from lightning_persia.durable import fsync_path
 from lightning_persia.ops.hashing import shard_of
 from lightning_persia.remote_ps.protocol import COMMIT_MARKER
-from lightning_persia.remote_ps.store import disk_checkpoint
+from lightning_persia.remote_ps.store.disk import checkpoint as disk_checkpoint
 from lightning_persia.remote_ps.store.errors import CheckpointError, StoreError
 from lightning_persia.remote_ps.store.progress import Progress, begin
 from lightning_persia.remote_ps.store.table_snapshot import SAVED_FIELDS, TableSnapshot

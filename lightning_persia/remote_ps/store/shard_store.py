@@ -9,14 +9,16 @@ from typing import Optional, Sequence
 import torch
 
 from lightning_persia.ops.hashing import first_foreign, shard_of
-from lightning_persia.remote_ps.store import checkpoint, disk_checkpoint, tier_folders
-from lightning_persia.remote_ps.store.demoter import Demoter
+from lightning_persia.remote_ps.store import checkpoint
+from lightning_persia.remote_ps.store.disk import checkpoint as disk_checkpoint, tier_folders
+from lightning_persia.remote_ps.store.disk.demoter import Demoter
 from lightning_persia.remote_ps.store.expiry import Expirer
 
 from lightning_persia.remote_ps.store.errors import CheckpointError, InvalidRequestError, StoreError, UnknownTableError
-from lightning_persia.remote_ps.store.mapped_budget import MappedBudget
+from lightning_persia.remote_ps.store.disk.mapped_budget import MappedBudget
+from lightning_persia.remote_ps.store.disk.records import record_specs
 from lightning_persia.remote_ps.store.progress import Progress
-from lightning_persia.remote_ps.store.segment_mapping import MAPPED_BYTES
+from lightning_persia.remote_ps.store.disk.segment_mapping import MAPPED_BYTES
 from lightning_persia.remote_ps.store.table import Table
 from lightning_persia.remote_ps.store.table_journal import Journal
 from lightning_persia.remote_ps.store.table_snapshot import TableSnapshot
@@ -343,10 +345,9 @@ class ShardStore:
         if source.own_folder(self.num_shards) is not None and table.config.storage == "disk":
             folder, entry = parts[0]
             table.attach_disk(disk_checkpoint.segments(folder, entry), disk_checkpoint.id_map(folder, entry))
-
             return
         for folder, entry in parts:
-            table.load(disk_checkpoint.rows(folder, entry, table.disk_specs, self.shard_index, self.num_shards))
+            table.load(disk_checkpoint.rows(folder, entry, record_specs(table.field_specs), self.shard_index, self.num_shards))
 
     def load_latest(self, root: str) -> str:
         """Loads the newest complete checkpoint at or under ``root`` (see :func:`checkpoint.candidate_checkpoints`).

@@ -28,17 +28,19 @@ from lightning_persia.ops.hashing import name_hash
 from lightning_persia.remote_ps.store import eviction, expiry
 from lightning_persia.remote_ps.store.admission import CountingFilter
 from lightning_persia.remote_ps.store.chunked_rows import ChunkedRows, FieldSpec
-from lightning_persia.remote_ps.store.demoter import SLICE_ROWS
-from lightning_persia.remote_ps.store.disk_tier import DISK_FIELDS, DiskTier, ReadAhead, take_records
+from lightning_persia.remote_ps.store.disk.demoter import SLICE_ROWS
+from lightning_persia.remote_ps.store.disk.read_ahead import ReadAhead
+from lightning_persia.remote_ps.store.disk.records import take_records
+from lightning_persia.remote_ps.store.disk.tier import DiskTier
 from lightning_persia.remote_ps.store.errors import InvalidRequestError, StoreError
 from lightning_persia.remote_ps.store.free_rows import FreeRows
 from lightning_persia.remote_ps.store.index import NativeIdIndex, make_index
 from lightning_persia.remote_ps.store.initializers import initial_rows, table_key
 from lightning_persia.remote_ps.store.native import jobs as native
 from lightning_persia.remote_ps.store.optimizers import make_rule
-from lightning_persia.remote_ps.store.promotions import PendingPromotion, PendingPromotions
+from lightning_persia.remote_ps.store.disk.promotions import PendingPromotion, PendingPromotions
 from lightning_persia.remote_ps.store.removal_log import RemovalLog
-from lightning_persia.remote_ps.store.segment_mapping import MAPPED_BYTES
+from lightning_persia.remote_ps.store.disk.segment_mapping import MAPPED_BYTES
 from lightning_persia.remote_ps.store.table_journal import Journal, Recording
 from lightning_persia.remote_ps.store.table_snapshot import SAVED_FIELDS, Preimages, SnapshotPoint, TableSnapshot
 from lightning_persia.remote_ps.store.thread_clock import DiskWork, Held, LockWaits, WorstHeld
@@ -102,11 +104,6 @@ class Table:
                                  "`ps serve disk_dir=...`)")
             self._disk = DiskTier(disk_dir, self.field_specs, self.lock, disk_mapped_bytes)
         self._pending = PendingPromotions() if self._disk is not None and promote_later else None
-
-    @property
-    def disk_specs(self) -> dict[str, FieldSpec]:
-        """The fields of a row on disk (:data:`disk_tier.DISK_FIELDS`)."""
-        return {name: self.field_specs[name] for name in DISK_FIELDS if self.field_specs[name].row_bytes > 0}
 
     def locked(self) -> ContextManager[None]:
         """The table's lock held for a request, the wait to take it counted (``lock_wait_s`` in :meth:`stats`)."""

@@ -14,7 +14,7 @@ import torch
 
 from lightning_persia.remote_ps.store import eviction
 from lightning_persia.remote_ps.store.chunked_rows import ChunkedRows, FieldSpec
-from lightning_persia.remote_ps.store.disk_tier import FrozenTier
+from lightning_persia.remote_ps.store.disk.tier import FrozenTier
 from lightning_persia.remote_ps.table_config import TableConfig
 
 SAVED_FIELDS = ("ids", "weights", "state", "access")

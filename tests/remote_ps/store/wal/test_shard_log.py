@@ -23,7 +23,7 @@ def _start(tmp_path, *, durability="log", incarnation="one", restore_from=None):
                          ids=["admit-all", "evicting", "admit-half", "demoting-to-disk"])
 def test_a_restarted_shard_replays_to_exactly_the_rows_it_acknowledged(tmp_path, store_kernels, capacity, admit, storage):
     if storage == "disk" and store_kernels != "native":
-        pytest.skip("storage 'disk' needs the native kernels (disk_tier.py refuses it otherwise)")
+        pytest.skip("storage 'disk' needs the native kernels (disk/tier.py refuses it otherwise)")
     store = _start(tmp_path)
     store.configure(TableConfig("a", 8, optimizer=Adagrad(lr=0.1, rowwise=True), capacity=capacity, admit_probability=admit,
                                 storage=storage))

@@ -5,10 +5,11 @@ import threading
 import pytest
 import torch
 
-from lightning_persia.remote_ps.store.native.disk_map import DiskMap
-from lightning_persia.remote_ps.store import CheckpointError, disk_map_file
+from lightning_persia.remote_ps.store import CheckpointError
 from lightning_persia.remote_ps.store.chunked_rows import FieldSpec
-from lightning_persia.remote_ps.store.disk_tier import DiskTier
+from lightning_persia.remote_ps.store.disk import id_map_file
+from lightning_persia.remote_ps.store.disk.tier import DiskTier
+from lightning_persia.remote_ps.store.native.disk_map import DiskMap
 from lightning_persia.remote_ps.store.shard_store import ShardStore
 from lightning_persia.remote_ps.table_config import Adagrad, TableConfig
 
@@ -36,11 +37,11 @@ def test_the_saved_map_is_the_point_s_whatever_changed_before_its_parts_were_cop
     taken, _ = tier.take(ids[:20_000])  # promoted after the point: still in the point's map
     tier.write(_rows(ids[:5_000]))  # demoted again, into a new segment: not in it
     tier.write(_rows(torch.arange(3_000) * 11 + 6))  # new ids after the point: not in it
-    entry = disk_map_file.write(frozen.id_map, tmp_path / "idmap.bin", threading.Lock())
+    entry = id_map_file.write(frozen.id_map, tmp_path / "idmap.bin", threading.Lock())
     frozen.release()
 
     adopted = DiskMap()
-    disk_map_file.adopt(adopted, tmp_path / "idmap.bin", entry)
+    id_map_file.adopt(adopted, tmp_path / "idmap.bin", entry)
     assert adopted.info()[0] == ids.numel()
     assert torch.equal(adopted.find(ids), at_point)
     assert bool((adopted.find(torch.arange(3_000) * 11 + 6) == -1).all())
@@ -54,21 +55,21 @@ def test_a_damaged_truncated_or_foreign_map_file_is_refused_naming_it(tmp_path):
     tier = _tier(tmp_path / "tier")
     tier.write(_rows(torch.arange(1000)))
     path = tmp_path / "idmap.bin"
-    entry = disk_map_file.write(tier.freeze().id_map, path, threading.Lock())
+    entry = id_map_file.write(tier.freeze().id_map, path, threading.Lock())
     data = path.read_bytes()
     path.write_bytes(data[:-8])
     with pytest.raises(CheckpointError, match="idmap.bin is truncated or its header is damaged"):
-        disk_map_file.adopt(DiskMap(), path, entry)
+        id_map_file.adopt(DiskMap(), path, entry)
     path.write_bytes(data[:20] + bytes([data[20] ^ 1]) + data[21:])
     with pytest.raises(CheckpointError, match="idmap.bin is truncated or its header is damaged"):
-        disk_map_file.adopt(DiskMap(), path, entry)
+        id_map_file.adopt(DiskMap(), path, entry)
     path.write_bytes(b"LPDMAP\0\0" + (2).to_bytes(4, "little") + data[12:])
-    digest = disk_map_file.checksum.Digest()
+    digest = id_map_file.checksum.Digest()
     digest.update(path.read_bytes()[: 16 + DiskMap.PARTS * 24])  # a header as sound as another version's
     with pytest.raises(CheckpointError, match="id map of version 2 .* this version reads version 1"):
-        disk_map_file.adopt(DiskMap(), path, {**entry, "head": digest.entry()})
+        id_map_file.adopt(DiskMap(), path, {**entry, "head": digest.entry()})
     with pytest.raises(CheckpointError, match="cannot be opened"):
-        disk_map_file.adopt(DiskMap(), tmp_path / "absent.bin", entry)
+        id_map_file.adopt(DiskMap(), tmp_path / "absent.bin", entry)
 
 
 def _saved(tmp_path):

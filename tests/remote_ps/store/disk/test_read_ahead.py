@@ -4,7 +4,8 @@ import os
 import pytest
 import torch
 
-from lightning_persia.remote_ps.store import disk_tier
+from lightning_persia.remote_ps.store.disk import read_ahead, tier
+from lightning_persia.remote_ps.store.disk.read_ahead import ReadAhead
 from lightning_persia.remote_ps.store.errors import StoreError
 from lightning_persia.remote_ps.store.index import NativeIdIndex
 from lightning_persia.remote_ps.store.table import Table
@@ -32,7 +33,7 @@ def _grown(tmp_path):
 
 def _during_read(monkeypatch, table, meanwhile):
     """Runs ``meanwhile()`` inside the next read ahead, checking that it runs without the table's lock."""
-    real_read = disk_tier.ReadAhead.read
+    real_read = ReadAhead.read
     calls = []
 
     def read(ahead):
@@ -42,20 +43,24 @@ def _during_read(monkeypatch, table, meanwhile):
             meanwhile()
         real_read(ahead)
 
-    monkeypatch.setattr(disk_tier.ReadAhead, "read", read)
+    monkeypatch.setattr(ReadAhead, "read", read)
     return calls
 
 
 def _reads_under_lock(monkeypatch, table):
     """``(locked, start)``: once ``start()`` is called, each read of records appends to ``locked`` whether the
     table's lock was held during it."""
-    real_read_records, locked = disk_tier.read_records, []
+    real_read_records, locked = read_ahead.read_records, []
 
     def read_records(*args, **kwargs):
         locked.append(table.lock.locked())
         real_read_records(*args, **kwargs)
 
-    return locked, lambda: monkeypatch.setattr(disk_tier, "read_records", read_records)
+    def start():  # the read ahead's, and the one under the lock: the same native call, looked up in each module
+        monkeypatch.setattr(read_ahead, "read_records", read_records)
+        monkeypatch.setattr(tier, "read_records", read_records)
+
+    return locked, start
 
 
 def test_the_misses_are_read_without_the_lock_and_serve_the_same_rows(tmp_path, monkeypatch):

@@ -24,7 +24,7 @@ import time
 from typing import Callable, Iterable, Optional
 
 from lightning_persia.remote_ps.store.background import TablePass
-from lightning_persia.remote_ps.store.mapped_budget import MappedBudget
+from lightning_persia.remote_ps.store.disk.mapped_budget import MappedBudget
 
 HEADROOM_FRACTION = 1 / 16
 """Of a disk table's memory budget, kept free for the rows requests bring in (demotion starts at half of it used)."""

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from lightning_persia.remote_ps.store import disk_tier, segment_mapping
-from lightning_persia.remote_ps.store.demoter import Demoter
-from lightning_persia.remote_ps.store.mapped_budget import MARGIN, MappedBudget, resident_bytes
+from lightning_persia.remote_ps.store.disk import segment_mapping, tier as disk_tier
+from lightning_persia.remote_ps.store.disk.demoter import Demoter
+from lightning_persia.remote_ps.store.disk.mapped_budget import MARGIN, MappedBudget, resident_bytes
 from lightning_persia.remote_ps.store.shard_store import ShardStore
 from lightning_persia.remote_ps.store.table import Table
 from lightning_persia.remote_ps.table_config import TableConfig

@@ -5,7 +5,7 @@ Layout, next to the table's ``.npy`` arrays (which hold the rows it had in memor
     shard-.../t0000.disk/segment-000000.rows   records, linked from the tier (same inode: no byte copied)
     shard-.../t0000.disk/segment-000000.ids    the ids of the records, in slot order
     shard-.../t0000.disk/live.bits             which slots held a live row at the point (a bit each, checksummed)
-    shard-.../t0000.disk/idmap.bin             the id map at the point (disk_map_file.py): what a restart maps
+    shard-.../t0000.disk/idmap.bin             the id map at the point (id_map_file.py): what a restart maps
 
 A segment is never written once sealed (:meth:`DiskTier.freeze` seals the open one at the point), so the linked
 files keep the bytes of the point while the tier goes on writing new segments. Promotions after the point only
@@ -26,9 +26,10 @@ import torch
 
 from lightning_persia import checksum
 from lightning_persia.ops.hashing import shard_of
-from lightning_persia.remote_ps.store import disk_map_file
 from lightning_persia.remote_ps.store.chunked_rows import FieldSpec
-from lightning_persia.remote_ps.store.disk_tier import DiskTier, FrozenTier, link, live_slots, unpack
+from lightning_persia.remote_ps.store.disk import id_map_file
+from lightning_persia.remote_ps.store.disk.records import link, live_slots, unpack
+from lightning_persia.remote_ps.store.disk.tier import DiskTier, FrozenTier
 from lightning_persia.remote_ps.store.errors import CheckpointError
 from lightning_persia.remote_ps.store.native.disk_map import DiskMap
 
@@ -52,7 +53,7 @@ def write(frozen: FrozenTier, folder: Path, record_bytes: int) -> dict:
     entry = {"folder": folder.name, "record_bytes": record_bytes, "segments": segments,
              "live": {"file": _LIVE, "bytes": int(bits.nbytes), **checksum.of_file(folder / _LIVE)}}
     if frozen.id_map is not None:
-        entry["idmap"] = disk_map_file.write(frozen.id_map, folder / disk_map_file.FILE, frozen.lock)
+        entry["idmap"] = id_map_file.write(frozen.id_map, folder / id_map_file.FILE, frozen.lock)
     return entry
 
 
@@ -93,7 +94,7 @@ def id_map(shard_folder: Path, entry: dict) -> Optional[Callable[[DiskMap], None
     if "idmap" not in entry:
         return None
     path = _folder(shard_folder, entry) / entry["idmap"]["file"]
-    return lambda disk_map: disk_map_file.adopt(disk_map, path, entry["idmap"])
+    return lambda disk_map: id_map_file.adopt(disk_map, path, entry["idmap"])
 
 
 def rows(shard_folder: Path, entry: dict, specs: dict[str, FieldSpec], shard_index: int, num_shards: int) -> Iterator[dict[str, torch.Tensor]]:

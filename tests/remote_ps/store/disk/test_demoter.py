@@ -6,8 +6,9 @@ import time
 import pytest
 import torch
 
-from lightning_persia.remote_ps.store import disk_tier, eviction
-from lightning_persia.remote_ps.store.demoter import HEADROOM_FRACTION, Demoter, demotion_target
+from lightning_persia.remote_ps.store import eviction
+from lightning_persia.remote_ps.store.disk import tier as disk_tier
+from lightning_persia.remote_ps.store.disk.demoter import HEADROOM_FRACTION, Demoter, demotion_target
 from lightning_persia.remote_ps.store.shard_store import ShardStore
 from lightning_persia.remote_ps.store.table import Table
 from lightning_persia.remote_ps.table_config import Adagrad, TableConfig
@@ -59,7 +60,7 @@ def test_a_failed_demotion_is_counted_and_the_table_serves_on(tmp_path, monkeypa
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr("lightning_persia.remote_ps.store.disk_tier._write_all", full)
+    monkeypatch.setattr("lightning_persia.remote_ps.store.disk.tier.write_all", full)
     demoter = Demoter(lambda: [table])
     assert demoter.run_once() == 0 and demoter.errors == 1
     assert table.stats()["rows"] == CAPACITY and table.stats()["disk_rows"] == 0  # nothing moved, nothing lost
@@ -117,7 +118,7 @@ def test_a_demotion_samples_the_access_values_without_the_lock(tmp_path, monkeyp
 
 
 def test_a_pass_demotes_in_short_slices_each_few_by_one_estimate(tmp_path, monkeypatch):
-    monkeypatch.setattr("lightning_persia.remote_ps.store.demoter.SLICE_ROWS", 4)
+    monkeypatch.setattr("lightning_persia.remote_ps.store.disk.demoter.SLICE_ROWS", 4)
     monkeypatch.setattr(eviction, "_SAMPLE", 256)  # the table does not fit in a sample: its victims are estimated
     table = _table(tmp_path)
     table.lookup(torch.arange(CAPACITY), train=True)
@@ -223,17 +224,17 @@ def test_a_full_disk_while_a_request_makes_room_fails_it_clearly_and_loses_nothi
     before = table.lookup(old, train=True)
     Demoter(lambda: [table]).run_once()  # HEADROOM rows on disk: the next request reads some back ahead
     wanted = torch.cat([old[:50], torch.arange(CAPACITY, CAPACITY + 400)])  # 450 missed, 100 rows free
-    real_write = disk_tier._write_all
+    real_write = disk_tier.write_all
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(disk_tier, "_write_all", full)
+    monkeypatch.setattr(disk_tier, "write_all", full)
     with pytest.raises(disk_tier.DiskTierError, match="No space left on device"):
         table.lookup(wanted, train=True)
     stats = table.stats()
     assert stats["rows"] + stats["disk_rows"] == CAPACITY  # nothing admitted, nothing lost
-    monkeypatch.setattr(disk_tier, "_write_all", real_write)
+    monkeypatch.setattr(disk_tier, "write_all", real_write)
     got = table.lookup(wanted, train=True)  # the table serves on
     assert torch.equal(got[:50], before[:50].float()) and table.stats()["rows"] == CAPACITY
     assert torch.equal(table.lookup(old, train=False), before)

@@ -1,7 +1,7 @@
 """Without the native kernels a disk table is refused with an error saying why (the disk-tier tests skip then)."""
 import pytest
 
-from lightning_persia.remote_ps.store import disk_tier
+from lightning_persia.remote_ps.store.disk import tier as disk_tier
 from lightning_persia.remote_ps.store.errors import StoreError
 from lightning_persia.remote_ps.store.table import Table
 from lightning_persia.remote_ps.table_config import TableConfig

@@ -6,7 +6,8 @@ import sys
 import pytest
 import torch
 
-from lightning_persia.remote_ps.store import ShardStore, tier_folders
+from lightning_persia.remote_ps.store import ShardStore
+from lightning_persia.remote_ps.store.disk import tier_folders
 from lightning_persia.remote_ps.table_config import TableConfig
 
 pytestmark = pytest.mark.usefixtures("disk_tier_kernels")
@@ -30,7 +31,7 @@ def test_the_tiers_that_killed_incarnations_left_are_reclaimed_and_a_repeated_pi
 def test_a_folder_in_use_by_a_live_shard_process_is_refused_naming_it(tmp_path):
     store = ShardStore(0, 2, disk_dir=str(tmp_path), demotion_interval_s=None)
     store.configure(TableConfig("t", 4, storage="disk", capacity=64))
-    claim = ("import sys; from pathlib import Path; from lightning_persia.remote_ps.store import tier_folders\n"
+    claim = ("import sys; from pathlib import Path; from lightning_persia.remote_ps.store.disk import tier_folders\n"
              "try:\n    tier_folders.claim(Path(sys.argv[1]))\nexcept Exception as err:\n    print(err)\n")
     folder = tier_folders.shard_folder(tmp_path, 0, 2)
     done = subprocess.run([sys.executable, "-c", claim, str(folder)], capture_output=True, text=True, timeout=120)

@@ -7,12 +7,13 @@ import threading
 import pytest
 import torch
 
+from lightning_persia.remote_ps.store import thread_clock
+from lightning_persia.remote_ps.store.chunked_rows import FieldSpec
+from lightning_persia.remote_ps.store.disk import compaction, records as disk_records, segment_mapping, tier as disk_tier
+from lightning_persia.remote_ps.store.disk.tier import DiskTier, DiskTierError
+from lightning_persia.remote_ps.store.errors import InvalidRequestError, StoreError
 from lightning_persia.remote_ps.store.native import records as native_records
 from lightning_persia.remote_ps.store.native.disk_map import DiskMap
-from lightning_persia.remote_ps.store import disk_tier, segment_mapping, thread_clock
-from lightning_persia.remote_ps.store.chunked_rows import FieldSpec
-from lightning_persia.remote_ps.store.disk_tier import DiskTier, DiskTierError
-from lightning_persia.remote_ps.store.errors import InvalidRequestError, StoreError
 from lightning_persia.remote_ps.store.table import Table
 from lightning_persia.remote_ps.table_config import Adagrad, ConfigError, TableConfig
 
@@ -132,7 +133,7 @@ def test_a_full_disk_changes_nothing_and_says_so(tmp_path, monkeypatch):
     def full(*_):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(disk_tier.os, "pwrite", full)
+    monkeypatch.setattr(disk_records.os, "pwrite", full)
     with pytest.raises(DiskTierError, match="could not write 5 rows: No space left on device .*stay in memory"):
         tier.write(_rows(torch.arange(100, 105)))
     monkeypatch.undo()
@@ -224,7 +225,7 @@ def test_a_full_disk_fails_the_inserting_lookup_only(tmp_path, monkeypatch):
     def full(*_):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(disk_tier.os, "pwrite", full)
+    monkeypatch.setattr(disk_records.os, "pwrite", full)
     with pytest.raises(DiskTierError, match="No space left on device"):
         table.lookup(torch.arange(100, 150), train=True)  # rows must leave memory for them: the disk refuses
     assert torch.equal(table.lookup(kept, train=True), values)  # what is stored still serves, nothing lost
@@ -409,7 +410,7 @@ def test_a_full_segment_mostly_garbage_is_compacted_then_deleted(tmp_path, small
     tier.take(ids[1024:1424])  # segment 1: 624 live, above half: left alone while garbage is under COMPACT_ANY
     before = tier.disk_bytes
     assert tier.compact_step() == 224  # its live rows written anew at the end
-    assert disk_tier.COMPACT_ANY == 1 / 5  # segment 0 deleted: 400 garbage records of 2,200 left, under it
+    assert compaction.COMPACT_ANY == 1 / 5  # segment 0 deleted: 400 garbage records of 2,200 left, under it
     assert tier.compact_step() == 0  # nothing else below half
     assert _segment_files(tmp_path) == ["segment-000001.rows", "segment-000002.rows", "segment-000003.rows"]
     assert tier.disk_bytes < before and tier.rows == 3000 - 800 - 400
@@ -453,7 +454,7 @@ def test_a_sparse_segment_waits_until_the_tiers_garbage_passes_its_bound(tmp_pat
     ids = torch.arange(9300) * 7 + 1  # nine full segments, a tenth open
     tier.write(_rows(ids))
     tier.take(ids[:600])  # segment 0 below half live, but 600 of 9,300 records are garbage: under 1/8
-    assert disk_tier.COMPACT_GARBAGE == 1 / 8 and tier.compact_step() == 0
+    assert compaction.COMPACT_GARBAGE == 1 / 8 and tier.compact_step() == 0
     assert "segment-000000.rows" in _segment_files(tmp_path)
     tier.take(ids[1024:1724])  # 1,300 garbage records of 9,300: past the bound
     assert tier.compact_step() == 324  # the sparsest first: segment 1
@@ -534,7 +535,7 @@ def _segment_zero_live_at(tmp_path, slots):
 
 
 def test_a_compaction_step_moves_the_live_rows_of_one_span_read_at_once(tmp_path, small_segments, monkeypatch):
-    monkeypatch.setattr(disk_tier, "_COMPACT_SPAN", 256)
+    monkeypatch.setattr(compaction, "_COMPACT_SPAN", 256)
     live = torch.tensor([300, 301, 310, 555, 556, 557, 600, 1000])
     tier, ids = _segment_zero_live_at(tmp_path, live)
     reads = []
@@ -578,11 +579,11 @@ def test_a_full_disk_while_compacting_moves_nothing(tmp_path, small_segments, mo
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    real = disk_tier._write_all
-    monkeypatch.setattr(disk_tier, "_write_all", full)
+    real = disk_tier.write_all
+    monkeypatch.setattr(disk_tier, "write_all", full)
     with pytest.raises(DiskTierError, match=r"could not write 24 rows: No space left on device \(the rows stay in segment 0\)"):
         tier.compact_step()
-    monkeypatch.setattr(disk_tier, "_write_all", real)  # (undo would also undo the small segments)
+    monkeypatch.setattr(disk_tier, "write_all", real)  # (undo would also undo the small segments)
     slots, records = tier.find(ids[1000:1024])
     assert slots.tolist() == list(range(1000, 1024))  # still where they were
     assert torch.equal(tier.unpack(records)["ids"], ids[1000:1024]) and tier.rows == 1500
@@ -615,7 +616,7 @@ def test_a_step_moving_one_row_and_the_deleted_numbers_written_anew_once_no_save
 def test_a_failed_write_at_a_segments_start_leaves_the_segment_it_opened_to_be_written(tmp_path, small_segments, monkeypatch):
     tier = DiskTier(tmp_path / "tier", _specs())
     tier.write(_rows(torch.arange(1024) * 7 + 1))  # segment 0 full: the next write starts segment 1
-    real, calls = disk_tier._write_all, []
+    real, calls = disk_tier.write_all, []
 
     def fails_third(*args):
         calls.append(1)
@@ -623,10 +624,10 @@ def test_a_failed_write_at_a_segments_start_leaves_the_segment_it_opened_to_be_w
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real(*args)
 
-    monkeypatch.setattr(disk_tier, "_write_all", fails_third)
+    monkeypatch.setattr(disk_tier, "write_all", fails_third)
     with pytest.raises(DiskTierError):
         tier.write(_rows(torch.arange(2000, 3500) * 7 + 1))
-    monkeypatch.setattr(disk_tier, "_write_all", real)
+    monkeypatch.setattr(disk_tier, "write_all", real)
     tier.compact_step()  # nothing live in segment 1, but the tier writes into it next: not deleted
     again = torch.arange(4000, 5500) * 7 + 1
     tier.write(_rows(again))
@@ -643,11 +644,11 @@ def test_records_taken_a_word_at_a_time_are_the_records_taken_a_byte_at_a_time(r
     records[:, :8] = (torch.arange(64) * 1_000_003 + 5).view(torch.uint8).reshape(64, 8)
     for part in (records, records[7:], records[63:]):  # a queue hands on the rows past a slice: views at an offset
         for index in (torch.tensor([5, 0, 5, -1])[: part.shape[0]].clamp(max=part.shape[0] - 1), part[:, 8] % 2 == 0):
-            assert torch.equal(disk_tier.take_records(part, index), part[index])
-            ids = disk_tier.record_ids(part, index)
+            assert torch.equal(disk_records.take_records(part, index), part[index])
+            ids = disk_records.record_ids(part, index)
             assert ids.is_contiguous() and torch.equal(ids, _ids_bytewise(part[index]))
-        assert torch.equal(disk_tier.record_ids(part), _ids_bytewise(part))
-        assert disk_tier.record_ids(part).view(torch.uint8).numel() == 8 * part.shape[0]  # one id too: a byte view of it works
+        assert torch.equal(disk_records.record_ids(part), _ids_bytewise(part))
+        assert disk_records.record_ids(part).view(torch.uint8).numel() == 8 * part.shape[0]  # one id too: a byte view of it works
 
 
 @pytest.mark.parametrize("dim", [DIM, 3])  # 48-byte records, and 22-byte ones (a float state at byte 14)
@@ -660,7 +661,7 @@ def test_records_unpack_alike_whatever_words_their_fields_allow(dim):
     records = torch.cat([rows[name].to(spec.dtype).contiguous().view(torch.uint8).reshape(10, spec.row_bytes)
                          for name, spec in specs.items()], dim=1)
     for part in (records, records[3:], records[9:]):  # one record alone too: its row keeps the records' stride
-        values = disk_tier.unpack(part, specs)
+        values = disk_records.unpack(part, specs)
         skip = 10 - part.shape[0]
         for name, spec in specs.items():
             assert torch.equal(values[name], rows[name][skip:].to(spec.dtype).reshape(values[name].shape))

@@ -1,11 +1,10 @@
 """Promotions left to the demoter: a training lookup answers from disk and queues the rows it read (promotions.py)."""
 import time
 
-import pytest
 import torch
 
-from lightning_persia.remote_ps.store.disk_tier import DiskTier
-from lightning_persia.remote_ps.store.promotions import PendingPromotion, PendingPromotions
+from lightning_persia.remote_ps.store.disk.tier import DiskTier
+from lightning_persia.remote_ps.store.disk.promotions import PendingPromotion, PendingPromotions
 from lightning_persia.remote_ps.store.shard_store import ShardStore
 from lightning_persia.remote_ps.store.table import Table
 from lightning_persia.remote_ps.table_config import Adagrad, TableConfig

@@ -4,7 +4,7 @@ A row leaves memory (a *demotion*) as one record, ``[id | weights | optimizer st
 table's open segment; a segment holds :data:`SEGMENT_ROWS` records and is never written again once full (a
 checkpoint links it instead of copying it). Each segment has a sidecar of its ids, so the id map can be rebuilt
 without reading the records. A row read back into memory (a *promotion*) leaves its record behind as garbage:
-its slot is no longer live. A full segment whose live rows fell below :data:`COMPACT_BELOW` of its records is
+its slot is no longer live. A full segment whose live rows fell below :data:`compaction.COMPACT_BELOW` of its records is
 *compacted* (:meth:`DiskTier.compact_step`, called by the shard's demoter): its live rows are written anew at the end
 of the tier, into segments apart from the demotions', then its files are deleted, so that a workload that brings
 the same rows in and out again and again does not grow the files without end.
@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,37 +32,20 @@ import torch
 
 from lightning_persia.remote_ps.store import native
 from lightning_persia.remote_ps.store.chunked_rows import FieldSpec
+from lightning_persia.remote_ps.store.disk import compaction
+from lightning_persia.remote_ps.store.disk.read_ahead import ReadAhead
+from lightning_persia.remote_ps.store.disk.records import (DISK_FIELDS, link, live_slots, packed_columns, pread_records,
+                                                           record_ids, record_specs, take_records, unpack, write_all)
+from lightning_persia.remote_ps.store.disk.segment_mapping import MAPPED_BYTES, SegmentMapping
 from lightning_persia.remote_ps.store.errors import StoreError
 from lightning_persia.remote_ps.store.native.disk_map import DiskMap
 from lightning_persia.remote_ps.store.native.records import get_bits, read_records, set_bits
-from lightning_persia.remote_ps.store.segment_mapping import MAPPED_BYTES, SegmentMapping
 
 SEGMENT_SHIFT = 22
 SEGMENT_ROWS = 1 << SEGMENT_SHIFT
 """Records a segment holds (~200 MB at dim 16 in fp16)."""
 _SWEEP_ROWS = 1 << 18  # records an expiry sweep reads at a time
-COMPACT_BELOW = 0.5
-"""A full segment is compacted once fewer than this fraction of its records are live rows ..."""
-COMPACT_GARBAGE = 1 / 8
-"""... and garbage is more than this fraction of the tier's records. A step moves live rows with the table's lock
-held, so the garbage a Zipf stream's promotions leave is let gather to this bound before any is moved: the first
-hundreds of requests after a table grew promote from the same few segments, and compacting them at once cost the
-requests more time than their reads (benchmarks/results/2026-11-25-disk-tier.md, section 16)."""
-COMPACT_ANY = 1 / 5
-"""Past this fraction of garbage, the sealed segment with the fewest live rows is compacted whatever its live
-fraction (it holds at least the tier's average garbage): the files stay within about 1.25x the live records, a
-segment or two aside, however long the stream. Below :data:`COMPACT_BELOW` alone, promotions that hit every
-segment alike left each above half live while the files grew: 1.41x the live records after 6,300 Zipf requests at
-100M rows (2026-11-25-disk-tier.md, section 18), which at a billion rows would pass 70 GB."""
-_COMPACT_ROWS = 1 << 14  # live rows a compaction step moves at most, the table's lock held: a demotion slice's worth
-_COMPACT_SPAN = 1 << 16
-"""Records a compaction step reads at most (3 MB at 48 bytes a record), in one ``pread`` from its first live one. Read
-a record at a time (a system call each), compaction took 4.46 ms of the demoter's CPU a Zipf request at 100M rows,
-more than its promotions or its demotions; read so, 3.18 ms, and 1.55 ms with the id map's entries re-pointed in
-place (``DiskMap.move``) instead of removed and inserted anew (2026-11-25-disk-tier.md, section 20)."""
 MAX_SEGMENTS = ((1 << 32) - 2) >> SEGMENT_SHIFT  # at once: slots are 32-bit in the id map (compaction frees numbers)
-DISK_FIELDS = ("ids", "weights", "state", "access")
-"""The fields of a record on disk, in their order; the id comes first."""
 
 
 class DiskTierError(StoreError):
@@ -91,34 +73,6 @@ class FrozenTier:
                     self.released()
 
 
-class ReadAhead:
-    """Records of a tier read without its table's lock (:meth:`DiskTier.begin_read`): the ``positions`` of a request
-    whose ids its memory lacked, those ``ids``, their ``slots`` then (-1: not on disk), and, once :meth:`read`, their
-    ``records`` (a row per position; None: not read) and whether an id ``repeats`` among those on disk."""
-
-    def __init__(self, positions: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, tables: tuple, record_bytes: int,
-                 map_changes: tuple[int, int]) -> None:
-        self.positions, self.ids, self.slots = positions, ids, slots
-        self.records: Optional[torch.Tensor] = None
-        self.repeats = True
-        self.map_changes = map_changes  # the id map's (removals, inserts) so far when the read began
-        self._tables = tables  # the tier's file and mapping tables when the read began: valid until end_read
-        self._record_bytes = record_bytes
-
-    def read(self) -> None:
-        """Reads the records (without the table's lock). A failure leaves them unread: the lookup then reads them
-        under the lock, where the failure is reported."""
-        found = torch.nonzero(self.slots >= 0).squeeze(1)
-        sorted_slots, order = torch.sort(self.slots[found])  # file order: neighbouring records share the pages read
-        records = torch.empty(self.ids.numel(), self._record_bytes, dtype=torch.uint8)
-        try:
-            read_records(*self._tables, SEGMENT_SHIFT, sorted_slots, records, into=found[order])
-        except Exception:  # noqa: BLE001 - read again under the lock, which reports what failed
-            return
-        self.records = records
-        self.repeats = bool((sorted_slots[1:] == sorted_slots[:-1]).any())  # an id's positions share its slot
-
-
 class DiskTier:
     """The rows of one table kept on disk under ``directory`` (created; its files belong to this tier alone).
 
@@ -137,7 +91,7 @@ class DiskTier:
             raise StoreError("storage 'disk' needs the native kernels (see lightning_persia.remote_ps.store.native.available)")
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.specs = {name: specs[name] for name in DISK_FIELDS if name in specs and specs[name].row_bytes > 0}
+        self.specs = record_specs(specs)
         self.record_bytes = sum(spec.row_bytes for spec in self.specs.values())
         self._lock = lock if lock is not None else threading.Lock()
         self._map = DiskMap()
@@ -180,8 +134,7 @@ class DiskTier:
         Compaction writes into segments of its own, apart from the demotions'. The rows it moves are the ones left
         behind in their segment, cold; the rows just demoted are the ones reads find on disk most (those near
         memory's horizon). Mixed, compaction's moves made about half of the records of the newest segments, which
-        the mapping (``segment_mapping.py``) keeps in the page tables as the most read (2026-11-25-disk-tier.md,
-        section 28)."""
+        the mapping (``segment_mapping.py``) keeps in the page tables as the most read."""
         n = ids.numel()
         chunks, at, position = [], self._next if moved_from is None else self._next_moved, 0
         try:
@@ -191,8 +144,8 @@ class DiskTier:
                 segment, offset = at >> SEGMENT_SHIFT, at & (SEGMENT_ROWS - 1)
                 count = min(n - position, SEGMENT_ROWS - offset)
                 self._open_segment(segment)
-                _write_all(self._fds[segment], records[position : position + count], offset * self.record_bytes)
-                _write_all(self._id_fds[segment], ids[position : position + count].contiguous().view(torch.uint8), offset * 8)
+                write_all(self._fds[segment], records[position : position + count], offset * self.record_bytes)
+                write_all(self._id_fds[segment], ids[position : position + count].contiguous().view(torch.uint8), offset * 8)
                 self._written[segment] = max(self._written[segment], offset + count)
                 chunks.append(torch.arange(at, at + count))
                 position, at = position + count, at + count
@@ -266,7 +219,7 @@ class DiskTier:
 
     # ---- reads -------------------------------------------------------------------------------------------
 
-    def find(self, ids: torch.Tensor, ahead: Optional["ReadAhead"] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def find(self, ids: torch.Tensor, ahead: Optional[ReadAhead] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(slots, records)``: each id's slot (-1 when not on disk) and its record (uint8 ``[n, record_bytes]``,
         read for the ids found). ``ahead``: records of these same ``ids`` read without the lock (:meth:`begin_read`);
         an id whose slot is still the one read keeps its record (a written record never changes, and no segment is
@@ -320,7 +273,7 @@ class DiskTier:
         stored = record_ids(records)
         return get_bits(self._live_table, SEGMENT_SHIFT, slots) & (stored == ids)
 
-    def begin_read(self, positions: torch.Tensor, ids: torch.Tensor) -> Optional["ReadAhead"]:
+    def begin_read(self, positions: torch.Tensor, ids: torch.Tensor) -> Optional[ReadAhead]:
         """The slots of ``ids`` (at ``positions`` of a request) on disk, to read with :meth:`ReadAhead.read` without
         the table's lock, or None (none of them on disk, or closed). Call it holding the lock, and :meth:`end_read`
         holding it once the read is used: the files stay open until then, whatever closes the tier meanwhile."""
@@ -331,7 +284,7 @@ class DiskTier:
             return None
         self._mapping.changed()
         mapping = self._mapping
-        ahead = ReadAhead(positions, ids, slots, (self._fd_table, mapping.bases, mapping.mapped, mapping.reads),
+        ahead = ReadAhead(positions, ids, slots, (self._fd_table, mapping.bases, mapping.mapped, mapping.reads, SEGMENT_SHIFT),
                           self.record_bytes, (self._map_removals, self._map_inserts))
         self._readers += 1
         return ahead
@@ -375,7 +328,7 @@ class DiskTier:
             self._mapping.changed()
             mapping = self._mapping
             read_records(self._fd_table, mapping.bases, mapping.mapped, mapping.reads, SEGMENT_SHIFT, slots, records,
-                                into=positions[order])
+                         into=positions[order])
         except OSError as err:
             raise DiskTierError(f"the disk tier at {self.directory} could not read: {err.strerror or err}") from None
 
@@ -434,12 +387,12 @@ class DiskTier:
             for start in range(0, written if fd >= 0 else 0, _SWEEP_ROWS):
                 n = min(_SWEEP_ROWS, written - start)
                 try:
-                    records = _read_records(fd, start, n, self.record_bytes)
+                    records = pread_records(fd, start, n, self.record_bytes)
                 except OSError as err:
                     if err.errno != errno.ENODATA:
                         raise
                     raise DiskTierError(f"disk segment {self._path(segment, 'rows')} ends before its {written} rows") from None
-                access = _packed(_columns(records, offset, 4)).view(torch.int32).reshape(-1)
+                access = packed_columns(records, offset, 4).view(torch.int32).reshape(-1)
                 old = torch.nonzero(access <= limit).squeeze(1)
                 if not old.numel():
                     continue
@@ -457,7 +410,7 @@ class DiskTier:
 
     def compact_step(self, holding: Callable[[], ContextManager] = contextlib.nullcontext) -> int:
         """Moves up to 16,384 live rows of the sealed segment with the fewest of them (see :meth:`_sparsest`) to the
-        end of the tier, the first live rows of its first :data:`_COMPACT_SPAN` records from its first live one;
+        end of the tier, the first live rows of its first :data:`compaction._COMPACT_SPAN` records from its first live one;
         deletes the segments left without a live row (once no read is under way and no save holds them). Returns
         the rows moved. Takes the table's lock to choose and to move the rows, not while it reads their records (the
         span from the first to the last, in one read); a row that left the segment meanwhile is not moved. Each hold
@@ -469,12 +422,12 @@ class DiskTier:
             segment = self._sparsest()
             if segment is None:
                 return 0
-            local = _first_live(self._live[segment], self._written[segment])
+            local = compaction.first_live(self._live[segment], self._written[segment])
             self._readers += 1  # the segment's file stays open for the read
             fd = self._fds[segment]
         first, count = int(local[0]), int(local[-1] - local[0]) + 1
         try:
-            records = take_records(_read_records(fd, first, count, self.record_bytes), local - first)
+            records = take_records(pread_records(fd, first, count, self.record_bytes), local - first)
         except OSError as err:
             raise DiskTierError(f"the disk tier at {self.directory} could not read segment {segment} to compact it: "
                                 f"{err.strerror or err}") from None
@@ -495,20 +448,8 @@ class DiskTier:
             return slots.numel()
 
     def _sparsest(self) -> Optional[int]:
-        """The sealed segment with the fewest live rows, if below :data:`COMPACT_BELOW` of its records (or whatever
-        its live rows, once the tier's garbage passed :data:`COMPACT_ANY`) and above none (one without any is deleted
-        instead), once the tier's garbage passed :data:`COMPACT_GARBAGE`."""
-        written = torch.tensor(self._written, dtype=torch.float64)
-        live = self._live_counts.to(torch.float64)
-        records = float(written[self._fd_table >= 0].sum())  # a deleted segment's number holds none
-        garbage = records - float(live.sum())
-        if garbage <= COMPACT_GARBAGE * records:
-            return None
-        below = COMPACT_BELOW * written if garbage <= COMPACT_ANY * records else written
-        candidates = torch.nonzero(self._sealed() & (live > 0) & (live < below)).squeeze(1)
-        if not candidates.numel():
-            return None
-        return int(candidates[torch.argmin(live[candidates])])
+        """The sealed segment to compact next, if any (:func:`compaction.sparsest`)."""
+        return compaction.sparsest(self._written, self._live_counts, self._fd_table >= 0, self._sealed)
 
     def _sealed(self) -> torch.Tensor:
         """Which segments the tier writes no more (a mask): every one with files but those its demotions and its
@@ -556,7 +497,7 @@ class DiskTier:
                adopt_map: Optional[Callable[[DiskMap], None]] = None) -> None:
         """Takes segments of a checkpoint, ``(number, rows, records file, ids file, live bits)`` each: links their
         files into this (empty) tier, then indexes the ids of their live slots: ``adopt_map`` (the checkpoint's saved
-        map: ``disk_map_file.adopt``) maps them, else they are read from the ids files and inserted."""
+        map: ``id_map_file.adopt``) maps them, else they are read from the ids files and inserted."""
         if self._fds:
             raise DiskTierError(f"the disk tier at {self.directory} is not empty")
         for segment, rows, records, ids, live in files:
@@ -650,99 +591,3 @@ class DiskTier:
             self.directory.rmdir()
         except OSError:
             pass
-
-
-def link(source: Path, target: Path) -> None:
-    """``target`` becomes a hard link of ``source`` (no copy; a copy only across file systems), its bytes on the disk."""
-    try:
-        os.link(source, target)
-    except OSError as err:
-        if err.errno != errno.EXDEV:
-            raise
-        shutil.copyfile(source, target)
-    fd = os.open(target, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _first_live(bits: torch.Tensor, rows: int) -> torch.Tensor:
-    """The first :data:`_COMPACT_ROWS` live slots (at least one) among the :data:`_COMPACT_SPAN` that follow a segment's
-    first live one, from its live ``bits`` over ``rows`` slots: only the bits of that span are unpacked."""
-    flags = bits.numpy()
-    start = int(np.argmax(flags != 0)) * 8  # the first live one's byte
-    end = min(start + 8 + _COMPACT_SPAN, rows)
-    slots = np.flatnonzero(np.unpackbits(flags[start // 8 : (end + 7) // 8], count=end - start, bitorder="little")) + start
-    return torch.from_numpy(slots[slots < slots[0] + _COMPACT_SPAN][:_COMPACT_ROWS])
-
-
-def _read_records(fd: int, first: int, count: int, record_bytes: int) -> torch.Tensor:
-    """Records ``[first, first + count)`` of a segment's file, ``[count, record_bytes]``; :class:`OSError` (ENODATA)
-    where the file ends before them."""
-    records = torch.empty(count, record_bytes, dtype=torch.uint8)
-    view, offset = memoryview(records.numpy()).cast("B"), first * record_bytes
-    while view:
-        read = os.preadv(fd, [view], offset)
-        if not read:
-            raise OSError(errno.ENODATA, f"the file ends before record {first + count - 1}")
-        view, offset = view[read:], offset + read
-    return records
-
-
-def live_slots(bits: torch.Tensor, rows: int) -> torch.Tensor:
-    """The slots whose bit is set among the first ``rows`` of a segment's live bits."""
-    flags = np.unpackbits(bits.numpy(), count=rows, bitorder="little").astype(bool)
-    return torch.from_numpy(np.flatnonzero(flags))
-
-
-def unpack(records: torch.Tensor, specs: dict[str, FieldSpec]) -> dict[str, torch.Tensor]:
-    """``{field: values}`` of uint8 records ``[n, record bytes]`` laid out as ``specs`` (in their order)."""
-    out, offset = {}, 0
-    n = records.shape[0]
-    for name, spec in specs.items():
-        raw = _packed(_columns(records, offset, spec.row_bytes)).view(torch.uint8)
-        out[name] = raw.view(spec.dtype).reshape(spec.shape(n))
-        offset += spec.row_bytes
-    return out
-
-
-def take_records(records: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``records[index]`` of uint8 records ``[n, record bytes]`` (``index``: positions or a mask), copied a word
-    at a time where their layout allows: torch copies the rows of a uint8 tensor a byte at a time (4,500 records of
-    48 bytes: 133 us, against 40 us as 8-byte words, on the development VM)."""
-    return _columns(records, 0, records.shape[1])[index].view(torch.uint8)
-
-
-def record_ids(records: torch.Tensor, index: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The ids (int64, contiguous) of uint8 records ``[n, record bytes]``: their first 8 bytes; of the rows
-    ``index`` only, if given."""
-    ids = _columns(records, 0, 8)
-    return _packed(ids if index is None else ids[index]).view(torch.int64).reshape(-1)
-
-
-def _packed(columns: torch.Tensor) -> torch.Tensor:
-    """``columns`` as rows of their own width, copied unless they are already (an index's result is):
-    ``contiguous`` leaves a single row with the stride it had (a whole record's), which a view as wider values
-    refuses where the value's size does not divide it."""
-    if columns.stride(1) == 1 and columns.stride(0) == columns.shape[1]:
-        return columns
-    return columns.clone(memory_format=torch.contiguous_format)
-
-
-def _columns(records: torch.Tensor, offset: int, width: int) -> torch.Tensor:
-    """Bytes ``offset`` to ``offset + width`` of each of uint8 records ``[n, record bytes]``, a view as the widest
-    integer words (8, 4, 2 or 1 bytes) that their layout and the span allow."""
-    for dtype in (torch.int64, torch.int32, torch.int16):
-        size = dtype.itemsize
-        if (offset % size == 0 and width % size == 0 and records.shape[1] % size == 0 and records.stride(1) == 1
-                and records.stride(0) % size == 0 and records.data_ptr() % size == 0):
-            return records.view(dtype)[:, offset // size : (offset + width) // size]
-    return records[:, offset : offset + width]
-
-
-def _write_all(fd: int, data: torch.Tensor, offset: int) -> None:
-    view = memoryview(data.contiguous().numpy()).cast("B")
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written

@@ -34,6 +34,7 @@ from lightning_persia.embedding.modules import RemoteModule
 from lightning_persia.embedding.pipeline import EmbeddingPipeline
 from lightning_persia.embedding.prefetch import PrefetchingLoader
 from lightning_persia.embedding.rank_merge import RankMerge
+from lightning_persia.embedding.worker_client import EmbeddingWorkers
 from lightning_persia.ops.pooled_lookup import kernel_in_use
 from lightning_persia.remote_ps.client import PSClient, ShardWait
 from lightning_persia.remote_ps.table_config import TABLE_SETTING_NAMES, InitLike, OptimizerLike, TableSettings
@@ -42,6 +43,7 @@ from lightning_persia.strategy.local_cluster import LocalCluster
 from lightning_persia.strategy.metrics import MetricsEndpoint, TrainerMetrics
 from lightning_persia.strategy.moved_arguments import refuse_moved_arguments
 from lightning_persia.strategy.ps_settings import PSSettings
+from lightning_persia.strategy.worker_settings import EmbeddingWorkerSettings
 from lightning_persia.strategy.recovery import (
     PersiaRecoveryError, Recovery, RecoveryConfig, RollbackEvent, is_shard_failure, new_save_id,
 )
@@ -73,6 +75,8 @@ class PersiaStrategy(DDPStrategy):
         ps: where the shards are and how to reach them: a :class:`~lightning_persia.PSSettings` (``addresses``, or
             ``num_local_shards`` started here with ``seed`` and ``config``; ``token``, ``tls_root_cert``,
             ``timeout_s``). The default starts 2 shards on this machine unless ``PERSIA_PS_ADDRESSES`` names some.
+        embedding_workers: the processes that do each rank's per-id work with the shards, out of the trainer's
+            interpreter: an :class:`~lightning_persia.EmbeddingWorkerSettings` (``count``; ``0``: on the trainer's threads).
         staleness: how many earlier batches' embedding updates a lookup may miss.
         tables: settings of every table (optimizer, initialiser, capacity, eviction, admission, weight bound,
             storage dtype, disk tier, TTL): a :class:`~lightning_persia.TableSettings`, whose defaults are those of
@@ -113,6 +117,7 @@ class PersiaStrategy(DDPStrategy):
     def __init__(
         self,
         ps: Optional[PSSettings] = None,
+        embedding_workers: Optional[EmbeddingWorkerSettings] = None,
         staleness: int = 4,
         tables: Optional[TableSettings] = None,
         table_overrides: Optional[dict[str, TableOverride]] = None,
@@ -155,10 +160,13 @@ class PersiaStrategy(DDPStrategy):
             raise ValueError(f"data_parallel_max_rows must be >= 0, got {data_parallel_max_rows}")
         if wire_dtype not in ("fp16", "fp32"):
             raise ValueError(f"wire_dtype must be 'fp16' or 'fp32', got {wire_dtype!r}")
-        for name, value, kind in (("ps", ps, PSSettings), ("metrics", metrics, MetricsEndpoint)):
+        for name, value, kind in (("ps", ps, PSSettings), ("embedding_workers", embedding_workers, EmbeddingWorkerSettings),
+                                  ("metrics", metrics, MetricsEndpoint)):
             if value is not None and not isinstance(value, kind):
                 raise TypeError(f"PersiaStrategy: {name} must be a {kind.__name__} or None, got {type(value).__name__}")
         self.ps = (ps if ps is not None else PSSettings()).with_environment()
+        self.embedding_workers = embedding_workers if embedding_workers is not None else EmbeddingWorkerSettings()
+        self._workers: Optional[EmbeddingWorkers] = None
         self.staleness = staleness
         self.wire_dtype = wire_dtype
         self.intercept_kinds = list(intercept) if intercept is not None else list(MODULE_KINDS)
@@ -276,10 +284,16 @@ class PersiaStrategy(DDPStrategy):
         if self.merge_rank_gradients and self.world_size > 1 and dims:
             sender = self.broadcast(f"{self.client.client_id}-merged")
             rank_merge = RankMerge(sender, dims, timeout=self._timeout)
+        shard_client: Any = self.client
+        if self.embedding_workers.count and dims:
+            client = self.client
+            self._workers = shard_client = EmbeddingWorkers(
+                self.embedding_workers.count, client.addresses, dims, client.retry, lambda: client.incarnations, token=self.ps.token,
+                tls_root_cert=self.ps.tls_root_cert, rank=self.global_rank, start_timeout_s=self.embedding_workers.start_timeout_s)
         # A wait for rows or for the staleness window lasts as long as the call it waits for may, retries included
         # (RecoveryConfig.wait_for_shards_s): a shard coming back in that time costs a pause, not the run.
         self._pipeline = EmbeddingPipeline(
-            self.client, self.staleness, self.wire_dtype, self.root_device, timeout_s=self.client.call_budget_s, rank_merge=rank_merge,
+            shard_client, self.staleness, self.wire_dtype, self.root_device, timeout_s=self.client.call_budget_s, rank_merge=rank_merge,
         )
         # Lightning moves each batch to the device as a whole; a module that overrides one of these hooks may change it.
         self._pipeline.batches_arrive_unchanged = not any(
@@ -524,12 +538,14 @@ class PersiaStrategy(DDPStrategy):
             log.warning("PersiaStrategy: cleaning up after %s failed: %s: %s", type(exception).__name__, type(error).__name__, error)
 
     def close(self) -> None:
-        """Disconnects from the shards and stops the embedded cluster, if this rank started one."""
-        pipeline, client, cluster, metrics = self._pipeline, self.client, self._cluster, self._metrics
-        self._pipeline = self.client = self._cluster = self._metrics = None
+        """Stops the embedding workers, disconnects from the shards and stops the embedded cluster, if this rank started one."""
+        pipeline, workers, client, cluster, metrics = self._pipeline, self._workers, self.client, self._cluster, self._metrics
+        self._pipeline = self._workers = self.client = self._cluster = self._metrics = None
         try:
             if pipeline is not None:
                 pipeline.close()
+            if workers is not None:
+                workers.close()
             if client is not None:
                 client.close()
         finally:  # the shards and the metrics server stop whatever failed before

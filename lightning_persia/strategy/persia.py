@@ -192,6 +192,11 @@ class PersiaStrategy(DDPStrategy):
         return self._pipeline
 
     @property
+    def embedding_worker_pids(self) -> list[int]:
+        """The process ids of this rank's embedding workers (none before setup, or with ``embedding_workers.count=0``)."""
+        return self._workers.pids if self._workers is not None else []
+
+    @property
     def metrics_url(self) -> Optional[str]:
         """Where this rank serves its Prometheus metrics (set up with the environment; None without ``metrics``)."""
         return self._metrics.url if self._metrics is not None else None

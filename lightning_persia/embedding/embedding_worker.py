@@ -2,12 +2,12 @@
 
 PERSIA puts an embedding worker between the data loaders and the NN workers: it talks to the parameter servers and
 hands the NN worker its rows ready to use, then takes the gradients back and pushes them. Here, per lookup, the worker
-buckets the ids by shard and encodes them, calls the shards (retries and fencing: ``remote_ps.client``), and decodes
+deduplicates each module's ids (per plan), buckets the step's unique ids by shard and encodes them, calls the shards (retries and fencing: ``remote_ps.client``), and decodes
 the rows straight into the trainer's shared buffer; per update, it encodes the gradient read from the trainer's
 shared buffer (reusing the lookup's bucketing) and sends it. None of that runs in the trainer's interpreter, whose
 one lock its threads would share.
 
-Messages are small tuples on a pipe (:data:`LOOKUP`, :data:`UPDATE`, :data:`DROP`, :data:`CLOSE` in; :data:`READY`,
+Messages are small tuples on a pipe (:data:`DEDUP`, :data:`LOOKUP`, :data:`UPDATE`, :data:`DROP`, :data:`CLOSE` in; :data:`READY`,
 :data:`DONE`, :data:`FAILED` out); tensors travel as ``(segment, offset, numel)`` of the trainer's
 :class:`~lightning_persia.embedding.shared_buffers.SharedBuffers`. The worker ends when the trainer closes the pipe
 (or dies). It runs as ``python -m lightning_persia.embedding.embedding_worker <socket fd>``, the spec its first message.
@@ -27,12 +27,13 @@ from typing import Any, Optional
 import torch
 
 from lightning_persia.embedding.shared_buffers import MappedSegments
+from lightning_persia.ops.dedup import keyed_unique
 from lightning_persia.ops.keyed_ids import KeyedIds
 from lightning_persia.remote_ps.client import PSClient
 from lightning_persia.remote_ps.client.retry import RetryPolicy
 
 
-LOOKUP, UPDATE, DROP, CLOSE = "lookup", "update", "drop", "close"
+DEDUP, LOOKUP, UPDATE, DROP, CLOSE = "dedup", "lookup", "update", "drop", "close"
 READY, DONE, FAILED = "ready", "done", "failed"
 SHARDINGS_KEPT = 64  # lookups whose bucketing is kept for their update (more than any staleness window holds)
 
@@ -95,7 +96,9 @@ class _Worker:
                 continue
             request = message[1]
             try:
-                if kind == LOOKUP:
+                if kind == DEDUP:
+                    self._dedup(*message[1:])
+                elif kind == LOOKUP:
                     self._lookup(*message[1:])
                 elif kind == UPDATE:
                     self._update(*message[1:])
@@ -103,6 +106,15 @@ class _Worker:
                     raise ValueError(f"unknown request {kind!r}")
             except BaseException as error:  # noqa: BLE001 - the request's future in the trainer raises it
                 self._reply(FAILED, request, _portable(error))
+
+    def _dedup(self, request: int, tables: tuple[str, ...], counts: tuple[int, ...], ids: BufferRef, unique: BufferRef,
+               inverse: BufferRef, incarnations: Optional[tuple]) -> None:
+        """Writes each table's unique ids (one after another) and every id's row among its table's into the trainer's
+        buffers; answers the unique counts."""
+        found, rows = keyed_unique(KeyedIds(tables, counts, self._tensor(ids, torch.int64)))
+        self._tensor(unique, torch.int64)[: found.ids.numel()].copy_(found.ids)
+        self._tensor(inverse, torch.int64).copy_(rows)
+        self._reply(DONE, request, found.counts)
 
     def _lookup(self, request: int, token: Optional[int], tables: tuple[str, ...], counts: tuple[int, ...], ids: BufferRef,
                 rows: BufferRef, train: bool, wire_dtype: str, incarnations: Optional[tuple]) -> None:

@@ -1,10 +1,12 @@
 """The trainer's side of its embedding workers: the pipeline's :class:`~lightning_persia.embedding.shard_client.ShardClient`,
 with the per-id work done in worker processes (``embedding/embedding_worker.py``).
 
-Per lookup the trainer copies the step's unique ids into a shared buffer, names a shared buffer for the rows and
+Per module and step the trainer copies the module's ids into a shared buffer and the worker deduplicates them into
+two more (:meth:`EmbeddingWorkers.deduplicate`, the plan's unique ids and inverse indices, which the trainer then reads
+in place). Per lookup the trainer copies the step's unique ids into a shared buffer, names a shared buffer for the rows and
 sends one small message; the rows it then reads are that buffer, written by the worker (on a GPU: pinned, so they
 go up in one copy). Per update it copies the gradient into a shared buffer and sends one message. Nothing here
-loops, encodes, decodes or sorts over ids: bucketing by shard happens in the worker, and :meth:`shard` only marks
+loops, encodes, decodes, deduplicates or sorts over ids: that happens in the worker, and :meth:`shard` only marks
 the ids for it.
 
 A worker that dies fails every call in flight or to come with an :class:`EmbeddingWorkerError` naming it, so the
@@ -20,12 +22,13 @@ import subprocess
 import sys
 import threading
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from lightning_persia.embedding.embedding_worker import CLOSE, DONE, DROP, LOOKUP, READY, UPDATE, WorkerSpec
+from lightning_persia.embedding.embedding_worker import CLOSE, DEDUP, DONE, DROP, LOOKUP, READY, UPDATE, WorkerSpec
 from lightning_persia.embedding.shared_buffers import SharedBuffers, SharedTensor
 from lightning_persia.ops.keyed_ids import KeyedIds, RowLayout
 from lightning_persia.remote_ps.client.retry import RetryPolicy
@@ -82,6 +85,7 @@ class EmbeddingWorkers:
             a change reaches the workers with the next call, so they are fenced as the trainer is.
         rank: the trainer's global rank (in names).
         start_timeout_s: longest wait for each worker to start.
+        timeout_s: longest wait for a worker's deduplication (a worker that does not answer in time fails the plan).
 
     Example::
 
@@ -94,12 +98,13 @@ class EmbeddingWorkers:
     def __init__(
         self, count: int, addresses: Sequence[str], dims: dict[str, int], retry: RetryPolicy,
         incarnations: Callable[[], Sequence[Optional[str]]], *, token: Optional[str] = None, tls_root_cert: Optional[str] = None,
-        rank: int = 0, start_timeout_s: float = 120.0,
+        rank: int = 0, start_timeout_s: float = 120.0, timeout_s: float = 300.0,
     ) -> None:
         if count < 1:
             raise ValueError(f"EmbeddingWorkers: count must be >= 1, got {count}")
         self._dims = dict(dims)
         self._incarnations = incarnations
+        self._timeout_s = timeout_s
         self._workers: list[_Process] = []
         self._buffers = SharedBuffers(prefix=f"persia-r{rank}", on_drop=self._drop)
         self._pending: dict[int, tuple[Future, Any, int]] = {}  # request -> (future, its result, worker)
@@ -128,6 +133,20 @@ class EmbeddingWorkers:
     def pids(self) -> list[int]:
         """The workers' process ids (benchmarks read their CPU time)."""
         return [w.process.pid for w in self._workers]
+
+    def deduplicate(self, keyed: KeyedIds) -> tuple[KeyedIds, torch.Tensor]:
+        """``ops.dedup.keyed_unique(keyed)``, computed by a worker into shared buffers (the planning's ``Deduplicate``)."""
+        ids = self._ids_buffer(keyed)
+        unique = self._buffers.take(keyed.ids.numel(), torch.int64)
+        inverse = self._buffers.take(keyed.ids.numel(), torch.int64)
+        worker = self._workers[next(self._turn) % len(self._workers)]
+        request = next(self._requests)
+        future = self._send(worker, request, None, ids, (DEDUP, request, keyed.tables, keyed.counts, _ref(ids), _ref(unique), _ref(inverse)))
+        try:
+            counts = future.result(self._timeout_s)
+        except FutureTimeout:
+            raise TimeoutError(f"{worker.describe()} did not deduplicate {keyed.ids.numel()} ids within {self._timeout_s:.0f} s") from None
+        return KeyedIds(keyed.tables, counts, unique.tensor[: sum(counts)]), inverse.tensor
 
     # ---- ShardClient -----------------------------------------------------------------------------------
 
@@ -234,7 +253,7 @@ class EmbeddingWorkers:
                     continue
                 future, (result, _), _ = entry
                 if kind == DONE:
-                    future.set_result(result)
+                    future.set_result(result if result is not None else payload)
                 else:
                     future.set_exception(payload)
 

@@ -289,17 +289,18 @@ class PersiaStrategy(DDPStrategy):
         if self.merge_rank_gradients and self.world_size > 1 and dims:
             sender = self.broadcast(f"{self.client.client_id}-merged")
             rank_merge = RankMerge(sender, dims, timeout=self._timeout)
-        shard_client: Any = self.client
-        if self.embedding_workers.count and dims:
-            client = self.client
-            self._workers = shard_client = EmbeddingWorkers(
-                self.embedding_workers.count, client.addresses, dims, client.retry, lambda: client.incarnations, token=self.ps.token,
-                tls_root_cert=self.ps.tls_root_cert, rank=self.global_rank, start_timeout_s=self.embedding_workers.start_timeout_s)
         # A wait for rows or for the staleness window lasts as long as the call it waits for may, retries included
         # (RecoveryConfig.wait_for_shards_s): a shard coming back in that time costs a pause, not the run.
-        self._pipeline = EmbeddingPipeline(
-            shard_client, self.staleness, self.wire_dtype, self.root_device, timeout_s=self.client.call_budget_s, rank_merge=rank_merge,
-        )
+        client, budget_s = self.client, self.client.call_budget_s
+        if self.embedding_workers.count and dims:
+            self._workers = EmbeddingWorkers(
+                self.embedding_workers.count, client.addresses, dims, client.retry, lambda: client.incarnations, token=self.ps.token,
+                tls_root_cert=self.ps.tls_root_cert, rank=self.global_rank, start_timeout_s=self.embedding_workers.start_timeout_s,
+                timeout_s=budget_s)
+            self._pipeline = EmbeddingPipeline(self._workers, self.staleness, self.wire_dtype, self.root_device, timeout_s=budget_s,
+                                               rank_merge=rank_merge, dedup=self._workers.deduplicate)
+        else:
+            self._pipeline = EmbeddingPipeline(client, self.staleness, self.wire_dtype, self.root_device, timeout_s=budget_s, rank_merge=rank_merge)
         # Lightning moves each batch to the device as a whole; a module that overrides one of these hooks may change it.
         self._pipeline.batches_arrive_unchanged = not any(
             is_overridden(hook, self.lightning_module) for hook in ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")

@@ -1,5 +1,5 @@
-"""Embedding workers against real shards: rows and updates as the trainer's own client gives them, through shared
-buffers; bad input refused; a worker that dies fails every call, in flight or to come, with an error naming it."""
+"""Embedding workers against real shards: rows, updates and deduplication as the trainer's own client and planning
+give them, through shared buffers; bad input refused; a worker that dies fails every call, in flight or to come, with an error naming it."""
 from __future__ import annotations
 
 import os
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lightning_persia.embedding.worker_client import EmbeddingWorkerError, EmbeddingWorkers
+from lightning_persia.ops.dedup import keyed_unique
 from lightning_persia.ops.keyed_ids import KeyedIds
 from lightning_persia.remote_ps.client import PSClient
 from lightning_persia.remote_ps.table_config import SGD, Constant, TableConfig
@@ -56,6 +57,21 @@ def test_rows_and_updates_through_the_workers_are_the_clients(cluster):
         torch.testing.assert_close(client.lookup_sharded_async(client.shard(keyed), train=False, wire_dtype="fp32").result(60),
                                    expected - 2 * grads, rtol=0, atol=1e-6)
         assert len(set(workers.pids)) == 2 and os.getpid() not in workers.pids
+    finally:
+        workers.close()
+
+
+def test_the_workers_deduplicate_like_the_trainer(cluster):
+    _, client = cluster
+    workers = _workers(client)
+    try:
+        keyed = KeyedIds(("a", "b"), (6, 4), torch.tensor([5, 1, 5, 9, 1, 1, 7, -2, 7, 7]))
+        unique, inverse = workers.deduplicate(keyed)
+        expected_unique, expected_inverse = keyed_unique(keyed)
+        assert unique.tables == ("a", "b") and unique.counts == expected_unique.counts == (3, 2)
+        assert torch.equal(unique.ids, expected_unique.ids) and torch.equal(inverse, expected_inverse)
+        empty, rows = workers.deduplicate(KeyedIds(("a",), (0,), torch.empty(0, dtype=torch.int64)))
+        assert empty.counts == (0,) and rows.numel() == 0
     finally:
         workers.close()
 

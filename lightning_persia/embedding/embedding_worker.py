@@ -31,6 +31,7 @@ from lightning_persia.ops.dedup import keyed_unique
 from lightning_persia.ops.keyed_ids import KeyedIds
 from lightning_persia.remote_ps.client import PSClient
 from lightning_persia.remote_ps.client.retry import RetryPolicy
+from lightning_persia.remote_ps.metrics import ClientCallLog
 
 
 DEDUP, LOOKUP, UPDATE, DROP, CLOSE = "dedup", "lookup", "update", "drop", "close"
@@ -51,20 +52,23 @@ class WorkerSpec:
     incarnations: tuple[Optional[str], ...]
     token: Optional[str] = None
     tls_root_cert: Optional[str] = None
+    log_calls: bool = False  # every reply carries the shard calls made since the last (the trainer's metrics count them)
 
 
 def serve(connection: Connection, spec: WorkerSpec) -> None:
     """The worker's process: answers the trainer's requests until it closes the pipe."""
     torch.set_num_threads(1)  # the worker's tensor work is small copies; the cores belong to the trainer's kernels
     try:
-        client = PSClient(list(spec.addresses), token=spec.token, tls_root_cert=spec.tls_root_cert, timeout_s=spec.retry.timeout_s)
+        calls = ClientCallLog() if spec.log_calls else None
+        client = PSClient(list(spec.addresses), token=spec.token, tls_root_cert=spec.tls_root_cert, timeout_s=spec.retry.timeout_s,
+                          interceptors=[calls] if calls is not None else ())
         client.retry = spec.retry
         client.describe(list(spec.dims))  # learns the tables' dims, which size messages and decode rows
         client.incarnations = list(spec.incarnations)
     except BaseException as error:  # noqa: BLE001 - told to the trainer, which raises it naming this worker
         connection.send((FAILED, _portable(error)))
         return
-    worker = _Worker(connection, client)
+    worker = _Worker(connection, client, calls)
     connection.send((READY, os.getpid()))
     try:
         worker.run()
@@ -74,9 +78,10 @@ def serve(connection: Connection, spec: WorkerSpec) -> None:
 
 
 class _Worker:
-    def __init__(self, connection: Connection, client: PSClient) -> None:
+    def __init__(self, connection: Connection, client: PSClient, calls: Optional[ClientCallLog]) -> None:
         self.connection = connection
         self.client = client
+        self._calls = calls
         self.segments = MappedSegments()
         self._send_lock = threading.Lock()  # replies go out from the client's thread as calls complete
         self._shardings: "OrderedDict[int, Any]" = OrderedDict()
@@ -159,9 +164,10 @@ class _Worker:
         future.add_done_callback(done)
 
     def _reply(self, kind: str, request: int, payload: Any) -> None:
+        calls = self._calls.drain() if self._calls is not None else None
         with self._send_lock:
             try:
-                self.connection.send((kind, request, payload))
+                self.connection.send((kind, request, payload, calls))
             except (BrokenPipeError, OSError):  # the trainer is gone; run() ends at its next read
                 pass
 

@@ -86,6 +86,8 @@ class EmbeddingWorkers:
         rank: the trainer's global rank (in names).
         start_timeout_s: longest wait for each worker to start.
         timeout_s: longest wait for a worker's deduplication (a worker that does not answer in time fails the plan).
+        on_calls: told of the shard calls the workers made, ``[(method path, status code name, seconds)]``, as they
+            answer (the trainer's metrics count them: ``ClientRpcMetrics.record``).
 
     Example::
 
@@ -99,12 +101,14 @@ class EmbeddingWorkers:
         self, count: int, addresses: Sequence[str], dims: dict[str, int], retry: RetryPolicy,
         incarnations: Callable[[], Sequence[Optional[str]]], *, token: Optional[str] = None, tls_root_cert: Optional[str] = None,
         rank: int = 0, start_timeout_s: float = 120.0, timeout_s: float = 300.0,
+        on_calls: Optional[Callable[[list[tuple[str, str, float]]], None]] = None,
     ) -> None:
         if count < 1:
             raise ValueError(f"EmbeddingWorkers: count must be >= 1, got {count}")
         self._dims = dict(dims)
         self._incarnations = incarnations
         self._timeout_s = timeout_s
+        self._on_calls = on_calls
         self._workers: list[_Process] = []
         self._buffers = SharedBuffers(prefix=f"persia-r{rank}", on_drop=self._drop)
         self._pending: dict[int, tuple[Future, Any, int]] = {}  # request -> (future, its result, worker)
@@ -115,7 +119,7 @@ class EmbeddingWorkers:
         try:
             for index in range(count):
                 name = f"embedding worker {index} of rank {rank}"
-                spec = WorkerSpec(name, tuple(addresses), self._dims, retry, tuple(incarnations()), token, tls_root_cert)
+                spec = WorkerSpec(name, tuple(addresses), self._dims, retry, tuple(incarnations()), token, tls_root_cert, on_calls is not None)
                 self._workers.append(_Process(index, name, *_start(spec), spec.incarnations))
             for worker in self._workers:
                 self._await_ready(worker, start_timeout_s)
@@ -240,13 +244,15 @@ class EmbeddingWorkers:
             for connection in wait(list(connections)):
                 worker = connections[connection]
                 try:
-                    kind, request, payload = connection.recv()
+                    kind, request, payload, calls = connection.recv()
                 except (EOFError, OSError):
                     del connections[connection]
                     if not self._closed:
                         error = self._died(worker)
                         self._fail_pending(lambda index: error if index == worker.index else None)
                     continue
+                if calls and self._on_calls is not None:
+                    self._on_calls(calls)
                 with self._lock:
                     entry = self._pending.pop(request, None)
                 if entry is None:

@@ -296,7 +296,7 @@ class PersiaStrategy(DDPStrategy):
             self._workers = EmbeddingWorkers(
                 self.embedding_workers.count, client.addresses, dims, client.retry, lambda: client.incarnations, token=self.ps.token,
                 tls_root_cert=self.ps.tls_root_cert, rank=self.global_rank, start_timeout_s=self.embedding_workers.start_timeout_s,
-                timeout_s=budget_s)
+                timeout_s=budget_s, on_calls=self._metrics.client_interceptor.record if self._metrics is not None else None)
             self._pipeline = EmbeddingPipeline(self._workers, self.staleness, self.wire_dtype, self.root_device, timeout_s=budget_s,
                                                rank_merge=rank_merge, dedup=self._workers.deduplicate)
         else:

@@ -45,7 +45,6 @@ BufferRef = tuple[str, int, int]  # segment, byte offset, elements
 class WorkerSpec:
     """What an embedding worker needs to reach the shards as its trainer does (picklable: it crosses to the process)."""
 
-    name: str  # how errors name it: "embedding worker <i> of rank <r>"
     addresses: tuple[str, ...]
     dims: dict[str, int]
     retry: RetryPolicy

@@ -119,7 +119,7 @@ class EmbeddingWorkers:
         try:
             for index in range(count):
                 name = f"embedding worker {index} of rank {rank}"
-                spec = WorkerSpec(name, tuple(addresses), self._dims, retry, tuple(incarnations()), token, tls_root_cert, on_calls is not None)
+                spec = WorkerSpec(tuple(addresses), self._dims, retry, tuple(incarnations()), token, tls_root_cert, on_calls is not None)
                 self._workers.append(_Process(index, name, *_start(spec), spec.incarnations))
             for worker in self._workers:
                 self._await_ready(worker, start_timeout_s)

@@ -40,6 +40,7 @@ class _Segment:
     def __init__(self, nbytes: int, prefix: str, pin: bool) -> None:
         self.memory = shared_memory.SharedMemory(name=f"{prefix}-{uuid.uuid4().hex[:12]}", create=True, size=nbytes)
         self.size = nbytes
+        self.address = _address(self.memory)
         self.pinned = pin and _register_pinned(self.memory)
         self.held: Optional[StorageWeakRef] = None  # the storage of the tensor last handed out
 
@@ -79,6 +80,18 @@ class SharedBuffers:
             tensor = torch.frombuffer(segment.memory.buf, dtype=dtype, count=numel) if numel else torch.empty(0, dtype=dtype)
             segment.held = StorageWeakRef(tensor.untyped_storage()) if numel else None
         return SharedTensor(tensor, segment.memory.name, 0)
+
+    def locate(self, tensor: torch.Tensor) -> Optional[SharedTensor]:
+        """``tensor`` as a :class:`SharedTensor` when it lies in one of the pool's segments (taken from it, or a
+        contiguous view of what was: a worker's deduplicated ids), so that it crosses without a copy; else None."""
+        if not tensor.is_contiguous() or tensor.device.type != "cpu":
+            return None
+        start = tensor.data_ptr()
+        with self._lock:
+            for segment in self._segments:
+                if segment.address <= start and start + tensor.numel() * tensor.element_size() <= segment.address + segment.size:
+                    return SharedTensor(tensor, segment.memory.name, start - segment.address)
+        return None
 
     def close(self) -> None:
         """Unlinks every segment (each unmapped once nothing reads it; the rest when the process ends)."""
@@ -139,11 +152,14 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
 
+def _address(memory: shared_memory.SharedMemory) -> int:
+    return torch.frombuffer(memory.buf, dtype=torch.uint8).data_ptr()
+
+
 def _register_pinned(memory: shared_memory.SharedMemory) -> bool:
     """Pins the segment for asynchronous copies to the GPU (``cudaHostRegister``); False if CUDA refuses."""
     try:
-        pointer = torch.frombuffer(memory.buf, dtype=torch.uint8).data_ptr()
-        error = torch.cuda.cudart().cudaHostRegister(pointer, memory.size, 0)
+        error = torch.cuda.cudart().cudaHostRegister(_address(memory), memory.size, 0)
     except Exception as failure:  # noqa: BLE001 - pinning is an optimisation: the copy goes through a staging buffer
         log.warning("could not pin a shared embedding buffer for the GPU (%s); rows will be staged", failure)
         return False
@@ -154,5 +170,4 @@ def _register_pinned(memory: shared_memory.SharedMemory) -> bool:
 
 
 def _unregister_pinned(memory: shared_memory.SharedMemory) -> None:
-    pointer = torch.frombuffer(memory.buf, dtype=torch.uint8).data_ptr()
-    torch.cuda.cudart().cudaHostUnregister(pointer)
+    torch.cuda.cudart().cudaHostUnregister(_address(memory))

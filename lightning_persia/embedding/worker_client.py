@@ -214,6 +214,11 @@ class EmbeddingWorkers:
     # ---- internals --------------------------------------------------------------------------------------
 
     def _ids_buffer(self, keyed: KeyedIds) -> SharedTensor:
+        """``keyed``'s ids in a shared buffer: where they are when a worker wrote them (a one-module step's unique
+        ids), else a copy."""
+        located = self._buffers.locate(keyed.ids) if keyed.ids.dtype == torch.int64 else None
+        if located is not None:
+            return located
         buffer = self._buffers.take(keyed.ids.numel(), torch.int64)
         buffer.tensor.copy_(keyed.ids)
         return buffer

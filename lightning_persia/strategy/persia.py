@@ -43,10 +43,10 @@ from lightning_persia.strategy.local_cluster import LocalCluster
 from lightning_persia.strategy.metrics import MetricsEndpoint, TrainerMetrics
 from lightning_persia.strategy.moved_arguments import refuse_moved_arguments
 from lightning_persia.strategy.ps_settings import PSSettings
-from lightning_persia.strategy.worker_settings import EmbeddingWorkerSettings
 from lightning_persia.strategy.recovery import (
     PersiaRecoveryError, Recovery, RecoveryConfig, RollbackEvent, is_shard_failure, new_save_id,
 )
+from lightning_persia.strategy.worker_settings import EmbeddingWorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +75,6 @@ class PersiaStrategy(DDPStrategy):
         ps: where the shards are and how to reach them: a :class:`~lightning_persia.PSSettings` (``addresses``, or
             ``num_local_shards`` started here with ``seed`` and ``config``; ``token``, ``tls_root_cert``,
             ``timeout_s``). The default starts 2 shards on this machine unless ``PERSIA_PS_ADDRESSES`` names some.
-        embedding_workers: the processes that do each rank's per-id work with the shards, out of the trainer's
-            interpreter: an :class:`~lightning_persia.EmbeddingWorkerSettings` (``count``; ``0``: on the trainer's threads).
         staleness: how many earlier batches' embedding updates a lookup may miss.
         tables: settings of every table (optimizer, initialiser, capacity, eviction, admission, weight bound,
             storage dtype, disk tier, TTL): a :class:`~lightning_persia.TableSettings`, whose defaults are those of
@@ -106,6 +104,9 @@ class PersiaStrategy(DDPStrategy):
         metrics: serve this rank's Prometheus metrics (lookup wait, lag, rows, wire bytes, rollbacks, PS calls and
             errors) at a :class:`~lightning_persia.MetricsEndpoint` (``http://<host>:<port + local rank>/metrics``);
             ``None``: none. See ``lightning_persia.strategy.metrics``.
+        embedding_workers: the processes that do each rank's per-id work with the shards, out of the trainer's
+            interpreter: an :class:`~lightning_persia.EmbeddingWorkerSettings` (``count``, default 1; ``0``: on the
+            trainer's threads). See ``docs/embedding-pipeline.md``.
 
     The connection, table and metrics settings were flat arguments once (``ps_addresses``, ``capacity``,
     ``metrics_port``, ...); such a name fails with a message naming its new place
@@ -117,7 +118,6 @@ class PersiaStrategy(DDPStrategy):
     def __init__(
         self,
         ps: Optional[PSSettings] = None,
-        embedding_workers: Optional[EmbeddingWorkerSettings] = None,
         staleness: int = 4,
         tables: Optional[TableSettings] = None,
         table_overrides: Optional[dict[str, TableOverride]] = None,
@@ -132,6 +132,7 @@ class PersiaStrategy(DDPStrategy):
         log_embedding_metrics: bool = True,
         recovery: Optional[RecoveryConfig] = None,
         metrics: Optional[MetricsEndpoint] = None,
+        embedding_workers: Optional[EmbeddingWorkerSettings] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,

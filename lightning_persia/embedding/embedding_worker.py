@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import sys
 import threading
 from collections import OrderedDict
@@ -56,6 +57,8 @@ class WorkerSpec:
 
 def serve(connection: Connection, spec: WorkerSpec) -> None:
     """The worker's process: answers the trainer's requests until it closes the pipe."""
+    # A terminal's Ctrl-C reaches the whole process group: the trainer stops its workers (or its exit closes the pipe).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)  # the worker's tensor work is small copies; the cores belong to the trainer's kernels
     try:
         calls = ClientCallLog() if spec.log_calls else None

@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Optional
@@ -118,6 +118,7 @@ class _Worker:
                inverse: BufferRef, incarnations: Optional[tuple]) -> None:
         """Writes each table's unique ids (one after another) and every id's row among its table's into the trainer's
         buffers; answers the unique counts."""
+        self._fence(incarnations)
         found, rows = keyed_unique(KeyedIds(tables, counts, self._tensor(ids, torch.int64)))
         self._tensor(unique, torch.int64)[: found.ids.numel()].copy_(found.ids)
         self._tensor(inverse, torch.int64).copy_(rows)
@@ -157,7 +158,7 @@ class _Worker:
         def done(f: Future) -> None:
             error = f.exception() if not f.cancelled() else None
             if f.cancelled():
-                self._reply(FAILED, request, _portable(RuntimeError("the call was cancelled: the worker's client closed")))
+                self._reply(FAILED, request, CancelledError("the call was cancelled: the worker's client closed"))
             elif error is not None:
                 self._reply(FAILED, request, _portable(error))
             else:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -31,6 +32,7 @@ import torch
 from lightning_persia.embedding.embedding_worker import CLOSE, DEDUP, DONE, DROP, LOOKUP, READY, UPDATE, WorkerSpec
 from lightning_persia.embedding.shared_buffers import SharedBuffers, SharedTensor
 from lightning_persia.ops.keyed_ids import KeyedIds, RowLayout
+from lightning_persia.remote_ps.protocol import SHARD_PROCESS_ENV
 from lightning_persia.remote_ps.client.retry import RetryPolicy
 
 log = logging.getLogger(__name__)
@@ -329,9 +331,11 @@ def _start(spec: WorkerSpec) -> tuple[subprocess.Popen, Connection]:
     """Starts a worker in a fresh interpreter (``python -m``: neither the trainer's script nor its CUDA context or
     threads come along), connected by a socket pair; sends it ``spec``."""
     mine, theirs = socket.socketpair()
+    # Without the strategy (Lightning, TorchRec): a worker then starts in a third of the time (1.5 s of CPU, not 4.5).
+    environment = {**os.environ, SHARD_PROCESS_ENV: "1"}
     try:
         process = subprocess.Popen([sys.executable, "-m", "lightning_persia.embedding.embedding_worker", str(theirs.fileno())],
-                                   pass_fds=[theirs.fileno()])
+                                   pass_fds=[theirs.fileno()], env=environment)
     finally:
         theirs.close()
     connection = Connection(mine.detach())

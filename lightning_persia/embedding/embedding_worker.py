@@ -62,9 +62,9 @@ def serve(connection: Connection, spec: WorkerSpec) -> None:
     torch.set_num_threads(1)  # the worker's tensor work is small copies; the cores belong to the trainer's kernels
     try:
         calls = ClientCallLog() if spec.log_calls else None
-        client = PSClient(list(spec.addresses), token=spec.token, tls_root_cert=spec.tls_root_cert, timeout_s=spec.retry.timeout_s,
+        client = PSClient(list(spec.addresses), token=spec.token, tls_root_cert=spec.tls_root_cert,
                           interceptors=[calls] if calls is not None else ())
-        client.retry = spec.retry
+        client.retry = spec.retry  # the trainer's policy, as recovery set it
         client.describe(list(spec.dims))  # learns the tables' dims, which size messages and decode rows
         client.incarnations = list(spec.incarnations)
     except BaseException as error:  # noqa: BLE001 - told to the trainer, which raises it naming this worker

@@ -23,7 +23,7 @@ DIMS = {t.name: t.dim for t in TABLES}
 @pytest.fixture(scope="module")
 def cluster():
     cluster = LocalCluster(2, seed=0)
-    client = PSClient(cluster.addresses, timeout_s=30)
+    client = PSClient(cluster.addresses)
     client.wait_healthy(60)
     client.configure(TABLES)
     yield cluster, client

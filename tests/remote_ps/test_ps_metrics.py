@@ -159,7 +159,7 @@ def test_calls_logged_in_another_client_count_where_they_are_recorded(start_ps_c
     """An embedding worker's client logs its calls (ClientCallLog); its trainer counts them (ClientRpcMetrics.record)."""
     log = ClientCallLog()
     shards = start_ps_cluster(1)
-    with PSClient(shards.addresses, interceptors=[log], timeout_s=10, max_retries=0) as client:
+    with PSClient(shards.addresses, interceptors=[log]) as client:
         client.wait_healthy(30)
         client.configure([TableConfig("c.t", dim=2)])
         client.lookup({"c.t": torch.arange(3)}, train=True)

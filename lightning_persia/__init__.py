@@ -25,10 +25,11 @@ from lightning_persia.remote_ps.protocol.constants import SHARD_PROCESS_ENV
 from lightning_persia.remote_ps.table_config import SGD, Adagrad, Adam, Constant, Normal, TableConfig, TableSettings, Uniform
 
 __all__ = ["PersiaStrategy", "SGD", "Adagrad", "Adam", "Uniform", "Normal", "Constant", "TableSettings", "TableOverride", "TableConfig", "RecoveryConfig",
-           "PSSettings", "MetricsEndpoint", "PersiaArgumentParser", "PublishDeltas"]
+           "PSSettings", "EmbeddingWorkerSettings", "MetricsEndpoint", "PersiaArgumentParser", "PublishDeltas"]
 
 _LAZY_NAMES = {"PersiaStrategy": "lightning_persia.strategy", "TableOverride": "lightning_persia.strategy.interception",
                "RecoveryConfig": "lightning_persia.strategy.recovery", "PSSettings": "lightning_persia.strategy.ps_settings",
+               "EmbeddingWorkerSettings": "lightning_persia.strategy.worker_settings",
                "MetricsEndpoint": "lightning_persia.strategy.metrics", "PersiaArgumentParser": "lightning_persia.strategy.cli_parser",
                "PublishDeltas": "lightning_persia.serving.publish"}
 

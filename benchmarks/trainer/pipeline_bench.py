@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Optional
 
 from benchmarks.trainer.train_bench import Runner, add_device_arguments, print_profile, trainer_threads  # the same runner and profile table
 
-CPU_FIGURES = ("trainer_cpu_ms", "other_trainer_cpu_ms", "shards_cpu_ms")
+CPU_FIGURES = ("trainer_cpu_ms", "other_trainer_cpu_ms", "shards_cpu_ms", "workers_cpu_ms")
 HEADLINE_BATCH = 4096
 
 
@@ -59,8 +59,11 @@ def make_configs(args: argparse.Namespace, meta: Dict[str, Any]) -> List[Dict[st
         configs.append(dict(common, batch_size=batch, name=f"local b{batch}", mode="local", world=1, staleness=None))
         for world in args.ranks:
             for staleness in (0, args.staleness):
-                name = ("sync" if staleness == 0 else f"hybrid-{staleness}") + (f" x{world}" if world > 1 else "") + f" b{batch}"
-                configs.append(dict(common, batch_size=batch, name=name, mode="persia", world=world, staleness=staleness))
+                for workers in args.embedding_workers or [None]:
+                    name = (("sync" if staleness == 0 else f"hybrid-{staleness}") + (f" x{world}" if world > 1 else "")
+                            + (f" w{workers}" if args.embedding_workers and len(args.embedding_workers) > 1 else "") + f" b{batch}")
+                    configs.append(dict(common, batch_size=batch, name=name, mode="persia", world=world, staleness=staleness,
+                                        embedding_workers=workers))
     return configs
 
 
@@ -86,9 +89,9 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 
 def print_table(results: List[Dict[str, Any]]) -> None:
     header = (f"{'batch':>7}{'ranks':>6}  {'run':<12}{'samples/s':>11}{'vs local':>9}{'step ms':>9}"
-              f"{'trainer CPU':>13}{'vs local':>9}{'other procs':>12}{'shards CPU':>12}")
+              f"{'trainer CPU':>13}{'vs local':>9}{'other procs':>12}{'workers CPU':>12}{'shards CPU':>12}")
     print(header)
-    print(f"{'':>7}{'':>6}  {'':<12}{'':>11}{'':>9}{'':>9}{'ms/step':>13}{'':>9}{'ms/step':>12}{'ms/step':>12}")
+    print(f"{'':>7}{'':>6}  {'':<12}{'':>11}{'':>9}{'':>9}{'ms/step':>13}{'':>9}{'ms/step':>12}{'ms/step':>12}{'ms/step':>12}")
     print("-" * len(header))
     for r in results:
         local = next(x for x in results if x["mode"] == "local" and x["batch_size"] == r["batch_size"])
@@ -97,14 +100,14 @@ def print_table(results: List[Dict[str, Any]]) -> None:
         print(f"{r['batch_size']:>7,}{r['world']:>6}  {run:<12}{_fmt(r['samples_per_s'], ',.0f'):>11}"
               f"{_fmt(_ratio(r['samples_per_s'], local['samples_per_s']), '.2f'):>9}{_fmt(step_ms, '.1f'):>9}"
               f"{_fmt(r.get('trainer_cpu_ms'), '.1f'):>13}{_fmt(_ratio(r.get('trainer_cpu_ms'), local.get('trainer_cpu_ms')), '.2f'):>9}"
-              f"{_fmt(r.get('other_trainer_cpu_ms'), '.1f'):>12}{_fmt(r.get('shards_cpu_ms'), '.1f'):>12}")
+              f"{_fmt(r.get('other_trainer_cpu_ms'), '.1f'):>12}{_fmt(r.get('workers_cpu_ms'), '.1f'):>12}{_fmt(r.get('shards_cpu_ms'), '.1f'):>12}")
 
 
 def headline(results: List[Dict[str, Any]], staleness: int) -> Dict[str, Any]:
     """The figures at batch 4,096 (or the smallest batch run) and 1 rank."""
     batch = HEADLINE_BATCH if any(r["batch_size"] == HEADLINE_BATCH for r in results) else min(r["batch_size"] for r in results)
 
-    def pick(mode: str, tau: Optional[int]) -> Dict[str, Any]:
+    def pick(mode: str, tau: Optional[int]) -> Dict[str, Any]:  # with several --embedding-workers, the first
         return next((r for r in results if r["batch_size"] == batch and r["world"] == 1 and r["mode"] == mode and r["staleness"] == tau), {})
 
     out: Dict[str, Any] = {"headline_batch_size": batch, "hybrid_staleness": staleness}
@@ -112,6 +115,9 @@ def headline(results: List[Dict[str, Any]], staleness: int) -> Dict[str, Any]:
         out[f"{label}_samples_per_s"] = run.get("samples_per_s")
         out[f"{label}_cpu_ms"] = run.get("trainer_cpu_ms")
         out[f"{label}_shards_cpu_ms"] = run.get("shards_cpu_ms")
+        out[f"{label}_workers_cpu_ms"] = run.get("workers_cpu_ms")
+        for part in ("cpu_main", "cpu_pool", "cpu_other_threads"):  # with --profile: the trainer's threads (trainbench/probe.py)
+            out[f"{label}_{part}_ms"] = (run.get("profile") or {}).get(part)
     for label in ("sync", "hybrid"):
         out[f"{label}_vs_local"] = _ratio(out[f"{label}_samples_per_s"], out["local_samples_per_s"])
         out[f"{label}_cpu_vs_local"] = _ratio(out[f"{label}_cpu_ms"], out["local_cpu_ms"])
@@ -146,6 +152,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--loader-workers", type=int, default=0, metavar="N",
                         help="worker processes of every run's train DataLoader (PersiaStrategy then plans each batch's lookup "
                              "in them; default 0: in the trainer process)")
+    parser.add_argument("--embedding-workers", type=int, nargs="+", default=None, metavar="N",
+                        help="PersiaStrategy(embedding_workers=EmbeddingWorkerSettings(count=N)) for the PersiaStrategy runs, "
+                             "each value a run of its own (0: the per-id work on the trainer's threads; default: the strategy's)")
     add_device_arguments(parser)
     parser.add_argument("--profile", action="store_true",
                         help="profile the runs (torch.profiler spans of the embedding path, CPU per thread) and print where a step's time goes")

@@ -22,7 +22,10 @@ step time)
   cpu_prefetch  the prefetch thread (planning: dedup, bucketing and encoding of lookups)
   cpu_push      the pusher's thread (gradients checked, encoded and sent)
   cpu_client    the PS client's event-loop thread (gRPC calls, decoding rows)
-  cpu_other     every other thread of the trainer process (gRPC core, Lightning, the rank merge)
+  cpu_other     every other thread of the trainer process (gRPC core, Lightning, the rank merge, the embedding
+                workers' replies)
+  cpu_workers   the embedding-worker processes (``PersiaStrategy(embedding_workers=...)``): bucketing, encoding, the
+                shards' calls, decoding
   cpu_ranks     the other trainer ranks (rank 0 launched them) and DataLoader workers, whole processes
   cpu_shards    the shard processes (and, with --netem without kernel netem, the delaying forwarder)
 
@@ -56,7 +59,9 @@ from lightning_persia.embedding.phases import GRADIENT_ENCODE, GRADIENT_PUSH, LO
 
 _TICK_MS = 1000.0 / os.sysconf("SC_CLK_TCK")
 SHARD_PIDS: List[int] = []  # shard processes that are not children of this one (--netem)
-CPU_PARTS = ("cpu_main", "cpu_pool", "cpu_prefetch", "cpu_push", "cpu_client", "cpu_other", "cpu_ranks", "cpu_shards")
+CPU_PARTS = ("cpu_main", "cpu_pool", "cpu_prefetch", "cpu_push", "cpu_client", "cpu_other", "cpu_workers", "cpu_ranks", "cpu_shards")
+OTHER_THREADS = ("cpu_prefetch", "cpu_push", "cpu_client", "cpu_other")
+"""The trainer process's threads other than the main one and torch's pool: ``cpu_other_threads`` sums them."""
 
 
 def device_name(accelerator: str) -> str:
@@ -137,23 +142,28 @@ def cpu_snapshot() -> Dict[str, Any]:
     for tid in os.listdir("/proc/self/task"):
         tid_i = int(tid)
         threads[tid_i] = (_role(tid_i, names, main_tid), _stat_cpu_ms(f"/proc/self/task/{tid}/stat"))
-    shards = ranks = 0.0
+    shards = ranks = workers = 0.0
     for pid in set(_descendants(os.getpid())) | set(SHARD_PIDS):
         ms = _stat_cpu_ms(f"/proc/{pid}/stat")
-        if pid in SHARD_PIDS or _is_shard(pid):
+        command = _cmdline(pid)
+        if pid in SHARD_PIDS or (b"serve" in command and b"ps" in command):
             shards += ms
+        elif EMBEDDING_WORKER_MODULE in command:
+            workers += ms
         else:  # with 2 ranks, rank 0 is the launcher of rank 1; DataLoader workers
             ranks += ms
-    return {"threads": threads, "process": _stat_cpu_ms("/proc/self/stat"), "children": shards, "ranks": ranks}
+    return {"threads": threads, "process": _stat_cpu_ms("/proc/self/stat"), "children": shards, "ranks": ranks, "workers": workers}
 
 
-def _is_shard(pid: int) -> bool:
+EMBEDDING_WORKER_MODULE = b"lightning_persia.embedding.embedding_worker"
+
+
+def _cmdline(pid: int) -> List[bytes]:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            args = f.read().split(b"\0")
+            return f.read().split(b"\0")
     except (FileNotFoundError, ProcessLookupError):
-        return False
-    return b"serve" in args and b"ps" in args
+        return []
 
 
 def cpu_delta(start: Dict[str, Any], end: Dict[str, Any]) -> Dict[str, float]:
@@ -174,6 +184,7 @@ def cpu_delta(start: Dict[str, Any], end: Dict[str, Any]) -> Dict[str, float]:
     out[roles.pop() if len(roles) == 1 else "cpu_other"] += max(0.0, ended_ms)
     out["cpu_shards"] = end["children"] - start["children"]
     out["cpu_ranks"] = end["ranks"] - start["ranks"]
+    out["cpu_workers"] = end["workers"] - start["workers"]
     return out
 
 
@@ -203,6 +214,7 @@ class CpuMeter(L.Callback):
             "trainer_cpu_ms": (self._end["process"] - self._start["process"]) / steps,
             "other_trainer_cpu_ms": (self._end["ranks"] - self._start["ranks"]) / steps,
             "shards_cpu_ms": (self._end["children"] - self._start["children"]) / steps,
+            "workers_cpu_ms": (self._end["workers"] - self._start["workers"]) / steps,
         }
 
 
@@ -320,6 +332,7 @@ class StepProbe(L.Callback):
             for part in CPU_PARTS:
                 out[part] = delta[part] / timed
             out["cpu_total"] = sum(out[p] for p in CPU_PARTS)
+            out["cpu_other_threads"] = sum(out[p] for p in OTHER_THREADS)
         return out
 
 

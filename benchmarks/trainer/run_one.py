@@ -85,7 +85,7 @@ def run(config: Dict[str, Any]) -> None:
     import lightning as L
     from torch.utils.data import DataLoader
 
-    from lightning_persia import Adagrad, PersiaStrategy, PSSettings, TableSettings
+    from lightning_persia import Adagrad, EmbeddingWorkerSettings, PersiaStrategy, PSSettings, TableSettings
     from benchmarks.trainer.data import RankSlices
     from benchmarks.trainer.models import build_model, make_local_fused
     from benchmarks.trainer.probe import CpuMeter, StepProbe, device_name
@@ -122,6 +122,7 @@ def run(config: Dict[str, Any]) -> None:
             wire_dtype=config["wire_dtype"],
             data_parallel_max_rows=config.get("data_parallel_max_rows", 0),
             merge_rank_gradients=config.get("merge_rank_gradients", True),
+            embedding_workers=EmbeddingWorkerSettings(count=config["embedding_workers"]) if config.get("embedding_workers") is not None else None,
         )
 
     import benchmarks.trainer.probe as probe_module

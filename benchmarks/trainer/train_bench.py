@@ -63,6 +63,7 @@ def make_configs(args: argparse.Namespace, meta: Dict[str, Any]) -> List[Dict[st
         wire_dtype=args.wire_dtype, shards=args.shards, profile=args.profile or bool(args.trace), trace=args.trace, data_parallel_max_rows=args.data_parallel_max_rows,
         merge_rank_gradients=not args.per_rank_updates, storage_dtype=args.storage_dtype,
         accelerator=args.accelerator, data=args.data, loader_workers=args.loader_workers,
+        embedding_workers=args.embedding_workers,
     )
     if args.threads:
         common["torch_threads"] = args.threads
@@ -344,6 +345,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one configuration may take")
     add_device_arguments(parser)
     parser.add_argument("--loader-workers", type=int, default=0, metavar="N", help="worker processes of every run's train DataLoader")
+    parser.add_argument("--embedding-workers", type=int, default=None, metavar="N",
+                        help="PersiaStrategy(embedding_workers=EmbeddingWorkerSettings(count=N)) (0: the per-id work on the "
+                             "trainer's threads; default: the strategy's)")
     parser.add_argument("--storage-dtype", default="fp32", choices=["fp32", "fp16"], help="how the shards store the rows")
     parser.add_argument("--grow", action="store_true",
                         help="instead of the table: train while the tables grow (Criteo-Terabyte cardinalities) to --grow-rows")

@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
@@ -30,13 +31,14 @@ from lightning_persia.embedding.batch_rows import BatchRows, ModuleRows
 from lightning_persia.embedding.batch_search import Path, at_path, find_path
 from lightning_persia.embedding.context import StepContext
 from lightning_persia.embedding.phases import LOOKUP_WAIT, PLAN
-from lightning_persia.embedding.planning import BatchPlanner, PlannedBatch
+from lightning_persia.embedding.planning import BatchPlanner, Deduplicate, PlannedBatch
 from lightning_persia.embedding.pusher import GradientPusher
 from lightning_persia.embedding.row_source import Planner
 from lightning_persia.embedding.scheduler import LookupScheduler
 from lightning_persia.embedding.transfer import DeviceTransfer
 from lightning_persia.ops import wire
 from lightning_persia.ops.pooled_lookup import fbgemm_available
+from lightning_persia.ops.dedup import keyed_unique
 from lightning_persia.ops.keyed_ids import KeyedIds
 
 if TYPE_CHECKING:
@@ -65,17 +67,20 @@ class EmbeddingPipeline:
         timeout_s: longest wait for rows or for the staleness window before failing with a clear error (at
             least as long as one call to the shards may last with its retries).
         rank_merge: with several ranks, sums their gradients of a step into one update.
+        dedup: how the prefetch deduplicates each module's ids of a step (default: here, ``ops.dedup.keyed_unique``;
+            ``EmbeddingWorkers.deduplicate``: in an embedding worker).
     """
 
     def __init__(
         self, client: "ShardClient", staleness: int, wire_dtype: str, device: torch.device, timeout_s: float = 300.0,
-        rank_merge: Optional["RankMerge"] = None,
+        rank_merge: Optional["RankMerge"] = None, dedup: Deduplicate = keyed_unique,
     ) -> None:
         wire.wire_dtype(wire_dtype)
         self.client = client
         self.wire_dtype = wire_dtype
         self.device = device
         self.timeout_s = timeout_s
+        self._dedup = dedup
         self.scheduler = LookupScheduler(staleness)
         self.transfer = DeviceTransfer(device)
         self._fused_lookup = fbgemm_available(self.transfer.device.type)
@@ -137,7 +142,7 @@ class EmbeddingPipeline:
     def plan(self, batch: Any) -> StepContext:
         """Numbers ``batch`` as the next step and plans the one lookup of every module whose input it shows."""
         with record_function(PLAN):
-            return self.adopt(self.batch_planner().plan(batch))
+            return self.adopt(replace(self.batch_planner(), dedup=self._dedup).plan(batch))
 
     def adopt(self, planned: PlannedBatch) -> StepContext:
         """Numbers a batch planned elsewhere (a DataLoader worker) as the next step.
@@ -154,7 +159,7 @@ class EmbeddingPipeline:
                 for planner in missing:
                     features = at_path(planned.batch, paths[planner.key])
                     if features is not None and planner.accepts(features):
-                        plans.append(planner.plan(features))
+                        plans.append(planner.plan(features, self._dedup))
                 if len(plans) > len(planned.plans):
                     sharded = self.client.shard(KeyedIds.concat([p.unique for p in plans]))
         with self._lock:
@@ -220,7 +225,7 @@ class EmbeddingPipeline:
         key = planner.key
         step = self._current
         if step is None:  # evaluation: nothing is admitted, nothing is pushed
-            rows = BatchRows([planner.plan(features)])
+            rows = BatchRows([planner.plan(features, self._dedup)])
             try:
                 self._fetch(rows, train=False)
                 with record_function(LOOKUP_WAIT):
@@ -245,7 +250,7 @@ class EmbeddingPipeline:
         requires_grad = torch.is_grad_enabled()
         try:
             if rows is None:
-                rows = BatchRows([planner.plan(features)])
+                rows = BatchRows([planner.plan(features, self._dedup)])
                 self.scheduler.window.wait_for_lookup(step.index, self.timeout_s)
                 step.lag = self.scheduler.window.lag(step.index)
                 self._fetch(rows, train=True, step=step)

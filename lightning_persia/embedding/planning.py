@@ -18,10 +18,14 @@ from lightning_persia.embedding.batch_search import Path, at_path, find_kjts
 from lightning_persia.ops.dedup import keyed_unique
 from lightning_persia.ops.keyed_ids import KeyedIds
 
+Deduplicate = Callable[[KeyedIds], tuple[KeyedIds, torch.Tensor]]
+"""Every table's unique ids of some ids, and each id's row among them (``ops.dedup.keyed_unique``, or an embedding
+worker's: ``EmbeddingWorkers.deduplicate``)."""
+
 
 def _plan_ids(key: str, tables: tuple[str, ...], dims: tuple[int, ...], counts: tuple[int, ...], ids: torch.Tensor,
-              source: tuple[torch.Tensor, ...], feature_tables: Optional[tuple[int, ...]] = None) -> RowPlan:
-    unique, inverse = keyed_unique(KeyedIds(tables, counts, ids.reshape(-1).to(device="cpu", dtype=torch.int64)))
+              source: tuple[torch.Tensor, ...], feature_tables: Optional[tuple[int, ...]], dedup: Deduplicate) -> RowPlan:
+    unique, inverse = dedup(KeyedIds(tables, counts, ids.reshape(-1).to(device="cpu", dtype=torch.int64)))
     return RowPlan(key, unique, dims, inverse, source, feature_tables, counts)
 
 
@@ -66,12 +70,12 @@ class CollectionPlanner:
     def sources(self, kjt: KeyedJaggedTensor) -> tuple[torch.Tensor, ...]:
         return (kjt.values(), kjt.lengths())
 
-    def plan(self, kjt: KeyedJaggedTensor) -> RowPlan:
+    def plan(self, kjt: KeyedJaggedTensor, dedup: Deduplicate = keyed_unique) -> RowPlan:
         mine = self.select(kjt)
         per_feature = torch.tensor(mine.length_per_key(), dtype=torch.int64)
         counts = torch.zeros(len(self.tables), dtype=torch.int64).index_add_(0, torch.tensor(self.feature_tables, dtype=torch.int64), per_feature)
         return _plan_ids(self.key, self.tables, self.dims, tuple(counts.tolist()), mine.values(), self.sources(kjt),
-                         self.feature_tables if self.pooled else None)
+                         self.feature_tables if self.pooled else None, dedup)
 
 
 @dataclass(frozen=True)
@@ -91,8 +95,8 @@ class TensorPlanner:
     def sources(self, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (ids,)
 
-    def plan(self, ids: torch.Tensor) -> RowPlan:
-        return _plan_ids(self.key, (self.table,), (self.dim,), (ids.numel(),), ids, (ids,))
+    def plan(self, ids: torch.Tensor, dedup: Deduplicate = keyed_unique) -> RowPlan:
+        return _plan_ids(self.key, (self.table,), (self.dim,), (ids.numel(),), ids, (ids,), None, dedup)
 
 
 Planner = Union[CollectionPlanner, TensorPlanner]
@@ -117,12 +121,14 @@ class BatchPlanner:
     """Plans a batch's lookup: every module whose input the batch shows, then the ids of all of them sharded.
 
     ``paths``: where in a batch the input of a module that cannot tell (a plain ``nn.Embedding``) was found;
-    ``shard``: how the ids are bucketed and encoded for the shards (``PSClient.sharder()``), picklable like the rest.
+    ``shard``: how the ids are bucketed and encoded for the shards (``PSClient.sharder()``), picklable like the rest;
+    ``dedup``: how each module's ids are deduplicated (in the process that plans, unless an embedding worker does it).
     """
 
     planners: tuple[Planner, ...]
     paths: tuple[tuple[str, Path], ...]
     shard: Callable[[KeyedIds], Any]
+    dedup: Deduplicate = keyed_unique
 
     def plan(self, batch: Any) -> PlannedBatch:
         paths = dict(self.paths)
@@ -131,7 +137,7 @@ class BatchPlanner:
             path = paths.get(planner.key)
             features = at_path(batch, path) if path is not None else planner.find(batch)
             if features is not None and planner.accepts(features):  # a batch shaped otherwise is fetched in the forward
-                plans.append(planner.plan(features))
+                plans.append(planner.plan(features, self.dedup))
         sharded = self.shard(KeyedIds.concat([p.unique for p in plans])) if plans else None
         return PlannedBatch(batch, tuple(plans), sharded)
 

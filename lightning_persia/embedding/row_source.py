@@ -13,6 +13,8 @@ from typing import Any, Optional, Protocol, runtime_checkable
 import torch
 
 from lightning_persia.embedding.batch_rows import ModuleRows, RowPlan
+from lightning_persia.embedding.planning import Deduplicate
+from lightning_persia.ops.dedup import keyed_unique
 
 
 @runtime_checkable
@@ -30,8 +32,9 @@ class Planner(Protocol):
     def sources(self, features: Any) -> tuple[torch.Tensor, ...]:
         """The tensors of ``features`` its ids come from (to check that a prefetched plan is the one of ``features``)."""
 
-    def plan(self, features: Any) -> RowPlan:
-        """The deduplicated ids of ``features`` (the forward's input) and how the forward reads their rows."""
+    def plan(self, features: Any, dedup: Deduplicate = keyed_unique) -> RowPlan:
+        """The deduplicated ids of ``features`` (the forward's input) and how the forward reads their rows; ``dedup``
+        (``planning.Deduplicate``, default ``ops.dedup.keyed_unique``) deduplicates them."""
 
 
 @runtime_checkable

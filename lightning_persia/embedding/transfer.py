@@ -25,9 +25,12 @@ import torch
 class Upload:
     """A tensor on its way to the device; :meth:`get` on the stream that uses it."""
 
-    def __init__(self, tensor: torch.Tensor, event: Optional["torch.cuda.Event"] = None) -> None:
+    def __init__(self, tensor: torch.Tensor, event: Optional["torch.cuda.Event"] = None, source: Optional[torch.Tensor] = None) -> None:
         self._tensor = tensor
         self._event = event
+        # The host tensor copied from, held while the copy may run: an embedding worker's shared buffer goes back to
+        # its pool once nothing holds it, and torch's caching host allocator does not track memory it did not allocate.
+        self._source = source
 
     def get(self) -> torch.Tensor:
         """The tensor, usable by work queued on the current stream from now on (which waits for the copy)."""
@@ -85,7 +88,7 @@ class DeviceTransfer:
             on_device = pinned.to(self.device, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._up)
-        return Upload(on_device, event)
+        return Upload(on_device, event, pinned)
 
     def download(self, on_device: torch.Tensor, dtype: Optional[torch.dtype] = None) -> Download:
         """Starts ``on_device``'s copy (as ``dtype``) to pinned host memory once the current stream's work so far is

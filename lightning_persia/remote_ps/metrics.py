@@ -19,9 +19,10 @@ Example::
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 import grpc
 import grpc.aio
@@ -97,14 +98,47 @@ class ClientRpcMetrics(grpc.aio.UnaryUnaryClientInterceptor):
                                   labels, buckets=LATENCY_BUCKETS, registry=registry)
 
     async def intercept_unary_unary(self, continuation, client_call_details, request):
-        method = client_call_details.method
-        labels = ("unary", *_split_method(method.decode() if isinstance(method, bytes) else method))
         start = time.perf_counter()
         call = await continuation(client_call_details, request)
         code = await call.code()
-        self._seconds.labels(*labels).observe(time.perf_counter() - start)
-        self._handled.labels(*labels, code.name).inc()
+        self.record([(_method_name(client_call_details), code.name, time.perf_counter() - start)])
         return call
+
+    def record(self, calls: Sequence[tuple[str, str, float]]) -> None:
+        """Counts calls ``(method path, status code name, seconds)``: this client's, or those another process made
+        for it and logged (an embedding worker's, :class:`ClientCallLog`)."""
+        for method, code, seconds in calls:
+            labels = ("unary", *_split_method(method))
+            self._seconds.labels(*labels).observe(seconds)
+            self._handled.labels(*labels, code).inc()
+
+
+class ClientCallLog(grpc.aio.UnaryUnaryClientInterceptor):
+    """Notes every call of a ``grpc.aio`` client as ``(method path, status code name, seconds)`` until :meth:`drain`:
+    an embedding worker's calls, which its trainer counts (:meth:`ClientRpcMetrics.record`)."""
+
+    def __init__(self) -> None:
+        self._calls: list[tuple[str, str, float]] = []
+        self._lock = threading.Lock()
+
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        start = time.perf_counter()
+        call = await continuation(client_call_details, request)
+        code = await call.code()
+        with self._lock:
+            self._calls.append((_method_name(client_call_details), code.name, time.perf_counter() - start))
+        return call
+
+    def drain(self) -> list[tuple[str, str, float]]:
+        """The calls noted since the last drain."""
+        with self._lock:
+            calls, self._calls = self._calls, []
+        return calls
+
+
+def _method_name(details: grpc.aio.ClientCallDetails) -> str:
+    method = details.method
+    return method.decode() if isinstance(method, bytes) else method
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from lightning_persia.embedding.modules import RemoteModule
 from lightning_persia.embedding.pipeline import EmbeddingPipeline
 from lightning_persia.embedding.prefetch import PrefetchingLoader
 from lightning_persia.embedding.rank_merge import RankMerge
+from lightning_persia.embedding.worker_client import EmbeddingWorkers
 from lightning_persia.ops.pooled_lookup import kernel_in_use
 from lightning_persia.remote_ps.client import PSClient, ShardWait
 from lightning_persia.remote_ps.table_config import TABLE_SETTING_NAMES, InitLike, OptimizerLike, TableSettings
@@ -48,6 +49,7 @@ from lightning_persia.strategy.ps_settings import PSSettings
 from lightning_persia.strategy.recovery import (
     PersiaRecoveryError, Recovery, RecoveryConfig, RollbackEvent, is_shard_failure, new_save_id,
 )
+from lightning_persia.strategy.worker_settings import EmbeddingWorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +107,9 @@ class PersiaStrategy(DDPStrategy):
         metrics: serve this rank's Prometheus metrics (lookup wait, lag, rows, wire bytes, rollbacks, PS calls and
             errors) at a :class:`~lightning_persia.MetricsEndpoint` (``http://<host>:<port + local rank>/metrics``);
             ``None``: none. See ``lightning_persia.strategy.metrics``.
+        embedding_workers: the processes that do each rank's per-id work with the shards, out of the trainer's
+            interpreter: an :class:`~lightning_persia.EmbeddingWorkerSettings` (``count``, default 1; ``0``: on the
+            trainer's threads). See ``docs/embedding-pipeline.md``.
 
     The connection, table and metrics settings were flat arguments once (``ps_addresses``, ``capacity``,
     ``metrics_port``, ...); such a name fails with a message naming its new place
@@ -130,6 +135,7 @@ class PersiaStrategy(DDPStrategy):
         log_embedding_metrics: bool = True,
         recovery: Optional[RecoveryConfig] = None,
         metrics: Optional[MetricsEndpoint] = None,
+        embedding_workers: Optional[EmbeddingWorkerSettings] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -158,10 +164,13 @@ class PersiaStrategy(DDPStrategy):
             raise ValueError(f"data_parallel_max_rows must be >= 0, got {data_parallel_max_rows}")
         if wire_dtype not in ("fp16", "fp32"):
             raise ValueError(f"wire_dtype must be 'fp16' or 'fp32', got {wire_dtype!r}")
-        for name, value, kind in (("ps", ps, PSSettings), ("metrics", metrics, MetricsEndpoint)):
+        for name, value, kind in (("ps", ps, PSSettings), ("embedding_workers", embedding_workers, EmbeddingWorkerSettings),
+                                  ("metrics", metrics, MetricsEndpoint)):
             if value is not None and not isinstance(value, kind):
                 raise TypeError(f"PersiaStrategy: {name} must be a {kind.__name__} or None, got {type(value).__name__}")
         self.ps = (ps if ps is not None else PSSettings()).with_environment()
+        self.embedding_workers = embedding_workers if embedding_workers is not None else EmbeddingWorkerSettings()
+        self._workers: Optional[EmbeddingWorkers] = None
         self.staleness = staleness
         self.wire_dtype = wire_dtype
         self.intercept_kinds = list(intercept) if intercept is not None else list(MODULE_KINDS)
@@ -185,6 +194,11 @@ class PersiaStrategy(DDPStrategy):
     def pipeline(self) -> Optional[EmbeddingPipeline]:
         """The rank's embedding pipeline (set up with the model; None before, or without remote tables)."""
         return self._pipeline
+
+    @property
+    def embedding_worker_pids(self) -> list[int]:
+        """The process ids of this rank's embedding workers (none before setup, or with ``embedding_workers.count=0``)."""
+        return self._workers.pids if self._workers is not None else []
 
     @property
     def metrics_url(self) -> Optional[str]:
@@ -282,9 +296,16 @@ class PersiaStrategy(DDPStrategy):
             rank_merge = RankMerge(sender, dims, timeout=self._timeout)
         # A wait for rows or for the staleness window lasts as long as the call it waits for may, retries included
         # (RecoveryConfig.wait_for_shards_s): a shard coming back in that time costs a pause, not the run.
-        self._pipeline = EmbeddingPipeline(
-            self.client, self.staleness, self.wire_dtype, self.root_device, timeout_s=self.client.call_budget_s, rank_merge=rank_merge,
-        )
+        client, budget_s = self.client, self.client.call_budget_s
+        if self.embedding_workers.count and dims:
+            self._workers = EmbeddingWorkers(
+                self.embedding_workers.count, client.addresses, dims, client.retry, lambda: client.incarnations, token=self.ps.token,
+                tls_root_cert=self.ps.tls_root_cert, rank=self.global_rank, start_timeout_s=self.embedding_workers.start_timeout_s,
+                timeout_s=budget_s, on_calls=self._metrics.client_interceptor.record if self._metrics is not None else None)
+            self._pipeline = EmbeddingPipeline(self._workers, self.staleness, self.wire_dtype, self.root_device, timeout_s=budget_s,
+                                               rank_merge=rank_merge, dedup=self._workers.deduplicate)
+        else:
+            self._pipeline = EmbeddingPipeline(client, self.staleness, self.wire_dtype, self.root_device, timeout_s=budget_s, rank_merge=rank_merge)
         # Lightning moves each batch to the device as a whole; a module that overrides one of these hooks may change it.
         self._pipeline.batches_arrive_unchanged = not any(
             is_overridden(hook, self.lightning_module) for hook in ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
@@ -541,12 +562,14 @@ class PersiaStrategy(DDPStrategy):
             log.warning("PersiaStrategy: cleaning up after %s failed: %s: %s", type(exception).__name__, type(error).__name__, error)
 
     def close(self) -> None:
-        """Disconnects from the shards and stops the embedded cluster, if this rank started one."""
-        pipeline, client, cluster, metrics = self._pipeline, self.client, self._cluster, self._metrics
-        self._pipeline = self.client = self._cluster = self._metrics = None
+        """Stops the embedding workers, disconnects from the shards and stops the embedded cluster, if this rank started one."""
+        pipeline, workers, client, cluster, metrics = self._pipeline, self._workers, self.client, self._cluster, self._metrics
+        self._pipeline = self._workers = self.client = self._cluster = self._metrics = None
         try:
             if pipeline is not None:
                 pipeline.close()
+            if workers is not None:
+                workers.close()
             if client is not None:
                 client.close()
         finally:  # the shards and the metrics server stop whatever failed before

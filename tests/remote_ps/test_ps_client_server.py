@@ -411,3 +411,16 @@ def test_a_client_left_open_with_calls_in_flight_lets_the_interpreter_exit_clean
     for process in processes:
         _, err = process.communicate(timeout=120)
         assert process.returncode == 0, err[-2000:]
+
+
+def test_rows_are_decoded_into_a_given_buffer_of_their_size_and_another_is_refused(ps_cluster, make_client):
+    from lightning_persia.ops.keyed_ids import KeyedIds
+
+    client = make_client(ps_cluster.addresses)
+    client.configure([TableConfig("out_t", 3, init=Constant(0.25))])
+    sharded = client.shard(KeyedIds(("out_t",), (4,), torch.tensor([9, 1, 5, 2])))
+    out = torch.full((12,), -1.0)
+    assert client.lookup_sharded_async(sharded, train=True, wire_dtype="fp32", out=out).result(30) is out
+    assert torch.equal(out, torch.full((12,), 0.25))
+    with pytest.raises(ValueError, match=r"out must be a flat float32 tensor of 12 values, got torch.float32 \(11,\)"):
+        client.lookup_sharded_async(sharded, train=True, out=torch.empty(11)).result(30)

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from lightning_persia.remote_ps.client import PSClient, PSRequestError, RetryPolicy, ShardUnavailableError
-from lightning_persia.remote_ps.metrics import ClientRpcMetrics
+from lightning_persia.remote_ps.metrics import ClientCallLog, ClientRpcMetrics
 from lightning_persia.remote_ps.protocol import LISTENING_PREFIX, METRICS_PREFIX
 from lightning_persia.remote_ps.table_config import SGD, TableConfig
 
@@ -153,3 +153,26 @@ def test_the_client_interceptor_counts_calls_and_leaves_errors_as_they_are(start
     assert samples[("grpc_client_handled_total", frozenset(dict(rpc, grpc_code="NOT_FOUND").items()))] == 1
     assert samples[("grpc_client_handled_total", frozenset(dict(rpc, grpc_code="UNAVAILABLE").items()))] == 2
     assert samples[("grpc_client_handling_seconds_count", frozenset(rpc.items()))] == 4
+
+
+def test_calls_logged_in_another_client_count_where_they_are_recorded(start_ps_cluster):
+    """An embedding worker's client logs its calls (ClientCallLog); its trainer counts them (ClientRpcMetrics.record)."""
+    log = ClientCallLog()
+    shards = start_ps_cluster(1)
+    with PSClient(shards.addresses, interceptors=[log]) as client:
+        client.wait_healthy(30)
+        client.configure([TableConfig("c.t", dim=2)])
+        client.lookup({"c.t": torch.arange(3)}, train=True)
+        with pytest.raises(PSRequestError, match="NOT_FOUND"):
+            client.lookup({"c.missing": torch.arange(3)}, train=True)
+    calls = log.drain()
+    assert log.drain() == []
+    lookups = [(method, code) for method, code, seconds in calls if method.endswith("/Lookup") and seconds >= 0]
+    assert lookups == [("/persia.ParameterServer/Lookup", "OK"), ("/persia.ParameterServer/Lookup", "NOT_FOUND")]
+    registry = CollectorRegistry()
+    ClientRpcMetrics(registry).record(calls)
+    samples = {(s.name, frozenset(s.labels.items())): s.value
+               for family in text_string_to_metric_families(generate_latest(registry).decode()) for s in family.samples}
+    rpc = dict(grpc_type="unary", grpc_service="persia.ParameterServer", grpc_method="Lookup")
+    assert samples[("grpc_client_handled_total", frozenset(dict(rpc, grpc_code="OK").items()))] == 1
+    assert samples[("grpc_client_handled_total", frozenset(dict(rpc, grpc_code="NOT_FOUND").items()))] == 1

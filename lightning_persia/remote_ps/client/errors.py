@@ -15,6 +15,9 @@ class PSRequestError(PSError):
         super().__init__(f"shard {shard} at {address} answered {code.name}: {details}")
         self.shard, self.address, self.code, self.details = shard, address, code, details
 
+    def __reduce__(self):  # pickled by its fields: an embedding worker's error reaches the trainer as the same error
+        return type(self), (self.shard, self.address, self.code, self.details)
+
 
 class ShardRestartedError(PSRequestError):
     """A shard restarted since this client learnt its incarnation (``ABORTED``): rows written since the last
@@ -30,3 +33,6 @@ class ShardUnavailableError(PSError):
             f"shard {shard} at {address} did not answer after {tries} tries over {elapsed_s:.1f} s: {last_error}"
         )
         self.shard, self.address, self.tries, self.elapsed_s, self.last_error = shard, address, tries, elapsed_s, last_error
+
+    def __reduce__(self):
+        return type(self), (self.shard, self.address, self.tries, self.elapsed_s, self.last_error)

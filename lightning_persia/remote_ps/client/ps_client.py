@@ -107,11 +107,14 @@ class PSClient(ShardAdmin):
 
     # ---- lookups -------------------------------------------------------------------------------------
 
-    def lookup_sharded_async(self, sharded: ShardedIds, *, train: bool, wire_dtype: str = "fp16") -> "Future[torch.Tensor]":
+    def lookup_sharded_async(
+        self, sharded: ShardedIds, *, train: bool, wire_dtype: str = "fp16", out: Optional[torch.Tensor] = None,
+    ) -> "Future[torch.Tensor]":
         """Rows of every id of ``sharded`` as one flat float32 tensor in its :class:`KeyedIds` order: table after
-        table, ``[count, dim]`` each, row-major (every table's ids unique). ``train=True`` admits unseen ids."""
+        table, ``[count, dim]`` each, row-major (every table's ids unique). ``train=True`` admits unseen ids.
+        ``out``: a flat float32 tensor of that size the rows are decoded into (e.g. a buffer another process reads)."""
         _wire_enum(wire_dtype)
-        return self._submit(self._lookup(sharded, train, wire_dtype))
+        return self._submit(self._lookup(sharded, train, wire_dtype, out))
 
     def lookup_async(self, ids: Mapping[str, torch.Tensor], *, train: bool, wire_dtype: str = "fp16") -> "Future[Dict[str, torch.Tensor]]":
         """Rows of ``ids`` per table (float32 ``[n, dim]`` on CPU, in the order of ``ids``).
@@ -132,7 +135,7 @@ class PSClient(ShardAdmin):
         parts = torch.split(flat, [c * d for c, d in zip(keyed.counts, dims)])
         return {t: part.view(c, d) for t, part, c, d in zip(keyed.tables, parts, keyed.counts, dims)}
 
-    async def _lookup(self, sharded: ShardedIds, train: bool, wire_dtype: str) -> torch.Tensor:
+    async def _lookup(self, sharded: ShardedIds, train: bool, wire_dtype: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         dtype = _wire_enum(wire_dtype)
         requests = []
         for message in sharded.messages:
@@ -151,7 +154,10 @@ class PSClient(ShardAdmin):
             self._dims.update(zip(message.tables, response.packed_dims))
         keyed, order = sharded.keyed, sharded.order
         layout = RowLayout(keyed.counts, [self._dims[t] for t in keyed.tables])
-        out = torch.empty(layout.numel, dtype=torch.float32)
+        if out is None:
+            out = torch.empty(layout.numel, dtype=torch.float32)
+        elif out.dtype != torch.float32 or out.dim() != 1 or out.numel() != layout.numel:
+            raise ValueError(f"out must be a flat float32 tensor of {layout.numel} values, got {out.dtype} {tuple(out.shape)}")
         for message, response in zip(sharded.messages, responses):
             where = f"rows of tables {list(message.tables)} from shard {message.shard}"
             values = wire.rows_view(response.packed_rows, wire_dtype, 1, what=where).view(-1)

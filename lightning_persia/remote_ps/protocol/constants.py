@@ -45,8 +45,9 @@ ADDRESSES_ENV = "PERSIA_PS_ADDRESSES"
 """Comma-separated ``host:port`` of the shards, in shard order, read by the strategy when none are given."""
 
 SHARD_PROCESS_ENV = "LIGHTNING_PERSIA_SHARD_PROCESS"
-"""``1`` in a shard process: ``import lightning_persia`` then leaves the strategy, and Lightning with it, out (the
-launcher of local shards and the Kubernetes manifests set it; a shard without it works, with Lightning loaded)."""
+"""``1`` in a shard process or an embedding worker: ``import lightning_persia`` then leaves the strategy, and Lightning
+with it, out (the launcher of local shards, the trainer starting its embedding workers and the Kubernetes manifests set
+it; a process without it works, with Lightning loaded)."""
 
 # ---- checkpoints ---------------------------------------------------------------------------------------
 

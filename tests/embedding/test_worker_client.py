@@ -1,0 +1,116 @@
+"""Embedding workers against real shards: rows, updates and deduplication as the trainer's own client and planning
+give them, through shared buffers; bad input refused; a worker that dies fails every call, in flight or to come, with an error naming it."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from lightning_persia.embedding.worker_client import EmbeddingWorkerError, EmbeddingWorkers
+from lightning_persia.ops.dedup import keyed_unique
+from lightning_persia.ops.keyed_ids import KeyedIds
+from lightning_persia.remote_ps.client import PSClient
+from lightning_persia.remote_ps.table_config import SGD, Constant, TableConfig
+from lightning_persia.strategy.local_cluster import LocalCluster
+
+TABLES = [TableConfig("a", 4, optimizer=SGD(lr=1.0), init=Constant(0.5)), TableConfig("b", 8, optimizer=SGD(lr=1.0), init=Constant(-1.0))]
+DIMS = {t.name: t.dim for t in TABLES}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cluster = LocalCluster(2, seed=0)
+    client = PSClient(cluster.addresses)
+    client.wait_healthy(60)
+    client.configure(TABLES)
+    yield cluster, client
+    client.close()
+    cluster.stop()
+
+
+def _workers(client: PSClient, count: int = 1) -> EmbeddingWorkers:
+    return EmbeddingWorkers(count, client.addresses, DIMS, client.retry, lambda: client.incarnations, start_timeout_s=120)
+
+
+def _keyed(a: list[int], b: list[int]) -> KeyedIds:
+    return KeyedIds(("a", "b"), (len(a), len(b)), torch.tensor(a + b, dtype=torch.int64))
+
+
+def test_rows_and_updates_through_the_workers_are_the_clients(cluster):
+    _, client = cluster
+    workers = _workers(client, count=2)
+    try:
+        keyed = _keyed([1, 2, 3 << 40], [7, -5])
+        sharded = workers.shard(keyed)
+        rows = workers.lookup_sharded_async(sharded, train=True, wire_dtype="fp32").result(60)
+        expected = client.lookup_sharded_async(client.shard(keyed), train=False, wire_dtype="fp32").result(60)
+        torch.testing.assert_close(rows, expected, rtol=0, atol=0)
+        grads = torch.arange(rows.numel(), dtype=torch.float32) / 100
+        workers.update_sharded_async(sharded, grads, (4, 8), wire_dtype="fp32").result(60)
+        after = client.lookup_sharded_async(client.shard(keyed), train=False, wire_dtype="fp32").result(60)
+        torch.testing.assert_close(after, expected - grads, rtol=0, atol=1e-6)  # SGD(lr=1)
+        # An update without a lookup of its own (the ranks' merged one) goes through worker 0, sharded there.
+        workers.update_sharded_async(workers.shard(keyed), grads, (4, 8), wire_dtype="fp32", sender="merged").result(60)
+        torch.testing.assert_close(client.lookup_sharded_async(client.shard(keyed), train=False, wire_dtype="fp32").result(60),
+                                   expected - 2 * grads, rtol=0, atol=1e-6)
+        assert len(set(workers.pids)) == 2 and os.getpid() not in workers.pids
+    finally:
+        workers.close()
+
+
+def test_the_workers_deduplicate_like_the_trainer(cluster):
+    _, client = cluster
+    workers = _workers(client)
+    try:
+        keyed = KeyedIds(("a", "b"), (6, 4), torch.tensor([5, 1, 5, 9, 1, 1, 7, -2, 7, 7]))
+        unique, inverse = workers.deduplicate(keyed)
+        expected_unique, expected_inverse = keyed_unique(keyed)
+        assert unique.tables == ("a", "b") and unique.counts == expected_unique.counts == (3, 2)
+        assert torch.equal(unique.ids, expected_unique.ids) and torch.equal(inverse, expected_inverse)
+        empty, rows = workers.deduplicate(KeyedIds(("a",), (0,), torch.empty(0, dtype=torch.int64)))
+        assert empty.counts == (0,) and rows.numel() == 0
+    finally:
+        workers.close()
+
+
+def test_bad_input_is_refused_with_its_name(cluster):
+    _, client = cluster
+    workers = _workers(client)
+    try:
+        with pytest.raises(ValueError, match=r"tables \['c'\] are not among the remote tables \['a', 'b'\]"):
+            workers.lookup_sharded_async(workers.shard(KeyedIds(("c",), (1,), torch.tensor([1]))), train=True)
+        with pytest.raises(ValueError, match="grads must be a flat float tensor of 12 values"):
+            workers.update_sharded_async(workers.shard(_keyed([1], [2])), torch.zeros(3), (4, 8))
+        with pytest.raises(TypeError, match="expected the ids as EmbeddingWorkers.shard"):
+            workers.lookup_sharded_async(client.shard(_keyed([1], [2])), train=True)
+        with pytest.raises(ValueError, match="count must be >= 1"):
+            EmbeddingWorkers(0, client.addresses, DIMS, client.retry, lambda: client.incarnations)
+    finally:
+        workers.close()
+
+
+def test_a_worker_that_dies_fails_the_calls_in_flight_and_later_ones_naming_it(cluster):
+    _, client = cluster
+    workers = _workers(client)
+    try:
+        keyed = _keyed(list(range(2000)), list(range(500)))
+        pid = workers.pids[0]
+        os.kill(pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(EmbeddingWorkerError, match=rf"embedding worker 0 of rank 0 \(pid {pid}\) exited with code -9"):
+            for _ in range(50):  # until the pipe tells of the death: every call fails, none waits forever
+                workers.lookup_sharded_async(workers.shard(keyed), train=True).result(30)
+        assert time.monotonic() - started < 30
+        with pytest.raises(EmbeddingWorkerError, match="embedding worker 0 of rank 0"):
+            workers.update_sharded_async(workers.shard(keyed), torch.zeros(2000 * 4 + 500 * 8), (4, 8)).result(5)
+    finally:
+        workers.close()
+
+
+def test_a_worker_that_cannot_reach_the_shards_fails_the_start_naming_it(cluster):
+    _, client = cluster
+    with pytest.raises(EmbeddingWorkerError, match=r"embedding worker 0 of rank 3 \(pid \d+\) could not reach the shards"):
+        EmbeddingWorkers(1, client.addresses, {"nope": 4}, client.retry, lambda: client.incarnations, rank=3)

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from lightning_persia.testing import hammer
@@ -16,6 +17,7 @@ CLIENTS, STEPS = 4, 120
 TABLES = ["load_a", "load_b"]
 
 
+@pytest.mark.scenario  # minutes of processes: CI's scenario step (`make scenarios`), not `make test`
 def test_four_clients_two_shards_exact_sum_with_dropped_connections(ps_cluster, make_client):
     client = make_client(ps_cluster.addresses)
     client.configure([TableConfig(t, hammer.DIM, optimizer=SGD(lr=1.0), init=Constant(0.0)) for t in TABLES])

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from lightning_persia.remote_ps.protocol import COMMIT_MARKER
@@ -24,6 +25,7 @@ def _live(pgid: int) -> list[str]:
     return [line for line in listing.splitlines() if line.strip() and not line.strip().startswith("Z")]
 
 
+@pytest.mark.scenario  # minutes of processes: CI's scenario step (`make scenarios`), not `make test`
 def test_rank_killed_in_the_middle_of_a_save_fails_cleanly_and_the_run_resumes(tmp_path):
     log = tmp_path / "log.txt"
     with open(log, "w") as out:

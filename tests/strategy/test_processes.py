@@ -79,6 +79,7 @@ def test_two_ranks_train_the_tables_as_one_rank_when_their_gradients_are_merged(
         assert gap > 1e-2, "per-rank updates are two Adagrad steps: the tables must differ from 1 rank's"
 
 
+@pytest.mark.scenario  # minutes of processes: CI's scenario step (`make scenarios`), not `make test`
 @pytest.mark.parametrize("kept", [(), KEEP_T0], ids=["all-remote", "t0-kept"])
 def test_resume_after_restart_gives_the_same_weights_as_one_run(tmp_path, kept):
     n = RESUME_STEPS

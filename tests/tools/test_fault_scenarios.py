@@ -4,7 +4,11 @@ example through ``lightning-persia fit`` (real shards, real signals), each with 
 The 50-run campaign is in docs/reliability.md (``fault_scenarios.py --random 50``)."""
 from __future__ import annotations
 
+import pytest
+
 from tools.fault_scenarios import Fault, fit_once
+
+pytestmark = pytest.mark.scenario  # minutes of processes: CI's scenario step (`make scenarios`), not `make test`
 
 
 def test_a_shard_killed_in_a_checkpoint_save_and_another_in_the_rollback_and_the_run_finishes(tmp_path):

@@ -20,12 +20,12 @@ TORCHRUN = shutil.which("torchrun", path=os.path.dirname(sys.executable))
 
 # Each host is a network namespace joined by veth pairs to a bridge, which only root (CAP_NET_ADMIN) may create;
 # CI runs as root with iproute2, so the test runs there. Elsewhere it is skipped with what is missing.
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.scenario, pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or TORCHRUN is None,
     reason="runs hosts as network namespaces, which only root may create: needs root, iproute2's `ip` and torchrun "
     "beside this Python "
     f"(root: {os.geteuid() == 0}, ip: {shutil.which('ip')}, torchrun: {TORCHRUN})",
-)
+)]  # scenario: minutes of processes, CI's scenario step (`make scenarios`)
 SMALL = ["--steps", "8", "--batch-size", "256", "--val-batches", "4", "--staleness", "0", "--timeout", "240"]
 
 

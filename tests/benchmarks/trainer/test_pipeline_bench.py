@@ -14,6 +14,7 @@ MODULE = "benchmarks.trainer.pipeline_bench"
 REQUIRED = ("local_samples_per_s", "sync_samples_per_s", "hybrid_samples_per_s", "local_cpu_ms", "sync_cpu_ms", "hybrid_cpu_ms")
 
 
+@pytest.mark.scenario  # minutes of processes: CI's scenario step (`make scenarios`), not `make test`
 def test_tiny_run_reports_every_figure(tmp_path):
     """Batch 256, 8 steps of local, sync and hybrid (τ=2) on tiny tables, the batches made (and PersiaStrategy's
     lookups planned) in a DataLoader worker, with the profile: the JSON has every figure, the profile its spans."""

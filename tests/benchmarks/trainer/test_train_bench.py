@@ -21,6 +21,7 @@ MODULE = "benchmarks.trainer.train_bench"
 REQUIRED = ("local_samples_per_s", "sync_samples_per_s", "hybrid_samples_per_s", "auc_local", "auc_sync", "auc_hybrid")
 
 
+@pytest.mark.scenario  # minutes of processes: CI's scenario step (`make scenarios`), not `make test`
 def test_tiny_run_reports_every_figure(tmp_path):
     """1 rank, batch 256, 6 steps of local, sync and hybrid (τ=2) on tiny tables, two rounds, the small tables kept
     on the trainer: the JSON has every figure, and --trace a section for each run."""
@@ -49,6 +50,7 @@ def test_tiny_run_reports_every_figure(tmp_path):
     print(f"smoke run took {time.monotonic() - start:.0f} s")
 
 
+@pytest.mark.scenario  # minutes of processes: CI's scenario step (`make scenarios`), not `make test`
 def test_grow_stops_at_its_row_count_and_compares_the_ends():
     """--grow on tiny batches: windows until the shards hold 150k rows, then the first and last windows compared."""
     command = [sys.executable, "-m", MODULE, "--grow", "--grow-rows", "1.5e5", "--grow-batch-size", "512", "--window", "2",

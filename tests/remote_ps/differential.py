@@ -120,6 +120,10 @@ class _Cluster:
             while not self._stop.is_set() and self._restarts() == restarts:
                 time.sleep(0.05)
 
+    def kill_one(self) -> None:
+        """SIGKILLs a random shard now (the launcher restarts it; the next calls wait for it)."""
+        self._kill(self._rng.randrange(self.shards.num_shards))
+
     def _restarts(self) -> int:
         return sum(e.kind == "restarted" for e in self.shards.events)
 
@@ -168,6 +172,8 @@ class Differential:
             for _ in range(2):
                 self._create_table()
             for number in range(self.scenario.ops):
+                if number == self.scenario.ops // 2 and not self.report.kills and self.scenario.kill_every_s > 0:
+                    self._cluster.kill_one()  # a stream faster than the killer's waits still sees a kill
                 self._step()
                 self.report.ops += 1
                 if number % 25 == 24:

@@ -14,7 +14,8 @@ every table at intervals and at the end. A disk table's memory budget is a fract
 that nearly every request promotes and demotes. Any difference, a rollback (a restarted shard that did not trust
 its log) or an error ends the run with the seed that reproduces the stream.
 
-    .venv/bin/python -m tests.remote_ps.differential --minutes 60        # the long form: seeds one after another
+    .venv/bin/python -m tests.remote_ps.differential --minutes 60        # the long form: seeds 1, 2, ... one after another
+    .venv/bin/python -m tests.remote_ps.differential --minutes 20 --first-seed 101   # other seeds
     .venv/bin/python -m tests.remote_ps.differential --seed 17 --ops 400  # one seed again
 """
 from __future__ import annotations
@@ -355,13 +356,14 @@ def _main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=None, help="one seed (default: seeds 1, 2, ... until --minutes)")
     parser.add_argument("--minutes", type=float, default=0.0, help="run seeds one after another this long")
+    parser.add_argument("--first-seed", type=int, default=1, help="the first of the seeds run one after another")
     parser.add_argument("--ops", type=int, default=300)
     parser.add_argument("--storage", choices=["disk", "memory"], default=None, help="default: alternate")
     parser.add_argument("--durability", choices=["log", "fsync"], default=None, help="default: alternate")
     parser.add_argument("--kill-every-s", type=float, default=3.0)
     args = parser.parse_args()
     deadline = time.monotonic() + 60 * args.minutes
-    seed = args.seed if args.seed is not None else 1
+    seed = args.seed if args.seed is not None else args.first_seed
     totals = Report()
     runs = 0
     while True:

@@ -55,7 +55,8 @@ def torchrec_days(directory, day_rows, contiguous: bool = True):
 
     import pytest
 
-    pytest.importorskip("iopath", reason="TorchRec's BinaryCriteoUtils needs iopath (in the test extra)")
+    pytest.importorskip("iopath", reason="TorchRec's BinaryCriteoUtils, which writes these days as users' tools do, needs "
+                        "iopath: pip install 'lightning-persia[test]' (make setup installs it)")
     from torchrec.datasets.criteo import BinaryCriteoUtils
 
     raw, out = directory / "npy", directory / "contiguous"

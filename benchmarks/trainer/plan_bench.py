@@ -20,6 +20,7 @@ from benchmarks.trainer.data import RankSlices
 from lightning_persia.data import CRITEO_SPARSE_FEATURES
 from lightning_persia.ops import dedup, native
 from lightning_persia.ops.keyed_ids import KeyedIds
+from lightning_persia.ops.shard_map import ShardMap
 from lightning_persia.remote_ps.client import Sharder
 
 
@@ -52,7 +53,7 @@ def main() -> None:
         sort = np.sort
         with mock.patch.object(dedup.np, "sort", lambda values, kind=None: sort(values)):
             print(f"  dedup, tensor ops, numpy's default sort:  {cpu_ms(lambda: dedup.keyed_unique(keyed), args.calls):6.2f}")
-    sharder = Sharder(args.shards, 1 << 20, 64 << 20, 16)
+    sharder = Sharder(ShardMap.uniform(args.shards), 1 << 20, 64 << 20, 16)
     print(f"  sharding the unique ids over {args.shards} shards:  {cpu_ms(lambda: sharder(unique), args.calls):6.2f}")
 
 

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from lightning_persia.ops.hashing import shard_of
+from lightning_persia.ops.shard_map import ShardMap
 from lightning_persia.ops.keyed_ids import KeyedIds
 
 
@@ -30,12 +30,12 @@ class ShardBuckets:
         return len(self.counts)
 
 
-def bucketize(keyed: KeyedIds, num_shards: int) -> ShardBuckets:
-    """Groups ``keyed``'s ids by :func:`~lightning_persia.ops.hashing.shard_of` (a stable grouping)."""
-    n, num_tables = keyed.ids.numel(), len(keyed.tables)
+def bucketize(keyed: KeyedIds, shard_map: ShardMap) -> ShardBuckets:
+    """Groups ``keyed``'s ids by the shard ``shard_map`` puts them on (a stable grouping)."""
+    n, num_tables, num_shards = keyed.ids.numel(), len(keyed.tables), shard_map.num_shards
     if num_shards == 1:
         return ShardBuckets(keyed, keyed.ids, None, [list(keyed.counts)], [0, n])
-    shards = shard_of(keyed.ids, num_shards)
+    shards = shard_map.shard_of(keyed.ids)
     order = torch.argsort(shards, stable=True)
     per_table = torch.bincount(shards * num_tables + keyed.table_of_ids, minlength=num_shards * num_tables).view(num_shards, num_tables)
     starts = [0] + torch.cumsum(per_table.sum(1), 0).tolist()

@@ -10,8 +10,6 @@ import hashlib
 
 import torch
 
-from lightning_persia.ops import native
-from lightning_persia.ops.native import ids as native_ids
 
 _MASK64 = (1 << 64) - 1
 
@@ -25,7 +23,6 @@ _C1 = _signed(0xBF58476D1CE4E5B9)
 _C2 = _signed(0x94D049BB133111EB)
 _SHARD_SALT = _signed(0x2545F4914F6CDD1D)
 _SLOT_SALT = _signed(0x9E3779B97F4A7C15)
-_POSITIVE = (1 << 63) - 1
 
 
 def _srl(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -52,25 +49,14 @@ def mix64_int(x: int) -> int:
     return _signed(x)
 
 
-def shard_of(ids: torch.Tensor, num_shards: int) -> torch.Tensor:
-    """Shard index in ``[0, num_shards)`` of each id; stable across processes, machines and restarts."""
-    if num_shards < 1:
-        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
-    return (mix64(ids ^ _SHARD_SALT) & _POSITIVE) % num_shards
-
-
-def first_foreign(ids: torch.Tensor, num_shards: int, shard: int) -> int:
-    """Position of the first id that :func:`shard_of` does not put on ``shard``, or -1 when it owns them all."""
-    if num_shards < 1:
-        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
-    if native.available() and ids.device.type == "cpu":
-        return native_ids.first_foreign(ids, num_shards, shard)
-    foreign = torch.nonzero(shard_of(ids, num_shards) != shard)
-    return int(foreign[0, 0]) if foreign.numel() else -1
+def slot_of(ids: torch.Tensor, slots: int) -> torch.Tensor:
+    """Routing slot in ``[0, slots)`` of each id (``slots`` a power of two); stable across processes, machines and
+    restarts. Which shard owns a slot is the shard map's business (``ops/shard_map.py``)."""
+    return mix64(ids ^ _SHARD_SALT) & (slots - 1)
 
 
 def slot_hash(ids: torch.Tensor) -> torch.Tensor:
-    """Hash used for index slots, salted apart from :func:`shard_of` so that one shard's ids fill all slots."""
+    """Hash used for index slots, salted apart from :func:`slot_of` so that one shard's ids fill all index slots."""
     return mix64(ids ^ _SLOT_SALT)
 
 

@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import torch
 
 from lightning_persia.ops.bucketize import ShardBuckets, bucketize
-from lightning_persia.ops.hashing import shard_of
+from lightning_persia.ops.shard_map import ShardMap
 from lightning_persia.ops.keyed_ids import KeyedIds, RowLayout
 from lightning_persia.remote_ps.store import ShardStore
 from lightning_persia.remote_ps.table_config import TableConfig
@@ -67,10 +67,10 @@ class InProcessShards:
     # ---- the ShardClient calls ------------------------------------------------------------------------
 
     def shard(self, keyed: KeyedIds) -> ShardBuckets:
-        return bucketize(keyed, self.num_shards)
+        return bucketize(keyed, ShardMap.uniform(self.num_shards))
 
     def sharder(self) -> "partial[ShardBuckets]":
-        return partial(bucketize, num_shards=self.num_shards)
+        return partial(bucketize, shard_map=ShardMap.uniform(self.num_shards))
 
     def lookup_sharded_async(self, sharded: ShardBuckets, *, train: bool, wire_dtype: str = "fp16") -> "Future[torch.Tensor]":
         self.lookups.append((sharded.keyed, train))
@@ -114,4 +114,4 @@ class InProcessShards:
 
     def _owned(self, store: ShardStore, ids: torch.Tensor) -> torch.Tensor:
         """Positions of the ids that ``store`` holds."""
-        return torch.nonzero(shard_of(ids, self.num_shards) == store.shard_index).squeeze(1)
+        return torch.nonzero(store.shard_map.shard_of(ids) == store.shard_index).squeeze(1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from lightning_persia.ops.bucketize import bucketize
-from lightning_persia.ops.hashing import shard_of
+from lightning_persia.ops.shard_map import ShardMap
 from lightning_persia.ops.keyed_ids import KeyedIds, RowLayout
 
 
@@ -20,13 +20,14 @@ def test_consecutive_tables_of_one_width_make_one_block():
 
 def test_bucketize_groups_ids_by_shard_keeping_tables_in_order():
     keyed = KeyedIds(("a", "b"), (50, 30), torch.arange(80) * 7919)
-    buckets = bucketize(keyed, 3)
-    shards = shard_of(keyed.ids, 3)
+    shard_map = ShardMap.uniform(2).resized(3)
+    buckets = bucketize(keyed, shard_map)
+    shards = shard_map.shard_of(keyed.ids)
     for shard in range(3):
         mine = buckets.ids[buckets.starts[shard] : buckets.starts[shard + 1]]
         expected = keyed.ids[shards == shard]  # stable: table a's ids first, in order
         assert torch.equal(mine, expected)
         assert buckets.counts[shard] == [int((shards[:50] == shard).sum()), int((shards[50:] == shard).sum())]
     assert torch.equal(keyed.ids[buckets.order], buckets.ids)
-    single = bucketize(keyed, 1)
+    single = bucketize(keyed, ShardMap.uniform(1))
     assert single.order is None and single.counts == [[50, 30]] and single.starts == [0, 80]

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_persia.ops import hashing, native
+from lightning_persia.ops import native
+from lightning_persia.ops.shard_map import ShardMap, shard_of
 from lightning_persia.ops.native import ids as native_ids
 from lightning_persia.ops.native._source import library_name, sources
 from lightning_persia.ops.native.library import NATIVE_ENV, Library
@@ -66,7 +67,7 @@ def test_the_package_build_compiles_each_library_its_loader_loads(loaders, tmp_p
         libraries = [p.name for p in (built / folder).glob("_kernels_*")]
         assert len(libraries) == 1 and libraries[0].startswith(library_name(ROOT / folder) + "."), libraries
         assert loaders(package, binding, _installed(tmp_path, folder, built)).available()
-    assert native_ids.first_foreign(torch.tensor([5, 6, 7]), 1, 0) == -1
+    assert native_ids.first_foreign(torch.tensor([5, 6, 7]), ShardMap.uniform(1).table, 0) == -1
     assert native_rows.row_bits(torch.tensor([5]), 7, 2).shape == (1, 2)
 
 
@@ -80,12 +81,12 @@ def test_a_build_without_a_compiler_installs_without_the_library_and_the_tensor_
         with pytest.warns(UserWarning, match=f"unavailable .*no {library_name(ROOT / folder)}.* built from the sources there"):
             assert not library.available()
     with pytest.raises(RuntimeError, match="not available"):
-        native_ids.first_foreign(torch.arange(3), 2, 0)
+        native_ids.first_foreign(torch.arange(3), ShardMap.uniform(2).table, 0)
     with pytest.raises(RuntimeError, match="not available"):
         native_rows.row_bits(torch.arange(3), 7, 2)
     ids = torch.arange(-100, 100)
-    expected = int(torch.nonzero(hashing.shard_of(ids, 3) != 1)[0, 0])
-    assert hashing.first_foreign(ids, 3, 1) == expected  # the tensor path answers instead
+    expected = int(torch.nonzero(shard_of(ids, 3) != 1)[0, 0])
+    assert ShardMap.uniform(3).first_foreign(ids, 1) == expected  # the tensor path answers instead
 
 
 def test_a_library_built_from_another_version_of_the_sources_is_not_loaded(tmp_path):
@@ -107,16 +108,22 @@ def test_switched_off_by_the_environment(monkeypatch):
         assert not Library(ROOT / folder, "the kernels under test", "tests").available()
 
 
-@pytest.mark.parametrize("num_shards", [2, 3, 7])
-def test_first_foreign_matches_shard_of(native_kernels, num_shards):
+@pytest.mark.parametrize("shard_map", [ShardMap.uniform(2), ShardMap.uniform(3), ShardMap.uniform(2).resized(3).resized(7)],
+                         ids=["uniform-2", "uniform-3", "resized-7"])
+def test_first_foreign_matches_the_maps_owners(native_kernels, shard_map):
     ids = torch.cat([torch.arange(-500, 500), torch.tensor([(1 << 63) - 1, -(1 << 63)])])
-    owners = hashing.shard_of(ids, num_shards)
-    for shard in range(num_shards):
+    owners = shard_map.shard_of(ids)
+    for shard in range(shard_map.num_shards):
         mine = ids[owners == shard]
-        assert native_ids.first_foreign(mine, num_shards, shard) == -1
+        assert native_ids.first_foreign(mine, shard_map.table, shard) == -1
         foreign = torch.nonzero(owners != shard)
-        assert native_ids.first_foreign(ids, num_shards, shard) == int(foreign[0, 0])
-    assert native_ids.first_foreign(ids[:0], num_shards, 0) == -1
+        assert native_ids.first_foreign(ids, shard_map.table, shard) == int(foreign[0, 0])
+    assert native_ids.first_foreign(ids[:0], shard_map.table, 0) == -1
+
+
+def test_first_foreign_refuses_a_table_that_is_not_a_power_of_two(native_kernels):
+    with pytest.raises(ValueError, match="power-of-two number of slots, got 3"):
+        native_ids.first_foreign(torch.arange(4), torch.zeros(3, dtype=torch.int64), 0)
 
 
 @pytest.mark.parametrize("low,high", [(-1.0, 1.0), (-0.0123, 0.0123), (0.2, 7.7)])

@@ -25,7 +25,7 @@ def test_the_parser_reads_what_it_compares():
     """A parser that saw nothing would pass the test above: it sees every function, and no struct where none is."""
     functions = c_functions(FOLDER / "ids.c")
     assert functions == {
-        "lp_first_foreign": ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64], ctypes.c_int64),
+        "lp_first_foreign": ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64], ctypes.c_int64),
         "lp_unique_by_table": ([ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 3, ctypes.c_int64),
     }
     assert c_structs(FOLDER / "ids.c") == {}  # seen_t is the C code's own: no function takes it

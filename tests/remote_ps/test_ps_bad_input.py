@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_persia.ops import wire
-from lightning_persia.ops.hashing import shard_of
+from lightning_persia.ops.shard_map import shard_of
 from lightning_persia.remote_ps.protocol import persia_pb2 as pb
 from lightning_persia.remote_ps.protocol import persia_pb2_grpc
 from lightning_persia.remote_ps.table_config import SGD, Constant, TableConfig

@@ -13,7 +13,7 @@ import grpc.aio
 import pytest
 import torch
 
-from lightning_persia.ops.hashing import shard_of
+from lightning_persia.ops.shard_map import shard_of
 from lightning_persia.remote_ps.client import PSError, PSRequestError, RetryPolicy, ShardUnavailableError, ShardWait
 from lightning_persia.remote_ps.launcher import LocalShards
 from lightning_persia.remote_ps.store import ShardStore

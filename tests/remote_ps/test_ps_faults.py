@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_persia import cli
-from lightning_persia.ops.hashing import shard_of
+from lightning_persia.ops.shard_map import shard_of
 from lightning_persia.remote_ps.client import PSRequestError, RetryPolicy, ShardRestartedError, ShardUnavailableError
 from lightning_persia.remote_ps.launcher import LocalShards
 from lightning_persia.remote_ps.store import CheckpointError, ShardStore

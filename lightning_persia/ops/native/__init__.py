@@ -10,7 +10,7 @@ Example::
     from lightning_persia.ops import native
     from lightning_persia.ops.native import ids
     if native.available():
-        first = ids.first_foreign(ids_of_a_request, num_shards=2, shard=0)
+        first = ids.first_foreign(ids_of_a_request, ShardMap.uniform(2).table, shard=0)
 """
 from __future__ import annotations
 

@@ -20,12 +20,12 @@ static inline uint64_t mix64(uint64_t x) {
 
 /* ---- shard ownership ------------------------------------------------------------------------------------ */
 
-/* Index of the first id not owned by shard `shard` of `num_shards`, or -1 when all are. */
-int64_t lp_first_foreign(const int64_t *ids, int64_t n, int64_t num_shards, int64_t shard) {
-    for (int64_t i = 0; i < n; ++i) {
-        const uint64_t h = mix64((uint64_t)ids[i] ^ SHARD_SALT) & 0x7FFFFFFFFFFFFFFFULL;
-        if ((int64_t)(h % (uint64_t)num_shards) != shard) return i;
-    }
+/* Index of the first id whose slot `owners` (one entry per slot; `slots` a power of two) does not give to `shard`,
+ * or -1 when all are its own. The slot is ops/hashing.py's slot_of, the owners ops/shard_map.py's map. */
+int64_t lp_first_foreign(const int64_t *ids, int64_t n, const int64_t *owners, int64_t slots, int64_t shard) {
+    const uint64_t mask = (uint64_t)slots - 1;
+    for (int64_t i = 0; i < n; ++i)
+        if (owners[mix64((uint64_t)ids[i] ^ SHARD_SALT) & mask] != shard) return i;
     return -1;
 }
 

@@ -12,7 +12,7 @@ from lightning_persia.ops.native.library import check
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 SIGNATURES = {
-    "lp_first_foreign": ([_P, _I64, _I64, _I64], _I64),
+    "lp_first_foreign": ([_P, _I64, _P, _I64, _I64], _I64),
     "lp_unique_by_table": ([_P, _P, _I64, _P, _P, _P], _I64),
 }
 """Argument and result types of every function of ``ids.c`` (tests/ops/test_native_interface.py checks them)."""
@@ -20,12 +20,14 @@ SIGNATURES = {
 native.LIBRARY.declare(SIGNATURES)
 
 
-def first_foreign(ids: torch.Tensor, num_shards: int, shard: int) -> int:
-    """Position of the first id that :func:`~lightning_persia.ops.hashing.shard_of` puts on another shard, or -1."""
-    if num_shards < 1:
-        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+def first_foreign(ids: torch.Tensor, owners: torch.Tensor, shard: int) -> int:
+    """Position of the first id whose slot ``owners`` (a shard map's table, ``ops/shard_map.py``) does not give to
+    ``shard``, or -1."""
     ids = check(ids, torch.int64, "ids").contiguous()
-    return native.LIBRARY.require().lp_first_foreign(ids.data_ptr(), ids.numel(), num_shards, shard)
+    owners = check(owners, torch.int64, "owners").contiguous()
+    if owners.numel() & (owners.numel() - 1) or not owners.numel():
+        raise ValueError(f"owners must name the owner of a power-of-two number of slots, got {owners.numel()}")
+    return native.LIBRARY.require().lp_first_foreign(ids.data_ptr(), ids.numel(), owners.data_ptr(), owners.numel(), shard)
 
 
 def unique_by_table(ids: torch.Tensor, counts: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -35,7 +35,7 @@ class Library:
     Example::
 
         LIBRARY = Library(Path(__file__).parent, "the trainer's native kernels", "lightning_persia.ops.native")
-        LIBRARY.declare({"lp_first_foreign": ([c_void_p, c_int64, c_int64, c_int64], c_int64)})
+        LIBRARY.declare({"lp_first_foreign": ([c_void_p, c_int64, c_void_p, c_int64, c_int64], c_int64)})
         if LIBRARY.available():
             LIBRARY.require().lp_first_foreign(...)
     """

@@ -20,6 +20,7 @@ import torch
 
 from lightning_persia.ops import wire
 from lightning_persia.ops.keyed_ids import KeyedIds, RowLayout
+from lightning_persia.ops.shard_map import ShardMap
 from lightning_persia.remote_ps.client.admin import ShardAdmin
 from lightning_persia.remote_ps.client.connection import PathOrPEM
 from lightning_persia.remote_ps.client.errors import PSError
@@ -75,6 +76,8 @@ class PSClient(ShardAdmin):
             raise ValueError(f"PSClient: max_ids_per_message must be >= 1, got {max_ids_per_message}")
         self.client_id = client_id or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.max_ids_per_message = max_ids_per_message
+        self.shard_map = ShardMap.uniform(len(addresses))
+        """Where ids live: the map this client buckets them by."""
         self._seqs: Dict[str, List[Iterator[int]]] = {}  # per sender, per shard
         self._seq_lock = threading.Lock()
         super().__init__(
@@ -103,7 +106,7 @@ class PSClient(ShardAdmin):
         """What :meth:`shard` does, as a picklable function of the ids (for processes without a client, such as
         DataLoader workers); ``tables``: those whose dims size its messages (default: every table known)."""
         dims = self._dims if not tables else {t: self._dims.get(t, 0) for t in tables}
-        return Sharder(self.num_shards, self.max_ids_per_message, self._max_message_bytes, max(dims.values(), default=0))
+        return Sharder(self.shard_map, self.max_ids_per_message, self._max_message_bytes, max(dims.values(), default=0))
 
     # ---- lookups -------------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ import torch
 from lightning_persia.ops import wire
 from lightning_persia.ops.bucketize import bucketize
 from lightning_persia.ops.keyed_ids import Block, KeyedIds, RowLayout
+from lightning_persia.ops.shard_map import ShardMap
 
 
 @dataclass
@@ -54,17 +55,17 @@ class ShardedIds:
 class Sharder:
     """Buckets ids by shard, splits them into messages under the limits and encodes them (see :meth:`PSClient.shard`)."""
 
-    num_shards: int
+    shard_map: ShardMap
     max_ids_per_message: int
     max_message_bytes: int
     max_dim: int  # the widest table's: sizes the messages
 
     def __call__(self, keyed: KeyedIds) -> ShardedIds:
-        buckets = bucketize(keyed, self.num_shards)
+        buckets = bucketize(keyed, self.shard_map)
         per_id = 8 + max(w.itemsize for w in wire.WIRE_DTYPES.values()) * self.max_dim
         step = max(1, min(self.max_ids_per_message, (self.max_message_bytes // 2) // per_id))
         messages = []
-        for shard in range(self.num_shards):
+        for shard in range(self.shard_map.num_shards):
             first, last = buckets.starts[shard], buckets.starts[shard + 1]
             ends = np.cumsum(buckets.counts[shard])
             starts = ends - np.asarray(buckets.counts[shard])

@@ -45,7 +45,7 @@ import torch
 
 from lightning_persia import checksum
 from lightning_persia.durable import fsync_path
-from lightning_persia.ops.hashing import shard_of
+from lightning_persia.ops.shard_map import ShardMap
 from lightning_persia.remote_ps.protocol import COMMIT_MARKER
 from lightning_persia.remote_ps.store.disk import checkpoint as disk_checkpoint
 from lightning_persia.remote_ps.store.errors import CheckpointError, StoreError
@@ -71,7 +71,7 @@ def shard_folder(directory: str | os.PathLike, shard_index: int, num_shards: int
 
 
 def write_shard(
-    directory: str | os.PathLike, shard_index: int, num_shards: int, snapshots: list[TableSnapshot], save_id: str = "",
+    directory: str | os.PathLike, shard_index: int, shard_map: ShardMap, snapshots: list[TableSnapshot], save_id: str = "",
     pause_s: float = 0.0, progress: Optional[Progress] = None,
 ) -> Path:
     """Writes one shard's tables under ``directory`` atomically, a chunk of rows at a time; returns the folder.
@@ -80,17 +80,17 @@ def write_shard(
     chunk, so that a test can kill the writer or change the table half-way.
     Raises :class:`CheckpointError` (naming the path) when the files cannot be written; nothing is left behind.
     """
-    final = shard_folder(directory, shard_index, num_shards)
+    final = shard_folder(directory, shard_index, shard_map.num_shards)
     temporary = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     try:
-        return _write_shard(final, temporary, shard_index, num_shards, snapshots, save_id, pause_s, progress)
+        return _write_shard(final, temporary, shard_index, shard_map, snapshots, save_id, pause_s, progress)
     except OSError as err:
         raise CheckpointError(f"cannot write the checkpoint of shard {shard_index} under {directory}: {err}") from None
     finally:
         shutil.rmtree(temporary, ignore_errors=True)
 
 
-def _write_shard(final: Path, temporary: Path, shard_index: int, num_shards: int, snapshots: list[TableSnapshot],
+def _write_shard(final: Path, temporary: Path, shard_index: int, shard_map: ShardMap, snapshots: list[TableSnapshot],
                  save_id: str, pause_s: float, progress: Optional[Progress]) -> Path:
     shutil.rmtree(temporary, ignore_errors=True)
     temporary.mkdir(parents=True)
@@ -132,8 +132,8 @@ def _write_shard(final: Path, temporary: Path, shard_index: int, num_shards: int
             removed.close()
             entry["removed"] = {"rows": snapshot.removed.numel(), **removed.entry()}
         tables[snapshot.config.name] = entry
-    manifest = {"format_version": FORMAT_VERSION, "shard_index": shard_index, "num_shards": num_shards,
-                "save_id": save_id, "tables": tables}
+    manifest = {"format_version": FORMAT_VERSION, "shard_index": shard_index, "num_shards": shard_map.num_shards,
+                "shard_map": shard_map.to_dict(), "save_id": save_id, "tables": tables}
     with open(temporary / "manifest.json", "w") as f:
         f.write(json.dumps(manifest, indent=1))
         f.flush()
@@ -245,10 +245,11 @@ def candidate_checkpoints(root: str | os.PathLike, max_depth: int = 3) -> list[P
 
 @dataclass
 class _Part:
-    """One table's arrays in one shard folder of a checkpoint."""
+    """One table's arrays in one shard folder of a checkpoint, and the map its shard saved them under."""
 
     folder: Path
     entry: dict
+    saved_map: ShardMap
 
 
 @dataclass
@@ -266,7 +267,7 @@ class TableSource:
     since: int = 0
     checked: bool = True  # the files' checksums were checked when opened; else :meth:`blocks` checks them
 
-    def removed(self, shard_index: int, num_shards: int) -> torch.Tensor:
+    def removed(self, shard_index: int, shard_map: ShardMap) -> torch.Tensor:
         """The ids of this shard that the delta removes (none for a whole table)."""
         found = []
         for part in self.parts:
@@ -278,40 +279,43 @@ class TableSource:
                 ids = reader.read(spec["rows"])
             finally:
                 reader.close()
-            found.append(ids[shard_of(ids, num_shards) == shard_index])
+            found.append(ids[shard_map.shard_of(ids) == shard_index])
         return torch.cat(found) if found else torch.empty(0, dtype=torch.int64)
 
-    def own_folder(self, num_shards: int) -> Optional[Path]:
-        """The one folder this table is read from when the checkpoint was saved by ``num_shards`` shards, else None."""
-        return self.parts[0].folder if len(self.parts) == 1 and num_shards == _saved_shards(self.parts[0]) else None
+    def own_folder(self, shard_map: ShardMap) -> Optional[Path]:
+        """The one folder this table is read from when the checkpoint was saved under ``shard_map``, else None."""
+        return self.parts[0].folder if self._own(shard_map) else None
+
+    def _own(self, shard_map: ShardMap) -> bool:
+        return len(self.parts) == 1 and self.parts[0].saved_map.owners == shard_map.owners
 
     def disk_parts(self) -> list[tuple[Path, dict]]:
         """``(shard folder, disk entry)`` of each part that holds a disk tier."""
         return [(part.folder, part.entry["disk"]) for part in self.parts if "disk" in part.entry]
 
-    def rows_for(self, num_shards: int) -> int:
-        """About how many rows one of ``num_shards`` shards gets (the ids spread evenly over the shards)."""
+    def rows_for(self, shard_map: ShardMap) -> int:
+        """About how many rows one shard of ``shard_map`` gets (the ids spread evenly over the shards)."""
         total = sum(part.entry["rows"] for part in self.parts)
-        return total if len(self.parts) == 1 and num_shards == _saved_shards(self.parts[0]) else total // num_shards + 1
+        return total if self._own(shard_map) else total // shard_map.num_shards + 1
 
-    def blocks(self, shard_index: int, num_shards: int, block_rows: Optional[int] = None,
+    def blocks(self, shard_index: int, shard_map: ShardMap, block_rows: Optional[int] = None,
                progress: Optional[Progress] = None) -> Iterator[dict[str, torch.Tensor]]:
-        """``{field: rows}`` of the rows that belong to shard ``shard_index`` of ``num_shards``, block by block; a
+        """``{field: rows}`` of the rows that ``shard_map`` puts on shard ``shard_index``, block by block; a
         block's tensors are valid until the block after the next one is asked for (two sets of read buffers are
         used in turn: a block can be indexed while the next one is read).
 
         Raises :class:`CheckpointError` naming the file when one cannot be read as the manifest describes it,
         or, for files not :attr:`checked` when opened, once their last block is read and their checksum differs:
         the blocks before it were damaged too, so whoever stored them must drop them. ``progress`` follows the rows
-        read (a "load" job, or "re-shard" when the rows come from another shard count and are sifted).
+        read (a "load" job, or "re-shard" when the rows come from another shard map and are sifted).
         """
         block_rows = block_rows or BLOCK_ROWS
-        resharding = not (len(self.parts) == 1 and num_shards == _saved_shards(self.parts[0]))
+        resharding = not self._own(shard_map)
         job = begin(progress, "re-shard" if resharding else "load", self.name, sum(part.entry["rows"] for part in self.parts))
         for part in self.parts:
             # a folder that only this shard reads leaves the page cache as it is read: a table's own memory then
             # does not compete with a copy of its checkpoint, and the next block reuses the pages just freed
-            own = len(self.parts) == 1 and num_shards == _saved_shards(part)
+            own = not resharding
             readers = {name: _ArrayReader(part.folder, part.entry, name, check=not self.checked, drop_behind=own)
                        for name in SAVED_FIELDS}
             try:
@@ -320,7 +324,7 @@ class TableSource:
                     block = {name: reader.read(count) for name, reader in readers.items()}
                     job.advance(count)
                     if not own:
-                        keep = torch.nonzero(shard_of(block["ids"], num_shards) == shard_index).squeeze(1)
+                        keep = torch.nonzero(shard_map.shard_of(block["ids"]) == shard_index).squeeze(1)
                         block = {name: values[keep] for name, values in block.items()}
                     yield block
                 for reader in readers.values():
@@ -331,26 +335,27 @@ class TableSource:
         job.finish()
 
 
-def open_for_shard(directory: str | os.PathLike, shard_index: int, num_shards: int, check_first: bool = True,
+def open_for_shard(directory: str | os.PathLike, shard_index: int, shard_map: ShardMap, check_first: bool = True,
                    own_part: bool = False) -> list[TableSource]:
-    """The tables of the checkpoint at ``directory``, as shard ``shard_index`` of ``num_shards`` reloads them.
+    """The tables of the checkpoint at ``directory``, as shard ``shard_index`` of ``shard_map`` reloads them.
 
     Every file the shard will read is checked first (size and checksum against the manifest), so a load can replace
     the tables only once the checkpoint is known to be whole. With ``check_first=False`` (a shard that holds no
     table) only the sizes are, and :meth:`TableSource.blocks` checks the checksums while it reads the rows.
-    Into as many shards as saved it, a shard reads its own folder (the hash puts no id of it anywhere else);
-    otherwise it reads every folder and keeps its ids.
+    Into shards of the map that saved it, a shard reads its own folder (the map puts no id of it anywhere else);
+    otherwise it reads every folder and keeps its ids (a checkpoint of a map it does not know as its own, one
+    without a map in its manifest, is taken as saved under :meth:`ShardMap.uniform` of its shard count).
     ``own_part``: where the checkpoint holds this shard's own folder (saved by as many shards), that folder alone is
     read, whatever became of the others: the part of a save a shard's write-ahead log follows, which the shard wrote
     itself, while the other shards may still be writing theirs (or never finish).
     Raises :class:`CheckpointError` naming the file when the checkpoint is incomplete or corrupted.
     """
-    own = shard_folder(directory, shard_index, num_shards)
+    own = shard_folder(directory, shard_index, shard_map.num_shards)
     if own_part and (own / "manifest.json").is_file():
         manifests = [(own, _read_manifest(own / "manifest.json", shard_index))]
     else:
         manifests = _manifests(Path(directory))
-    if len(manifests) == num_shards:
+    if len(manifests) == shard_map.num_shards and _saved_map(manifests[shard_index][1]).owners == shard_map.owners:
         manifests = [manifests[shard_index]]
     sources: dict[str, TableSource] = {}
     files: list[tuple[Path, dict]] = []
@@ -366,7 +371,7 @@ def open_for_shard(directory: str | os.PathLike, shard_index: int, num_shards: i
                 source = sources.setdefault(name, TableSource(name, config, int(entry["step"]), [], int(entry.get("since", 0)),
                                                               checked=check_first))
                 source.step = max(source.step, int(entry["step"]))
-                source.parts.append(_Part(folder, entry))
+                source.parts.append(_Part(folder, entry, _saved_map(manifest)))
         except (KeyError, TypeError, AttributeError, ValueError) as err:
             raise CheckpointError(f"{folder / 'manifest.json'} is malformed: {type(err).__name__}: {err}") from None
     # the checksum releases the GIL: the files are checked in parallel, at the speed of the disk or of every core
@@ -394,9 +399,14 @@ def _read_manifest(path: Path, index: int) -> dict:
     return manifest
 
 
-def _saved_shards(part: _Part) -> int:
-    match = _FOLDER.match(part.folder.name)
-    return int(match.group(2)) if match else -1
+def _saved_map(manifest: dict) -> ShardMap:
+    """The map the manifest's shard saved under (older checkpoints name only their shard count: its uniform map)."""
+    try:
+        if "shard_map" in manifest:
+            return ShardMap.from_dict(manifest["shard_map"])
+        return ShardMap.uniform(int(manifest["num_shards"]))
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"shard {manifest.get('shard_index')}'s manifest names no valid shard map: {err}") from None
 
 
 def _table_config(folder: Path, name: str, entry: dict) -> TableConfig:

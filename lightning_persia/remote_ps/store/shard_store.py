@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from lightning_persia.ops.hashing import first_foreign, shard_of
+from lightning_persia.ops.shard_map import ShardMap
 from lightning_persia.remote_ps.store import checkpoint
 from lightning_persia.remote_ps.store.disk import checkpoint as disk_checkpoint, tier_folders
 from lightning_persia.remote_ps.store.disk.demoter import Demoter
@@ -53,7 +53,7 @@ class ShardStore:
         self, shard_index: int, num_shards: int, seed: int = 0, table_defaults: dict[str, TableConfig] | None = None,
         fault_save_delay_s: float = 0.0, disk_dir: Optional[str] = None, expiry_interval_s: float = 1.0,
         demotion_interval_s: Optional[float] = 0.01, disk_mapped_bytes: int = MAPPED_BYTES,
-        memory_limit_bytes: Optional[int] = None,
+        memory_limit_bytes: Optional[int] = None, shard_map: Optional[ShardMap] = None,
     ) -> None:
         """``disk_dir``: where the disk tiers of the tables of ``storage="disk"`` live (a folder per tier under
         ``shard-<i>-of-<n>/``, deleted with its table; what earlier incarnations left there is deleted when this
@@ -64,7 +64,8 @@ class ShardStore:
         request that needs room demotes it (the rows in memory then depend on the requests alone).
         ``disk_mapped_bytes``: of each disk table's records, how many bytes are kept mapped at most (``segment_mapping.py``).
         ``memory_limit_bytes``: the process's resident memory the disk tables' mappings may fill up to, instead of
-        ``disk_mapped_bytes`` each (``mapped_budget.py``; sized by the demoter, so it needs one)."""
+        ``disk_mapped_bytes`` each (``mapped_budget.py``; sized by the demoter, so it needs one).
+        ``shard_map``: which ids are this shard's (default: :meth:`ShardMap.uniform` of ``num_shards``)."""
         if memory_limit_bytes is not None and demotion_interval_s is None:
             raise ValueError("a memory limit sizes the disk tables' mappings in the demoter's passes: it needs a demoter "
                              "(demotion_interval_s)")
@@ -72,6 +73,9 @@ class ShardStore:
             raise ValueError(f"shard_index must be in [0, {num_shards}), got {shard_index}")
         self.shard_index = shard_index
         self.num_shards = num_shards
+        self._shard_map = shard_map if shard_map is not None else ShardMap.uniform(num_shards)
+        if self._shard_map.num_shards != num_shards:
+            raise ValueError(f"a shard map of {self._shard_map.num_shards} shards for a cluster of {num_shards}")
         self.seed = seed
         self._defaults = dict(table_defaults or {})
         self.fault_save_delay_s = fault_save_delay_s  # testing only: see PSConfig.fault_save_delay_s
@@ -102,6 +106,11 @@ class ShardStore:
         if existing.config.dim != config.dim:
             raise InvalidRequestError(f"table {config.name!r} exists with dim {existing.config.dim}, asked for dim {config.dim}")
         return existing.config
+
+    @property
+    def shard_map(self) -> ShardMap:
+        """Which ids are this shard's: it refuses the others, and its saves and loads sift rows by it."""
+        return self._shard_map
 
     def describe(self, name: str) -> TableConfig:
         return self._table(name).config
@@ -246,7 +255,7 @@ class ShardStore:
                 if since is None and self.log is not None:  # the log after this point is what the checkpoint lacks
                     segment = self.log.begin_base(directory)
             try:
-                checkpoint.write_shard(directory, self.shard_index, self.num_shards, snapshots, save_id=save_id,
+                checkpoint.write_shard(directory, self.shard_index, self.shard_map, snapshots, save_id=save_id,
                                        pause_s=self.fault_save_delay_s, progress=self.progress)
             finally:
                 for snapshot in snapshots:
@@ -267,13 +276,13 @@ class ShardStore:
 
         Raises :class:`CheckpointError` naming the file when it is incomplete, corrupted or out of place.
         """
-        sources = checkpoint.open_for_shard(directory, self.shard_index, self.num_shards)
+        sources = checkpoint.open_for_shard(directory, self.shard_index, self.shard_map)
         staged = []
         for source in sources:
             blocks = [{name: values.clone() for name, values in block.items()}  # a block's buffers are reused
-                      for block in source.blocks(self.shard_index, self.num_shards, progress=self.progress)]
+                      for block in source.blocks(self.shard_index, self.shard_map, progress=self.progress)]
             rows = {name: torch.cat([b[name] for b in blocks]) for name in blocks[0]} if blocks else None
-            staged.append((source, rows, source.removed(self.shard_index, self.num_shards)))
+            staged.append((source, rows, source.removed(self.shard_index, self.shard_map)))
         return StagedDelta(self, staged)
 
     def _apply(self, staged: list) -> None:
@@ -310,7 +319,7 @@ class ShardStore:
         """
         with self._lock:
             holds_tables = bool(self._tables)
-        sources = checkpoint.open_for_shard(directory, self.shard_index, self.num_shards, check_first=holds_tables,
+        sources = checkpoint.open_for_shard(directory, self.shard_index, self.shard_map, check_first=holds_tables,
                                             own_part=own_part)
         with self._save_lock:
             with self._lock:
@@ -322,8 +331,8 @@ class ShardStore:
             for source in sources:
                 table = self._new_table(source.config)
                 table.restore_step(source.step)
-                table.load(source.blocks(self.shard_index, self.num_shards, progress=self.progress),
-                           expected_rows=source.rows_for(self.num_shards))
+                table.load(source.blocks(self.shard_index, self.shard_map, progress=self.progress),
+                           expected_rows=source.rows_for(self.shard_map))
                 self._load_disk(table, source)
                 tables[source.name] = table
             with self._lock:
@@ -342,12 +351,12 @@ class ShardStore:
         parts = source.disk_parts()
         if not parts:
             return
-        if source.own_folder(self.num_shards) is not None and table.config.storage == "disk":
+        if source.own_folder(self.shard_map) is not None and table.config.storage == "disk":
             folder, entry = parts[0]
             table.attach_disk(disk_checkpoint.segments(folder, entry), disk_checkpoint.id_map(folder, entry))
             return
         for folder, entry in parts:
-            table.load(disk_checkpoint.rows(folder, entry, record_specs(table.field_specs), self.shard_index, self.num_shards))
+            table.load(disk_checkpoint.rows(folder, entry, record_specs(table.field_specs), self.shard_index, self.shard_map))
 
     def load_latest(self, root: str) -> str:
         """Loads the newest complete checkpoint at or under ``root`` (see :func:`checkpoint.candidate_checkpoints`).
@@ -403,12 +412,14 @@ class ShardStore:
     def _check_ids(self, name: str, ids: torch.Tensor) -> None:
         if ids.dtype != torch.int64 or ids.dim() != 1:
             raise InvalidRequestError(f"table {name!r}: ids must be a 1-D int64 tensor, got {ids.dtype} of shape {tuple(ids.shape)}")
-        foreign = first_foreign(ids, self.num_shards, self.shard_index) if self.num_shards > 1 else -1
+        shard_map = self._shard_map
+        foreign = shard_map.first_foreign(ids, self.shard_index) if shard_map.num_shards > 1 else -1
         if foreign >= 0:
             example = ids[foreign : foreign + 1]
             raise InvalidRequestError(
-                f"table {name!r}: id {int(example)} belongs to shard {int(shard_of(example, self.num_shards))}, not to this shard "
-                f"{self.shard_index} of {self.num_shards}; the client and the shards disagree on the shard count"
+                f"table {name!r}: id {int(example)} belongs to shard {int(shard_map.shard_of(example))}, not to this shard "
+                f"{self.shard_index} of {shard_map.num_shards} (shard map version {shard_map.version}); the client and "
+                f"the shards disagree on the shard map"
             )
 
 

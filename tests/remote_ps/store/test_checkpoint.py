@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_persia import checksum
-from lightning_persia.ops.hashing import shard_of
+from lightning_persia.ops.shard_map import shard_of
 from lightning_persia.remote_ps.store import CheckpointError, ShardStore, checkpoint, shard_store
 from lightning_persia.remote_ps.store.table import Table
 from lightning_persia.remote_ps.table_config import SGD, Adagrad, Adam, Constant, TableConfig, Uniform

@@ -4,7 +4,7 @@ import itertools
 import pytest
 import torch
 
-from lightning_persia.ops.hashing import shard_of
+from lightning_persia.ops.shard_map import shard_of
 from lightning_persia.remote_ps.store import InvalidRequestError, ShardStore, UnknownTableError, chunked_rows
 from lightning_persia.remote_ps.store import table as table_module
 from lightning_persia.remote_ps.store.table import Table

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from lightning_persia import checksum
-from lightning_persia.ops.hashing import shard_of
+from lightning_persia.ops.shard_map import ShardMap
 from lightning_persia.remote_ps.store.chunked_rows import FieldSpec
 from lightning_persia.remote_ps.store.disk import id_map_file
 from lightning_persia.remote_ps.store.disk.records import link, live_slots, unpack
@@ -97,8 +97,8 @@ def id_map(shard_folder: Path, entry: dict) -> Optional[Callable[[DiskMap], None
     return lambda disk_map: id_map_file.adopt(disk_map, path, entry["idmap"])
 
 
-def rows(shard_folder: Path, entry: dict, specs: dict[str, FieldSpec], shard_index: int, num_shards: int) -> Iterator[dict[str, torch.Tensor]]:
-    """``{field: values}`` of the live rows that belong to shard ``shard_index`` of ``num_shards``, a block at a time."""
+def rows(shard_folder: Path, entry: dict, specs: dict[str, FieldSpec], shard_index: int, shard_map: ShardMap) -> Iterator[dict[str, torch.Tensor]]:
+    """``{field: values}`` of the live rows that ``shard_map`` puts on shard ``shard_index``, a block at a time."""
     record_bytes = entry["record_bytes"]
     for segment, count, records, _, bits in segments(shard_folder, entry):
         live = torch.zeros(count, dtype=torch.bool)
@@ -110,7 +110,7 @@ def rows(shard_folder: Path, entry: dict, specs: dict[str, FieldSpec], shard_ind
                 raise CheckpointError(f"disk segment {records} of the checkpoint ends early")
             block = torch.from_numpy(raw.reshape(n, record_bytes))[live[start : start + n]]
             values = unpack(block, specs)
-            keep = shard_of(values["ids"], num_shards) == shard_index
+            keep = shard_map.shard_of(values["ids"]) == shard_index
             yield {name: array[keep] for name, array in values.items()}
 
 

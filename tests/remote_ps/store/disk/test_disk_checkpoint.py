@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from lightning_persia.ops.hashing import shard_of
+from lightning_persia.ops.shard_map import shard_of
 from lightning_persia.remote_ps.store import CheckpointError
 from lightning_persia.remote_ps.store.disk import tier as disk_tier
 from lightning_persia.remote_ps.store.shard_store import ShardStore

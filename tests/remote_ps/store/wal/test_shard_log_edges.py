@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from lightning_persia.ops.hashing import shard_of
+from lightning_persia.ops.shard_map import shard_of
 from lightning_persia.remote_ps.store import ShardStore
 from lightning_persia.remote_ps.store.errors import CheckpointError
 from lightning_persia.remote_ps.store.wal import open_shard_log

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_persia.ops.shard_map import ShardMap
 from lightning_persia.remote_ps.store import checkpoint
 
 COMPARED_FIELDS = ("ids", "weights", "state")
@@ -18,8 +19,8 @@ which moves the lookup step, not a value (they only order evictions, and these t
 def table_rows(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
     """Every table of the checkpoint at ``folder`` (all shards together), its rows sorted by id."""
     out = {}
-    for source in checkpoint.open_for_shard(str(folder), 0, 1):
-        blocks = [{name: block[name].clone() for name in COMPARED_FIELDS} for block in source.blocks(0, 1)]
+    for source in checkpoint.open_for_shard(str(folder), 0, ShardMap.uniform(1)):
+        blocks = [{name: block[name].clone() for name in COMPARED_FIELDS} for block in source.blocks(0, ShardMap.uniform(1))]
         rows = {name: torch.cat([b[name] for b in blocks]) for name in COMPARED_FIELDS} if blocks else {}
         order = torch.argsort(rows["ids"]) if rows else None
         out[source.name] = {name: values[order] for name, values in rows.items()}

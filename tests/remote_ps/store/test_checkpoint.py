@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_persia import checksum
-from lightning_persia.ops.shard_map import shard_of
+from lightning_persia.ops.shard_map import ShardMap, shard_of
 from lightning_persia.remote_ps.store import CheckpointError, ShardStore, checkpoint, shard_store
 from lightning_persia.remote_ps.store.table import Table
 from lightning_persia.remote_ps.table_config import SGD, Adagrad, Adam, Constant, TableConfig, Uniform
@@ -21,8 +21,8 @@ from lightning_persia.remote_ps.table_config import SGD, Adagrad, Adam, Constant
 IDS = torch.arange(-300, 300) * 7919
 
 
-def _cluster(n: int) -> list[ShardStore]:
-    stores = [ShardStore(i, n, seed=5) for i in range(n)]
+def _cluster(n: int, shard_map: ShardMap | None = None) -> list[ShardStore]:
+    stores = [ShardStore(i, n, seed=5, shard_map=shard_map) for i in range(n)]
     for s in stores:
         s.configure(TableConfig("a", 4, optimizer=Adam(lr=0.1)))
         s.configure(TableConfig("b", 2))
@@ -30,7 +30,7 @@ def _cluster(n: int) -> list[ShardStore]:
 
 
 def _call(stores, method, table, ids, *args):
-    owners = shard_of(ids, len(stores))
+    owners = stores[0].shard_map.shard_of(ids)
     out = None
     for i, s in enumerate(stores):
         mine = owners == i
@@ -69,6 +69,37 @@ def test_save_load_round_trip_and_reshard(tmp_path, monkeypatch, request, saved_
     _call(old, "update", "a", IDS, g)
     _call(new, "update", "a", IDS, g)
     assert torch.equal(_call(new, "lookup", "a", IDS, False), _call(old, "lookup", "a", IDS, False))
+
+
+RESIZED = ShardMap.uniform(2).resized(3)
+
+
+@pytest.mark.parametrize("loaded_under", [RESIZED, ShardMap.uniform(3), ShardMap.uniform(2), RESIZED.resized(2), ShardMap.uniform(4)],
+                         ids=["same map", "uniform 3", "uniform 2", "resized 2", "uniform 4"])
+def test_a_checkpoint_records_its_map_and_loads_under_any_other(tmp_path, loaded_under):
+    old = _cluster(3, RESIZED)
+    _train(old)
+    for s in old:
+        s.save(str(tmp_path))
+    manifest = json.loads((checkpoint.shard_folder(tmp_path, 2, 3) / "manifest.json").read_text())
+    assert ShardMap.from_dict(manifest["shard_map"]) == RESIZED
+    new = _cluster(loaded_under.num_shards, loaded_under)
+    for s in new:
+        s.load(str(tmp_path))
+    for table, ids in (("a", IDS), ("b", IDS[:50])):
+        assert torch.equal(_call(new, "lookup", table, ids, False), _call(old, "lookup", table, ids, False))
+    for s in new:  # each holds exactly the rows its map gives it
+        assert s.stats()["a"]["rows"] == int((loaded_under.shard_of(IDS) == s.shard_index).sum())
+
+
+def test_a_store_refuses_ids_its_map_gives_another_shard_naming_the_map_version():
+    store = ShardStore(0, 3, shard_map=RESIZED)
+    store.configure(TableConfig("a", 4))
+    foreign = IDS[RESIZED.shard_of(IDS) == 2][:1]
+    with pytest.raises(shard_store.InvalidRequestError, match=f"belongs to shard 2, not to this shard 0 of 3 \\(shard map version 1\\)"):
+        store.lookup("a", foreign, train=True)
+    with pytest.raises(ValueError, match="a shard map of 3 shards for a cluster of 2"):
+        ShardStore(0, 2, shard_map=RESIZED)
 
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="the drop-behind is posix_fadvise, which this platform "

@@ -1,6 +1,7 @@
 """What the tests of a shard's log share: training a store, and its rows read back from a checkpoint."""
 import torch
 
+from lightning_persia.ops.shard_map import ShardMap
 from lightning_persia.remote_ps.store import checkpoint
 
 
@@ -19,8 +20,8 @@ def contents(store, folder) -> dict:
     """Every table's rows sorted by id, read back from a checkpoint of the store."""
     store.save(str(folder))
     out = {}
-    for source in checkpoint.open_for_shard(str(folder), 0, 1):
-        blocks = [{k: v.clone() for k, v in block.items()} for block in source.blocks(0, 1)]
+    for source in checkpoint.open_for_shard(str(folder), 0, ShardMap.uniform(1)):
+        blocks = [{k: v.clone() for k, v in block.items()} for block in source.blocks(0, ShardMap.uniform(1))]
         rows = {k: torch.cat([b[k] for b in blocks]) for k in blocks[0]}
         order = torch.argsort(rows["ids"])
         out[source.name] = ({k: v[order] for k, v in rows.items()}, source.step)

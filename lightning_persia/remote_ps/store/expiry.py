@@ -12,9 +12,10 @@ recorded at or before it, so a TTL in seconds is as precise as the sweeps are fr
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import time
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, ContextManager, Iterable, Optional
 
 from lightning_persia.remote_ps.store.background import TablePass
 
@@ -58,16 +59,21 @@ def expiry_step(step: int, now: float, clock: StepClock, ttl_steps: Optional[int
 class Expirer(TablePass):
     """Calls ``expire(now)`` of each of ``tables()`` every ``interval_s`` on a daemon thread, until :meth:`stop`."""
 
-    def __init__(self, tables: Callable[[], Iterable], interval_s: float, journal: Callable[[], Any] = lambda: None) -> None:
-        """``journal()``: what each sweep tells the ids it deleted (the shard's write-ahead log), or None."""
+    def __init__(self, tables: Callable[[], Iterable], interval_s: float, journal: Callable[[], Any] = lambda: None,
+                 guard: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
+        """``journal()``: what each sweep tells the ids it deleted (the shard's write-ahead log), or None; ``guard()``:
+        held around each table's sweep, as around a request (the shard's routing gate: a sweep never straddles a
+        change of what the shard owns)."""
         super().__init__(tables, interval_s, "persia-ps-expiry")
         self._journal = journal
+        self._guard = guard
 
     def run_once(self) -> int:
         expired = 0
         for table in self._tables():
             try:
-                expired += table.expire(time.monotonic(), self._journal())
+                with self._guard():
+                    expired += table.expire(time.monotonic(), self._journal())
             except Exception:  # noqa: BLE001 - a failed sweep is retried at the next interval; the table serves on
                 self.errors += 1
                 _log.exception("the expiry sweep of table %r failed; it is retried in %.1f s", table.config.name, self._interval_s)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -18,11 +18,12 @@ from lightning_persia.remote_ps.store.errors import CheckpointError, InvalidRequ
 from lightning_persia.remote_ps.store.disk.mapped_budget import MappedBudget
 from lightning_persia.remote_ps.store.disk.records import record_specs
 from lightning_persia.remote_ps.store.progress import Progress
+from lightning_persia.remote_ps.store.slot_moves import MapMovedError, OutgoingSlots, RoutingGate, SlotsMovingError
 from lightning_persia.remote_ps.store.disk.segment_mapping import MAPPED_BYTES
 from lightning_persia.remote_ps.store.table import Table
 from lightning_persia.remote_ps.store.table_journal import Journal
 from lightning_persia.remote_ps.store.table_snapshot import TableSnapshot
-from lightning_persia.remote_ps.store.wal.changes import Change
+from lightning_persia.remote_ps.store.wal.changes import Change, TableChange
 from lightning_persia.remote_ps.store.wal.shard_log import ShardLog
 from lightning_persia.remote_ps.table_config import TableConfig
 
@@ -87,7 +88,11 @@ class ShardStore:
         self.progress = Progress(f"shard {shard_index}/{num_shards}")
         self._disk_dir = disk_dir
         self._disk_mapped_bytes = disk_mapped_bytes
-        self._expirer = Expirer(self._tables_with_ttl, expiry_interval_s, journal=lambda: self._journal("", 0, []))
+        # requests and sweeps pass it together, changes of what the shard owns alone (slot_moves.py)
+        self._gate = RoutingGate()
+        self._outgoing: Optional[OutgoingSlots] = None  # the slots this shard is handing over, while it does
+        self._expirer = Expirer(self._tables_with_ttl, expiry_interval_s, journal=lambda: self._journal("", 0, []),
+                                guard=self._gate.request)
         budget = MappedBudget(memory_limit_bytes) if memory_limit_bytes is not None else None
         self._demoter = Demoter(self._disk_tables, demotion_interval_s, budget) if demotion_interval_s is not None else None
         self.log: Optional[ShardLog] = None  # set once the shard restored itself (wal/shard_log.py)
@@ -128,11 +133,20 @@ class ShardStore:
         """Rows of ``ids`` (int64, 1-D) as ``[n, dim]`` of ``dtype``; ``train`` admits unseen ids."""
         return self.lookup_many([(name, ids)], train, dtype)[0]
 
-    def lookup_many(self, requests: Sequence[tuple[str, torch.Tensor]], train: bool, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
-        """:meth:`lookup` of several tables; every table is checked before any admits a row."""
+    def lookup_many(self, requests: Sequence[tuple[str, torch.Tensor]], train: bool, dtype: torch.dtype = torch.float32,
+                    map_version: Optional[int] = None) -> list[torch.Tensor]:
+        """:meth:`lookup` of several tables; every table is checked before any admits a row.
+
+        ``map_version``: the version of the shard map the caller routed the ids by (None: this shard's own); ids this
+        shard's newer map gives another shard raise :class:`MapMovedError`."""
+        with self._gate.request():
+            return self._lookup_many(requests, train, dtype, map_version)
+
+    def _lookup_many(self, requests: Sequence[tuple[str, torch.Tensor]], train: bool, dtype: torch.dtype,
+                     map_version: Optional[int]) -> list[torch.Tensor]:
         tables = [self._table(name) for name, _ in requests]
         for name, ids in requests:
-            self._check_ids(name, ids)
+            self._check_ids(name, ids, map_version)
         if not requests:  # a lookup of no table (the native path's batch of zero jobs needs the kernels)
             return []
         tickets: list[int] = []
@@ -149,18 +163,25 @@ class ShardStore:
         """Applies the table's optimizer to the rows of ``ids``; duplicate ids have their gradients summed."""
         return self.update_many([(name, ids, grads)])
 
-    def update_many(self, requests: Sequence[tuple[str, torch.Tensor, torch.Tensor]], client: str = "", seq: int = 0) -> int:
+    def update_many(self, requests: Sequence[tuple[str, torch.Tensor, torch.Tensor]], client: str = "", seq: int = 0,
+                    map_version: Optional[int] = None) -> int:
         """:meth:`update` of several tables, all or nothing: every table is checked before any row changes.
 
         Returns the rows updated in all, once the update is in the log (when there is one) with its ``(client,
-        seq)``, from which a restarted shard rebuilds its exactly-once memory.
+        seq)``, from which a restarted shard rebuilds its exactly-once memory. ``map_version``: as for
+        :meth:`lookup_many`.
         """
+        with self._gate.request():
+            return self._update_many(requests, client, seq, map_version)
+
+    def _update_many(self, requests: Sequence[tuple[str, torch.Tensor, torch.Tensor]], client: str, seq: int,
+                     map_version: Optional[int]) -> int:
         names = [name for name, _, _ in requests]
         if len(set(names)) != len(names):
             raise InvalidRequestError(f"a table appears more than once in one update: {names}")
         tables = [self._table(name) for name in names]
         for table, (name, ids, grads) in zip(tables, requests):
-            self._check_ids(name, ids)
+            self._check_ids(name, ids, map_version)
             expected = (ids.numel(), table.config.dim)
             if grads.dtype != torch.float32 or tuple(grads.shape) != expected:
                 raise InvalidRequestError(f"table {name!r}: gradients must be float32 of shape {expected}, got {grads.dtype} {tuple(grads.shape)}")
@@ -173,10 +194,19 @@ class ShardStore:
         return applied
 
     def _journal(self, client: str, seq: int, tickets: list[int]) -> Optional[Journal]:
-        log = self.log
-        if log is None:
+        """What an operation tells its changes: the write-ahead log, and a handover's collection while one runs (both
+        read once, inside the routing gate, so the whole operation reports to the same ones)."""
+        log, outgoing = self.log, self._outgoing
+        if log is None and outgoing is None:
             return None
-        return lambda changes: tickets.append(log.record(Change(changes, client, seq)))
+
+        def journal(changes: list[TableChange]) -> None:
+            if outgoing is not None:
+                outgoing.collect(changes)
+            if log is not None:
+                tickets.append(log.record(Change(changes, client, seq)))
+
+        return journal
 
     def _wait_logged(self, tickets: list[int]) -> None:
         if tickets:
@@ -409,19 +439,160 @@ class ShardStore:
         return Table(config, self.seed, disk_dir=disk, disk_mapped_bytes=self._disk_mapped_bytes,
                      promote_later=self._demoter is not None)
 
-    def _check_ids(self, name: str, ids: torch.Tensor) -> None:
+    def _check_ids(self, name: str, ids: torch.Tensor, map_version: Optional[int] = None) -> None:
         if ids.dtype != torch.int64 or ids.dim() != 1:
             raise InvalidRequestError(f"table {name!r}: ids must be a 1-D int64 tensor, got {ids.dtype} of shape {tuple(ids.shape)}")
-        shard_map = self._shard_map
+        shard_map, outgoing = self._shard_map, self._outgoing
+        if outgoing is not None and outgoing.fenced and bool(outgoing.covers(ids).any()):
+            raise SlotsMovingError(f"table {name!r}: ids of slots this shard is handing over to shard map version "
+                                   f"{outgoing.to_map.version} at this moment; retry")
         foreign = shard_map.first_foreign(ids, self.shard_index) if shard_map.num_shards > 1 else -1
         if foreign >= 0:
             example = ids[foreign : foreign + 1]
+            if map_version is not None and map_version < shard_map.version:
+                raise MapMovedError(f"table {name!r}: id {int(example)} moved to shard {int(shard_map.shard_of(example))} "
+                                    f"in shard map version {shard_map.version} (the request was routed by version "
+                                    f"{map_version})", shard_map.version)
             raise InvalidRequestError(
                 f"table {name!r}: id {int(example)} belongs to shard {int(shard_map.shard_of(example))}, not to this shard "
                 f"{self.shard_index} of {shard_map.num_shards} (shard map version {shard_map.version}); the client and "
                 f"the shards disagree on the shard map"
             )
 
+
+    # ---- slots moving between live shards (slot_moves.py) -------------------------------------------
+
+    def begin_handover(self, to_map: ShardMap) -> Iterator[tuple[TableConfig, int, dict[str, torch.Tensor]]]:
+        """Starts handing this shard's slots that ``to_map`` gives to other shards over to them.
+
+        Takes one consistent point of every table and from then on collects the changes to the moving slots' rows
+        (:meth:`handover_changes`). Returns ``(config, step, rows)`` of the moving slots' rows at the point, a block
+        at a time (``rows``: ``{field: values}``, the new owner's :meth:`take_rows`). One handover at a time.
+        """
+        if to_map.version <= self._shard_map.version:
+            raise InvalidRequestError(f"a handover to shard map version {to_map.version}, not newer than this shard's "
+                                      f"{self._shard_map.version}")
+        with self._gate.alone(), self._save_lock, self._lock, contextlib.ExitStack() as held:
+            if self._outgoing is not None:
+                raise InvalidRequestError(f"a handover to shard map version {self._outgoing.to_map.version} is under way")
+            tables = [self._tables[name] for name in sorted(self._tables)]
+            disk = [table.config.name for table in tables if table.config.storage == "disk"]
+            if disk:
+                raise InvalidRequestError(f"tables {disk} keep rows on disk, which cannot move between live shards yet: "
+                                          "change the shard count through a checkpoint (save, restart with the new count, load)")
+            for table in tables:
+                held.enter_context(table.lock)
+            snapshots = [table.begin_snapshot(0) for table in tables]
+            self._outgoing = OutgoingSlots(self.shard_index, self._shard_map, to_map)
+        return self._handover_rows(self._outgoing, snapshots)
+
+    @staticmethod
+    def _handover_rows(outgoing: OutgoingSlots, snapshots: list[TableSnapshot]) -> Iterator[tuple[TableConfig, int, dict[str, torch.Tensor]]]:
+        try:
+            for snapshot in snapshots:
+                yield snapshot.config, snapshot.step, {}  # the table, even with no row to move
+                for chunk in snapshot.chunks():
+                    keep = outgoing.covers(chunk["ids"])
+                    if bool(keep.any()):
+                        yield snapshot.config, snapshot.step, {name: values[keep] for name, values in chunk.items()}
+        finally:
+            for snapshot in snapshots:
+                snapshot.close()
+
+    def handover_changes(self) -> tuple[list[TableConfig], list[Change]]:
+        """The changes to the moving slots' rows since the handover's point (or the last call), oldest first, and the
+        configuration of every table (the changes may name a table made since the point)."""
+        changes = self._handing_over().take_changes()
+        return [table.config for table in self._listed_tables()], changes
+
+    def fence_handover(self) -> None:
+        """From now on the moving slots' ids are answered with :class:`SlotsMovingError`: the changes collected after
+        this call are the last ones."""
+        with self._gate.alone():
+            self._handing_over().fenced = True
+
+    def finish_handover(self) -> None:
+        """Adopts the handover's map (the new owners adopted it first) and drops the rows handed over."""
+        with self._gate.alone():
+            outgoing = self._handing_over()
+            if not outgoing.fenced:
+                raise InvalidRequestError("a handover finishes once fenced: its last changes must have been taken")
+            self._set_map(outgoing.to_map)
+            self._outgoing = None
+        with self._save_lock:
+            for table in self._listed_tables():
+                self._drop_foreign_rows(table)
+
+    def abort_handover(self) -> None:
+        """Gives up the handover under way (if any): the slots stay this shard's, served as before."""
+        with self._gate.alone():
+            self._outgoing = None
+
+    def take_rows(self, config: TableConfig, step: int, rows: dict[str, torch.Tensor]) -> None:
+        """Writes rows another shard hands over (:meth:`begin_handover`'s blocks), creating their table if needed."""
+        self.configure(config)
+        table = self._table(config.name)
+        table.restore_step(step)
+        if rows and rows["ids"].numel():
+            self._record([TableChange(config.name, step, rows=rows)])
+
+    def take_changes(self, configs: Sequence[TableConfig], changes: Sequence[Change]) -> None:
+        """Applies, in order, changes another shard collected for the slots it hands over (:meth:`handover_changes`)."""
+        for config in configs:
+            self.configure(config)
+        for change in changes:
+            self._record(change.tables)
+
+    def adopt_map(self, shard_map: ShardMap) -> None:
+        """Makes ``shard_map`` this shard's (a newer version; the same one again is a no-op)."""
+        with self._gate.alone():
+            if shard_map.version < self._shard_map.version or (
+                    shard_map.version == self._shard_map.version and shard_map != self._shard_map):
+                raise InvalidRequestError(f"shard map version {shard_map.version} is older than or differs from this "
+                                          f"shard's version {self._shard_map.version}")
+            self._set_map(shard_map)
+
+    def _handing_over(self) -> OutgoingSlots:
+        if self._outgoing is None:
+            raise InvalidRequestError("no handover is under way on this shard")
+        return self._outgoing
+
+    def _set_map(self, shard_map: ShardMap) -> None:
+        # a shard the map leaves without slots (one being drained) keeps its index: every id then moved elsewhere
+        self._shard_map = shard_map
+        self.num_shards = shard_map.num_shards
+
+    def _listed_tables(self) -> list[Table]:
+        with self._lock:
+            return [self._tables[name] for name in sorted(self._tables)]
+
+    def _record(self, changes: list[TableChange]) -> None:
+        """Applies changes as a replay does, and logs them: another shard's rows become this one's, durably."""
+        with self._gate.request():
+            tickets: list[int] = []
+            journal = self._journal("", 0, tickets)
+            tables = [self._table(change.name) for change in changes]
+            with contextlib.ExitStack() as held:
+                for table in sorted(set(tables), key=lambda t: t.config.name):
+                    held.enter_context(table.lock)
+                for table, change in zip(tables, changes):
+                    table.replay_locked(change)
+                if journal is not None:
+                    journal(list(changes))
+            self._wait_logged(tickets)
+
+    def _drop_foreign_rows(self, table: Table) -> None:
+        """Removes (and logs the removal of) the rows of ``table`` its map gives other shards."""
+        with table.lock:
+            snapshot = table.begin_snapshot(0)
+        try:
+            foreign = [chunk["ids"][self._shard_map.shard_of(chunk["ids"]) != self.shard_index].clone()
+                       for chunk in snapshot.chunks()]
+        finally:
+            snapshot.close()
+        ids = torch.cat(foreign) if foreign else torch.empty(0, dtype=torch.int64)
+        if ids.numel():
+            self._record([TableChange(table.config.name, 0, removed=ids)])
 
 class StagedDelta:
     """A delta read and checked by :meth:`ShardStore.stage_delta`; :meth:`commit` applies it.

@@ -1,0 +1,259 @@
+"""Slots moving between live stores: a random stream of lookups and updates, interleaved with the steps of handovers
+(2 -> 3 -> 2 shards), against one store that never moved, compared row for row, bit for bit."""
+import random
+import threading
+
+import pytest
+import torch
+
+from lightning_persia.ops.shard_map import ShardMap
+from lightning_persia.remote_ps.store import ShardStore
+from lightning_persia.remote_ps.store.errors import InvalidRequestError
+from lightning_persia.remote_ps.store.slot_moves import MapMovedError, SlotsMovingError
+from lightning_persia.remote_ps.table_config import SGD, Adam, Constant, TableConfig
+
+TABLES = (TableConfig("user", 4, optimizer=Adam(lr=0.05)), TableConfig("item", 2, optimizer=Adam(lr=0.1)))  # no capacity: evictions depend on which rows share a shard
+
+
+class PartlyRefused(Exception):
+    """A lookup some of whose ids are moving: the others were looked up (and admitted)."""
+
+    def __init__(self, rows: torch.Tensor, refused: torch.Tensor) -> None:
+        super().__init__(f"{refused.numel()} ids are moving")
+        self.rows, self.refused = rows, refused
+
+
+class Cluster:
+    """Stores routed by a client's map, as ``PSClient`` routes: a request refused because the map moved is routed
+    again by the stores' newest map; one refused because its slots are moving waits."""
+
+    def __init__(self, stores: list[ShardStore]) -> None:
+        self.stores = stores
+        self.map = stores[0].shard_map
+
+    def _parts(self, ids: torch.Tensor):
+        owners = self.map.shard_of(ids)
+        return [(shard, torch.nonzero(owners == shard).squeeze(1)) for shard in range(self.map.num_shards)]
+
+    def _refresh(self) -> None:
+        self.map = max((store.shard_map for store in self.stores), key=lambda m: m.version)
+
+    def _send(self, ids: torch.Tensor, call) -> list[torch.Tensor]:
+        """Calls ``call(store, positions, map_version)`` for each shard's part of ``ids``, routing a part again when
+        its shard says the map moved; returns the positions of the parts refused because their slots are moving."""
+        pending = [(shard, where, self.map.version) for shard, where in self._parts(ids) if where.numel()]
+        refused = []
+        while pending:
+            shard, where, version = pending.pop()
+            try:
+                call(self.stores[shard], where, version)
+            except MapMovedError:
+                self._refresh()
+                pending += [(s, where[w], self.map.version) for s, w in self._parts(ids[where]) if w.numel()]
+            except SlotsMovingError:
+                refused.append(where)
+        return refused
+
+    def lookup(self, table: str, ids: torch.Tensor, train: bool) -> torch.Tensor:
+        out = torch.empty(ids.numel(), 4 if table == "user" else 2)
+
+        def call(store, where, version):
+            out[where] = store.lookup_many([(table, ids[where])], train, map_version=version)[0]
+
+        refused = self._send(ids, call)
+        if refused:
+            raise PartlyRefused(out, torch.cat(refused))
+        return out
+
+    def update(self, table: str, ids: torch.Tensor, grads: torch.Tensor):
+        """The positions of the ids refused because their slots are moving (the caller sends them again later), or
+        None."""
+        refused = self._send(ids, lambda store, where, version: store.update_many([(table, ids[where], grads[where])],
+                                                                                   map_version=version))
+        return torch.cat(refused) if refused else None
+
+
+def _rows(store_or_cluster, table: str, ids: torch.Tensor) -> torch.Tensor:
+    if isinstance(store_or_cluster, Cluster):
+        return store_or_cluster.lookup(table, ids, train=False)
+    return store_or_cluster.lookup_many([(table, ids)], False)[0]
+
+
+def _stores(n: int, tables=TABLES) -> list[ShardStore]:
+    stores = [ShardStore(i, n, seed=7) for i in range(n)]
+    for store in stores:
+        for config in tables:
+            store.configure(config)
+    return stores
+
+
+def _move(stores: list[ShardStore], to_map: ShardMap, between):
+    """The steps of a handover from every store that gives slots away, calling ``between()`` (requests) between
+    them; returns nothing, asserts the rows moved."""
+    live = stores[0].shard_map  # shard 0 is never a new one
+    sources = [s for s in stores if any(o == s.shard_index != n for o, n in zip(live.owners, to_map.owners))]
+    targets = [s for s in stores if s not in sources]
+    for source in sources:
+        for config, step, rows in source.begin_handover(to_map):
+            for target in targets:
+                mine = to_map.shard_of(rows["ids"]) == target.shard_index if rows else None
+                target.take_rows(config, step, {k: v[mine] for k, v in rows.items()} if rows else {})
+            between()
+    for fenced in (False, True):
+        for _ in range(2):
+            for source in sources:
+                configs, changes = source.handover_changes()
+                for target in targets:
+                    target.take_changes(configs, [_only(change, to_map, target.shard_index) for change in changes])
+            between()
+        if not fenced:
+            for source in sources:
+                source.fence_handover()
+            between()  # requests of the moving slots are refused now
+    for target in targets:
+        target.adopt_map(to_map)
+    for source in sources:
+        source.finish_handover()
+
+
+def _only(change, to_map: ShardMap, shard: int):
+    """The part of a source's change that goes to ``shard`` (a shrink hands one source's slots to several)."""
+    from lightning_persia.remote_ps.store.wal.changes import Change, TableChange
+    parts = []
+    for part in change.tables:
+        kept = TableChange(part.name, part.step)
+        if part.removed.numel():
+            kept.removed = part.removed[to_map.shard_of(part.removed) == shard]
+        if part.admitted.numel():
+            mine = to_map.shard_of(part.admitted) == shard
+            kept.admitted, kept.admitted_access = part.admitted[mine], part.admitted_access[mine]
+        if part.rows:
+            mine = to_map.shard_of(part.rows["ids"]) == shard
+            kept.rows = {k: v[mine] for k, v in part.rows.items()}
+        parts.append(kept)
+    return Change(parts, change.client, change.seq)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_handovers_2_3_2_under_requests_keep_every_row_bit_for_bit(seed):
+    rng = random.Random(seed)
+    universe = torch.arange(0, 900) * 7919 - 3000
+    model = _stores(1)[0]
+    cluster = Cluster(_stores(2))
+    retry = []  # updates refused while their slots moved: the client sends them again
+
+    def requests(count: int) -> None:
+        for _ in range(count):
+            table = rng.choice(("user", "item"))
+            dim = 4 if table == "user" else 2
+            ids = universe[torch.randperm(universe.numel(), generator=torch.Generator().manual_seed(rng.getrandbits(31)))[: rng.randint(1, 120)]]
+            if rng.random() < 0.5:
+                try:
+                    found = cluster.lookup(table, ids, train=True)
+                except PartlyRefused as partly:  # the client looks the refused ids up again later
+                    done = torch.ones(ids.numel(), dtype=torch.bool)
+                    done[partly.refused] = False
+                    retry.append((table, ids[partly.refused], None))
+                    ids, found = ids[done], partly.rows[done]
+                assert torch.equal(found, model.lookup_many([(table, ids)], True)[0])
+            else:
+                grads = torch.randn(ids.numel(), dim, generator=torch.Generator().manual_seed(rng.getrandbits(31)))
+                refused = cluster.update(table, ids, grads)
+                applied = torch.ones(ids.numel(), dtype=torch.bool)
+                if refused is not None:
+                    applied[refused] = False
+                    retry.append((table, ids[refused], grads[refused]))
+                if applied.any():
+                    model.update_many([(table, ids[applied], grads[applied])])
+
+    def flush_retries() -> None:
+        while retry:
+            table, ids, grads = retry.pop(0)
+            if grads is None:
+                assert torch.equal(cluster.lookup(table, ids, train=True), model.lookup_many([(table, ids)], True)[0])
+                continue
+            assert cluster.update(table, ids, grads) is None
+            model.update_many([(table, ids, grads)])
+
+    requests(40)
+    three = cluster.map.resized(3)
+    cluster.stores.append(ShardStore(2, 3, seed=7))  # a new shard: no request reaches it before it adopts the map
+    _move(cluster.stores, three, lambda: requests(rng.randint(0, 6)))
+    flush_retries()
+    requests(40)
+    two = three.resized(2)
+    _move(cluster.stores, two, lambda: requests(rng.randint(0, 6)))
+    flush_retries()
+    requests(20)
+    for table in ("user", "item"):
+        assert torch.equal(_rows(cluster, table, universe), _rows(model, table, universe)), f"seed {seed}, table {table}"
+        held = [store.stats()[table]["rows"] for store in cluster.stores]
+        assert held[2] == 0 and sum(held) == model.stats()[table]["rows"], (seed, table, held)
+
+
+def test_concurrent_updates_during_a_handover_are_applied_once_each():
+    """Updates from two threads while the slots move: integer gradients under SGD(lr=1) sum exactly in any order,
+    so the rows must equal the sum of every update sent, once."""
+    tables = (TableConfig("t", 2, optimizer=SGD(lr=1.0), init=Constant(0.0)),)
+    stores = _stores(2, tables)
+    cluster_lock = threading.Lock()
+    cluster = Cluster(stores)
+    ids = torch.arange(0, 2000)
+    cluster.lookup("t", ids, train=True)  # updates change only rows that exist
+    expected = torch.zeros(ids.numel(), 2)
+    stop = threading.Event()
+
+    def sender(seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        while not stop.is_set():
+            pick = torch.randperm(ids.numel(), generator=gen)[:50]
+            grads = torch.randint(-3, 4, (50, 2), generator=gen).float()
+            while True:
+                with cluster_lock:  # the client's map is shared; the calls are not serialised by it
+                    client = Cluster(cluster.stores)
+                    client.map = cluster.map
+                refused = client.update("t", ids[pick], grads)
+                with cluster_lock:
+                    cluster.map = max(cluster.map, client.map, key=lambda m: m.version)
+                    expected[pick] -= grads
+                    if refused is not None:
+                        expected[pick[refused]] += grads[refused]
+                if refused is None:
+                    break
+                pick, grads = pick[refused], grads[refused]
+
+    threads = [threading.Thread(target=sender, args=(s,)) for s in (1, 2)]
+    for thread in threads:
+        thread.start()
+    three = ShardMap.uniform(2).resized(3)
+    stores.append(ShardStore(2, 3, seed=7))
+    stores[2].configure(tables[0])
+    _move(stores, three, lambda: threading.Event().wait(0.02))
+    _move(stores, three.resized(2), lambda: threading.Event().wait(0.02))
+    stop.set()
+    for thread in threads:
+        thread.join()
+    final = Cluster(stores)
+    final.map = three.resized(2)
+    assert torch.equal(final.lookup("t", ids, train=False), expected)
+
+
+def test_handover_refusals_name_the_problem(tmp_path):
+    store = _stores(2)[0]
+    with pytest.raises(InvalidRequestError, match="not newer than this shard's 0"):
+        store.begin_handover(ShardMap.uniform(2))
+    with pytest.raises(InvalidRequestError, match="no handover is under way"):
+        store.fence_handover()
+    rows = store.begin_handover(ShardMap.uniform(2).resized(3))
+    with pytest.raises(InvalidRequestError, match="a handover to shard map version 1 is under way"):
+        store.begin_handover(ShardMap.uniform(2).resized(3))
+    with pytest.raises(InvalidRequestError, match="finishes once fenced"):
+        store.finish_handover()
+    list(rows)
+    store.abort_handover()
+    with pytest.raises(InvalidRequestError, match="older than or differs"):
+        store.adopt_map(ShardMap(tuple([1, 0] * 2048), 0))  # version 0, another map
+    disk = ShardStore(0, 2, disk_dir=str(tmp_path))
+    disk.configure(TableConfig("d", 2, storage="disk"))
+    with pytest.raises(InvalidRequestError, match=r"tables \['d'\] keep rows on disk"):
+        disk.begin_handover(ShardMap.uniform(2).resized(3))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -18,6 +18,7 @@ from lightning_persia.remote_ps.store.errors import CheckpointError, InvalidRequ
 from lightning_persia.remote_ps.store.disk.mapped_budget import MappedBudget
 from lightning_persia.remote_ps.store.disk.records import record_specs
 from lightning_persia.remote_ps.store.progress import Progress
+from lightning_persia.remote_ps.store.handover import SlotHandover
 from lightning_persia.remote_ps.store.slot_moves import MapMovedError, OutgoingSlots, RoutingGate, SlotsMovingError
 from lightning_persia.remote_ps.store.disk.segment_mapping import MAPPED_BYTES
 from lightning_persia.remote_ps.store.table import Table
@@ -31,7 +32,7 @@ from lightning_persia.remote_ps.table_config import TableConfig
 _DELTA_BASES = 16  # recent deltas a new one may start from
 
 
-class ShardStore:
+class ShardStore(SlotHandover):
     """All tables of shard ``shard_index`` of ``num_shards``.
 
     Tables come from :meth:`configure` or, on first use, from ``table_defaults`` (the tables declared in
@@ -459,140 +460,6 @@ class ShardStore:
                 f"the shards disagree on the shard map"
             )
 
-
-    # ---- slots moving between live shards (slot_moves.py) -------------------------------------------
-
-    def begin_handover(self, to_map: ShardMap) -> Iterator[tuple[TableConfig, int, dict[str, torch.Tensor]]]:
-        """Starts handing this shard's slots that ``to_map`` gives to other shards over to them.
-
-        Takes one consistent point of every table and from then on collects the changes to the moving slots' rows
-        (:meth:`handover_changes`). Returns ``(config, step, rows)`` of the moving slots' rows at the point, a block
-        at a time (``rows``: ``{field: values}``, the new owner's :meth:`take_rows`). One handover at a time.
-        """
-        if to_map.version <= self._shard_map.version:
-            raise InvalidRequestError(f"a handover to shard map version {to_map.version}, not newer than this shard's "
-                                      f"{self._shard_map.version}")
-        with self._gate.alone(), self._save_lock, self._lock, contextlib.ExitStack() as held:
-            if self._outgoing is not None:
-                raise InvalidRequestError(f"a handover to shard map version {self._outgoing.to_map.version} is under way")
-            tables = [self._tables[name] for name in sorted(self._tables)]
-            disk = [table.config.name for table in tables if table.config.storage == "disk"]
-            if disk:
-                raise InvalidRequestError(f"tables {disk} keep rows on disk, which cannot move between live shards yet: "
-                                          "change the shard count through a checkpoint (save, restart with the new count, load)")
-            for table in tables:
-                held.enter_context(table.lock)
-            snapshots = [table.begin_snapshot(0) for table in tables]
-            self._outgoing = OutgoingSlots(self.shard_index, self._shard_map, to_map)
-        return self._handover_rows(self._outgoing, snapshots)
-
-    @staticmethod
-    def _handover_rows(outgoing: OutgoingSlots, snapshots: list[TableSnapshot]) -> Iterator[tuple[TableConfig, int, dict[str, torch.Tensor]]]:
-        try:
-            for snapshot in snapshots:
-                yield snapshot.config, snapshot.step, {}  # the table, even with no row to move
-                for chunk in snapshot.chunks():
-                    keep = outgoing.covers(chunk["ids"])
-                    if bool(keep.any()):
-                        yield snapshot.config, snapshot.step, {name: values[keep] for name, values in chunk.items()}
-        finally:
-            for snapshot in snapshots:
-                snapshot.close()
-
-    def handover_changes(self) -> tuple[list[TableConfig], list[Change]]:
-        """The changes to the moving slots' rows since the handover's point (or the last call), oldest first, and the
-        configuration of every table (the changes may name a table made since the point)."""
-        changes = self._handing_over().take_changes()
-        return [table.config for table in self._listed_tables()], changes
-
-    def fence_handover(self) -> None:
-        """From now on the moving slots' ids are answered with :class:`SlotsMovingError`: the changes collected after
-        this call are the last ones."""
-        with self._gate.alone():
-            self._handing_over().fenced = True
-
-    def finish_handover(self) -> None:
-        """Adopts the handover's map (the new owners adopted it first) and drops the rows handed over."""
-        with self._gate.alone():
-            outgoing = self._handing_over()
-            if not outgoing.fenced:
-                raise InvalidRequestError("a handover finishes once fenced: its last changes must have been taken")
-            self._set_map(outgoing.to_map)
-            self._outgoing = None
-        with self._save_lock:
-            for table in self._listed_tables():
-                self._drop_foreign_rows(table)
-
-    def abort_handover(self) -> None:
-        """Gives up the handover under way (if any): the slots stay this shard's, served as before."""
-        with self._gate.alone():
-            self._outgoing = None
-
-    def take_rows(self, config: TableConfig, step: int, rows: dict[str, torch.Tensor]) -> None:
-        """Writes rows another shard hands over (:meth:`begin_handover`'s blocks), creating their table if needed."""
-        self.configure(config)
-        table = self._table(config.name)
-        table.restore_step(step)
-        if rows and rows["ids"].numel():
-            self._record([TableChange(config.name, step, rows=rows)])
-
-    def take_changes(self, configs: Sequence[TableConfig], changes: Sequence[Change]) -> None:
-        """Applies, in order, changes another shard collected for the slots it hands over (:meth:`handover_changes`)."""
-        for config in configs:
-            self.configure(config)
-        for change in changes:
-            self._record(change.tables)
-
-    def adopt_map(self, shard_map: ShardMap) -> None:
-        """Makes ``shard_map`` this shard's (a newer version; the same one again is a no-op)."""
-        with self._gate.alone():
-            if shard_map.version < self._shard_map.version or (
-                    shard_map.version == self._shard_map.version and shard_map != self._shard_map):
-                raise InvalidRequestError(f"shard map version {shard_map.version} is older than or differs from this "
-                                          f"shard's version {self._shard_map.version}")
-            self._set_map(shard_map)
-
-    def _handing_over(self) -> OutgoingSlots:
-        if self._outgoing is None:
-            raise InvalidRequestError("no handover is under way on this shard")
-        return self._outgoing
-
-    def _set_map(self, shard_map: ShardMap) -> None:
-        # a shard the map leaves without slots (one being drained) keeps its index: every id then moved elsewhere
-        self._shard_map = shard_map
-        self.num_shards = shard_map.num_shards
-
-    def _listed_tables(self) -> list[Table]:
-        with self._lock:
-            return [self._tables[name] for name in sorted(self._tables)]
-
-    def _record(self, changes: list[TableChange]) -> None:
-        """Applies changes as a replay does, and logs them: another shard's rows become this one's, durably."""
-        with self._gate.request():
-            tickets: list[int] = []
-            journal = self._journal("", 0, tickets)
-            tables = [self._table(change.name) for change in changes]
-            with contextlib.ExitStack() as held:
-                for table in sorted(set(tables), key=lambda t: t.config.name):
-                    held.enter_context(table.lock)
-                for table, change in zip(tables, changes):
-                    table.replay_locked(change)
-                if journal is not None:
-                    journal(list(changes))
-            self._wait_logged(tickets)
-
-    def _drop_foreign_rows(self, table: Table) -> None:
-        """Removes (and logs the removal of) the rows of ``table`` its map gives other shards."""
-        with table.lock:
-            snapshot = table.begin_snapshot(0)
-        try:
-            foreign = [chunk["ids"][self._shard_map.shard_of(chunk["ids"]) != self.shard_index].clone()
-                       for chunk in snapshot.chunks()]
-        finally:
-            snapshot.close()
-        ids = torch.cat(foreign) if foreign else torch.empty(0, dtype=torch.int64)
-        if ids.numel():
-            self._record([TableChange(table.config.name, 0, removed=ids)])
 
 class StagedDelta:
     """A delta read and checked by :meth:`ShardStore.stage_delta`; :meth:`commit` applies it.

@@ -244,8 +244,9 @@ def test_a_batch_shaped_otherwise_is_not_planned_from_a_learnt_path():
 
     from lightning_persia.embedding.planning import TensorPlanner
     from lightning_persia.ops.bucketize import bucketize
+    from lightning_persia.ops.shard_map import ShardMap
 
-    planner = BatchPlanner((TensorPlanner("emb", "emb", 2),), (("emb", (("key", "ids"),)),), partial(bucketize, num_shards=1))
+    planner = BatchPlanner((TensorPlanner("emb", "emb", 2),), (("emb", (("key", "ids"),)),), partial(bucketize, shard_map=ShardMap.uniform(1)))
     planned = planner.plan({"ids": torch.tensor([5, 1, 5])})
     assert [p.key for p in planned.plans] == ["emb"] and planned.plans[0].unique.ids.tolist() == [1, 5]
     assert planner.plan({"ids": torch.tensor([0.5])}).plans == ()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import queue
 import subprocess
 import sys
 import threading
@@ -162,6 +163,7 @@ class LocalShards:
         # by a thread of their own that lives until stop(), whatever thread creates this object. The same
         # thread restarts dead shards.
         self._keeper_done = threading.Event()
+        self._spawns: queue.Queue = queue.Queue()  # (indices, future) of shards to start on the keeper's thread
         spawned: futures.Future = futures.Future()
 
         def keeper() -> None:
@@ -173,6 +175,7 @@ class LocalShards:
                 return
             spawned.set_result(None)
             while not self._keeper_done.wait(poll_s):
+                self._spawn_asked()
                 if self.restart:
                     try:
                         self._supervise()
@@ -189,8 +192,46 @@ class LocalShards:
             self.stop()
             raise
 
-    def _popen(self, index: int, port: int, restore_from: Optional[str]) -> subprocess.Popen:
-        command = serve_command(index, self.num_shards, port=port, restore_from=restore_from, **self._command)
+    def grow(self, num_shards: int) -> list[str]:
+        """Starts the shards from the current count up to ``num_shards`` (each told the cluster has ``num_shards``;
+        they hold nothing until ``remote_ps.client.scaling.rescale`` moves slots to them); returns every address."""
+        if num_shards < self.num_shards:
+            raise ValueError(f"grow to {num_shards} shards: the cluster has {self.num_shards} already")
+        started: futures.Future = futures.Future()
+        self._spawns.put((range(len(self.processes), num_shards), num_shards, started))
+        processes = started.result()
+        deadline = time.monotonic() + self.startup_timeout_s
+        with self._lock:
+            self.restarts += [0] * len(processes)
+            self.num_shards = num_shards
+        self.addresses += [self._read_address(len(self.addresses), process, deadline) for process in processes]
+        return list(self.addresses)
+
+    def shrink(self, num_shards: int, timeout_s: float = 15.0) -> None:
+        """Stops the shards from ``num_shards`` on (drained first: ``rescale`` moved their slots away)."""
+        with self._lock:
+            drained, self.processes = self.processes[num_shards:], self.processes[:num_shards]
+            self.addresses, self.restarts = self.addresses[:num_shards], self.restarts[:num_shards]
+            self.num_shards = num_shards
+        stop_processes(drained, timeout_s)
+
+    def _spawn_asked(self) -> None:
+        """Starts the shards :meth:`grow` asked for (on the keeper's thread: the parent-death signal follows it)."""
+        while not self._spawns.empty():
+            indices, num_shards, started = self._spawns.get()
+            try:
+                processes = []
+                for index in indices:
+                    self._logs.append(collections.deque(maxlen=200))
+                    processes.append(self._popen(index, 0, None, num_shards))
+                with self._lock:
+                    self.processes += processes
+                started.set_result(processes)
+            except BaseException as err:  # noqa: BLE001 - the caller of grow hears of it
+                started.set_exception(err)
+
+    def _popen(self, index: int, port: int, restore_from: Optional[str], num_shards: Optional[int] = None) -> subprocess.Popen:
+        command = serve_command(index, num_shards or self.num_shards, port=port, restore_from=restore_from, **self._command)
         return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=self._env)
 
     def _event(self, shard: int, kind: str, detail: str) -> None:

@@ -26,6 +26,9 @@ from lightning_persia.remote_ps.protocol import WIRE_DTYPE_NAMES, persia_pb2
 from lightning_persia.remote_ps.served_version import DeltaOrderError
 from lightning_persia.remote_ps.store import CheckpointError, InvalidRequestError, ShardStore, StoreError, UnknownTableError
 from lightning_persia.remote_ps.store.errors import LogWriteError
+from lightning_persia.remote_ps.store.wal import changes as records
+from lightning_persia.remote_ps.store.wal.changes import Change
+from lightning_persia.remote_ps.store.slot_moves import MapMovedError, SlotsMovingError
 from lightning_persia.remote_ps.table_config import ConfigError, TableConfig
 
 
@@ -51,6 +54,8 @@ def read_only(what: str) -> RpcRefusal:
 
 _STORE_CODES = (
     (UnknownTableError, grpc.StatusCode.NOT_FOUND),
+    (SlotsMovingError, grpc.StatusCode.UNAVAILABLE),  # retried by the client: the handover ends in moments
+    (MapMovedError, grpc.StatusCode.FAILED_PRECONDITION),  # with the map's version in the trailing metadata
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (CheckpointError, grpc.StatusCode.FAILED_PRECONDITION),
     (StoreError, grpc.StatusCode.INTERNAL),
@@ -215,3 +220,27 @@ def checkpoint_directory(directory: str, root: Optional[str]) -> str:
             raise RpcRefusal(grpc.StatusCode.PERMISSION_DENIED,
                              f"checkpoint directory {directory!r} is outside this shard's checkpoint_root {root!r}")
     return directory
+
+
+def handover_page(configs: Sequence[TableConfig], changes: Sequence[Change], done: bool = False) -> persia_pb2.HandoverPage:
+    rows = sum(part.rows["ids"].numel() if part.rows else 0 for change in changes for part in change.tables)
+    return persia_pb2.HandoverPage(
+        tables_json=[json.dumps(config.to_dict()) for config in configs],
+        records=[b"".join(bytes(piece) for piece in records.encode_change(change)) for change in changes],
+        done=done, rows=rows)
+
+
+def handover_contents(message: persia_pb2.HandoverPage) -> tuple[list[TableConfig], list[Change]]:
+    """The tables and changes of a page another shard handed over (rows and changes travel as the write-ahead log's
+    CHANGE records, the format a replay applies bit for bit); refuses a record that does not parse."""
+    configs = [table_config_from_json(text) for text in message.tables_json]
+    changes = []
+    try:
+        for record in message.records:
+            kind, meta, tensors = records.decode(record)
+            if kind != records.CHANGE:
+                raise records.RecordFormatError(f"a record of kind {kind}, not a change ({records.CHANGE})")
+            changes.append(records.decode_change(meta, tensors))
+    except (records.RecordFormatError, KeyError, ValueError) as err:
+        raise invalid(f"a handed-over page does not parse: {err}") from None
+    return configs, changes

@@ -16,18 +16,24 @@ import logging
 import threading
 import time
 import uuid
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import grpc
 
 from lightning_persia.ops import wire
-from lightning_persia.remote_ps import messages, remote_folder
+from lightning_persia.ops.shard_map import ShardMap
+from lightning_persia.remote_ps import handover_wire, messages, remote_folder
 from lightning_persia.remote_ps.config import PSConfig
 from lightning_persia.remote_ps.exactly_once import UpdateDeduplicator
 from lightning_persia.remote_ps.messages import RpcRefusal, invalid, read_only
-from lightning_persia.remote_ps.protocol import FENCED_METHODS, INCARNATION_METADATA_KEY, SERVICE, SERVICE_NAME, persia_pb2, persia_pb2_grpc
+from lightning_persia.remote_ps.protocol import (
+    FENCED_METHODS, INCARNATION_METADATA_KEY, MAP_VERSION_METADATA_KEY, SERVICE, SERVICE_NAME, persia_pb2, persia_pb2_grpc,
+)
 from lightning_persia.remote_ps.served_version import ServedVersion
 from lightning_persia.remote_ps.store import ShardStore, UnknownTableError
+from lightning_persia.remote_ps.store.slot_moves import MapMovedError
+from lightning_persia.remote_ps.store.wal.changes import Change, TableChange
+from lightning_persia.remote_ps.table_config import TableConfig
 
 log = logging.getLogger("lightning_persia.ps")
 
@@ -52,6 +58,8 @@ def _rpc(method: Callable) -> Callable:
                 code, message = grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}"
             else:
                 message = str(err)
+            if isinstance(err, MapMovedError):
+                context.set_trailing_metadata(((MAP_VERSION_METADATA_KEY, str(err.version)),))
         self._count(f"{name}_errors")
         context.abort(code, f"shard {self.store.shard_index}/{self.store.num_shards}: {message}")
 
@@ -80,6 +88,9 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
                 self.dedup.remember(client, seqs)
         self.started_at = time.time()
         self.restored_from: Optional[str] = None
+        #: the addresses of the cluster's shards, in shard order, once a handover told them (GetShardMap's answer)
+        self.addresses: list[str] = []
+        self._handover_rows: Optional[Iterator] = None  # the rows of the handover under way still to give
 
     def add_to_server(self, server: grpc.Server) -> None:
         """Registers every RPC of the service, like the generated ``add_ParameterServerServicer_to_server``,
@@ -109,9 +120,12 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
             )
         # A read-only shard answers a training lookup like an evaluation one: nothing is inserted or touched.
         train = request.train and not self.config.read_only
-        found = self.store.lookup_many([(item.name, item.ids) for item in items], train=train, dtype=wire.WIRE_DTYPES[dtype])
+        found = self.store.lookup_many([(item.name, item.ids) for item in items], train=train, dtype=wire.WIRE_DTYPES[dtype],
+                                       map_version=request.map_version)
         self._count("lookup_rows", sum(item.ids.numel() for item in items))
-        return messages.lookup_response(request, items, found, dtype)
+        response = messages.lookup_response(request, items, found, dtype)
+        response.map_version = self.store.shard_map.version
+        return response
 
     @_rpc
     def Update(self, request: persia_pb2.UpdateRequest, context) -> persia_pb2.UpdateResponse:
@@ -127,11 +141,11 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
             # is answered without decoding its gradients again.
             items = self._decoder.tables(request, with_grads=True)
             return self.store.update_many([(item.name, item.ids, item.grads) for item in items],
-                                          client=request.client_id, seq=request.seq)
+                                          client=request.client_id, seq=request.seq, map_version=request.map_version)
 
         rows, duplicate = self.dedup.run(request.client_id, request.seq, apply, digest=messages.update_digest(request))
         self._count("update_duplicates" if duplicate else "update_rows", 1 if duplicate else rows)
-        return persia_pb2.UpdateResponse(rows_applied=rows, duplicate=duplicate)
+        return persia_pb2.UpdateResponse(rows_applied=rows, duplicate=duplicate, map_version=self.store.shard_map.version)
 
     # ---- tables --------------------------------------------------------------------------------------
 
@@ -219,6 +233,74 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         self._check_serving("CommitDelta")
         self.served.commit(request.version)
         return persia_pb2.CommitDeltaResponse()
+
+    # ---- the shard map and slots moving between live shards -------------------------------------------
+
+    @_rpc
+    def GetShardMap(self, request: persia_pb2.GetShardMapRequest, context) -> persia_pb2.ShardMapMessage:
+        return handover_wire.map_message(self.store.shard_map, self.addresses)
+
+    @_rpc
+    def Handover(self, request: persia_pb2.HandoverStep, context) -> persia_pb2.HandoverPage:
+        if self.config.read_only:
+            raise read_only("Handover")
+        step = request.step
+        if step == persia_pb2.HandoverStep.BEGIN:
+            self._handover_rows = self.store.begin_handover(self._map_of(request.map))
+            return persia_pb2.HandoverPage()
+        if step == persia_pb2.HandoverStep.ROWS:
+            return self._next_rows()
+        if step == persia_pb2.HandoverStep.CHANGES:
+            return messages.handover_page(*self.store.handover_changes())
+        if step == persia_pb2.HandoverStep.FENCE:
+            self.store.fence_handover()
+        elif step == persia_pb2.HandoverStep.FINISH:
+            shard_map, addresses = handover_wire.map_of(request.map) if request.HasField("map") else (None, [])
+            if shard_map is not None and shard_map != self.store.handover_map:
+                raise invalid(f"FINISH names shard map version {shard_map.version}, the handover under way moves to another")
+            self.store.finish_handover()
+            self.addresses = addresses or self.addresses
+            self._handover_rows = None
+        elif step == persia_pb2.HandoverStep.ABORT:
+            self._handover_rows = None
+            self.store.abort_handover()
+        else:
+            raise invalid(f"unknown handover step {step}")
+        return persia_pb2.HandoverPage()
+
+    @_rpc
+    def TakeOver(self, request: persia_pb2.TakeOverRequest, context) -> persia_pb2.TakeOverResponse:
+        if self.config.read_only:
+            raise read_only("TakeOver")
+        configs, changes = messages.handover_contents(request.page)
+        to_map = self._map_of(request.to_map)
+        self.store.take_changes(configs, changes, to_map)
+        if request.adopt:
+            self.store.adopt_map(to_map)
+            self.addresses = list(request.to_map.addresses) or self.addresses
+        return persia_pb2.TakeOverResponse()
+
+    def _next_rows(self) -> persia_pb2.HandoverPage:
+        if self._handover_rows is None:
+            raise invalid("no handover's rows to give: BEGIN one first")
+        configs: dict[str, TableConfig] = {}
+        changes, size = [], 0
+        for config, step, rows in self._handover_rows:
+            configs[config.name] = config
+            if rows:
+                changes.append(Change([TableChange(config.name, step, rows=rows)]))
+                size += sum(values.numel() * values.element_size() for values in rows.values())
+            if size >= self.max_message_bytes // 4:
+                return messages.handover_page(list(configs.values()), changes)
+        self._handover_rows = None
+        return messages.handover_page(list(configs.values()), changes, done=True)
+
+    @staticmethod
+    def _map_of(message: persia_pb2.ShardMapMessage) -> ShardMap:
+        try:
+            return handover_wire.map_of(message)[0]
+        except ValueError as err:
+            raise invalid(f"not a valid shard map: {err}") from None
 
     # ---- stats ---------------------------------------------------------------------------------------
 

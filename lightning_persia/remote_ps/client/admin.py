@@ -16,7 +16,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import grpc.aio
 from grpc_health.v1 import health_pb2
 
-from lightning_persia.remote_ps import remote_folder
+from lightning_persia.ops.shard_map import ShardMap
+from lightning_persia.remote_ps import handover_wire, remote_folder
 from lightning_persia.remote_ps.client.connection import ShardConnection
 from lightning_persia.remote_ps.client.errors import PSError, ShardUnavailableError
 from lightning_persia.remote_ps.protocol import SERVICE_NAME, persia_pb2
@@ -105,16 +106,48 @@ class ShardAdmin(ShardConnection):
         """Read-only shards apply the delta they staged for ``version`` (a shard at ``version`` already does nothing)."""
         self._all("CommitDelta", persia_pb2.CommitDeltaRequest(version=version), self.checkpoint_timeout_s)
 
+    # ---- the shard map and slots moving between shards (client/scaling.py) --------------------------
+
+    def shard_map_of(self, shard: int = 0) -> Tuple[ShardMap, List[str]]:
+        """The shard map ``shard`` routes by, and the addresses of its shards when it knows them."""
+        response = self._wait(self._call(shard, "GetShardMap", persia_pb2.GetShardMapRequest(), self.retry.timeout_s))
+        return handover_wire.map_of(response)
+
+    def handover(self, shard: int, step: "persia_pb2.HandoverStep.Step", shard_map: Optional[ShardMap] = None,
+                 addresses: Sequence[str] = ()) -> persia_pb2.HandoverPage:
+        """One step of ``shard``'s handover of slots to others (see ``HandoverStep`` in ``persia.proto``)."""
+        request = persia_pb2.HandoverStep(step=step)
+        if shard_map is not None:
+            request.map.CopyFrom(handover_wire.map_message(shard_map, addresses))
+        return self._wait(self._call(shard, "Handover", request, self.checkpoint_timeout_s))
+
+    def take_over(self, shard: int, page: persia_pb2.HandoverPage, to_map: ShardMap, adopt: bool = False,
+                  addresses: Sequence[str] = ()) -> None:
+        """Hands ``page`` (rows or changes another shard gave) to ``shard``, which keeps the part ``to_map`` gives it,
+        then, with ``adopt``, makes ``to_map`` its map (``addresses``: its shards')."""
+        request = persia_pb2.TakeOverRequest(page=page, to_map=handover_wire.map_message(to_map, addresses), adopt=adopt)
+        self._wait(self._call(shard, "TakeOver", request, self.checkpoint_timeout_s))
+
+    def reach(self, addresses: Sequence[str]) -> None:
+        """Talks to the shards of ``addresses`` from now on (shards added or drained; see ``ShardConnection._reach``)."""
+        async def reach() -> None:
+            self._reach(addresses)
+        self._wait(reach())
+
     # ---- stats and health ----------------------------------------------------------------------------
 
     def stats(self) -> List[Dict[str, Any]]:
         """Per shard: ``{"shard_index", "num_shards", "address", "tables": {...}, "server": {...}}``."""
-        out = []
-        for shard, response in enumerate(self._all("Stats", persia_pb2.StatsRequest(), self.retry.timeout_s)):
-            body = json.loads(response.json)
-            out.append({"shard_index": response.shard_index, "num_shards": response.num_shards,
-                        "address": self.addresses[shard], "incarnation": response.incarnation, **body})
-        return out
+        return [self._stats_of(shard, response)
+                for shard, response in enumerate(self._all("Stats", persia_pb2.StatsRequest(), self.retry.timeout_s))]
+
+    def shard_stats(self, shard: int) -> Dict[str, Any]:
+        """:meth:`stats` of one shard."""
+        return self._stats_of(shard, self._wait(self._call(shard, "Stats", persia_pb2.StatsRequest(), self.retry.timeout_s)))
+
+    def _stats_of(self, shard: int, response: persia_pb2.StatsResponse) -> Dict[str, Any]:
+        return {"shard_index": response.shard_index, "num_shards": response.num_shards, "address": self.addresses[shard],
+                "incarnation": response.incarnation, **json.loads(response.json)}
 
     def wait_healthy(
         self, timeout_s: float = 60.0, *, on_wait: Optional[WaitCallback] = None, report_every_s: float = 5.0,

@@ -87,6 +87,9 @@ class ShardConnection:
             chained = list(interceptors) or None
             make = (lambda a: grpc.aio.secure_channel(a, credentials, options, interceptors=chained)) if credentials else (
                 lambda a: grpc.aio.insecure_channel(a, options, interceptors=chained))
+            self._open_channel = make
+            self._channel_addresses = list(self.addresses)
+            self._retired: list = []  # channels to shards that left the map
             self._channels = [make(address) for address in self.addresses]
             self._stubs = [persia_pb2_grpc.ParameterServerStub(c) for c in self._channels]
             self._health = [health_pb2_grpc.HealthStub(c) for c in self._channels]
@@ -112,7 +115,7 @@ class ShardConnection:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-            await asyncio.gather(*(channel.close() for channel in self._channels))
+            await asyncio.gather(*(channel.close() for channel in self._channels + self._retired))
 
         try:
             asyncio.run_coroutine_threadsafe(disconnect(), self._loop).result(timeout=10)
@@ -126,6 +129,31 @@ class ShardConnection:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _reach(self, addresses: Sequence[str]) -> None:
+        """Talks to the shards of ``addresses`` from now on (a shard map's, once shards were added or drained): opens
+        channels to the addresses it has none to. A channel it stops using stays open until :meth:`close`, for the
+        calls in flight on it. Runs on the client's event loop."""
+        known = list(self.addresses[: len(addresses)])
+        if known != list(addresses[: len(known)]):
+            raise PSError(f"the shard map's addresses {list(addresses)} do not extend the ones this client knows "
+                          f"{self.addresses}: shards keep their positions when shards are added or drained")
+        for shard, address in enumerate(addresses):
+            if shard < len(self._channel_addresses) and self._channel_addresses[shard] == address:
+                continue
+            channel = self._open_channel(address)
+            if shard < len(self._channels):
+                self._retired.append(self._channels[shard])
+                self._channels[shard], self._channel_addresses[shard] = channel, address
+                self._stubs[shard], self._health[shard] = persia_pb2_grpc.ParameterServerStub(channel), health_pb2_grpc.HealthStub(channel)
+            else:
+                self._channels.append(channel)
+                self._channel_addresses.append(address)
+                self._stubs.append(persia_pb2_grpc.ParameterServerStub(channel))
+                self._health.append(health_pb2_grpc.HealthStub(channel))
+        self.incarnations = (self.incarnations + [None] * len(addresses))[: len(addresses)]
+        self.addresses = list(addresses)
+        self.num_shards = len(addresses)
 
     # ---- running calls -------------------------------------------------------------------------------
 

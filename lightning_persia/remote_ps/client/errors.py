@@ -25,6 +25,18 @@ class ShardRestartedError(PSRequestError):
     :meth:`PSClient.wait_healthy` (or :meth:`PSClient.refresh_incarnations`) to talk to the new incarnation."""
 
 
+class ShardMapMovedError(PSRequestError):
+    """A shard's map (``version``) is newer than the one the request was routed by, and gives some of its ids to
+    another shard: the client fetches the map and routes them again (``PSClient`` does so on its own)."""
+
+    def __init__(self, shard: int, address: str, code: grpc.StatusCode, details: str, version: int) -> None:
+        super().__init__(shard, address, code, details)
+        self.version = version
+
+    def __reduce__(self):
+        return type(self), (self.shard, self.address, self.code, self.details, self.version)
+
+
 class ShardUnavailableError(PSError):
     """A shard did not answer after every retry."""
 

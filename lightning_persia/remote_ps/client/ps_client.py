@@ -9,6 +9,7 @@ off the hot path are :class:`~lightning_persia.remote_ps.client.admin.ShardAdmin
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import threading
 import uuid
@@ -23,10 +24,13 @@ from lightning_persia.ops.keyed_ids import KeyedIds, RowLayout
 from lightning_persia.ops.shard_map import ShardMap
 from lightning_persia.remote_ps.client.admin import ShardAdmin
 from lightning_persia.remote_ps.client.connection import PathOrPEM
-from lightning_persia.remote_ps.client.errors import PSError
+from lightning_persia.remote_ps.client.errors import PSError, ShardMapMovedError
 from lightning_persia.remote_ps.client.retry import RetryPolicy
 from lightning_persia.remote_ps.client.sharding import ShardedIds, Sharder
-from lightning_persia.remote_ps.protocol import WIRE_DTYPE_ENUMS, persia_pb2
+from lightning_persia.remote_ps import handover_wire
+from lightning_persia.remote_ps.protocol import WIRE_DTYPE_ENUMS, WIRE_DTYPE_NAMES, persia_pb2
+
+log = logging.getLogger("lightning_persia.ps.client")
 
 
 class PSClient(ShardAdmin):
@@ -139,10 +143,18 @@ class PSClient(ShardAdmin):
         return {t: part.view(c, d) for t, part, c, d in zip(keyed.tables, parts, keyed.counts, dims)}
 
     async def _lookup(self, sharded: ShardedIds, train: bool, wire_dtype: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        while True:
+            try:
+                return await self._lookup_routed(sharded, train, wire_dtype, out)
+            except ShardMapMovedError as moved:  # a lookup changes nothing a second one would change again
+                await self._follow_map(moved.shard, moved.version)
+                sharded = self.shard(sharded.keyed)
+
+    async def _lookup_routed(self, sharded: ShardedIds, train: bool, wire_dtype: str, out: Optional[torch.Tensor]) -> torch.Tensor:
         dtype = _wire_enum(wire_dtype)
         requests = []
         for message in sharded.messages:
-            request = persia_pb2.LookupRequest(train=train, dtype=dtype)
+            request = persia_pb2.LookupRequest(train=train, dtype=dtype, map_version=sharded.map_version)
             request.packed.tables.extend(message.tables)
             request.packed.counts.extend(message.counts)
             request.packed.ids = message.ids
@@ -150,6 +162,7 @@ class PSClient(ShardAdmin):
         responses = await self._gather(
             self._call(message.shard, "Lookup", request, self.retry.timeout_s) for message, request in zip(sharded.messages, requests)
         )
+        await self._notice_map(responses, [message.shard for message in sharded.messages])
         for message, response in zip(sharded.messages, responses):
             if len(response.packed_dims) != len(message.tables):
                 raise PSError(f"shard {message.shard} at {self.addresses[message.shard]} answered {len(response.packed_dims)} "
@@ -193,7 +206,7 @@ class PSClient(ShardAdmin):
         """
         sender = sender or self.client_id
         dtype = _wire_enum(wire_dtype)
-        keyed, order = sharded.keyed, sharded.order
+        keyed = sharded.keyed
         layout = RowLayout(keyed.counts, dims)
         if grads.dim() != 1 or grads.numel() != layout.numel or not grads.is_floating_point():
             raise ValueError(
@@ -201,14 +214,21 @@ class PSClient(ShardAdmin):
                 f"{grads.dtype} {tuple(grads.shape)}"
             )
         encoded = grads.detach().to(device="cpu", dtype=wire.WIRE_DTYPES[wire_dtype])
+        return self._submit(self._update(self._update_calls(sharded, encoded, layout, dtype, wire_dtype, sender)))
+
+    def _update_calls(self, sharded: ShardedIds, encoded: torch.Tensor, layout: RowLayout, dtype: int, wire_dtype: str,
+                      sender: str) -> list[tuple[int, persia_pb2.UpdateRequest]]:
+        """The Update request of each message of ``sharded`` (``encoded``: the flat gradients in the wire dtype)."""
+        order = sharded.order
         calls = []
         for message in sharded.messages:
             if message.start == message.end:
                 continue
             with self._seq_lock:
-                seqs = self._seqs.setdefault(sender, [itertools.count(1) for _ in self.addresses])
+                seqs = self._seqs.setdefault(sender, [])
+                seqs.extend(itertools.count(1) for _ in range(message.shard + 1 - len(seqs)))
                 seq = next(seqs[message.shard])
-            request = persia_pb2.UpdateRequest(client_id=sender, seq=seq, packed_dtype=dtype)
+            request = persia_pb2.UpdateRequest(client_id=sender, seq=seq, packed_dtype=dtype, map_version=sharded.map_version)
             named = [(t, c) for t, c in zip(message.tables, message.counts) if c]
             request.packed.tables.extend(t for t, _ in named)
             request.packed.counts.extend(c for _, c in named)
@@ -222,7 +242,7 @@ class PSClient(ShardAdmin):
                     parts.append(rows.index_select(0, order[row : row + count] - block.first_row))
             request.packed_grads = wire.encode_rows(parts[0] if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts]), wire_dtype)
             calls.append((message.shard, request))
-        return self._submit(self._update(calls))
+        return calls
 
     def update_async(
         self, updates: Mapping[str, Tuple[torch.Tensor, torch.Tensor]], *, wire_dtype: str = "fp16", sender: Optional[str] = None,
@@ -251,7 +271,47 @@ class PSClient(ShardAdmin):
         self.update_async(updates, wire_dtype=wire_dtype, sender=sender).result()
 
     async def _update(self, calls) -> None:
-        await self._gather(self._call(shard, "Update", request, self.retry.timeout_s) for shard, request in calls)
+        await self._gather(self._update_routed(shard, request) for shard, request in calls)
+
+    async def _update_routed(self, shard: int, request: persia_pb2.UpdateRequest) -> None:
+        try:
+            await self._notice_map([await self._call(shard, "Update", request, self.retry.timeout_s)], [shard])
+        except ShardMapMovedError as moved:
+            # The shard refused it whole before applying any of it (its seq is forgotten there): its ids go where the
+            # new map puts them, under new seqs of those shards.
+            await self._follow_map(moved.shard, moved.version)
+            await self._update(self._rerouted(request))
+
+    def _rerouted(self, request: persia_pb2.UpdateRequest) -> list[tuple[int, persia_pb2.UpdateRequest]]:
+        wire_dtype = WIRE_DTYPE_NAMES[request.packed_dtype]
+        keyed = KeyedIds(tuple(request.packed.tables), tuple(int(c) for c in request.packed.counts), wire.decode_ids(request.packed.ids))
+        dims = [self._dims[t] for t in keyed.tables]
+        encoded = wire.rows_view(request.packed_grads, wire_dtype, 1).view(-1)
+        return self._update_calls(self.shard(keyed), encoded, RowLayout(keyed.counts, dims), request.packed_dtype, wire_dtype,
+                                  request.client_id)
+
+    async def _notice_map(self, responses: Sequence, shards: Sequence[int]) -> None:
+        """Follows a newer shard map that a shard's answer names (a shard drained of its slots then hears no more)."""
+        newest = max(zip((r.map_version for r in responses), shards), default=(0, 0))
+        if newest[0] > self.shard_map.version:
+            await self._follow_map(newest[1], newest[0])
+
+    async def _follow_map(self, shard: int, version: int) -> None:
+        """Adopts the shard map of ``shard`` (one that refused a request, or answered with a newer map ``version``),
+        and reaches the shards it adds."""
+        if version <= self.shard_map.version:
+            return  # another call adopted it meanwhile
+        response = await self._call(shard, "GetShardMap", persia_pb2.GetShardMapRequest(), self.retry.timeout_s)
+        shard_map, addresses = handover_wire.map_of(response)
+        if shard_map.version <= self.shard_map.version:
+            return
+        if addresses:
+            self._reach(addresses)
+        elif shard_map.num_shards != self.num_shards:
+            raise PSError(f"shard {shard} routes by shard map version {shard_map.version} of {shard_map.num_shards} "
+                          f"shards but does not know their addresses; this client knows {self.num_shards}")
+        self.shard_map = shard_map
+        log.info("shard map version %d: %d shards (%s)", shard_map.version, shard_map.num_shards, ", ".join(self.addresses))
 
 
 def _wire_enum(name: str) -> int:

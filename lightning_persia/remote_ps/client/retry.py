@@ -21,8 +21,8 @@ from typing import Awaitable, Callable, Optional
 import grpc
 import grpc.aio
 
-from lightning_persia.remote_ps.client.errors import PSRequestError, ShardRestartedError, ShardUnavailableError
-from lightning_persia.remote_ps.protocol import FENCED_METHODS, INCARNATION_METADATA_KEY
+from lightning_persia.remote_ps.client.errors import PSRequestError, ShardMapMovedError, ShardRestartedError, ShardUnavailableError
+from lightning_persia.remote_ps.protocol import FENCED_METHODS, INCARNATION_METADATA_KEY, MAP_VERSION_METADATA_KEY
 
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 WAIT_REPORT_S = 5.0
@@ -69,6 +69,14 @@ class RetryPolicy:
         return min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
 
 
+def _map_version(err: grpc.aio.AioRpcError) -> Optional[int]:
+    """The shard map version a refusal names in its trailing metadata (a shard whose map moved), or None."""
+    for key, value in err.trailing_metadata() or ():
+        if key == MAP_VERSION_METADATA_KEY:
+            return int(value)
+    return None
+
+
 def fenced(metadata: Metadata, method: str, incarnation: Optional[str]) -> Metadata:
     """``metadata`` of a call of ``method``, with the shard's known ``incarnation`` when the method is fenced."""
     if incarnation is None or method not in FENCED_METHODS:
@@ -90,6 +98,9 @@ async def call_with_retry(
             code = err.code()
             if code == grpc.StatusCode.ABORTED and method in FENCED_METHODS:
                 raise ShardRestartedError(shard, address, code, err.details() or "") from None
+            moved_to = _map_version(err) if code == grpc.StatusCode.FAILED_PRECONDITION else None
+            if moved_to is not None:
+                raise ShardMapMovedError(shard, address, code, err.details() or "", moved_to) from None
             if code not in RETRYABLE_CODES:
                 raise PSRequestError(shard, address, code, err.details() or "") from None
             waited = time.monotonic() - start

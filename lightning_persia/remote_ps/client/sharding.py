@@ -49,6 +49,7 @@ class ShardedIds:
     keyed: KeyedIds
     order: Optional[torch.Tensor]
     messages: Tuple[ShardMessage, ...]
+    map_version: int = 0  # the version of the shard map the ids were routed by
 
 
 @dataclass(frozen=True)
@@ -81,4 +82,4 @@ class Sharder:
                 tables = tuple(t for t, k in zip(keyed.tables, keep) if k)
                 messages.append(ShardMessage(shard, start, end, tables, tuple(counts[keep].tolist()), tuple(counts.tolist()),
                                              wire.encode_ids(buckets.ids[start:end])))
-        return ShardedIds(keyed, buckets.order, tuple(messages))
+        return ShardedIds(keyed, buckets.order, tuple(messages), self.shard_map.version)

@@ -18,6 +18,10 @@ BEARER_PREFIX = "Bearer "
 INCARNATION_METADATA_KEY = "persia-incarnation"
 """Metadata key under which a client names the shard incarnation it knows (fencing, see ``persia.proto``)."""
 
+MAP_VERSION_METADATA_KEY = "persia-shard-map-version"
+"""Trailing metadata key of a refusal of ids this shard's newer shard map gives another shard: the map's version
+(the client fetches it with GetShardMap and routes the ids again)."""
+
 FENCED_METHODS = frozenset({"Lookup", "Update", "Save", "SaveDelta"})
 """Calls that must never land on a restarted shard without the caller knowing (they read or write rows that a
 restart may have lost or rolled back). The other calls are safe whatever the shard's history."""

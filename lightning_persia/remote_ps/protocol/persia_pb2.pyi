@@ -27,46 +27,54 @@ class PackedIds(_message.Message):
     def __init__(self, tables: _Optional[_Iterable[str]] = ..., counts: _Optional[_Iterable[int]] = ..., ids: _Optional[bytes] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("train", "dtype", "packed")
+    __slots__ = ("train", "dtype", "packed", "map_version")
     TRAIN_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
+    MAP_VERSION_FIELD_NUMBER: _ClassVar[int]
     train: bool
     dtype: WireDType
     packed: PackedIds
-    def __init__(self, train: _Optional[bool] = ..., dtype: _Optional[_Union[WireDType, str]] = ..., packed: _Optional[_Union[PackedIds, _Mapping]] = ...) -> None: ...
+    map_version: int
+    def __init__(self, train: _Optional[bool] = ..., dtype: _Optional[_Union[WireDType, str]] = ..., packed: _Optional[_Union[PackedIds, _Mapping]] = ..., map_version: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("dtype", "packed_rows", "packed_dims")
+    __slots__ = ("dtype", "packed_rows", "packed_dims", "map_version")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     PACKED_ROWS_FIELD_NUMBER: _ClassVar[int]
     PACKED_DIMS_FIELD_NUMBER: _ClassVar[int]
+    MAP_VERSION_FIELD_NUMBER: _ClassVar[int]
     dtype: WireDType
     packed_rows: bytes
     packed_dims: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, dtype: _Optional[_Union[WireDType, str]] = ..., packed_rows: _Optional[bytes] = ..., packed_dims: _Optional[_Iterable[int]] = ...) -> None: ...
+    map_version: int
+    def __init__(self, dtype: _Optional[_Union[WireDType, str]] = ..., packed_rows: _Optional[bytes] = ..., packed_dims: _Optional[_Iterable[int]] = ..., map_version: _Optional[int] = ...) -> None: ...
 
 class UpdateRequest(_message.Message):
-    __slots__ = ("client_id", "seq", "packed", "packed_grads", "packed_dtype")
+    __slots__ = ("client_id", "seq", "packed", "packed_grads", "packed_dtype", "map_version")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
     PACKED_GRADS_FIELD_NUMBER: _ClassVar[int]
     PACKED_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MAP_VERSION_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     seq: int
     packed: PackedIds
     packed_grads: bytes
     packed_dtype: WireDType
-    def __init__(self, client_id: _Optional[str] = ..., seq: _Optional[int] = ..., packed: _Optional[_Union[PackedIds, _Mapping]] = ..., packed_grads: _Optional[bytes] = ..., packed_dtype: _Optional[_Union[WireDType, str]] = ...) -> None: ...
+    map_version: int
+    def __init__(self, client_id: _Optional[str] = ..., seq: _Optional[int] = ..., packed: _Optional[_Union[PackedIds, _Mapping]] = ..., packed_grads: _Optional[bytes] = ..., packed_dtype: _Optional[_Union[WireDType, str]] = ..., map_version: _Optional[int] = ...) -> None: ...
 
 class UpdateResponse(_message.Message):
-    __slots__ = ("rows_applied", "duplicate")
+    __slots__ = ("rows_applied", "duplicate", "map_version")
     ROWS_APPLIED_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    MAP_VERSION_FIELD_NUMBER: _ClassVar[int]
     rows_applied: int
     duplicate: bool
-    def __init__(self, rows_applied: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
+    map_version: int
+    def __init__(self, rows_applied: _Optional[int] = ..., duplicate: _Optional[bool] = ..., map_version: _Optional[int] = ...) -> None: ...
 
 class ConfigureRequest(_message.Message):
     __slots__ = ("tables_json",)
@@ -151,6 +159,70 @@ class CommitDeltaRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class CommitDeltaResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ShardMapMessage(_message.Message):
+    __slots__ = ("version", "owners", "addresses")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OWNERS_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    owners: bytes
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[int] = ..., owners: _Optional[bytes] = ..., addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetShardMapRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HandoverStep(_message.Message):
+    __slots__ = ("step", "map")
+    class Step(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STEP_UNSPECIFIED: _ClassVar[HandoverStep.Step]
+        BEGIN: _ClassVar[HandoverStep.Step]
+        ROWS: _ClassVar[HandoverStep.Step]
+        CHANGES: _ClassVar[HandoverStep.Step]
+        FENCE: _ClassVar[HandoverStep.Step]
+        FINISH: _ClassVar[HandoverStep.Step]
+        ABORT: _ClassVar[HandoverStep.Step]
+    STEP_UNSPECIFIED: HandoverStep.Step
+    BEGIN: HandoverStep.Step
+    ROWS: HandoverStep.Step
+    CHANGES: HandoverStep.Step
+    FENCE: HandoverStep.Step
+    FINISH: HandoverStep.Step
+    ABORT: HandoverStep.Step
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MAP_FIELD_NUMBER: _ClassVar[int]
+    step: HandoverStep.Step
+    map: ShardMapMessage
+    def __init__(self, step: _Optional[_Union[HandoverStep.Step, str]] = ..., map: _Optional[_Union[ShardMapMessage, _Mapping]] = ...) -> None: ...
+
+class HandoverPage(_message.Message):
+    __slots__ = ("tables_json", "records", "done", "rows")
+    TABLES_JSON_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    tables_json: _containers.RepeatedScalarFieldContainer[str]
+    records: _containers.RepeatedScalarFieldContainer[bytes]
+    done: bool
+    rows: int
+    def __init__(self, tables_json: _Optional[_Iterable[str]] = ..., records: _Optional[_Iterable[bytes]] = ..., done: _Optional[bool] = ..., rows: _Optional[int] = ...) -> None: ...
+
+class TakeOverRequest(_message.Message):
+    __slots__ = ("page", "to_map", "adopt")
+    PAGE_FIELD_NUMBER: _ClassVar[int]
+    TO_MAP_FIELD_NUMBER: _ClassVar[int]
+    ADOPT_FIELD_NUMBER: _ClassVar[int]
+    page: HandoverPage
+    to_map: ShardMapMessage
+    adopt: bool
+    def __init__(self, page: _Optional[_Union[HandoverPage, _Mapping]] = ..., to_map: _Optional[_Union[ShardMapMessage, _Mapping]] = ..., adopt: _Optional[bool] = ...) -> None: ...
+
+class TakeOverResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 

@@ -92,6 +92,21 @@ class ParameterServerStub:
                 request_serializer=lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.CommitDeltaRequest.SerializeToString,
                 response_deserializer=lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.CommitDeltaResponse.FromString,
                 _registered_method=True)
+        self.GetShardMap = channel.unary_unary(
+                '/persia.ParameterServer/GetShardMap',
+                request_serializer=lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.GetShardMapRequest.SerializeToString,
+                response_deserializer=lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.ShardMapMessage.FromString,
+                _registered_method=True)
+        self.Handover = channel.unary_unary(
+                '/persia.ParameterServer/Handover',
+                request_serializer=lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.HandoverStep.SerializeToString,
+                response_deserializer=lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.HandoverPage.FromString,
+                _registered_method=True)
+        self.TakeOver = channel.unary_unary(
+                '/persia.ParameterServer/TakeOver',
+                request_serializer=lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.TakeOverRequest.SerializeToString,
+                response_deserializer=lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.TakeOverResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -175,6 +190,28 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetShardMap(self, request, context):
+        """The shard map this shard routes by, and the addresses of its shards when it knows them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Handover(self, request, context):
+        """The giving side of a move of slots to other shards (see HandoverStep).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TakeOver(self, request, context):
+        """The taking side: rows or changes another shard handed over (the part the new map gives this shard), then
+        possibly that map.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -227,6 +264,21 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.CommitDelta,
                     request_deserializer=lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.CommitDeltaRequest.FromString,
                     response_serializer=lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.CommitDeltaResponse.SerializeToString,
+            ),
+            'GetShardMap': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetShardMap,
+                    request_deserializer=lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.GetShardMapRequest.FromString,
+                    response_serializer=lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.ShardMapMessage.SerializeToString,
+            ),
+            'Handover': grpc.unary_unary_rpc_method_handler(
+                    servicer.Handover,
+                    request_deserializer=lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.HandoverStep.FromString,
+                    response_serializer=lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.HandoverPage.SerializeToString,
+            ),
+            'TakeOver': grpc.unary_unary_rpc_method_handler(
+                    servicer.TakeOver,
+                    request_deserializer=lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.TakeOverRequest.FromString,
+                    response_serializer=lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.TakeOverResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -507,6 +559,87 @@ class ParameterServer:
             '/persia.ParameterServer/CommitDelta',
             lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.CommitDeltaRequest.SerializeToString,
             lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.CommitDeltaResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetShardMap(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/persia.ParameterServer/GetShardMap',
+            lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.GetShardMapRequest.SerializeToString,
+            lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.ShardMapMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Handover(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/persia.ParameterServer/Handover',
+            lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.HandoverStep.SerializeToString,
+            lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.HandoverPage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TakeOver(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/persia.ParameterServer/TakeOver',
+            lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.TakeOverRequest.SerializeToString,
+            lightning__persia_dot_remote__ps_dot_protocol_dot_persia__pb2.TakeOverResponse.FromString,
             options,
             channel_credentials,
             insecure,

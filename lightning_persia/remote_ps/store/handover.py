@@ -14,7 +14,7 @@ import torch
 
 from lightning_persia.ops.shard_map import ShardMap
 from lightning_persia.remote_ps.store.errors import InvalidRequestError
-from lightning_persia.remote_ps.store.slot_moves import OutgoingSlots, RoutingGate
+from lightning_persia.remote_ps.store.slot_moves import OutgoingSlots, RoutingGate, part_of
 from lightning_persia.remote_ps.store.table import Table
 from lightning_persia.remote_ps.store.table_snapshot import TableSnapshot
 from lightning_persia.remote_ps.store.wal.changes import Change, TableChange
@@ -39,7 +39,8 @@ class SlotHandover:
 
         Takes one consistent point of every table and from then on collects the changes to the moving slots' rows
         (:meth:`handover_changes`). Returns ``(config, step, rows)`` of the moving slots' rows at the point, a block
-        at a time (``rows``: ``{field: values}``, the new owner's :meth:`take_rows`). One handover at a time.
+        at a time (``rows``: ``{field: values}``, empty for a table without such rows; the new owner takes them as
+        changes that write them, :meth:`take_changes`). One handover at a time.
         """
         if to_map.version <= self._shard_map.version:
             raise InvalidRequestError(f"a handover to shard map version {to_map.version}, not newer than this shard's "
@@ -71,6 +72,12 @@ class SlotHandover:
             for snapshot in snapshots:
                 snapshot.close()
 
+    @property
+    def handover_map(self) -> Optional[ShardMap]:
+        """The map the handover under way moves to, or None."""
+        outgoing = self._outgoing
+        return outgoing.to_map if outgoing is not None else None
+
     def handover_changes(self) -> tuple[list[TableConfig], list[Change]]:
         """The changes to the moving slots' rows since the handover's point (or the last call), oldest first, and the
         configuration of every table (the changes may name a table made since the point)."""
@@ -96,24 +103,23 @@ class SlotHandover:
                 self._drop_foreign_rows(table)
 
     def abort_handover(self) -> None:
-        """Gives up the handover under way (if any): the slots stay this shard's, served as before."""
+        """Gives up the handover under way, if any (the slots stay this shard's, served as before), and drops the
+        rows taken over for slots this shard's map does not give it (a handover to it that was given up)."""
         with self._gate.alone():
             self._outgoing = None
+        with self._save_lock:
+            for table in self._listed_tables():
+                self._drop_foreign_rows(table)
 
-    def take_rows(self, config: TableConfig, step: int, rows: dict[str, torch.Tensor]) -> None:
-        """Writes rows another shard hands over (:meth:`begin_handover`'s blocks), creating their table if needed."""
-        self.configure(config)
-        table = self._table(config.name)
-        table.restore_step(step)
-        if rows and rows["ids"].numel():
-            self._record([TableChange(config.name, step, rows=rows)])
-
-    def take_changes(self, configs: Sequence[TableConfig], changes: Sequence[Change]) -> None:
-        """Applies, in order, changes another shard collected for the slots it hands over (:meth:`handover_changes`)."""
+    def take_changes(self, configs: Sequence[TableConfig], changes: Sequence[Change], to_map: ShardMap) -> None:
+        """Applies, in order, the part ``to_map`` gives this shard of the rows (:meth:`begin_handover`'s blocks, as
+        changes that write them) and then of the changes (:meth:`handover_changes`) another shard hands over,
+        creating the tables ``configs`` first."""
         for config in configs:
             self.configure(config)
+        mine = lambda ids: to_map.shard_of(ids) == self.shard_index  # noqa: E731
         for change in changes:
-            self._record(change.tables)
+            self._record([part_of(part, mine) for part in change.tables])
 
     def adopt_map(self, shard_map: ShardMap) -> None:
         """Makes ``shard_map`` this shard's (a newer version; the same one again is a no-op)."""

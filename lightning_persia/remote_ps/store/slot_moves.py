@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -113,13 +113,18 @@ class OutgoingSlots:
         return taken
 
     def _part(self, change: TableChange) -> TableChange:
-        part = TableChange(change.name, change.step)
-        if change.removed.numel():
-            part.removed = change.removed[self.covers(change.removed)]
-        if change.admitted.numel():
-            keep = self.covers(change.admitted)
-            part.admitted, part.admitted_access = change.admitted[keep], change.admitted_access[keep]
-        if change.rows and change.rows["ids"].numel():
-            keep = self.covers(change.rows["ids"])
-            part.rows = {name: values[keep] for name, values in change.rows.items()}
-        return part
+        return part_of(change, self.covers)
+
+
+def part_of(change: TableChange, keep: Callable[[torch.Tensor], torch.Tensor]) -> TableChange:
+    """The part of ``change`` about the ids ``keep`` (a bool mask of ids) selects."""
+    part = TableChange(change.name, change.step)
+    if change.removed.numel():
+        part.removed = change.removed[keep(change.removed)]
+    if change.admitted.numel():
+        kept = keep(change.admitted)
+        part.admitted, part.admitted_access = change.admitted[kept], change.admitted_access[kept]
+    if change.rows and change.rows["ids"].numel():
+        kept = keep(change.rows["ids"])
+        part.rows = {name: values[kept] for name, values in change.rows.items()}
+    return part

@@ -10,6 +10,7 @@ from lightning_persia.ops.shard_map import ShardMap
 from lightning_persia.remote_ps.store import ShardStore
 from lightning_persia.remote_ps.store.errors import InvalidRequestError
 from lightning_persia.remote_ps.store.slot_moves import MapMovedError, SlotsMovingError
+from lightning_persia.remote_ps.store.wal.changes import Change, TableChange
 from lightning_persia.remote_ps.table_config import SGD, Adam, Constant, TableConfig
 
 TABLES = (TableConfig("user", 4, optimizer=Adam(lr=0.05)), TableConfig("item", 2, optimizer=Adam(lr=0.1)))  # no capacity: evictions depend on which rows share a shard
@@ -96,15 +97,14 @@ def _move(stores: list[ShardStore], to_map: ShardMap, between):
     for source in sources:
         for config, step, rows in source.begin_handover(to_map):
             for target in targets:
-                mine = to_map.shard_of(rows["ids"]) == target.shard_index if rows else None
-                target.take_rows(config, step, {k: v[mine] for k, v in rows.items()} if rows else {})
+                target.take_changes([config], [Change([TableChange(config.name, step, rows=rows)])], to_map)
             between()
     for fenced in (False, True):
         for _ in range(2):
             for source in sources:
                 configs, changes = source.handover_changes()
                 for target in targets:
-                    target.take_changes(configs, [_only(change, to_map, target.shard_index) for change in changes])
+                    target.take_changes(configs, changes, to_map)
             between()
         if not fenced:
             for source in sources:
@@ -114,24 +114,6 @@ def _move(stores: list[ShardStore], to_map: ShardMap, between):
         target.adopt_map(to_map)
     for source in sources:
         source.finish_handover()
-
-
-def _only(change, to_map: ShardMap, shard: int):
-    """The part of a source's change that goes to ``shard`` (a shrink hands one source's slots to several)."""
-    from lightning_persia.remote_ps.store.wal.changes import Change, TableChange
-    parts = []
-    for part in change.tables:
-        kept = TableChange(part.name, part.step)
-        if part.removed.numel():
-            kept.removed = part.removed[to_map.shard_of(part.removed) == shard]
-        if part.admitted.numel():
-            mine = to_map.shard_of(part.admitted) == shard
-            kept.admitted, kept.admitted_access = part.admitted[mine], part.admitted_access[mine]
-        if part.rows:
-            mine = to_map.shard_of(part.rows["ids"]) == shard
-            kept.rows = {k: v[mine] for k, v in part.rows.items()}
-        parts.append(kept)
-    return Change(parts, change.client, change.seq)
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -1,0 +1,88 @@
+"""Shards added and drained while a client trains: real shard processes, slots moving live (``client/scaling.py``),
+the client's rows compared bit for bit with one store that never moved."""
+import threading
+
+import pytest
+import torch
+
+from lightning_persia.remote_ps.client import PSClient
+from lightning_persia.remote_ps.client.errors import PSError
+from lightning_persia.remote_ps.client.scaling import rescale, wait_drained
+from lightning_persia.remote_ps.launcher import LocalShards
+from lightning_persia.remote_ps.store import ShardStore
+from lightning_persia.remote_ps.table_config import Adam, Adagrad, TableConfig
+
+TABLES = [TableConfig("user", 8, optimizer=Adam(lr=0.05)), TableConfig("item", 4, optimizer=Adagrad(lr=0.1, rowwise=True))]
+UNIVERSE = torch.arange(0, 5000) * 7919 - 11
+
+
+class Trainer(threading.Thread):
+    """A client's lookups and updates, one after the other, replayed on the model store as they are answered."""
+
+    def __init__(self, client: PSClient, model: ShardStore) -> None:
+        super().__init__(daemon=True)
+        self.client, self.model = client, model
+        self.step = 0
+        self.error = None
+        self.stop_at = 1 << 30  # the last step, once the test knows it
+
+    def run(self) -> None:
+        try:
+            generator = torch.Generator().manual_seed(3)
+            while self.step < self.stop_at:
+                self.step += 1
+                ids = {t.name: UNIVERSE[torch.randperm(UNIVERSE.numel(), generator=generator)[:400]] for t in TABLES}
+                found = self.client.lookup(ids, train=True, wire_dtype="fp32")
+                for name, table_ids in ids.items():
+                    assert torch.equal(found[name], self.model.lookup(name, table_ids, train=True)), (self.step, name)
+                grads = {t.name: torch.randn(400, t.dim, generator=generator) for t in TABLES}
+                self.client.update({name: (ids[name], grads[name]) for name in ids}, wire_dtype="fp32")
+                self.model.update_many([(name, ids[name], grads[name]) for name in ids])
+        except BaseException as err:  # noqa: BLE001 - the test reports it
+            self.error = err
+
+    def wait_for(self, step: int) -> None:
+        while self.step < step and self.is_alive():
+            threading.Event().wait(0.01)
+
+
+def test_shards_added_and_drained_while_a_client_trains_lose_and_repeat_nothing():
+    with LocalShards(2, overrides=["seed=5"]) as shards:
+        client, admin = PSClient(shards.addresses), PSClient(shards.addresses)
+        client.wait_healthy(60)
+        client.configure(TABLES)
+        model = ShardStore(0, 1, seed=5)
+        for config in TABLES:
+            model.configure(config)
+        trainer = Trainer(client, model)
+        trainer.start()
+        trainer.wait_for(5)
+        grown = rescale(admin, shards.grow(3))
+        during = trainer.step
+        trainer.wait_for(during + 10)
+        shrunk = rescale(admin, shards.addresses[:2])
+        wait_drained(admin, [2])
+        shards.shrink(2)
+        trainer.stop_at = trainer.step + 10
+        trainer.join(300)
+        assert trainer.error is None, repr(trainer.error)
+        assert client.shard_map.version == 2 and client.num_shards == 2
+        for config in TABLES:
+            found = client.lookup({config.name: UNIVERSE}, train=False, wire_dtype="fp32")[config.name]
+            assert torch.equal(found, model.lookup(config.name, UNIVERSE, train=False)), config.name
+        held = sum(entry["tables"]["user"]["rows"] for entry in client.stats())
+        assert held == model.stats()["user"]["rows"]
+        total = grown.rows_moved + shrunk.rows_moved
+        assert grown.slots_moved in (1365, 1366) and shrunk.slots_moved == grown.slots_moved
+        assert 0 < grown.rows_moved < 0.45 * sum(model.stats()[t.name]["rows"] for t in TABLES) and total > 0
+        client.close()
+        admin.close()
+
+
+def test_rescale_refuses_addresses_that_reorder_the_shards():
+    with LocalShards(2, overrides=["seed=5"]) as shards:
+        with PSClient(shards.addresses) as admin:
+            admin.wait_healthy(60)
+            with pytest.raises(PSError, match="must start with the cluster's"):
+                rescale(admin, [shards.addresses[1], shards.addresses[0], "127.0.0.1:1"])
+            assert admin.shard_map_of(0)[0].version == 0  # nothing began

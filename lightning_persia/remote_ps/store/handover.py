@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 import torch
 
@@ -19,6 +19,9 @@ from lightning_persia.remote_ps.store.table import Table
 from lightning_persia.remote_ps.store.table_snapshot import TableSnapshot
 from lightning_persia.remote_ps.store.wal.changes import Change, TableChange
 from lightning_persia.remote_ps.table_config import TableConfig
+
+if TYPE_CHECKING:
+    from lightning_persia.remote_ps.store.wal.shard_log import ShardLog
 
 
 class SlotHandover:
@@ -33,6 +36,7 @@ class SlotHandover:
     _lock: threading.Lock
     _save_lock: threading.Lock
     _tables: dict[str, Table]
+    log: Optional["ShardLog"]
 
     def begin_handover(self, to_map: ShardMap) -> Iterator[tuple[TableConfig, int, dict[str, torch.Tensor]]]:
         """Starts handing this shard's slots that ``to_map`` gives to other shards over to them.
@@ -136,9 +140,11 @@ class SlotHandover:
         return self._outgoing
 
     def _set_map(self, shard_map: ShardMap) -> None:
-        # a shard the map leaves without slots (one being drained) keeps its index: every id then moved elsewhere
-        self._shard_map = shard_map
-        self.num_shards = shard_map.num_shards
+        """Adopts ``shard_map``, in the log first when there is one (a restart then keeps it); the routing gate passed
+        alone. A shard the map leaves without slots (drained) keeps its index: every id has moved elsewhere."""
+        if self.log is not None:
+            self.log.wait(self.log.record_map(shard_map))
+        self.replay_map(shard_map)
 
     def _listed_tables(self) -> list[Table]:
         with self._lock:

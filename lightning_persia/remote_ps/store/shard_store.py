@@ -223,6 +223,11 @@ class ShardStore(SlotHandover):
             rows += part.admitted.numel() + (part.rows["ids"].numel() if part.rows else 0)
         return rows
 
+    def replay_map(self, shard_map: ShardMap) -> None:
+        """Makes ``shard_map`` this shard's again, as the log read back says it was (before the shard serves)."""
+        self._shard_map = shard_map
+        self.num_shards = shard_map.num_shards
+
     def replay_configure(self, config: dict) -> None:
         """Creates a table read back from the log (as :meth:`configure`, without logging it again)."""
         config = TableConfig.from_dict(config)
@@ -284,7 +289,7 @@ class ShardStore(SlotHandover):
                     held.enter_context(table.lock)
                 snapshots = [self._begin(table, (since or {}).get(table.config.name, 0)) for table in tables]
                 if since is None and self.log is not None:  # the log after this point is what the checkpoint lacks
-                    segment = self.log.begin_base(directory)
+                    segment = self.log.begin_base(directory, self._shard_map)
             try:
                 checkpoint.write_shard(directory, self.shard_index, self.shard_map, snapshots, save_id=save_id,
                                        pause_s=self.fault_save_delay_s, progress=self.progress)
@@ -372,7 +377,7 @@ class ShardStore(SlotHandover):
                     with contextlib.ExitStack() as held:
                         for name in sorted(tables):
                             held.enter_context(tables[name].lock)
-                        segment = self.log.begin_base(directory)
+                        segment = self.log.begin_base(directory, self._shard_map)
             if self.log is not None:
                 self.log.end_base(segment, directory)
 

@@ -239,3 +239,40 @@ def test_handover_refusals_name_the_problem(tmp_path):
     disk.configure(TableConfig("d", 2, storage="disk"))
     with pytest.raises(InvalidRequestError, match=r"tables \['d'\] keep rows on disk"):
         disk.begin_handover(ShardMap.uniform(2).resized(3))
+
+
+@pytest.mark.parametrize("save_between", [False, True], ids=["replayed", "saved-then-replayed"])
+def test_a_restarted_shard_keeps_the_map_it_adopted_and_the_rows_it_took(tmp_path, save_between):
+    """The log holds the map (MAP records, and each segment's OPEN) and the rows taken over: a taker and a source
+    restarted after a move route and hold exactly what they did."""
+    from lightning_persia.remote_ps.store.wal import open_shard_log
+
+    def start(index: int, num_shards: int, incarnation: str) -> ShardStore:
+        store = ShardStore(index, num_shards, seed=7)
+        store.log = open_shard_log(store, str(tmp_path / f"wal-{index}"), "log", incarnation, None, window=64)
+        return store
+
+    stores = [start(0, 2, "a"), start(1, 2, "a")]
+    for store in stores:
+        for config in TABLES:
+            store.configure(config)
+    cluster = Cluster(stores)
+    ids = torch.arange(0, 3000) * 104729
+    for table in ("user", "item"):
+        cluster.lookup(table, ids, train=True)
+        cluster.update(table, ids, torch.randn(ids.numel(), 4 if table == "user" else 2, generator=torch.Generator().manual_seed(1)))
+    stores.append(start(2, 3, "a"))
+    three = ShardMap.uniform(2).resized(3)
+    _move(stores, three, lambda: None)
+    before = {table: _rows(Cluster(stores), table, ids) for table in ("user", "item")}
+    if save_between:
+        for store in stores:
+            store.save(str(tmp_path / "ckpt"))
+    for store in stores:
+        store.log.close()
+    restarted = [start(i, 3 if i == 2 else 2, "b") for i in range(3)]
+    assert all(store.shard_map == three for store in restarted)
+    after = Cluster(restarted)
+    for table in ("user", "item"):
+        assert torch.equal(_rows(after, table, ids), before[table]), table
+        assert [s.stats()[table]["rows"] for s in restarted] == [int((three.shard_of(ids) == i).sum()) for i in range(3)]

@@ -4,13 +4,14 @@ A record is one of:
 
 - ``OPEN``: the first record of every log segment: the shard incarnation that opened it, every incarnation whose
   acknowledged writes the log holds (inherited across restarts that replayed it), the machine's boot id and the
-  durability it was written with, and the ``(client, seq)`` of the updates applied recently (exactly-once across a
-  checkpoint that dropped their records);
+  durability it was written with, the ``(client, seq)`` of the updates applied recently (exactly-once across a
+  checkpoint that dropped their records), and the shard map in force;
 - ``CONFIGURE``: tables created by a Configure call;
 - ``CHANGE``: what one lookup or update changed in its tables, with the update's ``(client, seq)``: per table the
   ids evicted, the ids admitted (their first rows are a pure function of (seed, table, id), so only the ids and
   their access values are kept), and the new values of the rows an update wrote (ids, weights, optimizer state,
-  access), plus the table's lookup step. Replaying it writes those values: it never runs the optimizer again.
+  access), plus the table's lookup step. Replaying it writes those values: it never runs the optimizer again;
+- ``MAP``: the shard map this shard adopted (slots moved to or from it, ``store/slot_moves.py``).
 
 Bytes: ``kind (u8) | meta length (u32) | meta (JSON) | tensors``; the meta lists each tensor's dtype and shape.
 """
@@ -24,7 +25,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-OPEN, CONFIGURE, CHANGE = 1, 2, 3
+OPEN, CONFIGURE, CHANGE, MAP = 1, 2, 3, 4
 _PREFIX = struct.Struct("<BI")
 _DTYPES = {"int64": torch.int64, "int32": torch.int32, "float32": torch.float32, "float16": torch.float16}
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
@@ -118,6 +119,7 @@ class Opening:
     durability: str
     applied: dict[str, list[int]] = field(default_factory=dict)  # client -> seqs applied recently
     base: Optional[str] = None  # the checkpoint the segment's records follow, where a save or load began it
+    shard_map: Optional[dict] = None  # ShardMap.to_dict() in force when the segment began (older logs: none)
 
     def encode(self) -> list[bytes | memoryview]:
         return encode(OPEN, self.__dict__)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Protocol
 
+from lightning_persia.ops.shard_map import ShardMap
 from lightning_persia.remote_ps.store.errors import CheckpointError
 from lightning_persia.remote_ps.store.wal import changes as records
 from lightning_persia.durable import fsync_path
@@ -45,6 +46,11 @@ class ReplayTarget(Protocol):
     def replay_configure(self, config: dict) -> None: ...
 
     def replay_change(self, change: records.Change) -> int: ...
+
+    def replay_map(self, shard_map: ShardMap) -> None: ...
+
+    @property
+    def shard_map(self) -> ShardMap: ...
 
     def clear(self) -> None: ...
 
@@ -122,6 +128,10 @@ class ShardLog:
         with self._lock:
             return {client: list(seqs) for client, seqs in self._applied.items()}
 
+    def record_map(self, shard_map: ShardMap) -> int:
+        """Queues the adoption of ``shard_map`` (call it where no request runs: the routing gate passed alone)."""
+        return self.wal.append(records.encode(records.MAP, {"shard_map": shard_map.to_dict()}))
+
     def record_configure(self, table: dict) -> int:
         """Queues a table's creation (call it holding the lock under which the table appears); its ticket."""
         return self.wal.append(records.encode(records.CONFIGURE, {"table": table}))
@@ -134,10 +144,11 @@ class ShardLog:
         the log."""
         self.wal.wait_all()
 
-    def begin_base(self, base: Optional[str]) -> int:
+    def begin_base(self, base: Optional[str], shard_map: ShardMap) -> int:
         """Starts a segment after every record so far (a checkpoint's consistent point: call it with every table's
-        lock held); the segment's number, for :meth:`end_base` once the checkpoint is complete."""
-        return self.wal.rotate(self._opening(base).encode())
+        lock held; ``shard_map``: the store's); the segment's number, for :meth:`end_base` once the checkpoint is
+        complete."""
+        return self.wal.rotate(self._opening(base, shard_map).encode())
 
     def end_base(self, segment: int, checkpoint: str) -> None:
         """``checkpoint`` holds every record before ``segment``: the log before it is deleted."""
@@ -146,8 +157,9 @@ class ShardLog:
     def close(self) -> None:
         self.wal.close()
 
-    def _opening(self, base: Optional[str]) -> records.Opening:
-        return records.Opening(self.incarnation, sorted(self.accepted), boot_id(), self.durability, self.applied_seqs(), base)
+    def _opening(self, base: Optional[str], shard_map: ShardMap) -> records.Opening:
+        return records.Opening(self.incarnation, sorted(self.accepted), boot_id(), self.durability, self.applied_seqs(), base,
+                               shard_map.to_dict())
 
 
 def open_shard_log(store: ReplayTarget, directory: str, durability: str, incarnation: str, restore_from: Optional[str],
@@ -182,7 +194,8 @@ def open_shard_log(store: ReplayTarget, directory: str, durability: str, incarna
         report.checkpoint = store.load_latest(restore_from) if restore_from else None
     accepted.add(incarnation)
     opening = records.Opening(incarnation, sorted(accepted), boot_id(), durability,
-                              {client: list(seqs) for client, seqs in applied.items()}, report.checkpoint)
+                              {client: list(seqs) for client, seqs in applied.items()}, report.checkpoint,
+                              store.shard_map.to_dict())
     wal = WriteAheadLog(path, durability, opening.encode())
     if not report.replayed:  # a fresh log: it follows what was just loaded, and the old segments go
         wal.set_base(wal.segment, report.checkpoint)
@@ -263,6 +276,9 @@ def _replay_segments(store: ReplayTarget, path: Path, base: Optional[dict], segm
         return f"segments are missing between {following[0]} and {following[-1]}"
     started = time.monotonic()
     report.checkpoint = base["checkpoint"]
+    opening = _first_opening(segment_path(path, first))
+    if opening is not None and opening.shard_map is not None:  # the checkpoint's rows are sifted by the map it had
+        store.replay_map(ShardMap.from_dict(opening.shard_map))
     try:
         if report.checkpoint:
             store.load(report.checkpoint, own_part=True)  # the other shards may not have finished that save
@@ -292,8 +308,12 @@ def _replay_segments(store: ReplayTarget, path: Path, base: Optional[dict], segm
                     if opening.boot_id != this_boot and opening.durability != "fsync":
                         return (f"segment {number} was written with durability {opening.durability!r} before the "
                                 "machine restarted: its last acknowledged records may be lost")
+                    if opening.shard_map is not None:
+                        store.replay_map(ShardMap.from_dict(opening.shard_map))
                 elif kind == records.CONFIGURE:
                     store.replay_configure(meta["table"])
+                elif kind == records.MAP:
+                    store.replay_map(ShardMap.from_dict(meta["shard_map"]))
                 elif kind == records.CHANGE:
                     change = records.decode_change(meta, tensors)
                     report.rows += store.replay_change(change)
@@ -317,3 +337,12 @@ def _replay_segments(store: ReplayTarget, path: Path, base: Optional[dict], segm
     report.replayed = True
     on_progress(report)
     return ""
+
+
+def _first_opening(segment: Path) -> Optional[records.Opening]:
+    """The OPEN record a segment begins with, if it can be read."""
+    with open(segment, "rb") as stream:
+        for payload in read_records(stream, ReadEnd()):
+            kind, meta, _ = records.decode(payload)
+            return records.Opening.from_meta(meta) if kind == records.OPEN else None
+    return None

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from lightning_persia.ops.native.library import check, row_bytes
+from lightning_persia.ops.native.library import NativeObject, check, row_bytes
 from lightning_persia.remote_ps.store import native
 from lightning_persia.remote_ps.store.native import jobs
 from lightning_persia.remote_ps.store.native.rows import Chunks
@@ -28,7 +28,7 @@ checks them)."""
 native.LIBRARY.declare(SIGNATURES)
 
 
-class Index:
+class Index(NativeObject):
     """The native id index of one table (``id_index.c``): id -> row. A row's id is read from the first 8 bytes of its
     record in ``chunks``.
 
@@ -40,15 +40,7 @@ class Index:
     """
 
     def __init__(self) -> None:
-        self._library = native.LIBRARY.require()
-        self._handle = self._library.lp_index_new()
-        if not self._handle:
-            raise MemoryError("cannot allocate an id index")
-
-    def __del__(self) -> None:
-        handle, self._handle = getattr(self, "_handle", None), None
-        if handle:
-            self._library.lp_index_free(handle)
+        super().__init__(native.LIBRARY, "lp_index", "an id index")
 
     def info(self) -> tuple[int, int, int, int, int]:
         """``(ids present, bytes, partition rebuilds so far, rebuilds an insert put off to a later one so far, ids

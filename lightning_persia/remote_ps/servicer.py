@@ -249,9 +249,8 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         return handover_wire.map_message(self.store.shard_map, self.addresses)
 
     @_rpc
+    @_writes
     def Handover(self, request: persia_pb2.HandoverStep, context) -> persia_pb2.HandoverPage:
-        if self.config.read_only:
-            raise read_only("Handover")
         step = request.step
         if step == persia_pb2.HandoverStep.BEGIN:
             self._handover_rows = self.store.begin_handover(self._map_of(request.map))
@@ -277,9 +276,8 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         return persia_pb2.HandoverPage()
 
     @_rpc
+    @_writes
     def TakeOver(self, request: persia_pb2.TakeOverRequest, context) -> persia_pb2.TakeOverResponse:
-        if self.config.read_only:
-            raise read_only("TakeOver")
         configs, changes = messages.handover_contents(request.page)
         to_map = self._map_of(request.to_map)
         self.store.take_changes(configs, changes, to_map)

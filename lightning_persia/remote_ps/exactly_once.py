@@ -75,6 +75,11 @@ class UpdateDeduplicator:
                 dropped, _ = client.applied.popitem(last=False)
                 client.floor = max(client.floor, dropped)
 
+    def applied(self) -> dict[str, list[int]]:
+        """The seqs each client had applied, as far as the window remembers (what :meth:`remember` takes)."""
+        with self._lock:
+            return {client_id: list(client.applied) for client_id, client in self._clients.items() if client.applied}
+
     def run(self, client_id: str, seq: int, apply: Callable[[], T], digest: Optional[int] = None) -> Tuple[T, bool]:
         """``(result, duplicate)``: ``apply()``'s result, or the first attempt's result and ``True``.
 

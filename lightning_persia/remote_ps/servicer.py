@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 import uuid
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, TypeVar
 
 import grpc
 
@@ -31,11 +31,17 @@ from lightning_persia.remote_ps.protocol import (
 )
 from lightning_persia.remote_ps.served_version import ServedVersion
 from lightning_persia.remote_ps.store import ShardStore, UnknownTableError
-from lightning_persia.remote_ps.store.slot_moves import MapMovedError
+from lightning_persia.remote_ps.store.slot_moves import MapMovedError, SlotsMovingError
 from lightning_persia.remote_ps.store.wal.changes import Change, TableChange
 from lightning_persia.remote_ps.table_config import TableConfig
 
 log = logging.getLogger("lightning_persia.ps")
+
+HANDOVER_WAIT_S = 10.0
+"""How long a request for slots being handed over waits for the cut-over (the last changes' copy, about a training
+step's worth) before the client hears "moving" and retries."""
+
+T = TypeVar("T")
 
 def _rpc(method: Callable) -> Callable:
     """Counts the call and turns every refusal or failure into a gRPC status with its message."""
@@ -132,8 +138,8 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
             )
         # A read-only shard answers a training lookup like an evaluation one: nothing is inserted or touched.
         train = request.train and not self.config.read_only
-        found = self.store.lookup_many([(item.name, item.ids) for item in items], train=train, dtype=wire.WIRE_DTYPES[dtype],
-                                       map_version=request.map_version)
+        found = self._past_handover(lambda: self.store.lookup_many(
+            [(item.name, item.ids) for item in items], train=train, dtype=wire.WIRE_DTYPES[dtype], map_version=request.map_version))
         self._count("lookup_rows", sum(item.ids.numel() for item in items))
         response = messages.lookup_response(request, items, found, dtype)
         response.map_version = self.store.shard_map.version
@@ -154,7 +160,8 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
             return self.store.update_many([(item.name, item.ids, item.grads) for item in items],
                                           client=request.client_id, seq=request.seq, map_version=request.map_version)
 
-        rows, duplicate = self.dedup.run(request.client_id, request.seq, apply, digest=messages.update_digest(request))
+        rows, duplicate = self._past_handover(
+            lambda: self.dedup.run(request.client_id, request.seq, apply, digest=messages.update_digest(request)))
         self._count("update_duplicates" if duplicate else "update_rows", 1 if duplicate else rows)
         return persia_pb2.UpdateResponse(rows_applied=rows, duplicate=duplicate, map_version=self.store.shard_map.version)
 
@@ -258,7 +265,9 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         if step == persia_pb2.HandoverStep.ROWS:
             return self._next_rows()
         if step == persia_pb2.HandoverStep.CHANGES:
-            return messages.handover_page(*self.store.handover_changes())
+            page = messages.handover_page(*self.store.handover_changes())
+            page.applied_json, page.source = json.dumps(self.dedup.applied()), self.store.shard_index
+            return page
         if step == persia_pb2.HandoverStep.FENCE:
             self.store.fence_handover()
         elif step == persia_pb2.HandoverStep.FINISH:
@@ -281,10 +290,25 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         configs, changes = messages.handover_contents(request.page)
         to_map = self._map_of(request.to_map)
         self.store.take_changes(configs, changes, to_map)
+        for client, seqs in (json.loads(request.page.applied_json) if request.page.applied_json else {}).items():
+            self.dedup.remember(f"{client}@{request.page.source}", seqs)
         if request.adopt:
             self.store.adopt_map(to_map)
             self.addresses = list(request.to_map.addresses) or self.addresses
         return persia_pb2.TakeOverResponse()
+
+    def _past_handover(self, call: Callable[[], T]) -> T:
+        """``call()``; one refused because its slots are being handed over waits for the handover to end, then runs
+        again (and hears the map moved), rather than send its client into a back-off that could outlast a drained
+        shard. After :data:`HANDOVER_WAIT_S` the refusal goes to the client, which retries."""
+        deadline = time.monotonic() + HANDOVER_WAIT_S
+        while True:
+            try:
+                return call()
+            except SlotsMovingError:
+                if time.monotonic() >= deadline:
+                    raise
+            self.store.wait_handover(max(0.0, deadline - time.monotonic()))
 
     def _next_rows(self) -> persia_pb2.HandoverPage:
         if self._handover_rows is None:

@@ -39,6 +39,7 @@ from lightning_persia.remote_ps.table_config import InitLike, OptimizerLike, Tab
 from lightning_persia.strategy import ps_checkpoint
 from lightning_persia.strategy.interception import MODULE_KINDS, TableDefaults, TableOverride, intercept
 from lightning_persia.strategy.lightning_internals import keep_the_users_samplers
+from lightning_persia.remote_ps.client.scaling import ScaleReport
 from lightning_persia.strategy.local_cluster import LocalCluster
 from lightning_persia.strategy.metrics import MetricsEndpoint, TrainerMetrics
 from lightning_persia.strategy.moved_arguments import refuse_moved_arguments
@@ -467,6 +468,30 @@ class PersiaStrategy(DDPStrategy):
         if ps_checkpoint.TABLES_ELSEWHERE_KEY in state:
             checkpoint = {**checkpoint, "state_dict": {k: v for k, v in state.items() if k != ps_checkpoint.TABLES_ELSEWHERE_KEY}}
         super().load_model_state_dict(checkpoint, strict=strict)
+
+    # ---- the shards ------------------------------------------------------------------------------------
+
+    def scale_shards(self, num_shards: int) -> ScaleReport:
+        """Grows or drains the embedded parameter server to ``num_shards`` shards while training runs: slots move to
+        their new owners live, and the trainer routes by the new map from its next request (``docs/elastic.md``).
+
+        Call it from the one rank (a callback's ``on_train_batch_end``, say). A cluster given by address is scaled by
+        whoever runs it (``lightning-persia ps scale``). Several ranks push one merged update under a shared sender,
+        which a change of map in the middle of a step would split differently on each rank: with more than one rank,
+        change the shard count through a checkpoint instead.
+        """
+        if self._cluster is None or self.client is None:
+            raise RuntimeError("scale_shards grows or drains the embedded shards, which this strategy did not start "
+                               "(ps.addresses is set): scale that cluster with `lightning-persia ps scale`")
+        if self.world_size > 1:
+            raise RuntimeError(f"scale_shards with {self.world_size} ranks: the ranks push one merged update each step, which a "
+                               "map changing mid-step would split differently on each; save, restart on the new shard count, load")
+        report = self._cluster.rescale(num_shards, self.client)
+        self.client.refresh_map()
+        rank_zero_info(f"PersiaStrategy: {report.from_shards} -> {report.to_shards} shards (shard map version "
+                       f"{report.map_version}): {report.slots_moved} slots, {report.rows_moved} rows moved in "
+                       f"{report.seconds:.1f} s; requests for them waited {report.fenced_seconds * 1e3:.0f} ms")
+        return report
 
     # ---- teardown ----------------------------------------------------------------------------------
 

@@ -73,6 +73,7 @@ class TableSaves:
             error: Optional[tuple[bool, str]] = None
             if strategy.is_global_zero:
                 try:
+                    strategy.client.refresh_map()  # every shard of the cluster now, if it was scaled
                     strategy.client.save(ps_dir)
                 except Exception as err:  # noqa: BLE001 - every rank hears of it below
                     error = (is_shard_failure(err), f"{type(err).__name__}: {err}")
@@ -106,6 +107,7 @@ class TableSaves:
         ps_dir = ps_checkpoint.folder_named_by(checkpoint_path, entry["ps_dir"])
         strategy.barrier("persia_load_checkpoint")
         if strategy.is_global_zero:
+            strategy.client.refresh_map()
             strategy.client.load(ps_dir)
         strategy.barrier("persia_load_checkpoint_done")
         strategy.client.refresh_incarnations()  # every shard holds this checkpoint now, a restarted one too

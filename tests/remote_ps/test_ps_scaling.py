@@ -86,3 +86,41 @@ def test_rescale_refuses_addresses_that_reorder_the_shards():
             with pytest.raises(PSError, match="must start with the cluster's"):
                 rescale(admin, [shards.addresses[1], shards.addresses[0], "127.0.0.1:1"])
             assert admin.shard_map_of(0)[0].version == 0  # nothing began
+
+
+def test_an_update_a_drained_shard_applied_but_never_answered_is_not_applied_again():
+    """The re-sent update of a shard that is gone goes to the slots' new owners as "<client>@<shard>" with its seq; the
+    exactly-once memory they took over answers it as a duplicate when the drained shard had applied it."""
+    from lightning_persia.ops import wire
+    from lightning_persia.ops.keyed_ids import KeyedIds, RowLayout
+    from lightning_persia.remote_ps.protocol import WIRE_DTYPE_ENUMS
+
+    config = TableConfig("t", 4, optimizer=Adam(lr=0.1))
+    with LocalShards(3, overrides=["seed=5"]) as shards:
+        client, admin = PSClient(shards.addresses), PSClient(shards.addresses)
+        client.wait_healthy(60)
+        client.configure([config])
+        model = ShardStore(0, 1, seed=5)
+        model.configure(config)
+        ids = UNIVERSE[:600]
+        client.lookup({"t": ids}, train=True)
+        model.lookup("t", ids, train=True)
+
+        def prepared(grads):  # the Update calls a client makes, before it sends them
+            keyed = KeyedIds(("t",), (ids.numel(),), ids)
+            return client._update_calls(client.shard(keyed), grads, RowLayout(keyed.counts, [4]), WIRE_DTYPE_ENUMS["fp32"],
+                                        "fp32", client.client_id)
+
+        applied = prepared(torch.ones(ids.numel() * 4))
+        unsent = prepared(torch.full((ids.numel() * 4,), 2.0))
+        client._wait(client._update(applied))  # applied everywhere; say its answers were lost
+        model.update("t", ids, torch.ones(ids.numel(), 4))
+        rescale(admin, shards.addresses[:2])
+        shards.shrink(2)  # shard 2 is gone before the client re-sends its part
+        client._wait(client._update([(s, r) for s, r in applied if s == 2]))  # re-sent: a duplicate now
+        client._wait(client._update(unsent))  # never sent before: applied once, partly re-routed
+        model.update("t", ids, torch.full((ids.numel(), 4), 2.0))
+        found = client.lookup({"t": ids}, train=False, wire_dtype="fp32")["t"]
+        assert torch.equal(found, model.lookup("t", ids, train=False))
+        client.close()
+        admin.close()

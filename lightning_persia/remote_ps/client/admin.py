@@ -146,7 +146,7 @@ class ShardAdmin(ShardConnection):
         return self._stats_of(shard, self._wait(self._call(shard, "Stats", persia_pb2.StatsRequest(), self.retry.timeout_s)))
 
     def _stats_of(self, shard: int, response: persia_pb2.StatsResponse) -> Dict[str, Any]:
-        return {"shard_index": response.shard_index, "num_shards": response.num_shards, "address": self.addresses[shard],
+        return {"shard_index": response.shard_index, "num_shards": response.num_shards, "address": self._channel_addresses[shard],
                 "incarnation": response.incarnation, **json.loads(response.json)}
 
     def wait_healthy(

@@ -12,7 +12,7 @@ import atexit
 import os
 import threading
 from concurrent.futures import Future
-from typing import Any, Awaitable, Dict, List, Optional, Sequence, Union
+from typing import Any, Awaitable, Callable, Dict, List, Optional, Sequence, Union
 
 import grpc
 import grpc.aio
@@ -179,9 +179,11 @@ class ShardConnection:
                 raise result
         return results
 
-    async def _call(self, shard: int, method: str, request, timeout_s: float):
-        """One RPC to one shard, with its deadline, retries and fencing."""
+    async def _call(self, shard: int, method: str, request, timeout_s: float,
+                    before_retry: Optional[Callable[[], Awaitable[None]]] = None):
+        """One RPC to one shard, with its deadline, retries (``before_retry``: see ``call_with_retry``) and fencing."""
         return await call_with_retry(
-            getattr(self._stubs[shard], method), request, method=method, shard=shard, address=self.addresses[shard],
-            timeout_s=timeout_s, metadata=self._metadata, incarnation=lambda: self.incarnations[shard], policy=self.retry,
+            getattr(self._stubs[shard], method), request, method=method, shard=shard, address=self._channel_addresses[shard],
+            timeout_s=timeout_s, metadata=self._metadata, policy=self.retry, before_retry=before_retry,
+            incarnation=lambda: self.incarnations[shard] if shard < len(self.incarnations) else None,
         )

@@ -14,8 +14,9 @@ import os
 import threading
 import uuid
 from concurrent.futures import Future
-from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Awaitable, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
+import grpc
 import grpc.aio
 import torch
 
@@ -144,11 +145,12 @@ class PSClient(ShardAdmin):
 
     async def _lookup(self, sharded: ShardedIds, train: bool, wire_dtype: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         while True:
+            if sharded.map_version != self.shard_map.version:  # routed before this client heard of the map in force
+                sharded = self.shard(sharded.keyed)
             try:
                 return await self._lookup_routed(sharded, train, wire_dtype, out)
             except ShardMapMovedError as moved:  # a lookup changes nothing a second one would change again
                 await self._follow_map(moved.shard, moved.version)
-                sharded = self.shard(sharded.keyed)
 
     async def _lookup_routed(self, sharded: ShardedIds, train: bool, wire_dtype: str, out: Optional[torch.Tensor]) -> torch.Tensor:
         dtype = _wire_enum(wire_dtype)
@@ -160,7 +162,8 @@ class PSClient(ShardAdmin):
             request.packed.ids = message.ids
             requests.append(request)
         responses = await self._gather(
-            self._call(message.shard, "Lookup", request, self.retry.timeout_s) for message, request in zip(sharded.messages, requests)
+            self._call(message.shard, "Lookup", request, self.retry.timeout_s, self._moved_away(message.shard, sharded.map_version))
+            for message, request in zip(sharded.messages, requests)
         )
         await self._notice_map(responses, [message.shard for message in sharded.messages])
         for message, response in zip(sharded.messages, responses):
@@ -207,6 +210,8 @@ class PSClient(ShardAdmin):
         sender = sender or self.client_id
         dtype = _wire_enum(wire_dtype)
         keyed = sharded.keyed
+        if sharded.map_version != self.shard_map.version:  # routed before this client heard of the map in force
+            sharded = self.shard(keyed)
         layout = RowLayout(keyed.counts, dims)
         if grads.dim() != 1 or grads.numel() != layout.numel or not grads.is_floating_point():
             raise ValueError(
@@ -217,17 +222,21 @@ class PSClient(ShardAdmin):
         return self._submit(self._update(self._update_calls(sharded, encoded, layout, dtype, wire_dtype, sender)))
 
     def _update_calls(self, sharded: ShardedIds, encoded: torch.Tensor, layout: RowLayout, dtype: int, wire_dtype: str,
-                      sender: str) -> list[tuple[int, persia_pb2.UpdateRequest]]:
-        """The Update request of each message of ``sharded`` (``encoded``: the flat gradients in the wire dtype)."""
+                      sender: str, resent_seq: Optional[int] = None) -> list[tuple[int, persia_pb2.UpdateRequest]]:
+        """The Update request of each message of ``sharded`` (``encoded``: the flat gradients in the wire dtype), each
+        under the sender's next seq for its shard, or under ``resent_seq`` (a re-routed update's)."""
         order = sharded.order
         calls = []
         for message in sharded.messages:
             if message.start == message.end:
                 continue
-            with self._seq_lock:
-                seqs = self._seqs.setdefault(sender, [])
-                seqs.extend(itertools.count(1) for _ in range(message.shard + 1 - len(seqs)))
-                seq = next(seqs[message.shard])
+            if resent_seq is not None:
+                seq = resent_seq
+            else:
+                with self._seq_lock:
+                    seqs = self._seqs.setdefault(sender, [])
+                    seqs.extend(itertools.count(1) for _ in range(message.shard + 1 - len(seqs)))
+                    seq = next(seqs[message.shard])
             request = persia_pb2.UpdateRequest(client_id=sender, seq=seq, packed_dtype=dtype, map_version=sharded.map_version)
             named = [(t, c) for t, c in zip(message.tables, message.counts) if c]
             request.packed.tables.extend(t for t, _ in named)
@@ -275,20 +284,51 @@ class PSClient(ShardAdmin):
 
     async def _update_routed(self, shard: int, request: persia_pb2.UpdateRequest) -> None:
         try:
-            await self._notice_map([await self._call(shard, "Update", request, self.retry.timeout_s)], [shard])
+            await self._notice_map([await self._call(shard, "Update", request, self.retry.timeout_s, self._moved_away(shard, request.map_version))], [shard])
         except ShardMapMovedError as moved:
-            # The shard refused it whole before applying any of it (its seq is forgotten there): its ids go where the
-            # new map puts them, under new seqs of those shards.
+            # The ids go where the new map puts them, as client "<sender>@<shard>" under the same seq: the shards they
+            # go to hold the exactly-once memory of the shard that gave them the slots, so an update it had applied
+            # (its answer lost) is answered as a duplicate, and one it had not (refused, or never reached) is applied.
             await self._follow_map(moved.shard, moved.version)
-            await self._update(self._rerouted(request))
+            await self._update(self._rerouted(request, shard))
 
-    def _rerouted(self, request: persia_pb2.UpdateRequest) -> list[tuple[int, persia_pb2.UpdateRequest]]:
+    def _rerouted(self, request: persia_pb2.UpdateRequest, shard: int) -> list[tuple[int, persia_pb2.UpdateRequest]]:
         wire_dtype = WIRE_DTYPE_NAMES[request.packed_dtype]
         keyed = KeyedIds(tuple(request.packed.tables), tuple(int(c) for c in request.packed.counts), wire.decode_ids(request.packed.ids))
         dims = [self._dims[t] for t in keyed.tables]
         encoded = wire.rows_view(request.packed_grads, wire_dtype, 1).view(-1)
-        return self._update_calls(self.shard(keyed), encoded, RowLayout(keyed.counts, dims), request.packed_dtype, wire_dtype,
-                                  request.client_id)
+        calls = self._update_calls(self.shard(keyed), encoded, RowLayout(keyed.counts, dims), request.packed_dtype, wire_dtype,
+                                   f"{request.client_id}@{shard}", resent_seq=request.seq)
+        if len({to for to, _ in calls}) != len(calls):  # one seq, one message per shard: a part never outgrows its whole
+            raise PSError(f"an update re-routed from shard {shard} split into several messages to one shard")
+        return calls
+
+    def refresh_map(self) -> int:
+        """Adopts shard 0's shard map if it is newer than this client's (the shards were scaled since: a client that
+        only saves or loads hears of it no other way); returns the version in force."""
+        version = self.shard_map_of(0)[0].version
+        if version > self.shard_map.version:
+            self._wait(self._follow_map(0, version))
+        return self.shard_map.version
+
+    def _moved_away(self, shard: int, routed_by: int) -> Callable[[], Awaitable[None]]:
+        """What a call to ``shard`` routed by map version ``routed_by`` does before it retries: asks another shard
+        whether the map moved since, and ends the call with :class:`ShardMapMovedError` if so (a drained shard may be gone already, and a client that has not talked
+        to the shards since the move hears of it no other way)."""
+        async def check() -> None:
+            other = 1 if shard == 0 else 0
+            if other >= self.num_shards:
+                return
+            try:
+                response = await self._stubs[other].GetShardMap(persia_pb2.GetShardMapRequest(), timeout=self.retry.timeout_s,
+                                                                metadata=self._metadata or None)
+            except grpc.aio.AioRpcError:
+                return  # that shard cannot tell either; the call retries as it would have
+            if response.version > routed_by:
+                raise ShardMapMovedError(other, self._channel_addresses[other], grpc.StatusCode.FAILED_PRECONDITION,
+                                         f"shard {shard} did not answer and shard {other} routes by a newer shard map",
+                                         response.version)
+        return check
 
     async def _notice_map(self, responses: Sequence, shards: Sequence[int]) -> None:
         """Follows a newer shard map that a shard's answer names (a shard drained of its slots then hears no more)."""

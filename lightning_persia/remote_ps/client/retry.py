@@ -87,8 +87,10 @@ def fenced(metadata: Metadata, method: str, incarnation: Optional[str]) -> Metad
 async def call_with_retry(
     rpc: Callable[..., Awaitable], request, *, method: str, shard: int, address: str, timeout_s: float,
     metadata: Metadata, incarnation: Callable[[], Optional[str]], policy: RetryPolicy,
+    before_retry: Optional[Callable[[], Awaitable[None]]] = None,
 ):
-    """``rpc(request)`` on shard ``shard`` under ``policy``; ``incarnation()`` is read again at every attempt."""
+    """``rpc(request)`` on shard ``shard`` under ``policy``; ``incarnation()`` is read again at every attempt, and
+    ``before_retry()`` awaited before each retry (it may raise to end the call: the shard left the map, say)."""
     start = time.monotonic()
     next_report = WAIT_REPORT_S
     for attempt in itertools.count(1):
@@ -111,4 +113,6 @@ async def call_with_retry(
                 log.warning("waiting for shard %d at %s: %s has not been answered for %.0f s (%s); retrying for up to %.0f s "
                             "(a restarted shard replays its write-ahead log before it answers)", shard, address, method,
                             waited, code.name, max(policy.retry_for_s, waited))
+        if before_retry is not None:
+            await before_retry()
         await asyncio.sleep(policy.backoff(attempt))

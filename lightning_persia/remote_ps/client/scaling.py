@@ -126,7 +126,7 @@ def _forward(admin: ShardAdmin, page: persia_pb2.HandoverPage, takers: Sequence[
 
 
 
-def wait_drained(admin: ShardAdmin, shards: Sequence[int], quiet_s: float = 1.0, timeout_s: float = 120.0) -> None:
+def wait_drained(admin: ShardAdmin, shards: Sequence[int], quiet_s: float = 2.0, timeout_s: float = 120.0) -> None:
     """Waits until no lookup or update has reached ``shards`` (drained by :func:`rescale`) for ``quiet_s``: their
     clients have followed the new map (each learns it from its next answer of any shard), so they can stop."""
     deadline = time.monotonic() + timeout_s

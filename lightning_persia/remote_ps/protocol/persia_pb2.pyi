@@ -201,16 +201,20 @@ class HandoverStep(_message.Message):
     def __init__(self, step: _Optional[_Union[HandoverStep.Step, str]] = ..., map: _Optional[_Union[ShardMapMessage, _Mapping]] = ...) -> None: ...
 
 class HandoverPage(_message.Message):
-    __slots__ = ("tables_json", "records", "done", "rows")
+    __slots__ = ("tables_json", "records", "done", "rows", "applied_json", "source")
     TABLES_JSON_FIELD_NUMBER: _ClassVar[int]
     RECORDS_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_JSON_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
     tables_json: _containers.RepeatedScalarFieldContainer[str]
     records: _containers.RepeatedScalarFieldContainer[bytes]
     done: bool
     rows: int
-    def __init__(self, tables_json: _Optional[_Iterable[str]] = ..., records: _Optional[_Iterable[bytes]] = ..., done: _Optional[bool] = ..., rows: _Optional[int] = ...) -> None: ...
+    applied_json: str
+    source: int
+    def __init__(self, tables_json: _Optional[_Iterable[str]] = ..., records: _Optional[_Iterable[bytes]] = ..., done: _Optional[bool] = ..., rows: _Optional[int] = ..., applied_json: _Optional[str] = ..., source: _Optional[int] = ...) -> None: ...
 
 class TakeOverRequest(_message.Message):
     __slots__ = ("page", "to_map", "adopt")

@@ -102,6 +102,7 @@ class SlotHandover:
                 raise InvalidRequestError("a handover finishes once fenced: its last changes must have been taken")
             self._set_map(outgoing.to_map)
             self._outgoing = None
+        outgoing.settled.set()
         with self._save_lock:
             for table in self._listed_tables():
                 self._drop_foreign_rows(table)
@@ -110,7 +111,9 @@ class SlotHandover:
         """Gives up the handover under way, if any (the slots stay this shard's, served as before), and drops the
         rows taken over for slots this shard's map does not give it (a handover to it that was given up)."""
         with self._gate.alone():
-            self._outgoing = None
+            outgoing, self._outgoing = self._outgoing, None
+        if outgoing is not None:
+            outgoing.settled.set()
         with self._save_lock:
             for table in self._listed_tables():
                 self._drop_foreign_rows(table)
@@ -133,6 +136,13 @@ class SlotHandover:
                 raise InvalidRequestError(f"shard map version {shard_map.version} is older than or differs from this "
                                           f"shard's version {self._shard_map.version}")
             self._set_map(shard_map)
+
+    def wait_handover(self, timeout_s: float) -> None:
+        """Waits (at most ``timeout_s``) for the handover under way, if any, to finish or be given up: what a request
+        refused with :class:`SlotsMovingError` waits for before it runs again."""
+        outgoing = self._outgoing
+        if outgoing is not None:
+            outgoing.settled.wait(timeout_s)
 
     def _handing_over(self) -> OutgoingSlots:
         if self._outgoing is None:

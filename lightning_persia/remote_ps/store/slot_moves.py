@@ -91,6 +91,7 @@ class OutgoingSlots:
         self._mask = torch.zeros(SLOTS, dtype=torch.bool)
         self._mask[list(moving)] = True
         self.fenced = False
+        self.settled = threading.Event()  # set once the handover finished or was given up
         self._changes: list[Change] = []
         self._lock = threading.Lock()
 

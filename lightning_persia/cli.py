@@ -27,7 +27,7 @@ def _ps_parser() -> argparse.ArgumentParser:
     from lightning_persia.remote_ps.protocol import AUTH_METADATA_KEY, LISTENING_PREFIX, TOKEN_ENV
 
     parser = argparse.ArgumentParser(prog="lightning-persia ps", description="Parameter-server shards.")
-    sub = parser.add_subparsers(dest="ps_command", required=True, metavar="{serve}")
+    sub = parser.add_subparsers(dest="ps_command", required=True, metavar="{serve,scale}")
     serve = sub.add_parser(
         "serve",
         help="serve one shard of the parameter server",
@@ -74,12 +74,27 @@ def _ps_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     serve.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                        help="config overrides in OmegaConf dotlist form, e.g. seed=7 tables.user.dim=32")
+    scale = sub.add_parser(
+        "scale",
+        help="add or drain shards of a running cluster; rows move live",
+        description="Move a running cluster onto more or fewer shards while it serves (docs/elastic.md). Start the "
+        "new shards first (ps serve --shard-index i --num-shards M); drained ones are the last and can be stopped "
+        "once this command returns.",
+    )
+    scale.add_argument("--addresses", required=True, help="host:port of the cluster's shards now, comma-separated, in order")
+    scale.add_argument("--to", required=True, help="host:port of the shards after the move, comma-separated: the "
+                       "current ones in order, then the new ones (growing), or the first M of them (draining the rest)")
+    scale.add_argument("--token", default=os.environ.get(TOKEN_ENV), help=f"the shards' token (default: ${TOKEN_ENV})")
+    scale.add_argument("--tls-root-cert", help="PEM CA of the shards' certificates (enables TLS)")
+    scale.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
 
 
 def _ps_main(argv: Sequence[str]) -> int:
     parser = _ps_parser()
     args = parser.parse_args(argv)
+    if args.ps_command == "scale":
+        return _ps_scale(args)
     if not 0 <= args.shard_index < args.num_shards:
         parser.error(f"--shard-index must be in [0, --num-shards={args.num_shards}), got {args.shard_index}")
     if not 0 <= args.port < 65536:
@@ -329,6 +344,31 @@ COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
     "export": ("write the serving bundle of a checkpoint (export --ckpt CKPT --out DIR)", _export_main),
     "serve": ("serve a bundle over HTTP (serve BUNDLE --port P)", _serve_main),
 }
+
+
+def _ps_scale(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s persia-ps-scale %(levelname)s %(message)s")
+    from lightning_persia.remote_ps.client import PSClient, PSError
+    from lightning_persia.remote_ps.client.scaling import rescale, wait_drained
+
+    current, target = _addresses(args.addresses), _addresses(args.to)
+    try:
+        with PSClient(current, token=args.token, tls_root_cert=args.tls_root_cert) as admin:
+            admin.wait_healthy(60)
+            report = rescale(admin, target)
+            if len(target) < len(current):
+                wait_drained(admin, list(range(len(target), len(current))))
+    except PSError as err:
+        print(f"lightning-persia ps scale: error: {err}", file=sys.stderr, flush=True)
+        return 1
+    drained = f"; stop shards {', '.join(current[len(target):])}" if len(target) < len(current) else ""
+    print(f"{report.from_shards} -> {report.to_shards} shards (shard map version {report.map_version}): "
+          f"{report.slots_moved} slots, {report.rows_moved} rows moved in {report.seconds:.1f} s{drained}", flush=True)
+    return 0
+
+
+def _addresses(text: str) -> list[str]:
+    return [address.strip() for address in text.split(",") if address.strip()]
 
 
 def _usage() -> str:

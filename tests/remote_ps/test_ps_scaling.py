@@ -124,3 +124,24 @@ def test_an_update_a_drained_shard_applied_but_never_answered_is_not_applied_aga
         assert torch.equal(found, model.lookup("t", ids, train=False))
         client.close()
         admin.close()
+
+
+def test_ps_scale_on_the_command_line_grows_and_drains(capsys):
+    from lightning_persia.cli import main
+
+    with LocalShards(1, overrides=["seed=5"]) as shards:
+        with PSClient(shards.addresses) as client:
+            client.wait_healthy(60)
+            client.configure([TABLES[0]])
+            before = client.lookup({"user": UNIVERSE}, train=True, wire_dtype="fp32")["user"]
+            grown = shards.grow(2)
+            assert main(["ps", "scale", "--addresses", shards.addresses[0], "--to", ",".join(grown)]) == 0
+            assert "1 -> 2 shards (shard map version 1)" in capsys.readouterr().out
+            assert torch.equal(client.lookup({"user": UNIVERSE}, train=False, wire_dtype="fp32")["user"], before)
+            assert client.num_shards == 2 and [e["tables"]["user"]["rows"] > 0 for e in client.stats()] == [True, True]
+            assert main(["ps", "scale", "--addresses", ",".join(grown), "--to", grown[0]]) == 0
+            assert f"stop shards {grown[1]}" in capsys.readouterr().out
+            shards.shrink(1)
+            assert torch.equal(client.lookup({"user": UNIVERSE}, train=False, wire_dtype="fp32")["user"], before)
+            assert main(["ps", "scale", "--addresses", grown[0], "--to", f"{grown[1]},{grown[0]}"]) == 1
+            assert "must start with the cluster's" in capsys.readouterr().err

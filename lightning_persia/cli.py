@@ -37,6 +37,9 @@ def _ps_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, required=True, help="TCP port; 0 picks a free one")
     serve.add_argument("--shard-index", type=int, required=True, help="index of this shard, in [0, num-shards)")
     serve.add_argument("--num-shards", type=int, required=True, help="number of shards of the cluster")
+    serve.add_argument("--join", action="store_true",
+                       help="a shard whose --shard-index is at or past --num-shards joins a running cluster: it holds "
+                       "nothing until `ps scale` moves slots to it (a StatefulSet scaled up starts its new pods so)")
     serve.add_argument("--config", help="PS YAML config (seed, limits, table defaults); OmegaConf syntax")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind (default 127.0.0.1); any non-loopback address needs --token, TLS or --insecure")
@@ -95,8 +98,11 @@ def _ps_main(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     if args.ps_command == "scale":
         return _ps_scale(args)
+    if args.join and args.shard_index >= args.num_shards >= 1:
+        args.num_shards = args.shard_index + 1  # the map it starts with is nobody's: the move gives it the cluster's
     if not 0 <= args.shard_index < args.num_shards:
-        parser.error(f"--shard-index must be in [0, --num-shards={args.num_shards}), got {args.shard_index}")
+        parser.error(f"--shard-index must be in [0, --num-shards={args.num_shards}), got {args.shard_index} (a shard "
+                     "joining a running cluster: --join)")
     if not 0 <= args.port < 65536:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
     if bool(args.tls_cert) != bool(args.tls_key):

@@ -85,7 +85,7 @@ def test_yaml_env_interpolation_and_dotlist_overrides(ps_cluster1, make_client, 
         (["ps", "serve", "--port", "0", "--shard-index", "2", "--num-shards", "2"], "--shard-index must be in [0, --num-shards=2)"),
         (["ps", "serve", "--port", "0", "--shard-index", "0", "--num-shards", "1", "--tls-cert", "x.pem"], "--tls-cert and --tls-key go together"),
         (["ps", "serve", "--shard-index", "0", "--num-shards", "1"], "the following arguments are required: --port"),
-        (["ps"], "the following arguments are required: {serve}"),
+        (["ps"], "the following arguments are required: {serve,scale}"),
     ],
 )
 def test_argument_errors(argv, message, capsys):

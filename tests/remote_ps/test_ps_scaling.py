@@ -145,3 +145,28 @@ def test_ps_scale_on_the_command_line_grows_and_drains(capsys):
             assert torch.equal(client.lookup({"user": UNIVERSE}, train=False, wire_dtype="fp32")["user"], before)
             assert main(["ps", "scale", "--addresses", grown[0], "--to", f"{grown[1]},{grown[0]}"]) == 1
             assert "must start with the cluster's" in capsys.readouterr().err
+
+
+def test_a_shard_started_with_join_past_the_shard_count_takes_slots_from_a_running_cluster():
+    import subprocess
+    import time
+
+    from lightning_persia.remote_ps.launcher import read_listening_address, serve_command, stop_processes
+
+    with LocalShards(2, overrides=["seed=5"]) as shards:
+        joining = subprocess.Popen(serve_command(2, 2, extra_args=["--join"], overrides=["seed=5"]), stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, bufsize=1)
+        try:
+            lines = []
+            address = read_listening_address(joining, lines, time.monotonic() + 120, "joining-shard-output")
+            assert address is not None, "\n".join(lines)
+            with PSClient(shards.addresses) as client:
+                client.wait_healthy(60)
+                client.configure([TABLES[0]])
+                before = client.lookup({"user": UNIVERSE}, train=True, wire_dtype="fp32")["user"]
+                report = rescale(client, [*shards.addresses, address])
+                assert (report.from_shards, report.to_shards) == (2, 3)
+                assert torch.equal(client.lookup({"user": UNIVERSE}, train=False, wire_dtype="fp32")["user"], before)
+                assert client.shard_stats(2)["tables"]["user"]["rows"] > 0
+        finally:
+            stop_processes([joining], 15)

@@ -1,0 +1,143 @@
+"""Shards added and drained while a client trains on large tables: the pause a step sees, the throughput during a
+move, the rows moved against the ideal, and no update lost or applied twice.
+
+A client trains one table (SGD, lr 1, every gradient -1, rows starting at 0) on real shard processes: each step
+looks a batch of ids up and updates them, so a row's value is the number of updates it got. The table is first
+filled to ``--rows`` rows. Then the cluster moves 2 -> 3 shards while the client trains, and 3 -> 2 (``rescale``),
+and every row is compared with the updates counted on the client.
+
+    python -m benchmarks.cluster.elastic_bench --json                 # 20M rows
+    python -m benchmarks.cluster.elastic_bench --rows 2000000 --json  # a first look
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import threading
+import time
+
+import torch
+
+from lightning_persia.remote_ps.client import PSClient
+from lightning_persia.remote_ps.client.scaling import rescale, wait_drained
+from lightning_persia.remote_ps.launcher import LocalShards
+from lightning_persia.remote_ps.table_config import SGD, Constant, TableConfig
+
+TABLE = "items"
+
+
+class Trainer:
+    """Steps of lookup + update of a random batch, timed; counts each id's updates."""
+
+    def __init__(self, client: PSClient, rows: int, batch: int, dim: int) -> None:
+        self.client, self.rows, self.batch, self.dim = client, rows, batch, dim
+        self.updates = torch.zeros(rows, dtype=torch.int32)
+        self.steps: list[tuple[float, float]] = []  # (end time, seconds)
+        self._generator = torch.Generator().manual_seed(0)
+
+    def step(self) -> None:
+        began = time.monotonic()
+        ids = torch.randint(0, self.rows, (self.batch,), generator=self._generator).unique()
+        self.client.lookup({TABLE: ids}, train=True)
+        self.client.update({TABLE: (ids, -torch.ones(ids.numel(), self.dim))}, wire_dtype="fp32")
+        self.updates[ids] += 1
+        end = time.monotonic()
+        self.steps.append((end, end - began))
+
+    def run_while(self, busy: threading.Thread) -> tuple[float, float]:
+        """Steps until ``busy`` ends (at least one); returns the window's (start, end)."""
+        began = time.monotonic()
+        busy.start()
+        while busy.is_alive() or time.monotonic() == began:
+            self.step()
+        return began, time.monotonic()
+
+
+def _fill(client: PSClient, rows: int, chunk: int = 1 << 20) -> float:
+    began = time.monotonic()
+    for start in range(0, rows, chunk):
+        client.lookup({TABLE: torch.arange(start, min(rows, start + chunk))}, train=True)
+    return time.monotonic() - began
+
+
+def _window(trainer: Trainer, start: float, end: float) -> list[float]:
+    return [seconds for finished, seconds in trainer.steps if start <= finished <= end]
+
+
+def _move(trainer: Trainer, admin: PSClient, addresses: list[str], steady_s: float, batch: int) -> dict:
+    result: dict = {}
+
+    def move() -> None:
+        result["report"] = rescale(admin, addresses)
+
+    start, end = trainer.run_while(threading.Thread(target=move))
+    during = _window(trainer, start, end)
+    report = result["report"]
+    return {"from": report.from_shards, "to": report.to_shards, "seconds": report.seconds, "fenced_s": report.fenced_seconds,
+            "rows_moved": report.rows_moved, "changed_rows": report.changed_rows, "rounds": report.rounds,
+            "steps_during": len(during), "max_step_s": max(during), "max_extra_step_s": max(during) - steady_s,
+            "throughput_ratio_during": (len(during) * batch / (end - start)) / (batch / steady_s),
+            "move_rows_per_s": report.rows_moved / max(report.seconds, 1e-9)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=20_000_000, help="rows of the table before the moves")
+    parser.add_argument("--batch", type=int, default=65_536, help="ids a step looks up and updates")
+    parser.add_argument("--dim", type=int, default=16)
+    parser.add_argument("--steady-steps", type=int, default=20, help="steps timed before the moves")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    args = parser.parse_args()
+
+    config = TableConfig(TABLE, args.dim, optimizer=SGD(lr=1.0), init=Constant(0.0))
+    with LocalShards(2, overrides=["seed=0", "durability=none"]) as shards:
+        client, admin = PSClient(shards.addresses), PSClient(shards.addresses)
+        client.wait_healthy(120)
+        client.configure([config])
+        fill_s = _fill(client, args.rows)
+        trainer = Trainer(client, args.rows, args.batch, args.dim)
+        for _ in range(args.steady_steps):
+            trainer.step()
+        steady = statistics.median(seconds for _, seconds in trainer.steps[-args.steady_steps:])
+        grow = _move(trainer, admin, shards.grow(3), steady, args.batch)
+        for _ in range(5):
+            trainer.step()
+        shrink = _move(trainer, admin, shards.addresses[:2], steady, args.batch)
+        wait_drained(admin, [2])
+        shards.shrink(2)
+        for _ in range(5):
+            trainer.step()
+        lost = 0
+        for start in range(0, args.rows, 1 << 20):
+            ids = torch.arange(start, min(args.rows, start + (1 << 20)))
+            rows = client.lookup({TABLE: ids}, train=False, wire_dtype="fp32")[TABLE]
+            lost += int((rows[:, 0] != trainer.updates[ids].float()).sum())
+        client.close()
+        admin.close()
+    ideal = args.rows / 3
+    summary = {
+        "rows": args.rows, "batch": args.batch, "dim": args.dim, "fill_s": fill_s, "steady_step_s": steady,
+        "grow": grow, "shrink": shrink,
+        "max_extra_step_s": max(grow["max_extra_step_s"], shrink["max_extra_step_s"]),
+        "throughput_ratio_during": min(grow["throughput_ratio_during"], shrink["throughput_ratio_during"]),
+        "rows_moved_ratio": max(grow["rows_moved"], shrink["rows_moved"]) / ideal,
+        "seconds_per_100M_rows": 1e8 / min(grow["move_rows_per_s"], shrink["move_rows_per_s"]),
+        "kills": 0, "lost_updates": lost, "rollbacks": 0, "weights_equal": lost == 0,
+        "load": os.getloadavg()[0],
+    }
+    for name in ("grow", "shrink"):
+        move = summary[name]
+        print(f"{move['from']} -> {move['to']} shards: {move['rows_moved']:,} rows in {move['seconds']:.1f} s "
+              f"({move['move_rows_per_s']:,.0f} rows/s), {move['rounds']} rounds, fenced {move['fenced_s'] * 1e3:.0f} ms; "
+              f"steps during: {move['steps_during']}, longest {move['max_step_s']:.2f} s (steady {steady:.2f} s), "
+              f"throughput {move['throughput_ratio_during']:.2f}x")
+    print(f"rows moved / ideal: {summary['rows_moved_ratio']:.3f}; 100M rows would take "
+          f"{summary['seconds_per_100M_rows']:.0f} s; rows differing from the updates sent: {lost}")
+    if args.json:
+        print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import functools
 import importlib
+import json
 import logging
 import os
 import re
@@ -89,6 +90,7 @@ def _ps_parser() -> argparse.ArgumentParser:
                        "current ones in order, then the new ones (growing), or the first M of them (draining the rest)")
     scale.add_argument("--token", default=os.environ.get(TOKEN_ENV), help=f"the shards' token (default: ${TOKEN_ENV})")
     scale.add_argument("--tls-root-cert", help="PEM CA of the shards' certificates (enables TLS)")
+    scale.add_argument("--json", action="store_true", help="print the move's report as one JSON object on the last line")
     scale.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
 
@@ -370,6 +372,8 @@ def _ps_scale(args: argparse.Namespace) -> int:
     drained = f"; stop shards {', '.join(current[len(target):])}" if len(target) < len(current) else ""
     print(f"{report.from_shards} -> {report.to_shards} shards (shard map version {report.map_version}): "
           f"{report.slots_moved} slots, {report.rows_moved} rows moved in {report.seconds:.1f} s{drained}", flush=True)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(report)), flush=True)
     return 0
 
 

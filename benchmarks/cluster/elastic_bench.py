@@ -21,7 +21,7 @@ import time
 import torch
 
 from lightning_persia.remote_ps.client import PSClient
-from lightning_persia.remote_ps.client.scaling import rescale, wait_drained
+from lightning_persia.remote_ps.client.scaling import rescale_apart
 from lightning_persia.remote_ps.launcher import LocalShards
 from lightning_persia.remote_ps.table_config import SGD, Constant, TableConfig
 
@@ -66,11 +66,11 @@ def _window(trainer: Trainer, start: float, end: float) -> list[float]:
     return [seconds for finished, seconds in trainer.steps if start <= finished <= end]
 
 
-def _move(trainer: Trainer, admin: PSClient, addresses: list[str], steady_s: float, batch: int) -> dict:
+def _move(trainer: Trainer, current: list[str], addresses: list[str], steady_s: float, batch: int) -> dict:
     result: dict = {}
 
-    def move() -> None:
-        result["report"] = rescale(admin, addresses)
+    def move() -> None:  # the coordinator in a process of its own, as `ps scale` runs it
+        result["report"] = rescale_apart(current, addresses)
 
     start, end = trainer.run_while(threading.Thread(target=move))
     during = _window(trainer, start, end)
@@ -93,7 +93,7 @@ def main() -> None:
 
     config = TableConfig(TABLE, args.dim, optimizer=SGD(lr=1.0), init=Constant(0.0))
     with LocalShards(2, overrides=["seed=0", "durability=none"]) as shards:
-        client, admin = PSClient(shards.addresses), PSClient(shards.addresses)
+        client = PSClient(shards.addresses)
         client.wait_healthy(120)
         client.configure([config])
         fill_s = _fill(client, args.rows)
@@ -101,11 +101,10 @@ def main() -> None:
         for _ in range(args.steady_steps):
             trainer.step()
         steady = statistics.median(seconds for _, seconds in trainer.steps[-args.steady_steps:])
-        grow = _move(trainer, admin, shards.grow(3), steady, args.batch)
+        grow = _move(trainer, shards.addresses[:2], shards.grow(3), steady, args.batch)
         for _ in range(5):
             trainer.step()
-        shrink = _move(trainer, admin, shards.addresses[:2], steady, args.batch)
-        wait_drained(admin, [2])
+        shrink = _move(trainer, shards.addresses, shards.addresses[:2], steady, args.batch)
         shards.shrink(2)
         for _ in range(5):
             trainer.step()
@@ -115,7 +114,6 @@ def main() -> None:
             rows = client.lookup({TABLE: ids}, train=False, wire_dtype="fp32")[TABLE]
             lost += int((rows[:, 0] != trainer.updates[ids].float()).sum())
         client.close()
-        admin.close()
     ideal = args.rows / 3
     summary = {
         "rows": args.rows, "batch": args.batch, "dim": args.dim, "fill_s": fill_s, "steady_step_s": steady,

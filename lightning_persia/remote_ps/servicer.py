@@ -41,6 +41,10 @@ HANDOVER_WAIT_S = 10.0
 """How long a request for slots being handed over waits for the cut-over (the last changes' copy, about a training
 step's worth) before the client hears "moving" and retries."""
 
+HANDOVER_PAGE_BYTES = 16 << 20
+"""Rows a handover page holds, at most: the coordinator (often a trainer's process) decodes and sends each page again
+while its own work waits for the interpreter, so pages stay small enough not to stall it for long."""
+
 T = TypeVar("T")
 
 def _rpc(method: Callable) -> Callable:
@@ -320,7 +324,7 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
             if rows:
                 changes.append(Change([TableChange(config.name, step, rows=rows)]))
                 size += sum(values.numel() * values.element_size() for values in rows.values())
-            if size >= self.max_message_bytes // 4:
+            if size >= min(HANDOVER_PAGE_BYTES, self.max_message_bytes // 4):
                 return messages.handover_page(list(configs.values()), changes)
         self._handover_rows = None
         return messages.handover_page(list(configs.values()), changes, done=True)

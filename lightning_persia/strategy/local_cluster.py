@@ -15,8 +15,7 @@ from typing import Optional
 from omegaconf import OmegaConf
 
 from lightning_persia.remote_ps.config import load_ps_config
-from lightning_persia.remote_ps.client.admin import ShardAdmin
-from lightning_persia.remote_ps.client.scaling import ScaleReport, rescale, wait_drained
+from lightning_persia.remote_ps.client.scaling import ScaleReport, rescale_apart
 from lightning_persia.remote_ps.launcher import LocalShards
 
 EMBEDDED_NICE = 10
@@ -89,16 +88,16 @@ class LocalCluster:
     def shards(self) -> LocalShards:
         return self._shards
 
-    def rescale(self, num_shards: int, admin: ShardAdmin) -> ScaleReport:
-        """Starts shards up to ``num_shards``, or drains those past it, and moves their slots live (``admin``: a
-        client of every current shard); drained shards stop once their clients have followed the new map."""
+    def rescale(self, num_shards: int, token: Optional[str] = None) -> ScaleReport:
+        """Starts shards up to ``num_shards``, or drains those past it, and moves their slots live, from a process of
+        its own (``ps scale``: the trainer's interpreter goes on training meanwhile); drained shards stop once their
+        clients have followed the new map."""
         before = len(self.addresses)
         if num_shards < 1:
             raise ValueError(f"scale to {num_shards} shards: at least one is needed")
         addresses = self._shards.grow(num_shards) if num_shards > before else self.addresses[:num_shards]
-        report = rescale(admin, addresses)
+        report = rescale_apart(self.addresses, addresses, token=token)
         if num_shards < before:
-            wait_drained(admin, list(range(num_shards, before)))
             self._shards.shrink(num_shards)
         self.addresses = list(addresses)
         return report

@@ -486,7 +486,7 @@ class PersiaStrategy(DDPStrategy):
         if self.world_size > 1:
             raise RuntimeError(f"scale_shards with {self.world_size} ranks: the ranks push one merged update each step, which a "
                                "map changing mid-step would split differently on each; save, restart on the new shard count, load")
-        report = self._cluster.rescale(num_shards, self.client)
+        report = self._cluster.rescale(num_shards, token=self.ps.token)
         self.client.refresh_map()
         rank_zero_info(f"PersiaStrategy: {report.from_shards} -> {report.to_shards} shards (shard map version "
                        f"{report.map_version}): {report.slots_moved} slots, {report.rows_moved} rows moved in "

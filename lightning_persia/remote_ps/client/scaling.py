@@ -15,14 +15,18 @@ the takers adopted the map gives the move up on every shard (the old map stays; 
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 from lightning_persia.remote_ps.client.admin import ShardAdmin
 from lightning_persia.remote_ps.client.errors import PSError
-from lightning_persia.remote_ps.protocol import persia_pb2
+from lightning_persia.remote_ps.protocol import SHARD_PROCESS_ENV, TOKEN_ENV, persia_pb2
 
 log = logging.getLogger("lightning_persia.ps.scaling")
 
@@ -147,3 +151,19 @@ def wait_drained(admin: ShardAdmin, shards: Sequence[int], quiet_s: float = 2.0,
 def _requests(admin: ShardAdmin, shard: int) -> int:
     server = admin.shard_stats(shard)["server"]
     return int(server.get("Lookup", 0)) + int(server.get("Update", 0))
+
+
+def rescale_apart(current: Sequence[str], addresses: Sequence[str], *, token: Optional[str] = None,
+                  tls_root_cert: Optional[str] = None) -> ScaleReport:
+    """:func:`rescale` (and, draining, :func:`wait_drained`) in a process of its own, ``lightning-persia ps scale``:
+    every page of rows passes through the coordinator's interpreter, which a trainer's work would otherwise wait for."""
+    command = [sys.executable, "-m", "lightning_persia.cli", "ps", "scale", "--addresses", ",".join(current),
+               "--to", ",".join(addresses), "--json"]
+    if tls_root_cert is not None:
+        command += ["--tls-root-cert", str(tls_root_cert)]
+    environment = {**os.environ, SHARD_PROCESS_ENV: "1", **({TOKEN_ENV: token} if token else {})}
+    result = subprocess.run(command, capture_output=True, text=True, env=environment)
+    if result.returncode != 0:
+        raise PSError(f"moving the slots from {list(current)} to {list(addresses)} failed (exit {result.returncode}):\n"
+                      + result.stderr[-3000:])
+    return ScaleReport(**json.loads(result.stdout.strip().splitlines()[-1]))

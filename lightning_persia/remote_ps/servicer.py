@@ -110,8 +110,9 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
                 self.dedup.remember(client, seqs)
         self.started_at = time.time()
         self.restored_from: Optional[str] = None
-        #: the addresses of the cluster's shards, in shard order, once a handover told them (GetShardMap's answer)
-        self.addresses: list[str] = []
+        # the addresses of each shard map's shards, in shard order, as the handovers told them (GetShardMap's answer):
+        # kept by version, so that an answer never pairs a map with another map's addresses
+        self._addresses: dict[int, list[str]] = {}
         self._handover_rows: Optional[Iterator] = None  # the rows of the handover under way still to give
 
     def add_to_server(self, server: grpc.Server) -> None:
@@ -257,7 +258,8 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
 
     @_rpc
     def GetShardMap(self, request: persia_pb2.GetShardMapRequest, context) -> persia_pb2.ShardMapMessage:
-        return handover_wire.map_message(self.store.shard_map, self.addresses)
+        shard_map = self.store.shard_map
+        return handover_wire.map_message(shard_map, self._addresses.get(shard_map.version, ()))
 
     @_rpc
     @_writes
@@ -278,8 +280,9 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
             shard_map, addresses = handover_wire.map_of(request.map) if request.HasField("map") else (None, [])
             if shard_map is not None and shard_map != self.store.handover_map:
                 raise invalid(f"FINISH names shard map version {shard_map.version}, the handover under way moves to another")
+            if shard_map is not None and addresses:
+                self._addresses[shard_map.version] = addresses
             self.store.finish_handover()
-            self.addresses = addresses or self.addresses
             self._handover_rows = None
         elif step == persia_pb2.HandoverStep.ABORT:
             self._handover_rows = None
@@ -297,8 +300,9 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         for client, seqs in (json.loads(request.page.applied_json) if request.page.applied_json else {}).items():
             self.dedup.remember(f"{client}@{request.page.source}", seqs)
         if request.adopt:
+            if request.to_map.addresses:
+                self._addresses[to_map.version] = list(request.to_map.addresses)
             self.store.adopt_map(to_map)
-            self.addresses = list(request.to_map.addresses) or self.addresses
         return persia_pb2.TakeOverResponse()
 
     def _past_handover(self, call: Callable[[], T]) -> T:

@@ -161,6 +161,9 @@ def test_every_rpc_without_or_with_a_wrong_token_is_refused_and_writes_nothing(s
         "SaveDelta": pb.SaveDeltaRequest(directory=str(tmp_path / "stolen_delta"), save_id="x"),
         "StageDelta": pb.StageDeltaRequest(directory=str(tmp_path / "planted"), version=1),
         "CommitDelta": pb.CommitDeltaRequest(version=1),
+        "GetShardMap": pb.GetShardMapRequest(),
+        "Handover": pb.HandoverStep(step=pb.HandoverStep.BEGIN),
+        "TakeOver": pb.TakeOverRequest(adopt=True),
     }
     assert sorted(requests) == sorted(m.name for m in SERVICE.methods)
     with grpc.insecure_channel(secured["token_address"]) as channel:

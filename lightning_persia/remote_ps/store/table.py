@@ -12,38 +12,36 @@ snapshot *since* an earlier point holds only the rows changed after it, and the 
 (``removal_log.py``): a delta for serving. What a journaled operation changed is collected for the shard's
 write-ahead log (``table_journal.py``).
 
-Over 500 lines on purpose: lookups, updates, admission, eviction and the disk tier's promotion and demotion all
-run under the table's one lock on the same records, and that discipline is read in one place.
+**Parts.** The table keeps the rows in memory and the lock; what it does beyond them is a part with one entry
+point, each called without asking which kind the table has: its disk part (``disk/part.py``: the rows its memory
+does not hold, or none), its admission (``admission.py``) and its time to live (``expiry.py``).
 """
 from __future__ import annotations
 
 import contextlib
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, ContextManager, Iterable, Iterator, Optional, Sequence
+from typing import Callable, ContextManager, Iterable, Optional, Sequence
 
 import torch
 
-from lightning_persia.ops.hashing import name_hash
-from lightning_persia.remote_ps.store import eviction, expiry
-from lightning_persia.remote_ps.store.admission import CountingFilter
+from lightning_persia.remote_ps.store import eviction
+from lightning_persia.remote_ps.store.admission import Admission
 from lightning_persia.remote_ps.store.chunked_rows import ChunkedRows, FieldSpec
-from lightning_persia.remote_ps.store.disk.demoter import SLICE_ROWS
-from lightning_persia.remote_ps.store.disk.read_ahead import ReadAhead
-from lightning_persia.remote_ps.store.disk.records import take_records
-from lightning_persia.remote_ps.store.disk.tier import DiskTier
-from lightning_persia.remote_ps.store.errors import InvalidRequestError, StoreError
+from lightning_persia.remote_ps.store.disk import part as disk_part
+from lightning_persia.remote_ps.store.disk.part import DiskPart, Gap, NoDisk
+from lightning_persia.remote_ps.store.disk.segment_mapping import MAPPED_BYTES
+from lightning_persia.remote_ps.store.errors import StoreError
+from lightning_persia.remote_ps.store.expiry import SLICE_ROWS as EXPIRY_SLICE_ROWS, TimeToLive
 from lightning_persia.remote_ps.store.free_rows import FreeRows
 from lightning_persia.remote_ps.store.index import NativeIdIndex, make_index
 from lightning_persia.remote_ps.store.initializers import initial_rows, table_key
 from lightning_persia.remote_ps.store.native import jobs as native
 from lightning_persia.remote_ps.store.optimizers import make_rule
-from lightning_persia.remote_ps.store.disk.promotions import PendingPromotion, PendingPromotions
 from lightning_persia.remote_ps.store.removal_log import RemovalLog
-from lightning_persia.remote_ps.store.disk.segment_mapping import MAPPED_BYTES
 from lightning_persia.remote_ps.store.table_journal import Journal, Recording
 from lightning_persia.remote_ps.store.table_snapshot import SAVED_FIELDS, Preimages, SnapshotPoint, TableSnapshot
-from lightning_persia.remote_ps.store.thread_clock import DiskWork, Held, LockWaits, WorstHeld
+from lightning_persia.remote_ps.store.thread_clock import Held, LockWaits, WorstHeld
 from lightning_persia.remote_ps.store.wal.changes import TableChange
 from lightning_persia.remote_ps.table_config import STORAGE_DTYPES, TableConfig, Uniform
 
@@ -59,8 +57,8 @@ class Table:
                  promote_later: bool = False) -> None:
         """``disk_dir``: the folder of the table's disk tier, for a table of ``storage="disk"`` (created; its own);
         ``disk_mapped_bytes``: of its records, how many bytes the shard keeps mapped at most (``segment_mapping.py``);
-        ``promote_later``: a training lookup leaves the rows it read from disk to :meth:`promote_pending` (the shard's
-        demoter calls it) instead of bringing them into memory itself (``promotions.py``)."""
+        ``promote_later``: a training lookup leaves the rows it read from disk to the shard's demoter
+        (:meth:`DiskPart.promote_pending`) instead of bringing them into memory itself (``promotions.py``)."""
         self.config = config
         self.seed = seed
         self.rule = make_rule(config.optimizer, config.dim)
@@ -78,7 +76,8 @@ class Table:
         # initial optimizer state.
         self._init_key = table_key(seed, config.name)
         self._initial_state = self.rule.initial_state(1).reshape(-1)
-        self._admission = torch.Generator().manual_seed((seed ^ name_hash(config.name)) & ((1 << 63) - 1))
+        self._admission = Admission(config, seed)
+        self._ttl = TimeToLive(config)
         self._eviction_sample = torch.Generator().manual_seed(seed)
         self._demotion_sample = torch.Generator().manual_seed(seed + 1)  # the demoter's, used without the lock
         self._evict_from = 0  # the row where the next eviction's sweep starts (eviction.select_victims)
@@ -92,141 +91,118 @@ class Table:
         self._removals = RemovalLog(config.name)
         self._worst_held = WorstHeld()
         self._lock_waits = LockWaits()
-        self._disk_work = DiskWork()
         self._counters = dict(lookups=0, lookup_rows=0, inserted=0, evicted=0, not_admitted=0, updates=0, update_rows=0,
-                              dropped_update_rows=0, demoted=0, promoted=0, expired=0)
-        self._clock = expiry.StepClock()
-        self._sightings = CountingFilter() if config.admit_after > 1 else None
-        self._disk: Optional[DiskTier] = None
+                              dropped_update_rows=0, expired=0)
+        self._disk: DiskPart | NoDisk = NoDisk(config)
         if config.storage == "disk":
             if disk_dir is None:
                 raise StoreError(f"table {config.name!r} has storage 'disk' but its shard has no disk folder (PSConfig.disk_dir, "
                                  "`ps serve disk_dir=...`)")
-            self._disk = DiskTier(disk_dir, self.field_specs, self.lock, disk_mapped_bytes)
-        self._pending = PendingPromotions() if self._disk is not None and promote_later else None
+            self._disk = DiskPart(self, disk_dir, self.field_specs, disk_mapped_bytes, promote_later)
 
     def locked(self) -> ContextManager[None]:
         """The table's lock held for a request, the wait to take it counted (``lock_wait_s`` in :meth:`stats`)."""
         return self._lock_waits.holding(self.lock)
 
     @property
+    def disk(self) -> DiskPart | NoDisk:
+        """The table's disk part: a :class:`DiskPart` for a table of ``storage="disk"`` (the demoter's steps), else
+        :class:`NoDisk`."""
+        return self._disk
+
+    @property
     def storage_dtype(self) -> torch.dtype:
         return self.field_specs["weights"].dtype
 
-    # ---- reads and writes ------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """The table's lookup step (an LRU access value)."""
+        return self._step
+
+    @property
+    def memory_rows(self) -> int:
+        """Rows in memory now (read without the lock: a moment's value)."""
+        return self._live
+
+    # ---- lookups -----------------------------------------------------------------------------------
 
     def lookup(self, ids: torch.Tensor, train: bool, dtype: torch.dtype = torch.float32, journal: Optional[Journal] = None) -> torch.Tensor:
         """Rows of ``ids`` as ``[n, dim]`` of ``dtype``; training lookups admit unseen ids.
 
         ``journal`` hears of the ids the lookup admitted or evicted, if any (see :data:`Journal`). A disk table reads
-        the records of the ids its memory lacks without the lock (:meth:`_read_ahead`), then takes it again to finish."""
-        if train:
-            self._check_budget(ids.numel())
-        out = torch.empty(ids.numel(), self.config.dim, dtype=self.storage_dtype)
-        with self.locked():
-            held = Held.now(ids.numel(), train)
-            touch = self._touch(train)
-            rows = self._index.find(ids, copy=(self._rows["weights"], out), touch=touch)
-            ahead = self._read_ahead(ids, rows)
-            short = self._room_to_make(rows) if train else 0
-            if ahead is None and not short:
-                self._finish(ids, rows, out, train, journal, held)
-                return out.to(dtype)
-            inserted = self._index.inserted
-            if train:
-                self._worst_held.record(held)
-        _between_locks([self], [ahead], [short])
-        with self.locked():
-            held = Held.now(ids.numel(), train)
-            _end_reads([self], [ahead])
-            self._rejoin(ids, rows, out, train, inserted, ahead)
-            self._finish(ids, rows, out, train, journal, held, ahead)
-        return out.to(dtype)
+        the records of the ids its memory lacks without the lock (:meth:`DiskPart.gap`), then takes it again to finish."""
+        return Table.lookup_together([(self, ids)], train, dtype, journal)[0]
 
     @staticmethod
     def lookup_together(requests: Sequence[tuple["Table", torch.Tensor]], train: bool, dtype: torch.dtype,
                         journal: Optional[Journal] = None) -> list[torch.Tensor]:
-        """:meth:`lookup` of several tables (distinct), every table's lock held, their probes in one native call."""
+        """:meth:`lookup` of several tables (distinct), every table's lock held, their probes in one native call
+        where every index is native."""
         tables = [table for table, _ in requests]
-        for table, ids in requests:
-            if train:
-                table._check_budget(ids.numel())
-        if not all(isinstance(t._index, NativeIdIndex) for t in tables) or len({id(t) for t in tables}) < len(tables):
-            return [table.lookup(ids, train, dtype, journal) for table, ids in requests]
+        if len(tables) > 1 and (len({id(t) for t in tables}) < len(tables)
+                                or not all(isinstance(t._index, NativeIdIndex) for t in tables)):
+            return [Table.lookup_together([request], train, dtype, journal)[0] for request in requests]
+        parts = [table._disk for table in tables]
+        for part, (_, ids) in zip(parts if train else (), requests):
+            part.check_request(ids.numel())
         outs = [torch.empty(ids.numel(), table.config.dim, dtype=table.storage_dtype) for table, ids in requests]
-        rows = [torch.empty_like(ids) for _, ids in requests]
         with _all_locked(tables):
             held = Held.now(sum(ids.numel() for _, ids in requests), train)
-            touches = [table._touch(train) for table in tables]
-            jobs = [table._index.find_job(ids, found, (table._rows["weights"], out), touch)
-                    for (table, ids), found, out, touch in zip(requests, rows, outs, touches)]
-            native.find_many(jobs)
-            aheads: list[Optional[ReadAhead]] = []
+            rows = Table._probe(requests, outs, train)
+            gaps: list[Optional[Gap]] = []
             try:
-                for (table, ids), found, job in zip(requests, rows, jobs):
-                    aheads.append(table._read_ahead(ids, found) if job.missing else None)
+                for part, (_, ids), found in zip(parts, requests, rows):
+                    gaps.append(part.gap(ids, found, train))
             except BaseException:
-                _end_reads(tables, aheads)
+                disk_part.end_reads(parts, gaps)
                 raise
-            shorts = [table._room_to_make(found) if train and job.missing else 0 for table, found, job in zip(tables, rows, jobs)]
-            if not any(aheads) and not any(shorts):
-                Table._finish_together(requests, rows, outs, train, journal, held, aheads)
+            if not any(gaps):
+                Table._finish_together(requests, rows, outs, train, journal, held, gaps)
                 return [out.to(dtype) for out in outs]
             inserted = [table._index.inserted for table in tables]
             for table in tables if train else ():
                 table._worst_held.record(held)
-        _between_locks(tables, aheads, shorts)
+        disk_part.between_locks(parts, gaps, lambda: _all_locked(tables))
         with _all_locked(tables):
             held = Held.now(sum(ids.numel() for _, ids in requests), train)
-            _end_reads(tables, aheads)  # every read ended before any table's rejoin may fail
-            for (table, ids), found, out, before, ahead in zip(requests, rows, outs, inserted, aheads):
-                table._rejoin(ids, found, out, train, before, ahead)
-            Table._finish_together(requests, rows, outs, train, journal, held, aheads)
+            disk_part.end_reads(parts, gaps)  # every read ended before any table's rejoin may fail
+            for (table, ids), found, out, before, gap in zip(requests, rows, outs, inserted, gaps):
+                table._rejoin(ids, found, out, train, before, gap)
+            Table._finish_together(requests, rows, outs, train, journal, held, gaps)
         return [out.to(dtype) for out in outs]
 
     @staticmethod
-    def _finish_together(requests, rows, outs, train, journal, held, aheads) -> None:
-        """:meth:`_finish` of each table of :meth:`lookup_together`; every lock held."""
+    def _probe(requests: Sequence[tuple["Table", torch.Tensor]], outs: list[torch.Tensor], train: bool) -> list[torch.Tensor]:
+        """Each table's rows of its ids (-1: absent from memory), their values copied into its ``outs``; several
+        tables' probes in one native call. Every lock held."""
+        touches = [table._touch(train) for table, _ in requests]
+        if len(requests) == 1:
+            (table, ids), out = requests[0], outs[0]
+            return [table._index.find(ids, copy=(table._rows["weights"], out), touch=touches[0])]
+        rows = [torch.empty_like(ids) for _, ids in requests]
+        native.find_many([table._index.find_job(ids, found, (table._rows["weights"], out), touch)
+                          for (table, ids), found, out, touch in zip(requests, rows, outs, touches)])
+        return rows
+
+    @staticmethod
+    def _finish_together(requests, rows, outs, train, journal, held, gaps) -> None:
+        """The rest of each table's lookup once its memory was probed: its misses from disk or admitted, the counters,
+        the journal; every lock held."""
         tables = [table for table, _ in requests]
         for table in tables:
             table._start_recording(journal if train else None)
-        for (table, ids), found, out, ahead in zip(requests, rows, outs, aheads):
-            table._finish_lookup(ids, found, out, train, held, int((found < 0).sum()), ahead)
+        for (table, ids), found, out, gap in zip(requests, rows, outs, gaps):
+            table._finish_lookup(ids, found, out, train, held, int((found < 0).sum()), gap)
         _journal(tables, journal, always=False)
 
-    def _finish(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, journal: Optional[Journal],
-                held: Held, ahead: Optional[ReadAhead] = None) -> None:
-        """The rest of a lookup once the memory was probed: its misses from disk or admitted, its journal; lock held."""
-        self._start_recording(journal if train else None)
-        self._finish_lookup(ids, rows, out, train, held, int((rows < 0).sum()), ahead)
-        _journal([self], journal, always=False)
-
-    def _read_ahead(self, ids: torch.Tensor, rows: torch.Tensor) -> Optional[ReadAhead]:
-        """Where a disk table's probe missed ids that are on disk, their slots, to read without the lock; else None.
-        The lock held."""
-        if self._disk is None or not self._disk.rows:
-            return None
-        positions = torch.nonzero(rows < 0).squeeze(1)
-        if not positions.numel():
-            return None
-        with self._disk_work.operation("lookup's id map probe"), self._disk_work.timed():
-            return self._disk.begin_read(positions, ids[positions])
-
     def _rejoin(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, inserted: int,
-                ahead: Optional[ReadAhead] = None) -> None:
-        """Back under the lock after it was let go (a read ahead, ended: :meth:`DiskTier.end_read`; room made): where
-        ids were inserted since the index counted ``inserted``, the ids the first probe missed are probed again
-        (another request, or the demoter's promotions, may have brought them in meanwhile), except those whose record
-        ``ahead`` read is still on disk (a row is in memory or on disk, never both)."""
-        if self._disk is not None and self._disk.closed:
-            raise StoreError(f"table {self.config.name!r} was dropped during the lookup")
-        if self._index.inserted == inserted:
+                gap: Optional[Gap]) -> None:
+        """Back under the lock after it was let go: where ids were inserted since the index counted ``inserted``,
+        the ids the first probe missed that may be in memory now (:meth:`DiskPart.rejoin`) are probed again
+        (another request, or the demoter's promotions, may have brought them in meanwhile)."""
+        absent = self._disk.rejoin(gap, rows if self._index.inserted != inserted else None)
+        if absent is None or not absent.numel():
             return
-        absent = torch.nonzero(rows < 0).squeeze(1)
-        if ahead is not None and ahead.records is not None:
-            absent = ahead.positions[~self._disk.still_holds(ahead.ids, ahead.slots, ahead.records)]
-            if not absent.numel():
-                return
         again = torch.empty(absent.numel(), self.config.dim, dtype=self.storage_dtype)
         found = self._index.find(ids[absent], copy=(self._rows["weights"], again), touch=self._touch(train, advance=False))
         hit = found >= 0
@@ -244,28 +220,30 @@ class Table:
         return (self._rows["access"], *eviction.touch_value(self.config.eviction, self._step))
 
     def _finish_lookup(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, held: Held,
-                       missing: int, ahead: Optional[ReadAhead] = None) -> None:
-        """The rows of the ``missing`` ids the probe did not find (admitted when training), and the counters; lock held."""
+                       missing: int, gap: Optional[Gap]) -> None:
+        """The rows of the ``missing`` ids the probe did not find (read from disk, or admitted when training), and the
+        counters; lock held."""
         self._counters["lookups"] += 1
         self._counters["lookup_rows"] += ids.numel()
         if not missing:
             return
-        with self._disk_work.operation("lookup"):
-            left = self._from_disk(ids, rows, out, train, ahead) if self._disk is not None and self._disk.rows else missing
+        with self._disk.operation("lookup"):
+            left = self._disk.fill(ids, rows, out, train, missing, gap)
             if train and left and self._admits_natively(left):
                 self._admit_natively(ids, rows, out, left)
             elif left:
                 absent = rows == -1  # -2: read from disk, left there (an evaluation lookup, or a promotion queued)
                 out[absent] = self._fill_missing(ids[absent], train)
-        if not train:
-            return
-        self._worst_held.record(held)
+        if train:
+            self._worst_held.record(held)
+
+    # ---- updates -----------------------------------------------------------------------------------
 
     def update(self, ids: torch.Tensor, grads: torch.Tensor, journal: Optional[Journal] = None) -> int:
         """Applies the optimizer to the rows of ``ids``; returns how many rows were present and updated.
 
         ``journal`` hears of the rows' new values (see :data:`Journal`)."""
-        self._check_budget(ids.numel())
+        self._disk.check_request(ids.numel())
         ids, grads = _summed_by_id(ids, grads)
         with self.locked():
             self._start_recording(journal)
@@ -286,11 +264,11 @@ class Table:
         if not native_ones and journal is None:  # one table's lock at a time
             return sum(table.update(ids, grads) for table, ids, grads in requests)
         for table, ids, _ in requests:
-            table._check_budget(ids.numel())
+            table._disk.check_request(ids.numel())
         applied = 0
         with _all_locked(tables):
             for table, ids, _ in requests:
-                table._promote_absent(ids)
+                table._disk.promote_absent(ids)
                 table._start_recording(journal)
             jobs = {}  # position -> (job, and the tensors whose memory it points at: alive until the call is done)
             for i in native_ones:
@@ -327,7 +305,7 @@ class Table:
 
     def _update_locked(self, ids: torch.Tensor, grads: torch.Tensor) -> int:
         """The rule on the rows of ``ids`` (unique) in tensor ops; the lock held."""
-        self._promote_absent(ids)
+        self._disk.promote_absent(ids)
         rows = self._index.find(ids)
         present = rows >= 0
         if not bool(present.all()):
@@ -372,7 +350,7 @@ class Table:
                 self._index.reserve(expected_rows)
             indexed: Optional[Future] = None
             for number, block in enumerate(blocks):
-                block = self._spill(block)
+                block = self._disk.spill(block, self.config.capacity - self._live)
                 n = block["ids"].numel()
                 if positions[number % 2].numel() < n:
                     positions[number % 2] = torch.empty(n, dtype=torch.int64)
@@ -393,8 +371,7 @@ class Table:
         """Writes rows of a delta (``{field: values}`` of :data:`SAVED_FIELDS`): replaces the ids present, adds the
         others. Call it holding :attr:`lock`."""
         ids = rows["ids"]
-        if self._disk is not None:  # the delta's row replaces the one on disk
-            self._disk.remove(ids)
+        self._disk.remove(ids)  # the delta's row replaces the one on disk
         found = self._index.find(ids)
         present = found >= 0
         fresh = torch.nonzero(~present).squeeze(1)
@@ -413,8 +390,7 @@ class Table:
 
     def remove_ids_locked(self, ids: torch.Tensor) -> None:
         """Drops the rows of ``ids`` (those present, in memory or on disk). Call it holding :attr:`lock`."""
-        if self._disk is not None:
-            self._disk.remove(ids)
+        self._disk.remove(ids)
         rows = self._index.find(ids)
         rows = rows[rows >= 0]
         if not rows.numel():
@@ -444,11 +420,10 @@ class Table:
             raise StoreError(f"table {self.config.name!r} is already being saved")
         removed = self._removals.since(since) if since else torch.empty(0, dtype=torch.int64)
         state = SnapshotPoint(point=self._version, since=since, size=self._size, live=self._live, step=self._step,
-                              removed=removed, disk=self._disk.freeze() if self._disk is not None and not since else None)
+                              removed=removed, disk=self._disk.freeze() if not since else None)
         self._preimages.begin(state)
         self._version += 1
-        return TableSnapshot(self.config, self.field_specs, state, self._preimages,
-                             self._disk.record_bytes if self._disk is not None else 0)
+        return TableSnapshot(self.config, self.field_specs, state, self._preimages, self._disk.record_bytes)
 
     # ---- the write-ahead log's view ----------------------------------------------------------------
 
@@ -508,18 +483,11 @@ class Table:
                 rows_allocated=self._size,
                 index_bytes=self._index.nbytes,
                 lock_wait_s=self._lock_waits.seconds,
-                bytes=self._size * self._rows.record_bytes + self._index.nbytes + (self._disk.map_bytes if self._disk else 0),
+                bytes=self._size * self._rows.record_bytes + self._index.nbytes + self._disk.map_bytes,
                 storage=self.config.storage,
-                disk_rows=self._disk.rows if self._disk else 0,
-                disk_bytes=self._disk.disk_bytes if self._disk else 0,
-                disk_map_bytes=self._disk.map_bytes if self._disk else 0,
-                disk_mapped_bytes=self._disk.mapped_bytes if self._disk else 0,
-                disk_mapped_budget_bytes=self._disk.mapped_budget if self._disk else 0,
-                pending_promotions=len(self._pending) if self._pending is not None else 0,
+                **self._disk.stats(),
                 saving_preimage_rows=snapshot.preimage_rows if snapshot is not None else 0,
                 **self._worst_held.stats(),
-                **{f"worst_disk_work_{name}": value for name, value in self._disk_work.worst._asdict().items()},
-                worst_disk_works=self._disk_work.worst_operations,
             )
 
     # ---- time to live ------------------------------------------------------------------------------
@@ -531,13 +499,11 @@ class Table:
         ``journal`` hears of the ids each slice deleted: a replay that missed them would bring the rows back with
         their old values.
         """
-        config = self.config
-        if config.ttl_steps is None and config.ttl_seconds is None:
+        if not self._ttl.enabled:
             return 0
         with self.lock:
-            self._clock.record(now, self._step)
-            limit = expiry.expiry_step(self._step, now, self._clock, config.ttl_steps, config.ttl_seconds)
-            size, step = self._size, min(expiry.SLICE_ROWS, self._rows.chunk_rows)
+            limit = self._ttl.limit(now, self._step)
+            size, step = self._size, min(EXPIRY_SLICE_ROWS, self._rows.chunk_rows)
         if limit is None:
             return 0
         expired = 0
@@ -551,8 +517,7 @@ class Table:
                     self._drop(rows)
                     _journal([self], journal, always=False)
                     expired += rows.numel()
-        if self._disk is not None:
-            expired += self._disk.expire(limit, self.lock, dropped=lambda ids: self._journal_removed(ids, journal))
+        expired += self._disk.expire(limit, dropped=lambda ids: self._journal_removed(ids, journal))
         with self.lock:
             self._counters["expired"] += expired
         return expired
@@ -577,200 +542,22 @@ class Table:
         self._free.push(rows)
         self._live -= rows.numel()
 
-    # ---- the disk tier -----------------------------------------------------------------------------
+    # ---- what the disk part asks of the memory (DiskPart's Memory) -----------------------------------
 
-    def _spill(self, block: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The rows of a loaded block that fit in a disk table's memory budget; the others are written to disk."""
-        room = self.config.capacity - self._live
-        if self._disk is None or block["ids"].numel() <= room:
-            return block
-        room = max(room, 0)
-        self._disk.write({name: values[room:] for name, values in block.items() if name in self._disk.specs})
-        return {name: values[:room] for name, values in block.items()}
+    def find_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The row of each of ``ids`` in memory, -1 where absent. The lock held."""
+        return self._index.find(ids)
 
-    @property
-    def memory_rows(self) -> int:
-        """Rows in memory now (read without the lock: a moment's value)."""
-        return self._live
-
-    def cold_estimate(self, count: int) -> Optional[tuple[int, float]]:
-        """The access value at or below which the ``count`` coldest rows lie, from a sample read without the lock
-        (:func:`eviction.estimate`): what :meth:`demote` selects by. One estimate serves several demotions: the
-        coldest :data:`eviction.BULK_FRACTION` of the rows lie below it, and an access value only grows."""
-        with self.lock:
-            access = self._access_in_use()
-        return eviction.estimate(access, count, self._demotion_sample)
-
-    def demote(self, count: int, estimated: Optional[tuple[int, float]] = None) -> int:
-        """Moves ``count`` of the coldest rows of a disk table's memory tier to disk (the shard's demoter calls it
-        between requests); returns how many moved (0: not a disk table, or closed). Selects them by ``estimated``
-        (:meth:`cold_estimate`; made now if None), holding the lock to choose and move the rows."""
-        if self._disk is None or count <= 0:
-            return 0
-        if estimated is None:
-            estimated = self.cold_estimate(count)
-        return self._demote(count, estimated, "demotion")
-
-    def _demote(self, count: int, estimated: Optional[tuple[int, float]], of: str) -> int:
-        """:meth:`demote`, its disk work counted as an operation ``of`` that kind (:class:`DiskWork`)."""
-        with self.lock, self._disk_work.operation(of):
-            if self._disk.closed:
-                return 0
-            before = self._counters["demoted"]
-            self._evict(min(count, self._live), estimated)
-            return self._counters["demoted"] - before
-
-    def _room_to_make(self, rows: torch.Tensor) -> int:
-        """The rows a training lookup that found ``rows`` demotes between its two holds of the lock
-        (:meth:`_make_room`): of those it may bring into memory (one per id it missed), the ones beyond a disk table's
-        free rows now, where they are more than a slice; else 0 (up to a slice is demoted with the lock held; a table
-        in memory evicts, it does not demote). The lock held."""
-        free = self.config.capacity - self._live
-        if self._disk is None or free + SLICE_ROWS >= rows.numel():  # the usual case, the demoter's headroom free: no count
-            return 0
-        short = int((rows < 0).sum()) - free
-        return short if short > SLICE_ROWS else 0
-
-    def _make_room(self, shortfall: int) -> None:
-        """Demotes ``shortfall`` rows for a request (none if 0), :data:`SLICE_ROWS` at a time, the lock taken for each
-        slice and let go between: the demoter fell behind the rows requests bring in, and one request demoting them
-        all with the lock held kept every other request of the table waiting for all of it (a lookup that inserted
-        131,072 ids held a billion-row table's lock for 0.378 s of demoting so)."""
-        if shortfall <= 0:
-            return
-        estimated = self.cold_estimate(shortfall)
-        while shortfall > 0:
-            moved = self._demote(min(shortfall, SLICE_ROWS), estimated, "a lookup's demotion, a slice")
-            if not moved:
-                return
-            shortfall -= moved
-
-    def compact_disk(self) -> int:
-        """A step of compacting the disk tier's sparsest segment (see :meth:`DiskTier.compact_step`); returns the rows
-        moved. The shard's demoter calls it between requests; its holds of the lock count as disk work."""
-        return 0 if self._disk is None else self._disk.compact_step(self._compaction_work)
-
-    @contextlib.contextmanager
-    def _compaction_work(self) -> Iterator[None]:
-        with self._disk_work.operation("compaction"), self._disk_work.timed():
-            yield
-
-    def map_disk_pages(self) -> int:
-        """A step of mapping the disk tier's most read segments (see :meth:`DiskTier.map_step`); returns the bytes
-        mapped. The shard's demoter calls it between requests; the lock is held only to choose and publish the pages."""
-        return 0 if self._disk is None else self._disk.map_step()
-
-    @property
-    def mapped_bytes(self) -> int:
-        """Bytes of the disk tier's records in the shard's page tables (0 without a disk tier)."""
-        return 0 if self._disk is None else self._disk.mapped_bytes
-
-    def set_mapped_budget(self, nbytes: int) -> None:
-        """How many bytes of the disk tier's records the next steps of :meth:`map_disk_pages` may keep mapped
-        (``mapped_budget.py``); a table without a disk tier has none to map."""
-        if self._disk is not None:
-            self._disk.set_mapped_budget(nbytes)
-
-    def attach_disk(self, segments: Iterable, adopt_map: Optional[Callable] = None) -> None:
-        """Takes the disk segments of a checkpoint saved by this shard, and its id map (see :meth:`DiskTier.attach`)."""
-        if self._disk is None:
-            raise StoreError(f"table {self.config.name!r} has no disk tier")
-        with self.lock:
-            self._disk.attach(segments, adopt_map)
-
-    def _check_budget(self, n: int) -> None:
-        """A disk table's training request must fit in its memory budget: every row it touches comes into memory."""
-        if self._disk is not None and n > self.config.capacity:
-            raise InvalidRequestError(f"table {self.config.name!r}: a request of {n} ids is larger than the table's memory "
-                                      f"budget of {self.config.capacity} rows a shard (its capacity); split the request or raise it")
-
-    def _from_disk(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, ahead: Optional[ReadAhead] = None) -> int:
-        """Fills the rows of ``out`` that the memory did not hold from disk (the records of ``ahead`` where still
-        valid); a training lookup brings them into memory (their ``rows`` set), or queues them for the demoter to
-        (``promotions.py``). Rows read from disk and left there are -2. Returns the ids still missing (-1). The lock held."""
-        with self._disk_work.timed():
-            if ahead is None:
-                positions = torch.nonzero(rows < 0).squeeze(1)
-                wanted = ids[positions]
-                slots, records = self._disk.find(wanted)
-            else:
-                positions, wanted = ahead.positions, ahead.ids
-                slots, records = self._disk.find(wanted, ahead)
-            hit = slots >= 0
-            if ahead is not None:
-                hit &= rows[positions] < 0  # the second probe found the others in memory
-            at = torch.nonzero(hit).squeeze(1)
-            if at.numel():
-                read = take_records(records, at)
-                values = self._disk.unpack(read)
-                where = positions[at]
-                out[where] = values["weights"]
-                if not train:
-                    rows[where] = -2
-                else:
-                    self._bring_in(wanted[at], slots[at], read, values, where, rows, repeats=ahead is None or ahead.repeats)
-            return int((rows[positions] == -1).sum())
-
-    def _bring_in(self, ids: torch.Tensor, slots: torch.Tensor, records: torch.Tensor, values: dict[str, torch.Tensor],
-                  where: torch.Tensor, rows: torch.Tensor, repeats: bool) -> None:
-        """Promotes the rows a training lookup read from disk (at ``where`` of its ``rows``), or queues them for the
-        demoter while its queue has room. An id the request ``repeats`` is promoted once. The lock held."""
-        first = inverse = None
-        if repeats:
-            ids, inverse = torch.unique(ids, return_inverse=True)
-            first = torch.empty(ids.numel(), dtype=torch.int64).scatter_(0, inverse, torch.arange(inverse.numel()))
-            slots, records = slots[first], take_records(records, first)
-        if self._pending is not None and self._pending.has_room(ids.numel()):
-            self._pending.add(PendingPromotion(ids, slots, records, self._step, self._disk.generation))
-            rows[where] = -2
-            return
-        if first is not None:
-            values = {name: v[first] for name, v in values.items()}
-        promoted = self._promote(ids, slots, values)
-        rows[where] = promoted if inverse is None else promoted[inverse]
-
-    def promote_pending(self, limit: int) -> int:
-        """Promotes the oldest batch of rows that training lookups read from disk and left to the demoter (at most
-        ``limit`` rows of it; see ``promotions.py``), those still on disk at the slot they were read from; returns
-        how many were taken from the queue. The demoter calls it between requests, the lock held for one call."""
-        if self._pending is None:
-            return 0
-        with self.lock, self._disk_work.operation("promotion"), self._disk_work.timed():
-            batch = self._pending.take(limit)
-            if batch is None:
-                return 0
-            if self._disk.closed or batch.generation != self._disk.generation:  # dropped: the rows stay where they are
-                return batch.ids.numel()
-            still = self._disk.still_holds(batch.ids, batch.slots, batch.records)  # so not in memory either (promotions.py)
-            at = torch.nonzero(still).squeeze(1)
-            if at.numel():
-                self._promote(batch.ids[at], batch.slots[at], self._disk.unpack(take_records(batch.records, at)), batch.step)
-            return batch.ids.numel()
-
-    def _promote_absent(self, ids: torch.Tensor) -> None:
-        """Brings the rows of ``ids`` (unique) that are on disk into memory (an update applies to them). The lock held."""
-        if self._disk is None or not self._disk.rows:
-            return
-        found = self._index.find(ids)
-        absent = torch.unique(ids[found < 0])
-        if not absent.numel():
-            return
-        with self._disk_work.operation("update"), self._disk_work.timed():
-            slots, records = self._disk.find(absent)
-            hit = slots >= 0
-            if bool(hit.any()):
-                self._promote(absent[hit], slots[hit], self._disk.unpack(take_records(records, hit)), keep=found[found >= 0])
-
-    def _promote(self, ids: torch.Tensor, slots: torch.Tensor, values: dict[str, torch.Tensor], step: Optional[int] = None,
-                 keep: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Moves rows read from disk (``ids`` unique, at ``slots``) into memory; returns their rows. ``step``: the
-        lookup step that read them (LRU; the table's step now by default); ``keep``: rows the operation under way
-        goes on to write, which the room made for these must not demote. The lock held."""
+    def place(self, ids: torch.Tensor, values: dict[str, torch.Tensor], step: Optional[int] = None,
+              keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Writes rows read from disk (``ids`` unique and absent from memory, their ``values`` by field) into memory;
+        returns their rows. ``step``: the lookup step that read them (LRU; the table's step now by default);
+        ``keep``: rows the operation under way goes on to write, which the room made for these must not demote. The
+        lock held."""
         n = ids.numel()
         rows = self._take_rows(n, keep)  # may demote colder rows: written to disk before anything else changes
         self._preserve(rows)
-        policy = self.config.eviction
-        access = (torch.full((n,), self._step if step is None else step, dtype=torch.int32) if policy == "lru"
+        access = (torch.full((n,), self._step if step is None else step, dtype=torch.int32) if self.config.eviction == "lru"
                   else values["access"] + 1)
         written = {"ids": ids, "weights": values["weights"], "access": access,
                    "version": torch.full((n,), self._version, dtype=torch.int32)}
@@ -779,17 +566,24 @@ class Table:
         self._rows.scatter_fields(rows, written)
         self._index.insert(ids, rows)
         self._live += n
-        self._disk.forget(ids, slots)
-        self._counters["promoted"] += n
         return rows
 
+    def cold_estimate(self, count: int) -> Optional[tuple[int, float]]:
+        """The access value at or below which the ``count`` coldest rows lie, from a sample read without the lock
+        (:func:`eviction.estimate`): what a demotion selects by. One estimate serves several demotions: the
+        coldest :data:`eviction.BULK_FRACTION` of the rows lie below it, and an access value only grows."""
+        with self.lock:
+            access = self._access_in_use()
+        return eviction.estimate(access, count, self._demotion_sample)
+
+    def demote_coldest(self, count: int, estimated: Optional[tuple[int, float]]) -> None:
+        """Evicts ``count`` of the coldest rows (those in memory at most), selected by ``estimated``: the disk part
+        keeps them (:meth:`DiskPart.demote`). The lock held."""
+        self._evict(min(count, self._live), estimated)
+
     def close(self) -> None:
-        """Deletes the table's disk tier (a table replaced or dropped; a checkpoint keeps the files it linked)."""
-        if self._disk is not None:
-            with self.lock:
-                if self._pending is not None:
-                    self._pending.clear()
-                self._disk.destroy()
+        """Deletes the table's disk tier, if any (a table replaced or dropped; a checkpoint keeps the files it linked)."""
+        self._disk.close()
 
     # ---- internals ---------------------------------------------------------------------------------
 
@@ -798,7 +592,7 @@ class Table:
         admitted (no admission draw, room for all), no save keeps pre-images, and their first rows are Uniform
         (the initialiser the pass draws; a Normal or Constant one takes the tensor path)."""
         return (isinstance(self._index, NativeIdIndex) and isinstance(self.config.init, Uniform) and self._preimages.active is None
-                and self.config.admit_probability >= 1.0 and self._sightings is None and missing <= self.config.capacity)
+                and self._admission.admits_all and missing <= self.config.capacity)
 
     def _admit_natively(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, missing: int) -> None:
         """Admits the absent ids of a training lookup and fills their rows of ``out`` (``jobs.c``'s ``lp_admit``).
@@ -842,13 +636,8 @@ class Table:
         return initial[inverse]
 
     def _admit(self, ids: torch.Tensor, initial: torch.Tensor) -> None:
-        p = self.config.admit_probability
-        if p < 1.0:
-            keep = torch.rand(ids.numel(), generator=self._admission) < p
-            self._counters["not_admitted"] += int((~keep).sum())
-            ids, initial = ids[keep], initial[keep]
-        if self._sightings is not None:
-            keep = self._sightings.add(ids) >= self.config.admit_after
+        keep = self._admission.admitted(ids)
+        if not bool(keep.all()):
             self._counters["not_admitted"] += int((~keep).sum())
             ids, initial = ids[keep], initial[keep]
         if ids.numel() > self.config.capacity:
@@ -884,7 +673,7 @@ class Table:
         catches up."""
         room = self.config.capacity - self._live
         if n > room:  # a disk table's demoter keeps room ahead (demoter.py): demote what this request needs, no more
-            self._evict(n - room if self._disk is not None else eviction.bulk_size(n - room, self.config.capacity), keep=keep)
+            self._evict(self._disk.evict_count(n - room), keep=keep)
 
         reused = self._free.take(n)
         appended = n - reused.numel()
@@ -911,18 +700,15 @@ class Table:
             if keep is not None and keep.numel():
                 victims = victims[~torch.isin(victims, keep)]
         gone = self._rows["ids"].gather(victims)
-        if self._disk is not None and victims.numel():  # demoted: written to disk first (a failure changes nothing)
-            with self._disk_work.timed(demoting=True):
-                kept = {name: torch.empty(spec.shape(victims.numel()), dtype=spec.dtype)
-                        for name, spec in self._disk.specs.items() if name != "ids"}
-                self._disk.write({"ids": gone, **self._rows.gather_fields(victims, kept)})
-            self._counters["demoted"] += victims.numel()
+        # a disk table demotes: the rows are written to disk first (a failure changes nothing), and stay there, so
+        # they are no removal (neither the journal's nor a serving delta's)
+        demoted = self._disk.keep_evicted(gone, lambda fields: self._rows.gather_fields(victims, fields))
         self._preserve(victims)
-        if self._recording is not None and self._disk is None:  # a demoted row stays (on disk): not a removal
-            self._recording.removed.append(gone)
-        self._index.remove(gone)
-        if self._disk is None:  # a demoted row is not removed: a serving delta keeps it
+        if not demoted:
+            if self._recording is not None:
+                self._recording.removed.append(gone)
             self._removals.add(self._version, gone)
+        self._index.remove(gone)
         access.fill(victims, eviction.FREE)
         self._rows["version"].fill(victims, self._version)
         self._free.push(victims)
@@ -944,29 +730,6 @@ def _all_locked(tables: Sequence[Table]) -> contextlib.ExitStack:
     for table in sorted(tables, key=lambda t: t.config.name):
         held.enter_context(table.locked())
     return held
-
-
-def _between_locks(tables: Sequence[Table], aheads: Sequence[Optional[ReadAhead]], shortfalls: Sequence[int]) -> None:
-    """Reads the records of ``aheads`` (one or None per table) with no table's lock held, then makes the room of
-    ``shortfalls`` in each table (:meth:`Table._room_to_make`, :meth:`Table._make_room`); on an error, ends every
-    read (taking the locks) before it goes on up."""
-    try:
-        for ahead in aheads:
-            if ahead is not None:
-                ahead.read()
-        for table, shortfall in zip(tables, shortfalls):
-            table._make_room(shortfall)
-    except BaseException:
-        with _all_locked(tables):
-            _end_reads(tables, aheads)
-        raise
-
-
-def _end_reads(tables: Sequence[Table], aheads: Sequence[Optional[ReadAhead]]) -> None:
-    """Ends the reads ahead begun for ``tables`` (their locks held)."""
-    for table, ahead in zip(tables, aheads):
-        if ahead is not None:
-            table._disk.end_read()
 
 
 def _journal(tables: Sequence[Table], journal: Optional[Journal], always: bool) -> None:

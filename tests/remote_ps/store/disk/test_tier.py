@@ -499,7 +499,7 @@ def test_a_compaction_steps_holds_of_the_lock_count_as_the_tables_disk_work(tmp_
         table.lookup(torch.arange(start, start + 500), train=True)
     clock = iter(range(10**6))
     monkeypatch.setattr(thread_clock.time, "thread_time", lambda: 100.0 * next(clock))  # each reading 100 s on
-    assert table.compact_disk() > 0
+    assert table.disk.compact() > 0
     assert table.stats()["worst_disk_work_of"] == "compaction" and table.stats()["worst_disk_work_cpu_s"] >= 100
 
 

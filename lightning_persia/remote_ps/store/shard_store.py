@@ -129,10 +129,7 @@ class ShardStore:
             return []
         tickets: list[int] = []
         journal = self._journal("", 0, tickets) if train else None
-        if len(requests) == 1:
-            found = [tables[0].lookup(requests[0][1], train, dtype, journal)]
-        else:
-            found = Table.lookup_together([(table, ids) for table, (_, ids) in zip(tables, requests)], train, dtype, journal)
+        found = Table.lookup_together([(table, ids) for table, (_, ids) in zip(tables, requests)], train, dtype, journal)
         if self.log is not None:  # the rows read may hold an update whose record is still queued: none is served unlogged
             self.log.wait_all()
         return found

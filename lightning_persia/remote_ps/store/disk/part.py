@@ -432,6 +432,19 @@ class DiskPart:
 Part = NoDisk | DiskPart
 
 
+def gaps(parts: Sequence[Part], ids: Sequence[torch.Tensor], rows: Sequence[torch.Tensor], train: bool) -> list[Optional[Gap]]:
+    """Each table's :meth:`DiskPart.gap` (its part, the ids it was asked, the rows its memory probe found); where one
+    fails, the reads the others began end before the error goes on up. Every table's lock held."""
+    begun: list[Optional[Gap]] = []
+    try:
+        for part, wanted, found in zip(parts, ids, rows):
+            begun.append(part.gap(wanted, found, train))
+    except BaseException:
+        end_reads(parts, begun)
+        raise
+    return begun
+
+
 def between_locks(parts: Sequence[Part], gaps: Sequence[Optional[Gap]], relock: Callable[[], ContextManager]) -> None:
     """Reads the records of ``gaps`` (one or None per table) with no table's lock held, then makes the room of each
     in its part; on an error, ends every read (holding ``relock()``: every table's lock) before it goes on up."""

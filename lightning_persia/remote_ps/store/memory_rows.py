@@ -42,7 +42,7 @@ class MemoryRows:
     """The rows of one table in memory, and ``lock``, which guards them: :class:`~.table.Table` is one, and serves
     the requests over them; its disk part asks them through :class:`~.disk.part.Memory`.
 
-    Every method is called holding ``lock`` but those that say they take it.
+    The private methods, and those that say so, are called holding ``lock``.
     """
 
     def __init__(self, config: TableConfig, seed: int) -> None:
@@ -87,6 +87,8 @@ class MemoryRows:
     def memory_rows(self) -> int:
         """Rows in memory now (read without the lock: a moment's value)."""
         return self._live
+
+    # ---- rows written from outside a request: a checkpoint, a delta, the log ---------------------
 
     def append(self, rows: dict[str, torch.Tensor], expected_rows: int = 0) -> None:
         """Adds rows read from a checkpoint (``{field: values}`` of :data:`SAVED_FIELDS`; ids absent from the table).
@@ -291,6 +293,8 @@ class MemoryRows:
         """Starts logging evicted ids (from now on), so that snapshots since a later point can name them."""
         with self.lock:
             self._removals.start(self._version - 1)
+
+    # ---- internals ---------------------------------------------------------------------------------
 
     def _take_rows(self, n: int, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``n`` free rows, cold ones evicted (a disk table: demoted) where the table is full, none of ``keep``: the

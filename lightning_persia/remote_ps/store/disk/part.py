@@ -7,7 +7,8 @@ demoter (``promotions.py``), an update's absent rows promoted first, evicted row
 made, and the demoter's steps (promotions, demotion, compaction, mapping). A memory table has :class:`NoDisk`,
 which answers each of these with "nothing on disk", so the table calls its part without asking which it has.
 
-The part asks its table's memory through :class:`Memory`, the table's own public methods, never its privates.
+The part asks its table's rows in memory through :class:`Memory` (``memory_rows.MemoryRows`` is one), never through
+the table's privates.
 """
 from __future__ import annotations
 
@@ -125,7 +126,7 @@ class NoDisk:
 class DiskPart:
     """The disk tier of one table, under ``directory`` (its own), and the requests' work on it.
 
-    ``memory``: the table, whose ``lock`` this part holds for its work; ``mapped_bytes``: of its records, how many
+    ``memory``: the table's rows in memory, whose ``lock`` (the table's) this part holds for its work; ``mapped_bytes``: of its records, how many
     bytes the shard keeps mapped at most (``segment_mapping.py``); ``promote_later``: a training lookup leaves the
     rows it read from disk to :meth:`promote_pending` (the shard's demoter calls it) instead of bringing them into
     memory itself (``promotions.py``).

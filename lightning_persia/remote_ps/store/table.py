@@ -103,10 +103,8 @@ class Table(MemoryRows):
             inserted = [table._index.inserted for table in tables]
             for table in tables if train else ():
                 table._worst_held.record(held)
-        disk_part.between_locks(parts, gaps, lambda: _all_locked(tables))
-        with _all_locked(tables):
+        with disk_part.let_go(parts, gaps, lambda: _all_locked(tables)):  # reads and makes room, the locks let go
             held = Held.now(asked, train)
-            disk_part.end_reads(parts, gaps)  # every read ended before any table's rejoin may fail
             for (table, ids), found, out, before, gap in zip(requests, rows, outs, inserted, gaps):
                 table._rejoin(ids, found, out, train, before, gap)  # every table's, before any changes a row
             for (table, ids), found, out, gap in zip(requests, rows, outs, gaps):

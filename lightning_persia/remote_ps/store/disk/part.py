@@ -201,7 +201,7 @@ class DiskPart:
             self._tier.end_read()
 
     def rejoin(self, gap: Optional[Gap], rows: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """Back under the lock after a lookup let it go (its read ended: :func:`end_reads`): the positions of its
+        """Back under the lock after a lookup let it go (its read ended: :func:`let_go`): the positions of its
         ``rows`` to probe the memory again for (``rows`` None: no id was inserted meanwhile, none). Of the positions
         whose records ``gap`` read, those no longer on disk at the slot read (another request, or the demoter's
         promotions, brought the row in meanwhile), as a row is in memory or on disk, never both; else every miss.
@@ -441,12 +441,23 @@ def gaps(parts: Sequence[Part], ids: Sequence[torch.Tensor], rows: Sequence[torc
         for part, wanted, found in zip(parts, ids, rows):
             begun.append(part.gap(wanted, found, train))
     except BaseException:
-        end_reads(parts, begun)
+        _end_reads(parts, begun)
         raise
     return begun
 
 
-def between_locks(parts: Sequence[Part], gaps: Sequence[Optional[Gap]], relock: Callable[[], ContextManager]) -> None:
+@contextlib.contextmanager
+def let_go(parts: Sequence[Part], gaps: Sequence[Optional[Gap]], relock: Callable[[], ContextManager]) -> Iterator[None]:
+    """A lookup's time between its two holds of its tables' locks, their lock let go: reads the records of ``gaps``
+    (one or None per table) and makes the room of each in its part; then takes every lock again (``relock()``), ends
+    the reads (every one, before any table's rejoin may fail) and holds the locks for the block."""
+    _between_locks(parts, gaps, relock)
+    with relock():
+        _end_reads(parts, gaps)
+        yield
+
+
+def _between_locks(parts: Sequence[Part], gaps: Sequence[Optional[Gap]], relock: Callable[[], ContextManager]) -> None:
     """Reads the records of ``gaps`` (one or None per table) with no table's lock held, then makes the room of each
     in its part; on an error, ends every read (holding ``relock()``: every table's lock) before it goes on up."""
     try:
@@ -458,12 +469,12 @@ def between_locks(parts: Sequence[Part], gaps: Sequence[Optional[Gap]], relock: 
                 part.make_room(gap.shortfall)
     except BaseException:
         with relock():
-            end_reads(parts, gaps)
+            _end_reads(parts, gaps)
         raise
 
 
-def end_reads(parts: Sequence[Part], gaps: Sequence[Optional[Gap]]) -> None:
-    """Ends the reads ahead of ``gaps`` (their tables' locks held): every one, before any table's rejoin may fail."""
+def _end_reads(parts: Sequence[Part], gaps: Sequence[Optional[Gap]]) -> None:
+    """Ends the reads ahead of ``gaps`` (their tables' locks held)."""
     for part, gap in zip(parts, gaps):
         if gap is not None:
             part.end_read(gap)

@@ -1,4 +1,7 @@
-"""Admission after ``k`` sightings: how often an unseen id was met, counted without a row per id.
+"""Which unseen ids a training lookup admits: a draw of ``admit_probability``, then ``admit_after`` sightings.
+
+:class:`Admission` is a table's part for it, with one entry point (:meth:`Admission.admitted`). The sightings are
+counted without a row per id:
 
 A counting filter (a count-min sketch with conservative update): one byte counters, each id hashed to
 :data:`_HASHES` of them; an id's count is the least of its counters, so it is never under-counted and over-counted
@@ -10,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from lightning_persia.ops.hashing import mix64
+from lightning_persia.ops.hashing import mix64, name_hash
+from lightning_persia.remote_ps.table_config import TableConfig
 
 _HASHES = 2
 _SALTS = (0x3C6EF372FE94F82B, 0x1BD11BDAA9FC1A22)  # below 2**63: the salts are int64s
@@ -53,3 +57,29 @@ class CountingFilter:
     @property
     def nbytes(self) -> int:
         return self.width
+
+
+class Admission:
+    """A table's admission of unseen ids (``config.admit_probability``, ``config.admit_after``), its draws seeded by
+    ``seed`` and the table's name (so every shard and every replay draws alike)."""
+
+    def __init__(self, config: TableConfig, seed: int) -> None:
+        self._probability = config.admit_probability
+        self._after = config.admit_after
+        self._draws = torch.Generator().manual_seed((seed ^ name_hash(config.name)) & ((1 << 63) - 1))
+        self._sightings = CountingFilter() if config.admit_after > 1 else None
+
+    @property
+    def admits_all(self) -> bool:
+        """Whether every unseen id is admitted (no draw, no sighting counted): a lookup may admit in one native pass."""
+        return self._probability >= 1.0 and self._sightings is None
+
+    def admitted(self, ids: torch.Tensor) -> torch.Tensor:
+        """Which of ``ids`` (distinct, unseen) are admitted now (a bool mask); counts a sighting of those drawn."""
+        keep = torch.ones(ids.numel(), dtype=torch.bool)
+        if self._probability < 1.0:
+            keep = torch.rand(ids.numel(), generator=self._draws) < self._probability
+        if self._sightings is not None:
+            drawn = torch.nonzero(keep).squeeze(1)
+            keep[drawn] = self._sightings.add(ids[drawn]) >= self._after
+        return keep

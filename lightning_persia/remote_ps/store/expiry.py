@@ -6,7 +6,8 @@ slice only (so a request waits for a slice, never for the whole table), and dele
 bulk; a disk table's rows on disk are swept a segment at a time in the same way. :class:`Expirer` runs the sweeps of
 a shard's tables on a thread of its own, every ``interval_s``: off the request path.
 
-Seconds become steps through the steps the sweeps saw: the step of a table at a time is the last one a sweep
+:class:`TimeToLive` is a table's part for it, with one entry point (:meth:`TimeToLive.limit`). Seconds become
+steps through the steps the sweeps saw: the step of a table at a time is the last one a sweep
 recorded at or before it, so a TTL in seconds is as precise as the sweeps are frequent.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from typing import Any, Callable, ContextManager, Iterable, Optional
 
 from lightning_persia.remote_ps.store.background import TablePass
+from lightning_persia.remote_ps.table_config import TableConfig
 
 SLICE_ROWS = 1 << 18
 """Access values read with the table's lock held, at most, by one step of a sweep."""
@@ -54,6 +56,24 @@ def expiry_step(step: int, now: float, clock: StepClock, ttl_steps: Optional[int
         if then is not None:
             limits.append(then)
     return max(limits) if limits else None
+
+
+class TimeToLive:
+    """A table's time to live (``config.ttl_steps``, ``config.ttl_seconds``), and the steps its sweeps saw."""
+
+    def __init__(self, config: TableConfig) -> None:
+        self._steps, self._seconds = config.ttl_steps, config.ttl_seconds
+        self._clock = StepClock()
+
+    @property
+    def enabled(self) -> bool:
+        return self._steps is not None or self._seconds is not None
+
+    def limit(self, now: float, step: int) -> Optional[int]:
+        """A sweep at time ``now`` of a table at lookup ``step``: rows whose last access is at or below the returned
+        step have expired (None: none has). The table's lock held."""
+        self._clock.record(now, step)
+        return expiry_step(step, now, self._clock, self._steps, self._seconds)
 
 
 class Expirer(TablePass):

@@ -16,6 +16,7 @@ from lightning_persia.remote_ps.store.expiry import Expirer
 
 from lightning_persia.remote_ps.store.errors import CheckpointError, InvalidRequestError, StoreError, UnknownTableError
 from lightning_persia.remote_ps.store.disk.mapped_budget import MappedBudget
+from lightning_persia.remote_ps.store.disk.part import DiskPart
 from lightning_persia.remote_ps.store.disk.records import record_specs
 from lightning_persia.remote_ps.store.progress import Progress
 from lightning_persia.remote_ps.store.handover import SlotHandover
@@ -95,7 +96,7 @@ class ShardStore(SlotHandover):
         self._expirer = Expirer(self._tables_with_ttl, expiry_interval_s, journal=lambda: self._journal("", 0, []),
                                 guard=self._gate.request)
         budget = MappedBudget(memory_limit_bytes) if memory_limit_bytes is not None else None
-        self._demoter = Demoter(self._disk_tables, demotion_interval_s, budget) if demotion_interval_s is not None else None
+        self._demoter = Demoter(self._disk_parts, demotion_interval_s, budget) if demotion_interval_s is not None else None
         self.log: Optional[ShardLog] = None  # set once the shard restored itself (wal/shard_log.py)
 
     def configure(self, config: TableConfig) -> TableConfig:
@@ -152,10 +153,7 @@ class ShardStore(SlotHandover):
             return []
         tickets: list[int] = []
         journal = self._journal("", 0, tickets) if train else None
-        if len(requests) == 1:
-            found = [tables[0].lookup(requests[0][1], train, dtype, journal)]
-        else:
-            found = Table.lookup_together([(table, ids) for table, (_, ids) in zip(tables, requests)], train, dtype, journal)
+        found = Table.lookup_together([(table, ids) for table, (_, ids) in zip(tables, requests)], train, dtype, journal)
         if self.log is not None:  # the rows read may hold an update whose record is still queued: none is served unlogged
             self.log.wait_all()
         return found
@@ -389,7 +387,7 @@ class ShardStore(SlotHandover):
             return
         if source.own_folder(self.shard_map) is not None and table.config.storage == "disk":
             folder, entry = parts[0]
-            table.attach_disk(disk_checkpoint.segments(folder, entry), disk_checkpoint.id_map(folder, entry))
+            table.disk.attach(disk_checkpoint.segments(folder, entry), disk_checkpoint.id_map(folder, entry))
             return
         for folder, entry in parts:
             table.load(disk_checkpoint.rows(folder, entry, record_specs(table.field_specs), self.shard_index, self.shard_map))
@@ -428,9 +426,9 @@ class ShardStore(SlotHandover):
         with self._lock:
             return [t for t in self._tables.values() if t.config.ttl_steps is not None or t.config.ttl_seconds is not None]
 
-    def _disk_tables(self) -> list[Table]:
+    def _disk_parts(self) -> list[DiskPart]:
         with self._lock:
-            return [t for t in self._tables.values() if t.config.storage == "disk"]
+            return [t.disk for t in self._tables.values() if isinstance(t.disk, DiskPart)]
 
     def _new_table(self, config: TableConfig) -> Table:
         if (config.ttl_steps is not None or config.ttl_seconds is not None) and not self._expirer.started:

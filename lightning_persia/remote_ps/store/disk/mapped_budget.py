@@ -30,7 +30,7 @@ class MappedBudget:
     Example::
 
         budget = MappedBudget(16 << 30)
-        budget.apply(disk_tables)   # each table's mapping may hold its share of the room (Table.set_mapped_budget)
+        budget.apply(disk_parts)   # each disk part's mapping may hold its share of the room (DiskPart.set_mapped_budget)
     """
 
     def __init__(self, limit_bytes: int, resident: Callable[[], int] = resident_bytes) -> None:

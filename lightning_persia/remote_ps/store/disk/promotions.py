@@ -6,7 +6,7 @@ memory as well (a free row taken, the id indexed, its disk entry removed) cost t
 CPU in process (``benchmarks/results/disk-tier/2026-11-26-17-promotions-left-to-the-demoter.md``), and nothing of
 the answer needs it.
 Where the shard runs a demoter, the lookup instead queues what it read (:class:`PendingPromotion`), and the demoter
-promotes it between requests. An update of such a row before then promotes it itself (``Table._promote_absent``);
+promotes it between requests. An update of such a row before then promotes it itself (``DiskPart.promote_absent``);
 a lookup of it before then reads its record again. The queue is bounded (:data:`PENDING_ROWS`): past it, a lookup
 promotes what it read itself, as a table without a demoter always does.
 

@@ -63,18 +63,18 @@ def test_the_demoter_maps_a_table_s_segments_up_to_what_the_limit_leaves_and_giv
     table.lookup(torch.arange(4 * 1024), train=False)  # every segment read
     limit = 1 << 30
     others = [0]  # the shard's memory other than its mapped records
-    demoter = Demoter(lambda: [table], mapped_budget=MappedBudget(limit, resident=lambda: others[0] + table.mapped_bytes))
+    demoter = Demoter(lambda: [table.disk], mapped_budget=MappedBudget(limit, resident=lambda: others[0] + table.disk.mapped_bytes))
     for _ in range(8):
         demoter.run_once()
     demoted = table.stats()["demoted"]
-    assert demoted > 3 * 1024 and table.mapped_bytes % demoted == 0  # room for all: every record written is mapped
-    segment = 1024 * table.mapped_bytes // demoted
+    assert demoted > 3 * 1024 and table.disk.mapped_bytes % demoted == 0  # room for all: every record written is mapped
+    segment = 1024 * table.disk.mapped_bytes // demoted
     before = table.lookup(torch.arange(4 * 1024), train=False)
     others[0] = int(limit * (1 - MARGIN)) - segment  # the rows grew: the limit now leaves one segment's room
     for _ in range(8):
         demoter.run_once()
     stats = table.stats()
-    assert table.mapped_bytes == segment == stats["disk_mapped_budget_bytes"]
+    assert table.disk.mapped_bytes == segment == stats["disk_mapped_budget_bytes"]
     assert torch.equal(table.lookup(torch.arange(4 * 1024), train=False), before)  # the unmapped ones read with pread
 
 

@@ -1,4 +1,5 @@
-"""The disk tier under a table: demotion, promotion, the id map, faults (a full disk, a missing or damaged segment)."""
+"""The disk tier: its id map, records, segments and their mapping, compaction, faults (a full disk, a missing or damaged
+segment); the table-level behaviour of its part is in test_part.py."""
 import contextlib
 import errno
 import os
@@ -11,7 +12,7 @@ from lightning_persia.remote_ps.store import thread_clock
 from lightning_persia.remote_ps.store.chunked_rows import FieldSpec
 from lightning_persia.remote_ps.store.disk import compaction, records as disk_records, segment_mapping, tier as disk_tier
 from lightning_persia.remote_ps.store.disk.tier import DiskTier, DiskTierError
-from lightning_persia.remote_ps.store.errors import InvalidRequestError, StoreError
+from lightning_persia.remote_ps.store.errors import StoreError
 from lightning_persia.remote_ps.store.native import records as native_records
 from lightning_persia.remote_ps.store.native.disk_map import DiskMap
 from lightning_persia.remote_ps.store.table import Table
@@ -167,71 +168,6 @@ def test_records_are_read_into_the_rows_named_and_live_bits_set_across_segments(
     assert got.tolist() == [True, True, False, True, False, False, False, False]  # no page, or none: not set
 
 
-def test_a_training_lookup_that_repeats_an_id_on_disk_promotes_it_once(tmp_path):
-    table = _table(tmp_path, capacity=1000)
-    for i in range(0, 3000, 500):
-        table.lookup(torch.arange(i, i + 500), train=True)
-    cold = torch.tensor([3, 7, 3, 11, 7])  # on disk (the coldest), two of them twice
-    expected = table.lookup(cold, train=False)
-    promoted = table.stats()["promoted"]
-    assert torch.equal(table.lookup(cold, train=True), expected)
-    stats = table.stats()
-    assert stats["promoted"] == promoted + 3 and stats["rows"] + stats["disk_rows"] == 3000
-    assert torch.equal(table.lookup(cold, train=False), expected)  # from memory now, one row each
-
-
-def test_table_demotes_then_promotes_with_values_and_state(tmp_path):
-    table = _table(tmp_path, capacity=1000)
-    ids = torch.arange(5000)
-    first = torch.cat([table.lookup(ids[i : i + 500], train=True) for i in range(0, 5000, 500)])
-    for i in range(0, 5000, 500):
-        table.update(ids[i : i + 500], torch.ones(500, DIM))
-    stats = table.stats()
-    assert stats["rows"] <= 1000 and stats["rows"] + stats["disk_rows"] == 5000 and stats["demoted"] >= 4000
-    assert stats["promoted"] >= 4000 and stats["dropped_update_rows"] == 0  # updates bring their demoted rows back
-    for i in range(1000, 5000, 500):  # the rows looked up last stay in memory: ids[:1000] are on disk
-        table.lookup(ids[i : i + 500], train=True)
-    stats = table.stats()
-    # evaluation lookups read from disk without bringing rows back; training lookups bring them back, unchanged
-    cold = ids[:500]
-    seen = table.lookup(cold, train=False)
-    assert table.stats()["promoted"] == stats["promoted"]
-    assert not torch.allclose(seen, first[:500])  # the update reached them
-    assert torch.equal(table.lookup(cold, train=True), seen)
-    assert table.stats()["promoted"] == stats["promoted"] + 500
-    # an update of rows demoted since their lookup is applied, not dropped: they come back for it
-    table.lookup(ids[4000:5000], train=True)  # demotes the 500 just promoted
-    before = table.lookup(cold, train=False)
-    assert table.update(cold, torch.ones(500, DIM)) == 500
-    assert table.stats()["dropped_update_rows"] == 0
-    assert not torch.allclose(table.lookup(cold, train=False), before)
-
-
-def test_a_request_larger_than_the_budget_is_refused_whole(tmp_path):
-    table = _table(tmp_path, capacity=100)
-    table.lookup(torch.arange(50), train=True)
-    with pytest.raises(InvalidRequestError, match="request of 101 ids is larger than the table's memory budget of 100 rows"):
-        table.lookup(torch.arange(101), train=True)
-    with pytest.raises(InvalidRequestError, match="memory budget"):
-        table.update(torch.arange(101), torch.ones(101, DIM))
-    assert table.stats()["rows"] == 50 and table.stats()["inserted"] == 50
-
-
-def test_a_full_disk_fails_the_inserting_lookup_only(tmp_path, monkeypatch):
-    table = _table(tmp_path, capacity=100)
-    kept = torch.arange(100)
-    values = table.lookup(kept, train=True)
-
-    def full(*_):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(disk_records.os, "pwrite", full)
-    with pytest.raises(DiskTierError, match="No space left on device"):
-        table.lookup(torch.arange(100, 150), train=True)  # rows must leave memory for them: the disk refuses
-    assert torch.equal(table.lookup(kept, train=True), values)  # what is stored still serves, nothing lost
-    assert table.stats()["rows"] == 100 and table.stats()["disk_rows"] == 0
-
-
 def test_a_segment_deleted_under_a_running_tier_still_serves(tmp_path):
     table = _table(tmp_path, capacity=100)
     for batch in torch.arange(300).split(100):
@@ -256,25 +192,6 @@ def test_storage_settings_are_checked():
         TableConfig("t", 4, storage="ssd")
     with pytest.raises(StoreError, match="storage 'disk' but its shard has no disk folder"):
         Table(TableConfig("t", 4, storage="disk"), seed=0)
-
-
-def test_a_delta_replaces_or_removes_rows_on_disk(tmp_path):
-    table = _table(tmp_path, capacity=100)
-    for batch in torch.arange(300).split(100):
-        table.lookup(batch, train=True)
-    on_disk = torch.arange(10)  # looked up first: demoted since
-    assert table.stats()["disk_rows"] == 200
-    n = on_disk.numel()
-    with table.lock:
-        table.upsert_locked({"ids": on_disk, "weights": torch.ones(n, DIM), "state": torch.zeros(n, 1),
-                             "access": torch.zeros(n, dtype=torch.int32)})
-        table.remove_ids_locked(torch.arange(10, 20))
-    # the ten replaced now live in memory (ten others demoted for them), the ten removed are gone
-    assert table.stats()["disk_rows"] == 200 - 10 + 10 - 10
-    assert torch.equal(table.lookup(on_disk, train=False), torch.ones(n, DIM, dtype=torch.float32))
-    fresh = Table(TableConfig("t", DIM, storage_dtype="fp16"), seed=0).lookup(torch.arange(10, 20), train=False)
-    assert torch.equal(table.lookup(torch.arange(10, 20), train=False), fresh)  # removed: its initial row again
-
 
 
 def test_segments_are_mapped_while_there_is_room_and_read_the_same(tmp_path, small_segments):
@@ -386,18 +303,6 @@ def test_a_mapped_segment_that_shrank_is_an_error_not_a_crash(tmp_path):
     assert tier.find(torch.tensor([2]))[0].tolist() == [2]
 
 
-def test_the_disk_tiers_worst_work_is_timed_per_request_and_zero_without_disk_work(tmp_path):
-    table = _table(tmp_path, capacity=1000)
-    table.lookup(torch.arange(800), train=True)
-    assert table.stats()["worst_disk_work_cpu_s"] == 0.0 and table.stats()["worst_disk_work_of"] == ""  # nothing yet
-    table.lookup(torch.arange(800, 20000), train=False)  # evaluation: misses, nothing on disk to read
-    table.lookup(torch.arange(1000, 1900), train=True)  # demotes rows past the budget
-    demoting = table.stats()["worst_disk_work_cpu_s"]
-    assert demoting > 0.0 and table.stats()["demoted"] > 0 and table.stats()["worst_disk_work_of"] == "lookup"
-    table.lookup(torch.arange(0, 900), train=True)  # reads and promotes them back
-    assert table.stats()["worst_disk_work_cpu_s"] >= demoting
-
-
 def _segment_files(tmp_path) -> list[str]:
     return sorted(path.name for path in (tmp_path / "tier").glob("segment-*.rows"))
 
@@ -499,7 +404,7 @@ def test_a_compaction_steps_holds_of_the_lock_count_as_the_tables_disk_work(tmp_
         table.lookup(torch.arange(start, start + 500), train=True)
     clock = iter(range(10**6))
     monkeypatch.setattr(thread_clock.time, "thread_time", lambda: 100.0 * next(clock))  # each reading 100 s on
-    assert table.compact_disk() > 0
+    assert table.disk.compact() > 0
     assert table.stats()["worst_disk_work_of"] == "compaction" and table.stats()["worst_disk_work_cpu_s"] >= 100
 
 

@@ -1,0 +1,343 @@
+"""A table's rows in memory: where each id's row is, which rows are free, which leave when the memory is full.
+
+The fields live in a chunked row store (``chunked_rows.py``), so the table grows without copying or pausing;
+the id index (``index.py``) maps ids to rows. Rows are stored in the table's ``storage_dtype`` (fp16 halves
+the memory of the values); the optimizer state stays float32 whatever it is, and every update runs in float32.
+
+**Versions.** Every row records the table's *version* at its last change (insert, update, eviction). A
+checkpoint or a serving delta advances the version, so "changed since point P" is ``version > P``. That gives a
+streamed checkpoint its consistent point (:meth:`MemoryRows.begin_snapshot`, copied chunk by chunk while training
+goes on: ``table_snapshot.py``). Only the access statistics (LRU step / LFU count) may be newer than the point. A
+snapshot *since* an earlier point holds only the rows changed after it, and the ids evicted after it
+(``removal_log.py``): a delta for serving. What a journaled operation changed is collected for the shard's
+write-ahead log (``table_journal.py``).
+
+A row that leaves a full memory is evicted, or, where the table has a disk part (``disk/part.py``), demoted to disk;
+the part brings rows back through :meth:`MemoryRows.place`.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Iterable, Optional
+
+import torch
+
+from lightning_persia.remote_ps.store import eviction
+from lightning_persia.remote_ps.store.chunked_rows import ChunkedRows, FieldSpec
+from lightning_persia.remote_ps.store.disk.part import DiskPart, NoDisk
+from lightning_persia.remote_ps.store.errors import StoreError
+from lightning_persia.remote_ps.store.free_rows import FreeRows
+from lightning_persia.remote_ps.store.index import make_index
+from lightning_persia.remote_ps.store.initializers import initial_rows
+from lightning_persia.remote_ps.store.optimizers import make_rule
+from lightning_persia.remote_ps.store.removal_log import RemovalLog
+from lightning_persia.remote_ps.store.table_journal import Journal, Recording
+from lightning_persia.remote_ps.store.table_snapshot import SAVED_FIELDS, Preimages, SnapshotPoint, TableSnapshot
+from lightning_persia.remote_ps.store.wal.changes import TableChange
+from lightning_persia.remote_ps.table_config import STORAGE_DTYPES, TableConfig
+
+
+class MemoryRows:
+    """The rows of one table in memory, and ``lock``, which guards them: :class:`~.table.Table` is one, and serves
+    the requests over them; its disk part asks them through :class:`~.disk.part.Memory`.
+
+    The private methods, and those that say so, are called holding ``lock``.
+    """
+
+    def __init__(self, config: TableConfig, seed: int) -> None:
+        self.config = config
+        self.seed = seed
+        self.rule = make_rule(config.optimizer, config.dim)
+        self.lock = threading.Lock()
+        self.field_specs = {
+            "ids": FieldSpec(torch.int64),
+            "weights": FieldSpec(STORAGE_DTYPES[config.storage_dtype], config.dim),
+            "state": FieldSpec(torch.float32, self.rule.state_width),
+            "access": FieldSpec(torch.int32),
+            "version": FieldSpec(torch.int32),
+        }
+        self._rows = ChunkedRows({name: spec for name, spec in self.field_specs.items() if spec.row_bytes > 0})
+        self._index = make_index(self._rows)
+        self._eviction_sample = torch.Generator().manual_seed(seed)
+        self._demotion_sample = torch.Generator().manual_seed(seed + 1)  # the demoter's, used without the lock
+        self._evict_from = 0  # the row where the next eviction's sweep starts (eviction.select_victims)
+        self._size = 0  # rows allocated so far (live or free)
+        self._live = 0
+        self._free = FreeRows()
+        self._step = 0
+        self._version = 1  # written into every changed row; never-written rows read 0
+        self._preimages = Preimages(self._rows, self.field_specs, self.lock)
+        self._recording: Optional[Recording] = None  # the changes of the journaled operation under way
+        self._removals = RemovalLog(config.name)
+        self._counters = dict(lookups=0, lookup_rows=0, inserted=0, evicted=0, not_admitted=0, updates=0, update_rows=0,
+                              dropped_update_rows=0, expired=0)
+        self._disk: DiskPart | NoDisk = NoDisk(config)  # where evicted rows go: nowhere, or to disk
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return self.field_specs["weights"].dtype
+
+    @property
+    def step(self) -> int:
+        """The table's lookup step (an LRU access value)."""
+        return self._step
+
+    @property
+    def memory_rows(self) -> int:
+        """Rows in memory now (read without the lock: a moment's value)."""
+        return self._live
+
+    # ---- rows written from outside a request: a checkpoint, a delta, the log ---------------------
+
+    def append(self, rows: dict[str, torch.Tensor], expected_rows: int = 0) -> None:
+        """Adds rows read from a checkpoint (``{field: values}`` of :data:`SAVED_FIELDS`; ids absent from the table).
+
+        ``expected_rows``: how many rows the table will hold once the whole checkpoint is in (sizes the index once).
+        """
+        self.load([rows], expected_rows)
+
+    def load(self, blocks: Iterable[dict[str, torch.Tensor]], expected_rows: int = 0) -> None:
+        """:meth:`append` of a checkpoint's blocks of rows, one after the other.
+
+        A block's ids are indexed on a thread of their own while the next block is read and written (the index
+        insert is about a quarter of an in-place load's CPU, and runs without the GIL), so ``blocks`` must keep a block's
+        tensors valid until the block after the next one is asked for (``checkpoint.TableSource.blocks`` does).
+        """
+        positions = [torch.empty(0, dtype=torch.int64)] * 2  # the rows of a block stay valid while it is indexed
+        with self.lock, ThreadPoolExecutor(1, thread_name_prefix="persia-ps-index") as indexer:
+            if expected_rows:
+                self._index.reserve(expected_rows)
+            indexed: Optional[Future] = None
+            for number, block in enumerate(blocks):
+                block = self._disk.spill(block, self.config.capacity - self._live)
+                n = block["ids"].numel()
+                if positions[number % 2].numel() < n:
+                    positions[number % 2] = torch.empty(n, dtype=torch.int64)
+                rows = torch.arange(self._size, self._size + n, out=positions[number % 2][:n])
+                # the memory of the blocks that follow is committed in the background while this one is written:
+                # faulting it in row by row costs several times more (a fault per page, each trying for a huge page)
+                self._rows.reserve(self._size + n, ahead_limit=max(expected_rows, self._size + n))
+                self._rows.scatter_fields(rows, {name: block[name] for name in SAVED_FIELDS if name in self._rows.fields})
+                self._size += n
+                self._live += n
+                if indexed is not None:
+                    indexed.result()
+                indexed = indexer.submit(self._index.insert, block["ids"], rows)  # after the scatter: it reads the ids
+            if indexed is not None:
+                indexed.result()
+
+    def upsert_locked(self, rows: dict[str, torch.Tensor]) -> None:
+        """Writes rows of a delta (``{field: values}`` of :data:`SAVED_FIELDS`): replaces the ids present, adds the
+        others. Call it holding :attr:`lock`."""
+        ids = rows["ids"]
+        self._disk.remove(ids)  # the delta's row replaces the one on disk
+        found = self._index.find(ids)
+        present = found >= 0
+        fresh = torch.nonzero(~present).squeeze(1)
+        positions = found.clone()
+        if fresh.numel():
+            new_rows = self._take_rows(fresh.numel(), keep=found[present])
+            positions[fresh] = new_rows
+            self._rows["ids"].scatter(new_rows, ids[fresh])
+        for name in SAVED_FIELDS[1:]:
+            if name in self._rows.fields:
+                self._rows[name].scatter(positions, rows[name])
+        self._rows["version"].fill(positions, self._version)
+        if fresh.numel():
+            self._index.insert(ids[fresh], positions[fresh])
+            self._live += fresh.numel()
+
+    def remove_ids_locked(self, ids: torch.Tensor) -> None:
+        """Drops the rows of ``ids`` (those present, in memory or on disk). Call it holding :attr:`lock`."""
+        self._disk.remove(ids)
+        rows = self._index.find(ids)
+        rows = rows[rows >= 0]
+        if rows.numel():
+            self._free_rows(rows, self._rows["ids"].gather(rows))
+
+    def restore_step(self, step: int) -> None:
+        """The lookup step counter of a checkpoint (LRU access values are relative to it)."""
+        with self.lock:
+            self._step = max(self._step, step)
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+
+    def begin_snapshot(self, since: int = 0) -> TableSnapshot:
+        """Takes the table's consistent point for a checkpoint; call it holding :attr:`lock`.
+
+        The rows are then read chunk by chunk with :meth:`TableSnapshot.chunks`, while the table keeps serving.
+        ``since`` (the :attr:`TableSnapshot.point` of an earlier snapshot) keeps only what changed after it: the
+        rows written since, and the ids evicted since (:attr:`TableSnapshot.removed`). Raises :class:`StoreError`
+        when the evictions since then are no longer remembered (then only a full snapshot is possible).
+        """
+        if self._preimages.active is not None:
+            raise StoreError(f"table {self.config.name!r} is already being saved")
+        removed = self._removals.since(since) if since else torch.empty(0, dtype=torch.int64)
+        state = SnapshotPoint(point=self._version, since=since, size=self._size, live=self._live, step=self._step,
+                              removed=removed, disk=self._disk.freeze() if not since else None)
+        self._preimages.begin(state)
+        self._version += 1
+        return TableSnapshot(self.config, self.field_specs, state, self._preimages, self._disk.record_bytes)
+
+    # ---- the write-ahead log's view ----------------------------------------------------------------
+
+    def _preserve(self, rows: torch.Tensor) -> None:
+        """Keeps the pre-image of ``rows`` about to change, for the checkpoint in progress (if any)."""
+        self._preimages.keep(rows, self._version)
+
+    def _start_recording(self, journal: Optional[Journal]) -> None:
+        """Collects what the operation under way changes, for ``journal`` (none: nothing is collected); lock held."""
+        self._recording = Recording() if journal is not None else None
+
+    def _record_rows(self, rows: torch.Tensor) -> None:
+        """The new values of ``rows`` (just written by an update) for the journal, if one listens; lock held."""
+        if self._recording is None:
+            return
+        fields = [name for name in SAVED_FIELDS if name in self._rows.fields]
+        values = {name: torch.empty(self.field_specs[name].shape(rows.numel()), dtype=self.field_specs[name].dtype) for name in fields}
+        self._recording.rows.append(self._rows.gather_fields(rows, values))
+
+    def _take_recording(self) -> TableChange:
+        recording, self._recording = self._recording, None
+        assert recording is not None
+        return recording.change(self.config.name, self._step)
+
+    def replay_locked(self, change: TableChange) -> None:
+        """Applies a change read back from the write-ahead log: the evictions, the admissions (first rows from
+        (seed, table, id)), then the rows' values. Call it holding :attr:`lock`."""
+        if change.removed.numel():
+            self.remove_ids_locked(change.removed)
+        if change.admitted.numel():
+            n = change.admitted.numel()
+            rows = {"ids": change.admitted, "access": change.admitted_access,
+                    "weights": initial_rows(self.config.init, self.seed, self.config.name, change.admitted, self.config.dim)
+                    .to(self.storage_dtype)}
+            if "state" in self._rows.fields:
+                rows["state"] = self.rule.initial_state(n)
+            self.upsert_locked(rows)
+        if change.rows and change.rows["ids"].numel():
+            self.upsert_locked(change.rows)
+        self._step = max(self._step, change.step)
+
+    def _drop(self, rows: torch.Tensor) -> None:
+        """Deletes live ``rows`` (expired); the lock held."""
+        self._preserve(rows)
+        gone = self._rows["ids"].gather(rows)
+        self._removed(gone)
+        self._free_rows(rows, gone)
+
+    def _removed(self, ids: torch.Tensor) -> None:
+        """``ids`` leave the table: the journal (if one listens) and a later serving delta name them."""
+        if self._recording is not None:
+            self._recording.removed.append(ids)
+        self._removals.add(self._version, ids)
+
+    def _free_rows(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
+        """Frees live ``rows``, whose ids are ``ids``: unindexed, marked free and changed at this version."""
+        self._index.remove(ids)
+        self._rows["access"].fill(rows, eviction.FREE)
+        self._rows["version"].fill(rows, self._version)
+        self._free.push(rows)
+        self._live -= rows.numel()
+
+    # ---- what the disk part asks of the memory (DiskPart's Memory) -----------------------------------
+
+    def find_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The row of each of ``ids`` in memory, -1 where absent. The lock held."""
+        return self._index.find(ids)
+
+    def place(self, ids: torch.Tensor, values: dict[str, torch.Tensor], step: Optional[int] = None,
+              keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Writes rows read from disk (``ids`` unique and absent from memory, their ``values`` by field) into memory;
+        returns their rows. ``step``: the lookup step that read them (LRU; the table's step now by default);
+        ``keep``: rows the operation under way goes on to write, which the room made for these must not demote. The
+        lock held."""
+        n = ids.numel()
+        fields = {"weights": values["weights"],
+                  "access": (torch.full((n,), self._step if step is None else step, dtype=torch.int32)
+                             if self.config.eviction == "lru" else values["access"] + 1)}
+        if "state" in self._rows.fields:
+            fields["state"] = values["state"]
+        return self._write_new(ids, fields, keep)
+
+    def _write_new(self, ids: torch.Tensor, fields: dict[str, torch.Tensor], keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Writes the rows of ``ids`` (unique, absent) into free rows (cold ones evicted for them, none of ``keep``),
+        ``fields`` their values and this version theirs, in one pass; indexes them and returns their rows."""
+        n = ids.numel()
+        rows = self._take_rows(n, keep)  # may demote colder rows: written to disk before anything else changes
+        self._preserve(rows)
+        self._rows.scatter_fields(rows, {"ids": ids, **fields, "version": torch.full((n,), self._version, dtype=torch.int32)})
+        self._index.insert(ids, rows)
+        self._live += n
+        return rows
+
+    def cold_estimate(self, count: int) -> Optional[tuple[int, float]]:
+        """The access value at or below which the ``count`` coldest rows lie, from a sample read without the lock
+        (:func:`eviction.estimate`): what a demotion selects by. One estimate serves several demotions: the
+        coldest :data:`eviction.BULK_FRACTION` of the rows lie below it, and an access value only grows."""
+        with self.lock:
+            access = self._access_in_use()
+        return eviction.estimate(access, count, self._demotion_sample)
+
+    def demote_coldest(self, count: int, estimated: Optional[tuple[int, float]]) -> None:
+        """Evicts ``count`` of the coldest rows (those in memory at most), selected by ``estimated``: the disk part
+        keeps them (:meth:`DiskPart.demote`). The lock held."""
+        self._evict(min(count, self._live), estimated)
+
+    def close(self) -> None:
+        """Deletes the table's disk tier, if any (a table replaced or dropped; a checkpoint keeps the files it linked)."""
+        self._disk.close()
+
+    def remember_removals(self) -> None:
+        """Starts logging evicted ids (from now on), so that snapshots since a later point can name them."""
+        with self.lock:
+            self._removals.start(self._version - 1)
+
+    # ---- internals ---------------------------------------------------------------------------------
+
+    def _take_rows(self, n: int, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``n`` free rows, cold ones evicted (a disk table: demoted) where the table is full, none of ``keep``: the
+        rows the operation under way goes on to write. A demoted row it then wrote into would leave its id with the
+        old value on disk and the new one in a row another id may take: a replay that made room so lost 632 of 5,000
+        rows. Where only rows of ``keep`` are cold enough, the table holds more than its capacity until the demoter
+        catches up."""
+        room = self.config.capacity - self._live
+        if n > room:  # a disk table's demoter keeps room ahead (demoter.py): demote what this request needs, no more
+            self._evict(self._disk.evict_count(n - room), keep=keep)
+
+        reused = self._free.take(n)
+        appended = n - reused.numel()
+        self._rows.reserve(self._size + appended, ahead_limit=self.config.capacity)
+        fresh = torch.arange(self._size, self._size + appended)
+        self._size += appended
+        return torch.cat([reused, fresh])
+
+    def _access_in_use(self) -> list[torch.Tensor]:
+        """The access values of the rows allocated so far, a view a chunk (the lock held)."""
+        access = self._rows["access"]
+        return [access.chunk(c, min(self._rows.chunk_rows, self._size - (c << self._rows.shift)))
+                for c in range((self._size + self._rows.chunk_rows - 1) >> self._rows.shift)]
+
+    def _evict(self, count: int, estimated: Optional[tuple[int, float]] = None, keep: Optional[torch.Tensor] = None) -> None:
+        """Evicts (a disk table: demotes) ``count`` cold rows, none of ``keep``; ``estimated``: their threshold
+        (:func:`eviction.estimate`)."""
+        access = self._rows["access"]
+        in_use = self._access_in_use()
+        victims = torch.empty(0, dtype=torch.int64)
+        if in_use:
+            with eviction.hidden(access, keep):
+                victims, self._evict_from = eviction.select_victims(in_use, count, self._eviction_sample, self._evict_from, estimated)
+            if keep is not None and keep.numel():
+                victims = victims[~torch.isin(victims, keep)]
+        gone = self._rows["ids"].gather(victims)
+        # a disk table demotes: the rows are written to disk first (a failure changes nothing), and stay there, so
+        # they are no removal (neither the journal's nor a serving delta's)
+        demoted = self._disk.keep_evicted(gone, lambda fields: self._rows.gather_fields(victims, fields))
+        self._preserve(victims)
+        if not demoted:
+            self._removed(gone)
+        self._free_rows(victims, gone)
+        self._counters["evicted"] += victims.numel()
+
+

@@ -53,6 +53,7 @@ class WorkerSpec:
     token: Optional[str] = None
     tls_root_cert: Optional[str] = None
     log_calls: bool = False  # every reply carries the shard calls made since the last (the trainer's metrics count them)
+    client_id: Optional[str] = None  # the sender of its updates: a worker started in place of a dead one keeps it
 
 
 def serve(connection: Connection, spec: WorkerSpec) -> None:
@@ -62,7 +63,7 @@ def serve(connection: Connection, spec: WorkerSpec) -> None:
     torch.set_num_threads(1)  # the worker's tensor work is small copies; the cores belong to the trainer's kernels
     try:
         calls = ClientCallLog() if spec.log_calls else None
-        client = PSClient(list(spec.addresses), token=spec.token, tls_root_cert=spec.tls_root_cert,
+        client = PSClient(list(spec.addresses), token=spec.token, tls_root_cert=spec.tls_root_cert, client_id=spec.client_id,
                           interceptors=[calls] if calls is not None else ())
         client.retry = spec.retry  # the trainer's policy, as recovery set it
         client.describe(list(spec.dims))  # learns the tables' dims, which size messages and decode rows
@@ -137,14 +138,16 @@ class _Worker:
         self._answer(request, self.client.lookup_sharded_async(sharded, train=train, wire_dtype=wire_dtype, out=out))
 
     def _update(self, request: int, token: Optional[int], tables: tuple[str, ...], counts: tuple[int, ...], ids: BufferRef,
-                grads: BufferRef, dims: tuple[int, ...], wire_dtype: str, sender: Optional[str], incarnations: Optional[tuple]) -> None:
+                grads: BufferRef, dims: tuple[int, ...], wire_dtype: str, sender: Optional[str], seq_base: int,
+                incarnations: Optional[tuple]) -> None:
         self._fence(incarnations)
         with self._shardings_lock:
             sharded = self._shardings.pop(token, None) if token is not None else None
         if sharded is None:
             sharded = self.client.shard(KeyedIds(tables, counts, self._tensor(ids, torch.int64).clone()))
         values = self._tensor(grads, torch.float32)
-        self._answer(request, self.client.update_sharded_async(sharded, values, dims, wire_dtype=wire_dtype, sender=sender))
+        self._answer(request, self.client.update_sharded_async(sharded, values, dims, wire_dtype=wire_dtype, sender=sender,
+                                                               seq_base=seq_base))
 
     def _fence(self, incarnations: Optional[tuple]) -> None:
         if incarnations is not None:  # the trainer accepted new incarnations (after a rollback, or a checkpoint's load)

@@ -9,8 +9,12 @@ go up in one copy). Per update it copies the gradient into a shared buffer and s
 loops, encodes, decodes, deduplicates or sorts over ids: that happens in the worker, and :meth:`shard` only marks
 the ids for it.
 
-A worker that dies fails every call in flight or to come with an :class:`EmbeddingWorkerError` naming it, so the
-run stops with that error (the embedding pipeline's waits raise it; nothing waits forever).
+A worker that dies is started again, up to ``restarts`` times, and sent every call it had not answered: a lookup
+or deduplication again (the same buffers: the trainer holds them until answered), an update again under the same
+sequence numbers (the trainer numbers each sender's updates), which the shards apply exactly once whether or not the
+dead worker's attempt reached them. Past ``restarts``, or when the new worker cannot start, every call in flight or
+to come fails with an :class:`EmbeddingWorkerError` naming it, so the run stops with that error (the embedding
+pipeline's waits raise it; nothing waits forever).
 """
 from __future__ import annotations
 
@@ -22,10 +26,12 @@ import socket
 import subprocess
 import sys
 import threading
+import uuid
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Optional, Sequence
+from dataclasses import replace
+from multiprocessing.connection import Connection
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -33,6 +39,7 @@ from lightning_persia.embedding.embedding_worker import CLOSE, DEDUP, DONE, DROP
 from lightning_persia.embedding.shared_buffers import SharedBuffers, SharedTensor
 from lightning_persia.ops.keyed_ids import KeyedIds, RowLayout
 from lightning_persia.remote_ps.protocol import SHARD_PROCESS_ENV
+from lightning_persia.remote_ps.client.ps_client import SEQS_PER_UPDATE
 from lightning_persia.remote_ps.client.retry import RetryPolicy
 
 log = logging.getLogger(__name__)
@@ -64,15 +71,26 @@ def defer_sharding(keyed: KeyedIds) -> WorkerIds:
 
 
 class _Process:
-    def __init__(self, index: int, name: str, process: subprocess.Popen, connection: Connection,
-                 incarnations: Sequence[Optional[str]]) -> None:
-        self.index, self.name, self.process, self.connection = index, name, process, connection
-        self.sent_incarnations = tuple(incarnations)
+    def __init__(self, index: int, name: str, spec: WorkerSpec) -> None:
+        self.index, self.name, self.spec = index, name, spec
+        self.process, self.connection = _start(spec)
+        self.sent_incarnations = spec.incarnations
         self.send_lock = threading.Lock()  # the prefetch, push, rank-merge and trainer threads all send
         self.failure: Optional[EmbeddingWorkerError] = None
+        self.restarts = 0
+        self.reader: Optional[threading.Thread] = None
 
     def describe(self) -> str:
         return f"{self.name} (pid {self.process.pid})"
+
+
+class _Call:
+    """A call sent to a worker and not yet answered: what to send again to a worker started in its place."""
+
+    __slots__ = ("future", "result", "keep", "worker", "message")
+
+    def __init__(self, future: Future, result: Any, keep: Any, worker: int, message: tuple) -> None:
+        self.future, self.result, self.keep, self.worker, self.message = future, result, keep, worker, message
 
 
 class EmbeddingWorkers:
@@ -90,6 +108,8 @@ class EmbeddingWorkers:
         timeout_s: longest wait for a worker's deduplication (a worker that does not answer in time fails the plan).
         on_calls: told of the shard calls the workers made, ``[(method path, status code name, seconds)]``, as they
             answer (the trainer's metrics count them: ``ClientRpcMetrics.record``).
+        restarts: how many times each worker is started again after it dies, its unanswered calls sent to the new
+            one (0: a death stops the run with an error naming the worker).
 
     Example::
 
@@ -103,26 +123,34 @@ class EmbeddingWorkers:
         self, count: int, addresses: Sequence[str], dims: dict[str, int], retry: RetryPolicy,
         incarnations: Callable[[], Sequence[Optional[str]]], *, token: Optional[str] = None, tls_root_cert: Optional[str] = None,
         rank: int = 0, start_timeout_s: float = 120.0, timeout_s: float = 300.0,
-        on_calls: Optional[Callable[[list[tuple[str, str, float]]], None]] = None,
+        on_calls: Optional[Callable[[list[tuple[str, str, float]]], None]] = None, restarts: int = 0,
     ) -> None:
         if count < 1:
             raise ValueError(f"EmbeddingWorkers: count must be >= 1, got {count}")
+        if restarts < 0:
+            raise ValueError(f"EmbeddingWorkers: restarts must be >= 0, got {restarts}")
         self._dims = dict(dims)
         self._incarnations = incarnations
         self._timeout_s = timeout_s
+        self._start_timeout_s = start_timeout_s
         self._on_calls = on_calls
+        self._restarts = restarts
         self._workers: list[_Process] = []
         self._buffers = SharedBuffers(prefix=f"persia-r{rank}", on_drop=self._drop)
-        self._pending: dict[int, tuple[Future, Any, int]] = {}  # request -> (future, its result, worker)
+        self._pending: dict[int, _Call] = {}
         self._lock = threading.Lock()
         self._requests = itertools.count()
         self._turn = itertools.count()
+        # Each sender's updates are numbered here, not by a worker's client, so that one sent again by a worker started
+        # in place of a dead one carries the numbers of the first attempt (the shards apply it once).
+        self._update_numbers: dict[str, Iterator[int]] = {}
         self._closed = False
+        run = uuid.uuid4().hex[:12]
         try:
             for index in range(count):
-                name = f"embedding worker {index} of rank {rank}"
-                spec = WorkerSpec(tuple(addresses), self._dims, retry, tuple(incarnations()), token, tls_root_cert, on_calls is not None)
-                self._workers.append(_Process(index, name, *_start(spec), spec.incarnations))
+                spec = WorkerSpec(tuple(addresses), self._dims, retry, tuple(incarnations()), token, tls_root_cert,
+                                  on_calls is not None, client_id=f"{socket.gethostname()}-{os.getpid()}-{run}-worker{index}")
+                self._workers.append(_Process(index, f"embedding worker {index} of rank {rank}", spec))
             for worker in self._workers:
                 self._await_ready(worker, start_timeout_s)
         except BaseException:
@@ -131,14 +159,20 @@ class EmbeddingWorkers:
                 worker.connection.close()
             self._buffers.close()
             raise
-        self._reader = threading.Thread(target=self._read, name="persia-worker-replies", daemon=True)
-        self._reader.start()
+        for worker in self._workers:  # one reader each, blocked in recv: no selector to build for every reply
+            worker.reader = threading.Thread(target=self._read, args=(worker,), name=f"persia-worker{worker.index}-replies", daemon=True)
+            worker.reader.start()
         atexit.register(self.close)
 
     @property
     def pids(self) -> list[int]:
         """The workers' process ids (benchmarks read their CPU time)."""
         return [w.process.pid for w in self._workers]
+
+    @property
+    def restarted(self) -> int:
+        """How many times a worker was started again after it died."""
+        return sum(w.restarts for w in self._workers)
 
     def deduplicate(self, keyed: KeyedIds) -> tuple[KeyedIds, torch.Tensor]:
         """``ops.dedup.keyed_unique(keyed)``, computed by a worker into shared buffers (the planning's ``Deduplicate``)."""
@@ -147,7 +181,8 @@ class EmbeddingWorkers:
         inverse = self._buffers.take(keyed.ids.numel(), torch.int64)
         worker = self._workers[next(self._turn) % len(self._workers)]
         request = next(self._requests)
-        future = self._send(worker, request, None, ids, (DEDUP, request, keyed.tables, keyed.counts, _ref(ids), _ref(unique), _ref(inverse)))
+        future = self._send(worker, request, None, (ids, unique, inverse),
+                            (DEDUP, request, keyed.tables, keyed.counts, _ref(ids), _ref(unique), _ref(inverse)))
         try:
             counts = future.result(self._timeout_s)
         except FutureTimeout:
@@ -189,13 +224,16 @@ class EmbeddingWorkers:
         values = self._buffers.take(layout.numel, torch.float32)
         values.tensor.copy_(grads.detach())
         # Updates under a shared sender (the ranks' merged update) carry sequence numbers that must match across ranks:
-        # they all go through worker 0, whose client numbers them in the same order on every rank.
+        # they all go through worker 0, numbered here in the same order on every rank.
         token = ids.token if sender is None else None
         worker = self._workers[ids.worker if token is not None and ids.worker is not None else 0]
         id_buffer = self._ids_buffer(keyed)
         request = next(self._requests)
-        return self._send(worker, request, None, (id_buffer, values), (
-            UPDATE, request, token, keyed.tables, keyed.counts, _ref(id_buffer), _ref(values), tuple(dims), wire_dtype, sender))
+        with worker.send_lock:  # numbered in the order sent, so that a shard sees a sender's numbers rise
+            numbers = self._update_numbers.setdefault(sender or worker.spec.client_id, itertools.count(1))
+            return self._send_locked(worker, request, None, (id_buffer, values), (
+                UPDATE, request, token, keyed.tables, keyed.counts, _ref(id_buffer), _ref(values), tuple(dims), wire_dtype, sender,
+                next(numbers) * SEQS_PER_UPDATE))
 
     # ---- life --------------------------------------------------------------------------------------------
 
@@ -207,8 +245,9 @@ class EmbeddingWorkers:
                 return
             self._closed = True
         self._stop_processes()
-        self._reader.join(STOP_TIMEOUT_S)  # it ends once every worker's pipe is closed at the other end
         for worker in self._workers:
+            if worker.reader is not None:
+                worker.reader.join(STOP_TIMEOUT_S)  # it ends once its worker's pipe is closed at the other end
             worker.connection.close()
         self._fail_pending(lambda worker: EmbeddingWorkerError(f"{self._workers[worker].describe()} was stopped with the call in flight"))
         self._buffers.close()
@@ -226,70 +265,111 @@ class EmbeddingWorkers:
         return buffer
 
     def _send(self, worker: _Process, request: int, result: Any, keep: Any, message: tuple) -> Future:
-        future: Future = Future()
-        incarnations = tuple(self._incarnations())
         with worker.send_lock:
-            if worker.failure is not None:
-                future.set_exception(worker.failure)
-                return future
+            return self._send_locked(worker, request, result, keep, message)
+
+    def _send_locked(self, worker: _Process, request: int, result: Any, keep: Any, message: tuple) -> Future:
+        """Sends ``message`` (under ``worker.send_lock``); the future of its answer. ``keep``: what the worker reads,
+        held until it answers (and sent again if it dies first)."""
+        future: Future = Future()
+        if worker.failure is not None:
+            future.set_exception(worker.failure)
+            return future
+        call = _Call(future, result, keep, worker.index, message)
+        with self._lock:
+            self._pending[request] = call
+        if not self._transmit(worker, call) and not self._restarts:
             with self._lock:
-                self._pending[request] = (future, (result, keep), worker.index)
-            fence = incarnations if incarnations != worker.sent_incarnations else None
-            try:
-                worker.connection.send((*message, fence))
-            except (BrokenPipeError, OSError):
-                with self._lock:
-                    self._pending.pop(request, None)
-                future.set_exception(self._died(worker))
-                return future
-            worker.sent_incarnations = incarnations
+                self._pending.pop(request, None)
+            future.set_exception(self._died(worker))
+        # Otherwise the call stays pending: the worker's reader sees the death and sends it to the worker started next.
         return future
 
-    def _read(self) -> None:
-        connections = {w.connection: w for w in self._workers}
-        while connections:
-            for connection in wait(list(connections)):
-                worker = connections[connection]
-                try:
-                    kind, request, payload, calls = connection.recv()
-                except (EOFError, OSError):
-                    del connections[connection]
-                    if not self._closed:
-                        error = self._died(worker)
-                        self._fail_pending(lambda index: error if index == worker.index else None)
-                    continue
-                if calls and self._on_calls is not None:
-                    self._on_calls(calls)
-                with self._lock:
-                    entry = self._pending.pop(request, None)
-                if entry is None:
-                    continue
-                future, (result, _), _ = entry
-                if kind == DONE:
-                    future.set_result(result if result is not None else payload)
-                else:
-                    future.set_exception(payload)
+    def _transmit(self, worker: _Process, call: _Call) -> bool:
+        """Sends ``call`` (under ``worker.send_lock``) with the incarnations the worker has not heard of; False if
+        the pipe is broken."""
+        incarnations = tuple(self._incarnations())
+        fence = incarnations if incarnations != worker.sent_incarnations else None
+        try:
+            worker.connection.send((*call.message, fence))
+        except (BrokenPipeError, OSError):
+            return False
+        worker.sent_incarnations = incarnations
+        return True
 
-    def _died(self, worker: _Process) -> EmbeddingWorkerError:
-        if worker.failure is None:
+    def _read(self, worker: _Process) -> None:
+        while True:
             try:
-                code: Optional[int] = worker.process.wait(1.0)
-            except subprocess.TimeoutExpired:
-                code = None
-            how = "is not answering" if code is None else f"exited with code {code}"
-            worker.failure = EmbeddingWorkerError(
-                f"{worker.describe()} {how}; the embedding lookups and updates it had in flight are lost, so the run stops "
-                f"(restart it from the last checkpoint)")
-            log.error("%s", worker.failure)
+                kind, request, payload, calls = worker.connection.recv()
+            except (EOFError, OSError):
+                if self._closed or not self._restart(worker):
+                    return
+                continue
+            if calls and self._on_calls is not None:
+                self._on_calls(calls)
+            with self._lock:
+                call = self._pending.pop(request, None)
+            if call is None:
+                continue
+            if kind == DONE:
+                call.future.set_result(call.result if call.result is not None else payload)
+            else:
+                call.future.set_exception(payload)
+
+    def _restart(self, worker: _Process) -> bool:
+        """After ``worker`` died: starts another in its place and sends it the calls the dead one had not answered;
+        False (every such call failed with an error naming the worker) when its restarts are spent or it cannot start."""
+        with worker.send_lock:
+            error = self._died(worker, final=worker.restarts >= self._restarts)
+            if worker.restarts < self._restarts and not self._closed:
+                worker.restarts += 1
+                worker.connection.close()
+                try:
+                    worker.spec = replace(worker.spec, incarnations=tuple(self._incarnations()))
+                    worker.process, worker.connection = _start(worker.spec)
+                    worker.sent_incarnations = worker.spec.incarnations
+                    self._await_ready(worker, self._start_timeout_s)
+                except BaseException as failure:  # noqa: BLE001 - the run stops with it, naming the worker
+                    worker.failure = EmbeddingWorkerError(f"{worker.name} died ({error}) and could not be started again: {failure}")
+                    log.error("%s", worker.failure)
+                else:
+                    with self._lock:
+                        unanswered = sorted((r, c) for r, c in self._pending.items() if c.worker == worker.index)
+                    log.warning("%s: started again as pid %d (restart %d of %d); sending it the %d calls not answered",
+                                error, worker.process.pid, worker.restarts, self._restarts, len(unanswered))
+                    for _, call in unanswered:
+                        if not self._transmit(worker, call):
+                            break  # dead again: the reader's next recv sees it
+                    return True
+        failure = worker.failure
+        self._fail_pending(lambda index: failure if index == worker.index else None)
+        return False
+
+    def _died(self, worker: _Process, final: bool = True) -> EmbeddingWorkerError:
+        """The error naming ``worker``, dead; ``final``: the run stops with it (no restart left)."""
+        if worker.failure is not None:
+            return worker.failure
+        try:
+            code: Optional[int] = worker.process.wait(1.0)
+        except subprocess.TimeoutExpired:
+            code = None
+        how = "is not answering" if code is None else f"exited with code {code}"
+        if not final:
+            return EmbeddingWorkerError(f"{worker.describe()} {how}")
+        restarted = f" after {worker.restarts} restart(s)" if worker.restarts else ""
+        worker.failure = EmbeddingWorkerError(
+            f"{worker.describe()} {how}{restarted}; the embedding lookups and updates it had in flight are lost, so the run "
+            f"stops (restart it from the last checkpoint, or allow EmbeddingWorkerSettings.restarts)")
+        log.error("%s", worker.failure)
         return worker.failure
 
     def _fail_pending(self, error_of: Callable[[int], Optional[BaseException]]) -> None:
         with self._lock:
-            failing = [(r, e) for r, e in self._pending.items() if error_of(e[2]) is not None]
+            failing = [(r, c) for r, c in self._pending.items() if error_of(c.worker) is not None]
             for request, _ in failing:
                 del self._pending[request]
-        for _, (future, _, index) in failing:
-            future.set_exception(error_of(index))
+        for _, call in failing:
+            call.future.set_exception(error_of(call.worker))
 
     def _await_ready(self, worker: _Process, timeout_s: float) -> None:
         if not worker.connection.poll(timeout_s):

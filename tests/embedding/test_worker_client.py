@@ -1,5 +1,7 @@
 """Embedding workers against real shards: rows, updates and deduplication as the trainer's own client and planning
-give them, through shared buffers; bad input refused; a worker that dies fails every call, in flight or to come, with an error naming it."""
+give them, through shared buffers; bad input refused; a worker that dies is started again and its unanswered calls sent
+to the new one, each update applied once, or, past its restarts, fails every call, in flight or to come, with an error
+naming it."""
 from __future__ import annotations
 
 import os
@@ -31,8 +33,8 @@ def cluster():
     cluster.stop()
 
 
-def _workers(client: PSClient, count: int = 1) -> EmbeddingWorkers:
-    return EmbeddingWorkers(count, client.addresses, DIMS, client.retry, lambda: client.incarnations, start_timeout_s=120)
+def _workers(client: PSClient, count: int = 1, restarts: int = 0) -> EmbeddingWorkers:
+    return EmbeddingWorkers(count, client.addresses, DIMS, client.retry, lambda: client.incarnations, start_timeout_s=120, restarts=restarts)
 
 
 def _keyed(a: list[int], b: list[int]) -> KeyedIds:
@@ -88,6 +90,8 @@ def test_bad_input_is_refused_with_its_name(cluster):
             workers.lookup_sharded_async(client.shard(_keyed([1], [2])), train=True)
         with pytest.raises(ValueError, match="count must be >= 1"):
             EmbeddingWorkers(0, client.addresses, DIMS, client.retry, lambda: client.incarnations)
+        with pytest.raises(ValueError, match="restarts must be >= 0, got -1"):
+            EmbeddingWorkers(1, client.addresses, DIMS, client.retry, lambda: client.incarnations, restarts=-1)
     finally:
         workers.close()
 
@@ -114,3 +118,35 @@ def test_a_worker_that_cannot_reach_the_shards_fails_the_start_naming_it(cluster
     _, client = cluster
     with pytest.raises(EmbeddingWorkerError, match=r"embedding worker 0 of rank 3 \(pid \d+\) could not reach the shards"):
         EmbeddingWorkers(1, client.addresses, {"nope": 4}, client.retry, lambda: client.incarnations, rank=3)
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_killed_with_calls_in_flight_is_started_again_and_each_update_lands_once(cluster):
+    _, client = cluster
+    workers = _workers(client, restarts=2)
+    try:
+        keyed = _keyed(list(range(10_000, 14_000)), list(range(10_000, 11_000)))
+        before = client.lookup_sharded_async(client.shard(keyed), train=False, wire_dtype="fp32").result(60)
+        grads = torch.rand(4000 * 4 + 1000 * 8)
+        expected = before
+        for delay in (0.0, 0.05):  # killed before the worker read the update, or while it sends it
+            sharded = workers.shard(keyed)
+            workers.lookup_sharded_async(sharded, train=True, wire_dtype="fp32").result(60)  # the rows exist, as after a forward
+            update = workers.update_sharded_async(sharded, grads, (4, 8), wire_dtype="fp32")
+            time.sleep(delay)
+            os.kill(workers.pids[0], signal.SIGKILL)
+            update.result(120)  # answered by the worker started in its place (or by the first, just before it died)
+            expected = expected - grads  # SGD(lr=1), once, whether or not the dead worker's attempt reached a shard
+            after = client.lookup_sharded_async(client.shard(keyed), train=False, wire_dtype="fp32").result(60)
+            torch.testing.assert_close(after, expected, rtol=0, atol=1e-5)
+            # A call made after the death is answered by the worker started in its place.
+            torch.testing.assert_close(workers.lookup_sharded_async(workers.shard(keyed), train=False, wire_dtype="fp32").result(120),
+                                       expected, rtol=0, atol=1e-5)
+        assert workers.restarted == 2
+        # The third death is past its restarts: the calls fail naming the worker, after both restarts.
+        os.kill(workers.pids[0], signal.SIGKILL)
+        with pytest.raises(EmbeddingWorkerError, match=r"embedding worker 0 of rank 0 \(pid \d+\) exited with code -9 after 2 restart"):
+            for _ in range(50):
+                workers.lookup_sharded_async(workers.shard(keyed), train=True).result(30)
+    finally:
+        workers.close()

@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_persia.embedding import process_memory
 from lightning_persia.embedding.shared_buffers import MappedSegments
 from lightning_persia.ops.dedup import keyed_unique
 from lightning_persia.ops.keyed_ids import KeyedIds
@@ -39,7 +40,7 @@ DEDUP, LOOKUP, UPDATE, DROP, CLOSE = "dedup", "lookup", "update", "drop", "close
 READY, DONE, FAILED = "ready", "done", "failed"
 SHARDINGS_KEPT = 64  # lookups whose bucketing is kept for their update (more than any staleness window holds)
 
-BufferRef = tuple[str, int, int]  # segment, byte offset, elements
+BufferRef = tuple[Optional[str], int, int]  # segment, byte offset, elements; no segment: an address in the trainer's memory
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class WorkerSpec:
     tls_root_cert: Optional[str] = None
     log_calls: bool = False  # every reply carries the shard calls made since the last (the trainer's metrics count them)
     client_id: Optional[str] = None  # the sender of its updates: a worker started in place of a dead one keeps it
+    trainer: tuple[int, int, bytes] = (0, 0, b"")  # pid, and an address there with its bytes: whether the worker may read it
 
 
 def serve(connection: Connection, spec: WorkerSpec) -> None:
@@ -71,8 +73,10 @@ def serve(connection: Connection, spec: WorkerSpec) -> None:
     except BaseException as error:  # noqa: BLE001 - told to the trainer, which raises it naming this worker
         connection.send((FAILED, _portable(error)))
         return
-    worker = _Worker(connection, client, calls)
-    connection.send((READY, os.getpid()))
+    pid, address, expected = spec.trainer
+    trainer_pid = pid if pid and process_memory.readable(pid, address, expected) else None
+    worker = _Worker(connection, client, calls, trainer_pid)
+    connection.send((READY, os.getpid(), trainer_pid is not None))
     try:
         worker.run()
     finally:
@@ -81,8 +85,9 @@ def serve(connection: Connection, spec: WorkerSpec) -> None:
 
 
 class _Worker:
-    def __init__(self, connection: Connection, client: PSClient, calls: Optional[ClientCallLog]) -> None:
+    def __init__(self, connection: Connection, client: PSClient, calls: Optional[ClientCallLog], trainer_pid: Optional[int]) -> None:
         self.connection = connection
+        self._trainer_pid = trainer_pid
         self.client = client
         self._calls = calls
         self.segments = MappedSegments()
@@ -155,6 +160,10 @@ class _Worker:
 
     def _tensor(self, ref: BufferRef, dtype: torch.dtype) -> torch.Tensor:
         segment, offset, numel = ref
+        if segment is None:  # read-only input left in the trainer's memory: this copy is the only one
+            if self._trainer_pid is None:
+                raise RuntimeError("the trainer named its own memory, which this worker cannot read")
+            return process_memory.read(self._trainer_pid, offset, numel, dtype)
         return self.segments.tensor(segment, offset, numel, dtype)
 
     def _answer(self, request: int, future: Future) -> None:

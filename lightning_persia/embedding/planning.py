@@ -29,6 +29,18 @@ def _plan_ids(key: str, tables: tuple[str, ...], dims: tuple[int, ...], counts: 
     return RowPlan(key, unique, dims, inverse, source, feature_tables, counts)
 
 
+def _length_per_key(kjt: KeyedJaggedTensor) -> list[int]:
+    """``kjt.length_per_key()``, read off its offsets where TorchRec would sum its lengths: ``torch.sum`` over a
+    ``[keys, batch]`` view of the lengths costs 1.4 ms of CPU at batch 16,384 and 26 keys, the offsets' cumulative
+    sum 0.16 ms, and the forward reads the same offsets (``kjt.offsets()`` keeps them), so the trainer computes them
+    once either way."""
+    known = kjt.length_per_key_or_none()
+    if known is not None or kjt.variable_stride_per_key() or not kjt.keys() or not kjt.stride():
+        return known if known is not None else kjt.length_per_key()
+    offsets = kjt.offsets()
+    return offsets[:: kjt.stride()].diff().tolist()
+
+
 @dataclass(frozen=True)
 class CollectionPlanner:
     """Plans the lookup of a TorchRec collection twin: the features of its remote tables, in a KeyedJaggedTensor.
@@ -72,7 +84,7 @@ class CollectionPlanner:
 
     def plan(self, kjt: KeyedJaggedTensor, dedup: Deduplicate = keyed_unique) -> RowPlan:
         mine = self.select(kjt)
-        per_feature = torch.tensor(mine.length_per_key(), dtype=torch.int64)
+        per_feature = torch.tensor(_length_per_key(mine), dtype=torch.int64)
         counts = torch.zeros(len(self.tables), dtype=torch.int64).index_add_(0, torch.tensor(self.feature_tables, dtype=torch.int64), per_feature)
         return _plan_ids(self.key, self.tables, self.dims, tuple(counts.tolist()), mine.values(), self.sources(kjt),
                          self.feature_tables if self.pooled else None, dedup)

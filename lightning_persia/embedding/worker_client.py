@@ -79,6 +79,7 @@ class _Process:
         self.failure: Optional[EmbeddingWorkerError] = None
         self.restarts = 0
         self.reader: Optional[threading.Thread] = None
+        self.reads_trainer_memory = False  # it reads ids and gradients in the trainer's memory (process_memory.py)
 
     def describe(self) -> str:
         return f"{self.name} (pid {self.process.pid})"
@@ -146,10 +147,13 @@ class EmbeddingWorkers:
         self._update_numbers: dict[str, Iterator[int]] = {}
         self._closed = False
         run = uuid.uuid4().hex[:12]
+        self._probe = torch.frombuffer(bytearray(os.urandom(16)), dtype=torch.uint8)  # what a worker reads to tell it may
+        trainer = (os.getpid(), self._probe.data_ptr(), bytes(self._probe.tolist()))
         try:
             for index in range(count):
                 spec = WorkerSpec(tuple(addresses), self._dims, retry, tuple(incarnations()), token, tls_root_cert,
-                                  on_calls is not None, client_id=f"{socket.gethostname()}-{os.getpid()}-{run}-worker{index}")
+                                  on_calls is not None, client_id=f"{socket.gethostname()}-{os.getpid()}-{run}-worker{index}",
+                                  trainer=trainer)
                 self._workers.append(_Process(index, f"embedding worker {index} of rank {rank}", spec))
             for worker in self._workers:
                 self._await_ready(worker, start_timeout_s)
@@ -176,13 +180,13 @@ class EmbeddingWorkers:
 
     def deduplicate(self, keyed: KeyedIds) -> tuple[KeyedIds, torch.Tensor]:
         """``ops.dedup.keyed_unique(keyed)``, computed by a worker into shared buffers (the planning's ``Deduplicate``)."""
-        ids = self._ids_buffer(keyed)
+        worker = self._workers[next(self._turn) % len(self._workers)]
+        ids, ids_ref = self._ids_buffer(keyed, worker)
         unique = self._buffers.take(keyed.ids.numel(), torch.int64)
         inverse = self._buffers.take(keyed.ids.numel(), torch.int64)
-        worker = self._workers[next(self._turn) % len(self._workers)]
         request = next(self._requests)
         future = self._send(worker, request, None, (ids, unique, inverse),
-                            (DEDUP, request, keyed.tables, keyed.counts, _ref(ids), _ref(unique), _ref(inverse)))
+                            (DEDUP, request, keyed.tables, keyed.counts, ids_ref, _ref(unique), _ref(inverse)))
         try:
             counts = future.result(self._timeout_s)
         except FutureTimeout:
@@ -204,13 +208,13 @@ class EmbeddingWorkers:
         if unknown:
             raise ValueError(f"EmbeddingWorkers: tables {unknown} are not among the remote tables {sorted(self._dims)}")
         rows = self._buffers.take(RowLayout(keyed.counts, [self._dims[t] for t in keyed.tables]).numel, torch.float32)
-        id_buffer = self._ids_buffer(keyed)
         worker = self._workers[next(self._turn) % len(self._workers)]
+        id_buffer, ids_ref = self._ids_buffer(keyed, worker)
         request = next(self._requests)
         if train:
             ids.worker, ids.token = worker.index, request
         return self._send(worker, request, rows.tensor, id_buffer, (
-            LOOKUP, request, ids.token, keyed.tables, keyed.counts, _ref(id_buffer), _ref(rows), train, wire_dtype))
+            LOOKUP, request, ids.token, keyed.tables, keyed.counts, ids_ref, _ref(rows), train, wire_dtype))
 
     def update_sharded_async(
         self, sharded: Any, grads: torch.Tensor, dims: Sequence[int], *, wire_dtype: str = "fp16", sender: Optional[str] = None,
@@ -221,18 +225,23 @@ class EmbeddingWorkers:
         if grads.dim() != 1 or grads.numel() != layout.numel or not grads.is_floating_point():
             raise ValueError(f"grads must be a flat float tensor of {layout.numel} values (counts {list(keyed.counts)} x dims "
                              f"{list(dims)}), got {grads.dtype} {tuple(grads.shape)}")
-        values = self._buffers.take(layout.numel, torch.float32)
-        values.tensor.copy_(grads.detach())
         # Updates under a shared sender (the ranks' merged update) carry sequence numbers that must match across ranks:
         # they all go through worker 0, numbered here in the same order on every rank.
         token = ids.token if sender is None else None
         worker = self._workers[ids.worker if token is not None and ids.worker is not None else 0]
-        id_buffer = self._ids_buffer(keyed)
+        values = grads.detach()
+        if worker.reads_trainer_memory and _readable_in_place(values, torch.float32):
+            values_ref = (None, values.data_ptr(), values.numel())
+        else:
+            shared = self._buffers.take(layout.numel, torch.float32)
+            shared.tensor.copy_(values)
+            values, values_ref = shared.tensor, _ref(shared)
+        id_buffer, ids_ref = self._ids_buffer(keyed, worker)
         request = next(self._requests)
         with worker.send_lock:  # numbered in the order sent, so that a shard sees a sender's numbers rise
             numbers = self._update_numbers.setdefault(sender or worker.spec.client_id, itertools.count(1))
             return self._send_locked(worker, request, None, (id_buffer, values), (
-                UPDATE, request, token, keyed.tables, keyed.counts, _ref(id_buffer), _ref(values), tuple(dims), wire_dtype, sender,
+                UPDATE, request, token, keyed.tables, keyed.counts, ids_ref, values_ref, tuple(dims), wire_dtype, sender,
                 next(numbers) * SEQS_PER_UPDATE))
 
     # ---- life --------------------------------------------------------------------------------------------
@@ -254,15 +263,18 @@ class EmbeddingWorkers:
 
     # ---- internals --------------------------------------------------------------------------------------
 
-    def _ids_buffer(self, keyed: KeyedIds) -> SharedTensor:
-        """``keyed``'s ids in a shared buffer: where they are when a worker wrote them (a one-module step's unique
-        ids), else a copy."""
+    def _ids_buffer(self, keyed: KeyedIds, worker: _Process) -> tuple[Any, tuple[Optional[str], int, int]]:
+        """``keyed``'s ids where ``worker`` reads them, and their reference in its message: in a shared buffer when a
+        worker wrote them there (a one-module step's unique ids); else where they are, when the worker reads the
+        trainer's memory; else copied into a shared buffer. The first is what to hold until the worker answers."""
         located = self._buffers.locate(keyed.ids) if keyed.ids.dtype == torch.int64 else None
         if located is not None:
-            return located
+            return located, _ref(located)
+        if worker.reads_trainer_memory and _readable_in_place(keyed.ids, torch.int64):
+            return keyed.ids, (None, keyed.ids.data_ptr(), keyed.ids.numel())
         buffer = self._buffers.take(keyed.ids.numel(), torch.int64)
         buffer.tensor.copy_(keyed.ids)
-        return buffer
+        return buffer, _ref(buffer)
 
     def _send(self, worker: _Process, request: int, result: Any, keep: Any, message: tuple) -> Future:
         with worker.send_lock:
@@ -381,6 +393,13 @@ class EmbeddingWorkers:
         if kind != READY:
             error = payload[0]
             raise EmbeddingWorkerError(f"{worker.describe()} could not reach the shards: {type(error).__name__}: {error}") from error
+        reads = bool(payload[1])
+        if worker.reads_trainer_memory and not reads:  # the calls to send it again name the trainer's memory
+            raise EmbeddingWorkerError(f"{worker.describe()} cannot read the trainer's memory as the worker it replaces did")
+        if not reads and not worker.restarts:
+            log.info("%s cannot read the trainer's memory (process_vm_readv refused): ids and gradients are copied into "
+                     "shared buffers", worker.describe())
+        worker.reads_trainer_memory = reads
 
     def _drop(self, segment: str) -> None:
         for worker in self._workers:
@@ -423,8 +442,12 @@ def _start(spec: WorkerSpec) -> tuple[subprocess.Popen, Connection]:
     return process, connection
 
 
-def _ref(buffer: SharedTensor) -> tuple[str, int, int]:
+def _ref(buffer: SharedTensor) -> tuple[Optional[str], int, int]:
     return buffer.segment, buffer.offset, buffer.tensor.numel()
+
+
+def _readable_in_place(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
+    return tensor.device.type == "cpu" and tensor.dtype == dtype and tensor.is_contiguous() and tensor.numel() > 0
 
 
 def _worker_ids(sharded: Any) -> WorkerIds:

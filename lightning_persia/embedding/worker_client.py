@@ -37,7 +37,7 @@ import torch
 
 from lightning_persia.embedding.embedding_worker import CLOSE, DEDUP, DONE, DROP, LOOKUP, READY, UPDATE, WorkerSpec
 from lightning_persia.embedding.shared_buffers import SharedBuffers, SharedTensor
-from lightning_persia.ops.keyed_ids import KeyedIds, RowLayout
+from lightning_persia.ops.keyed_ids import KeyedIds
 from lightning_persia.remote_ps.protocol import SHARD_PROCESS_ENV
 from lightning_persia.remote_ps.client.ps_client import SEQS_PER_UPDATE
 from lightning_persia.remote_ps.client.retry import RetryPolicy
@@ -207,7 +207,7 @@ class EmbeddingWorkers:
         unknown = [t for t in keyed.tables if t not in self._dims]
         if unknown:
             raise ValueError(f"EmbeddingWorkers: tables {unknown} are not among the remote tables {sorted(self._dims)}")
-        rows = self._buffers.take(RowLayout(keyed.counts, [self._dims[t] for t in keyed.tables]).numel, torch.float32)
+        rows = self._buffers.take(_numel(keyed.counts, [self._dims[t] for t in keyed.tables]), torch.float32)
         worker = self._workers[next(self._turn) % len(self._workers)]
         id_buffer, ids_ref = self._ids_buffer(keyed, worker)
         request = next(self._requests)
@@ -221,9 +221,9 @@ class EmbeddingWorkers:
     ) -> "Future[None]":
         ids = _worker_ids(sharded)
         keyed = ids.keyed
-        layout = RowLayout(keyed.counts, dims)
-        if grads.dim() != 1 or grads.numel() != layout.numel or not grads.is_floating_point():
-            raise ValueError(f"grads must be a flat float tensor of {layout.numel} values (counts {list(keyed.counts)} x dims "
+        numel = _numel(keyed.counts, dims)
+        if grads.dim() != 1 or grads.numel() != numel or not grads.is_floating_point():
+            raise ValueError(f"grads must be a flat float tensor of {numel} values (counts {list(keyed.counts)} x dims "
                              f"{list(dims)}), got {grads.dtype} {tuple(grads.shape)}")
         # Updates under a shared sender (the ranks' merged update) carry sequence numbers that must match across ranks:
         # they all go through worker 0, numbered here in the same order on every rank.
@@ -233,7 +233,7 @@ class EmbeddingWorkers:
         if worker.reads_trainer_memory and _readable_in_place(values, torch.float32):
             values_ref = (None, values.data_ptr(), values.numel())
         else:
-            shared = self._buffers.take(layout.numel, torch.float32)
+            shared = self._buffers.take(numel, torch.float32)
             shared.tensor.copy_(values)
             values, values_ref = shared.tensor, _ref(shared)
         id_buffer, ids_ref = self._ids_buffer(keyed, worker)
@@ -444,6 +444,13 @@ def _start(spec: WorkerSpec) -> tuple[subprocess.Popen, Connection]:
 
 def _ref(buffer: SharedTensor) -> tuple[Optional[str], int, int]:
     return buffer.segment, buffer.offset, buffer.tensor.numel()
+
+
+def _numel(counts: Sequence[int], dims: Sequence[int]) -> int:
+    """``RowLayout(counts, dims).numel`` without the layout's blocks (26 tables: three times a step on the prefetch thread)."""
+    if len(counts) != len(dims):
+        raise ValueError(f"{len(counts)} counts but {len(dims)} dims")
+    return sum(c * d for c, d in zip(counts, dims))
 
 
 def _readable_in_place(tensor: torch.Tensor, dtype: torch.dtype) -> bool:

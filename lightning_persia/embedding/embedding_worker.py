@@ -9,7 +9,10 @@ one lock its threads would share.
 
 Messages are small tuples on a pipe (:data:`DEDUP`, :data:`LOOKUP`, :data:`UPDATE`, :data:`DROP`, :data:`CLOSE` in; :data:`READY`,
 :data:`DONE`, :data:`FAILED` out); tensors travel as ``(segment, offset, numel)`` of the trainer's
-:class:`~lightning_persia.embedding.shared_buffers.SharedBuffers`. The worker ends when the trainer closes the pipe
+:class:`~lightning_persia.embedding.shared_buffers.SharedBuffers`, or, for what the worker only reads (ids, gradients),
+as ``(None, address, numel)`` in the trainer's own memory (``embedding/process_memory.py``). Updates come numbered
+by the trainer (``seq_base``), so that a worker started in place of a dead one sends them again under the same
+sequence numbers. The worker ends when the trainer closes the pipe
 (or dies). It runs as ``python -m lightning_persia.embedding.embedding_worker <socket fd>``, the spec its first message.
 """
 from __future__ import annotations

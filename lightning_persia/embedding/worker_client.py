@@ -1,13 +1,14 @@
 """The trainer's side of its embedding workers: the pipeline's :class:`~lightning_persia.embedding.shard_client.ShardClient`,
 with the per-id work done in worker processes (``embedding/embedding_worker.py``).
 
-Per module and step the trainer copies the module's ids into a shared buffer and the worker deduplicates them into
-two more (:meth:`EmbeddingWorkers.deduplicate`, the plan's unique ids and inverse indices, which the trainer then reads
-in place). Per lookup the trainer copies the step's unique ids into a shared buffer, names a shared buffer for the rows and
-sends one small message; the rows it then reads are that buffer, written by the worker (on a GPU: pinned, so they
-go up in one copy). Per update it copies the gradient into a shared buffer and sends one message. Nothing here
-loops, encodes, decodes, deduplicates or sorts over ids: that happens in the worker, and :meth:`shard` only marks
-the ids for it.
+Per module and step the trainer names the module's ids and the worker deduplicates them into two shared buffers
+(:meth:`EmbeddingWorkers.deduplicate`, the plan's unique ids and inverse indices, which the trainer then reads in
+place). Per lookup the trainer names the step's unique ids (already in a shared buffer) and a shared buffer for the
+rows, in one small message; the rows it then reads are that buffer, written by the worker (on a GPU: pinned, so
+they go up in one copy). Per update it names the gradient and sends one message. Ids and gradients the worker reads
+where they are in the trainer's memory (``embedding/process_memory.py``), or, where the kernel does not let it,
+from shared buffers the trainer copies them into. Nothing here loops, encodes, decodes, deduplicates or sorts over
+ids: that happens in the worker, and :meth:`shard` only marks the ids for it.
 
 A worker that dies is started again, up to ``restarts`` times, and sent every call it had not answered: a lookup
 or deduplication again (the same buffers: the trainer holds them until answered), an update again under the same

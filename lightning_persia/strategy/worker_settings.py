@@ -14,9 +14,9 @@ class EmbeddingWorkerSettings:
 
         PersiaStrategy(embedding_workers=EmbeddingWorkerSettings(count=2))
 
-    The workers run on the trainer's machine, started with the rank and stopped with it; rows and gradients cross
-    through shared memory. Workers on other hosts are not supported: they would need the rows over the network
-    instead of shared memory.
+    The workers run on the trainer's machine, started with the rank and stopped with it; rows cross through shared
+    memory, and the workers read ids and gradients in the trainer's memory. Workers on other hosts are not
+    supported: they would need the rows over the network instead of shared memory.
     """
 
     count: int = 1

@@ -7,6 +7,7 @@ Everything else about the package is declared in pyproject.toml. The libraries a
 works the package installs without them, and runs its tensor implementation instead.
 """
 import importlib.util
+import os
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -23,8 +24,8 @@ def _extension(folder: str) -> Extension:
     files = _source.sources(ROOT / folder)
     return Extension(
         f"{folder.replace('/', '.')}.{_source.library_name(ROOT / folder)}",
-        sources=[f"{folder}/{path.name}" for path in files if path.suffix == ".c"],
-        depends=[f"{folder}/{path.name}" for path in files if path.suffix == ".h"],
+        sources=[os.path.relpath(path, ROOT) for path in files if path.suffix == ".c"],
+        depends=[os.path.relpath(path, ROOT) for path in files if path.suffix == ".h"],
         extra_compile_args=list(_source.COMPILE_ARGS),
         libraries=["m"],  # sqrtf of the sparse rules
         optional=True,

@@ -100,7 +100,7 @@ def _ps_main(argv: Sequence[str]) -> int:
     )
 
     from lightning_persia.remote_ps.security import BindSecurityError, TLSFiles
-    from lightning_persia.remote_ps.server import run_shard
+    from lightning_persia.remote_ps.server import Endpoint, run_shard
     from lightning_persia.remote_ps.config import load_ps_config
     from lightning_persia.remote_ps.store import CheckpointError
     from lightning_persia.remote_ps.table_config import ConfigError
@@ -129,9 +129,9 @@ def _ps_main(argv: Sequence[str]) -> int:
             watch = functools.partial(_watch_deltas, root=os.path.abspath(args.watch_deltas), up_to=args.version,
                                       interval_s=args.watch_interval, name=f"shard {args.shard_index}/{args.num_shards}")
         return run_shard(
-            shard_index=args.shard_index, num_shards=args.num_shards, config=config, host=args.host,
-            port=args.port, token=args.token, tls=tls, insecure=args.insecure, parent_pid=args.parent_pid,
-            model_version=model_version, before_serving=watch,
+            shard_index=args.shard_index, num_shards=args.num_shards, config=config,
+            endpoint=Endpoint(host=args.host, port=args.port, token=args.token, tls=tls, insecure=args.insecure),
+            parent_pid=args.parent_pid, model_version=model_version, before_serving=watch,
         )
     except (CheckpointError, BundleError) as err:
         print(f"lightning-persia ps serve: error: cannot restore: {err}", file=sys.stderr, flush=True)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import gzip
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -376,17 +376,13 @@ class SyntheticCriteoDataModule(CriteoFeatures, TransformedFeatures, LightningDa
         num_val_batches: validation batches.
         num_test_batches: test batches.
         batch_size: rows per batch.
-        seed: seed of the data and of the hidden ground truth.
-        cardinalities: distinct values per categorical feature (26 numbers); default: the Criteo Kaggle ones
-            times ``cardinality_scale``.
-        cardinality_scale: see ``cardinalities``.
-        zipf_alpha: Zipf exponent of the id frequencies.
-        positive_rate: share of positive labels.
-        signal_scale: strength of the hidden ground truth (larger: higher AUC ceiling).
         num_workers: DataLoader worker processes per rank, each generating its share of the batches (0: the
             training process generates them, which bounds a fast trainer); ``None``: half the rank's share of the
             cores less one, at most 8 (0 on 2 cores).
         pin_memory: pin batches in host memory; ``None``: when the trainer runs on a GPU.
+        **generator: :class:`SyntheticCriteo`'s: ``seed`` (of the data and of the hidden ground truth),
+            ``cardinalities`` or ``cardinality_scale``, ``zipf_alpha``, ``positive_rate``, ``signal_scale``
+            (larger: higher AUC ceiling), ``latent_dim``, ``num_interactions``.
     """
 
     def __init__(
@@ -395,25 +391,13 @@ class SyntheticCriteoDataModule(CriteoFeatures, TransformedFeatures, LightningDa
         num_val_batches: int = 50,
         num_test_batches: int = 50,
         batch_size: int = 4096,
-        seed: int = 0,
-        cardinalities: Optional[List[int]] = None,
-        cardinality_scale: float = 0.1,
-        zipf_alpha: float = 1.1,
-        positive_rate: float = 0.25,
-        signal_scale: float = 1.0,
         num_workers: Optional[int] = None,
         pin_memory: Optional[bool] = None,
+        **generator: Any,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.generator = SyntheticCriteo(
-            seed=seed,
-            cardinalities=cardinalities,
-            cardinality_scale=cardinality_scale,
-            zipf_alpha=zipf_alpha,
-            positive_rate=positive_rate,
-            signal_scale=signal_scale,
-        )
+        self.generator = SyntheticCriteo(**generator)
         self.num_batches = {"train": num_train_batches, "val": num_val_batches, "test": num_test_batches}
         self.batch_size = batch_size
         self.num_workers = num_workers

@@ -18,6 +18,7 @@ import signal
 import threading
 import uuid
 from concurrent import futures
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import grpc
@@ -41,25 +42,26 @@ def format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a shard listens (``port`` 0 picks a free one) and who may call it: the holders of ``token``, over TLS
+    with ``tls``; ``insecure`` allows a non-loopback ``host`` with neither (``lightning-persia ps serve``'s options)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    token: Optional[str] = None
+    tls: Optional[TLSFiles] = None
+    insecure: bool = False
+
+
 class ShardServer:
     """The gRPC server of one shard: the PS service, the health service, optional token and TLS."""
 
-    def __init__(
-        self,
-        store: ShardStore,
-        config: PSConfig,
-        *,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        token: Optional[str] = None,
-        tls: Optional[TLSFiles] = None,
-        insecure: bool = False,
-        model_version: int = 0,
-    ) -> None:
-        check_bind_security(host, token=token, tls=tls is not None, insecure=insecure)
+    def __init__(self, store: ShardStore, config: PSConfig, endpoint: Endpoint = Endpoint(), *, model_version: int = 0) -> None:
+        check_bind_security(endpoint.host, token=endpoint.token, tls=endpoint.tls is not None, insecure=endpoint.insecure)
         self.servicer = PSServicer(store, config, model_version)
         self.health = health.HealthServicer()
-        self._host = host
+        self._host = endpoint.host
         self._metrics_port = config.metrics_port
         self.metrics_registry = None if config.metrics_port is None else metrics.shard_registry(self.servicer)
         self.metrics_url: Optional[str] = None
@@ -67,7 +69,7 @@ class ShardServer:
         # The metrics interceptor comes first, so it also counts the calls the token interceptor refuses; an
         # injected delay last, so that it slows only the calls that get through.
         interceptors = ([metrics.ServerRpcMetrics(self.metrics_registry)] if self.metrics_registry is not None else []) + (
-            [TokenInterceptor(token)] if token else []) + ([DelayInterceptor(config.fault_delay_s)] if config.fault_delay_s else []) + (
+            [TokenInterceptor(endpoint.token)] if endpoint.token else []) + ([DelayInterceptor(config.fault_delay_s)] if config.fault_delay_s else []) + (
             [DelayInterceptor(config.fault_ack_delay_s, {"Update"}, after=True)] if config.fault_ack_delay_s else [])
         max_bytes = config.max_message_mb << 20
         self._server = grpc.server(
@@ -81,17 +83,17 @@ class ShardServer:
         )
         self.servicer.add_to_server(self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        target = format_address(host, port)
+        target = format_address(endpoint.host, endpoint.port)
         try:
-            if tls is not None:
-                bound = self._server.add_secure_port(target, tls.credentials())
+            if endpoint.tls is not None:
+                bound = self._server.add_secure_port(target, endpoint.tls.credentials())
             else:
                 bound = self._server.add_insecure_port(target)
         except RuntimeError as err:
             raise OSError(f"cannot bind {target}: {err} (is the port in use?)") from None
         if not bound:
             raise OSError(f"cannot bind {target} (is the port in use?)")
-        self.address = format_address(host, bound)
+        self.address = format_address(endpoint.host, bound)
 
     def start(self) -> str:
         """Starts serving (metrics first: a shard whose metrics port is taken never answers a call)."""
@@ -120,11 +122,7 @@ def run_shard(
     shard_index: int,
     num_shards: int,
     config: PSConfig,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    token: Optional[str] = None,
-    tls: Optional[TLSFiles] = None,
-    insecure: bool = False,
+    endpoint: Endpoint = Endpoint(),
     parent_pid: Optional[int] = None,
     model_version: int = 0,
     before_serving: Optional[Callable[[PSServicer, threading.Event], None]] = None,
@@ -151,14 +149,14 @@ def run_shard(
     elif config.restore_from:  # before binding: a shard that cannot restore never answers with empty tables
         restored = store.load_latest(config.restore_from)  # CheckpointError: refuse to start
         log.info("shard %d/%d restored from %s", shard_index, num_shards, restored)
-    server = ShardServer(store, config, host=host, port=port, token=token, tls=tls, insecure=insecure, model_version=model_version)
+    server = ShardServer(store, config, endpoint, model_version=model_version)
     server.servicer.restored_from = restored
     stop = threading.Event()
     if before_serving is not None:
         before_serving(server.servicer, stop)
-    if insecure and not (is_loopback_host(host) or token or tls):
+    if endpoint.insecure and not (is_loopback_host(endpoint.host) or endpoint.token or endpoint.tls):
         log.warning("serving on %s with neither TLS nor a token (--insecure): anyone who reaches it can read and "
-                    "overwrite the tables", host)
+                    "overwrite the tables", endpoint.host)
 
     signalled: list[int] = []
 
@@ -176,7 +174,7 @@ def run_shard(
     if config.malloc_trim_interval_s > 0:
         trim_memory_every(config.malloc_trim_interval_s, stop)
     address = server.start()
-    protection = " + ".join(name for name, on in (("TLS", tls), ("token", token)) if on) or "no TLS, no token"
+    protection = " + ".join(name for name, on in (("TLS", endpoint.tls), ("token", endpoint.token)) if on) or "no TLS, no token"
     log.info("shard %d/%d serving on %s (%s)", shard_index, num_shards, address, protection)
     if server.metrics_url:
         log.info("shard %d/%d metrics on %s", shard_index, num_shards, server.metrics_url)

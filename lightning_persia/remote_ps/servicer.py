@@ -58,6 +58,18 @@ def _rpc(method: Callable) -> Callable:
     return wrapper
 
 
+def _writes(method: Callable) -> Callable:
+    """Refuses the call on a read-only shard (an inference shard), before it reads its request."""
+
+    @functools.wraps(method)
+    def wrapper(self: "PSServicer", request, context: grpc.ServicerContext):
+        if self.config.read_only:
+            raise read_only(method.__name__)
+        return method(self, request, context)
+
+    return wrapper
+
+
 class PSServicer(persia_pb2_grpc.ParameterServerServicer):
     """The ``persia.ParameterServer`` service of one shard."""
 
@@ -114,9 +126,8 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         return messages.lookup_response(request, items, found, dtype)
 
     @_rpc
+    @_writes
     def Update(self, request: persia_pb2.UpdateRequest, context) -> persia_pb2.UpdateResponse:
-        if self.config.read_only:
-            raise read_only("Update")
         if not request.client_id:
             raise invalid("update without a client_id; exactly-once delivery needs (client_id, seq)")
         if request.seq < 1:
@@ -175,9 +186,8 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
     # ---- checkpoints and deltas ----------------------------------------------------------------------
 
     @_rpc
+    @_writes
     def Save(self, request: persia_pb2.SaveRequest, context) -> persia_pb2.SaveResponse:
-        if self.config.read_only:
-            raise read_only("Save")
         if remote_folder.is_remote(request.directory):
             with remote_folder.saved_to(self._checkpoint_url(request.directory)) as staging:
                 self.store.save(staging, save_id=request.save_id)
@@ -186,9 +196,8 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         return persia_pb2.SaveResponse()
 
     @_rpc
+    @_writes
     def Load(self, request: persia_pb2.LoadRequest, context) -> persia_pb2.LoadResponse:
-        if self.config.read_only:
-            raise read_only("Load")
         if remote_folder.is_remote(request.directory):
             try:
                 with remote_folder.loaded_from(self._checkpoint_url(request.directory)) as staging:
@@ -200,9 +209,8 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         return persia_pb2.LoadResponse()
 
     @_rpc
+    @_writes
     def SaveDelta(self, request: persia_pb2.SaveDeltaRequest, context) -> persia_pb2.SaveDeltaResponse:
-        if self.config.read_only:
-            raise read_only("SaveDelta")
         if not request.save_id:
             raise invalid("a delta needs a save_id (the next delta names it as its base_id)")
         self.store.save_delta(self._checkpoint_directory(request.directory), request.save_id, request.base_id)

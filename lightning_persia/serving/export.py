@@ -18,7 +18,7 @@ from lightning_persia import checksum
 from lightning_persia.data.transform import DataTransform, recorded_transform
 from lightning_persia.serving.bundle import (DENSE_FILE, FORMAT, FORMAT_VERSION, MANIFEST, TABLES_DIR, Bundle, BundleError,
                                              file_references)
-from lightning_persia.strategy.persia import CHECKPOINT_KEY
+from lightning_persia.strategy.table_saves import CHECKPOINT_KEY
 from lightning_persia.strategy.ps_checkpoint import TABLES_ELSEWHERE_KEY
 
 _SHARD_FOLDER = re.compile(r"^shard-(\d+)-of-(\d+)$")

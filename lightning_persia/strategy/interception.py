@@ -30,7 +30,9 @@ from lightning_persia.remote_ps.table_config import (
     TABLE_SETTING_NAMES,
     Constant,
     EmbeddingInit,
+    InitLike,
     Normal,
+    OptimizerLike,
     TableConfig,
     TableSettings,
     Uniform,
@@ -92,6 +94,24 @@ class TableDefaults(TableSettings):
     overrides: dict[str, TableOverride] = field(default_factory=dict)
     data_parallel_max_rows: int = 0
     raw_features: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, tables: Optional[TableSettings], optimizer: Optional[OptimizerLike], init: Optional[InitLike],
+           overrides: Optional[dict[str, TableOverride]], data_parallel_max_rows: int) -> "TableDefaults":
+        """The defaults of PersiaStrategy's arguments: ``tables``, its shorthands ``embedding_optimizer`` and
+        ``embedding_init`` (refused where ``tables`` sets the same setting otherwise), ``table_overrides`` and
+        ``data_parallel_max_rows``."""
+        unset = TableSettings()
+        for shorthand, name, value in (("embedding_optimizer", "optimizer", optimizer), ("embedding_init", "init", init)):
+            if tables is not None and value is not None and getattr(tables, name) not in (getattr(unset, name), value):
+                raise ValueError(f"PersiaStrategy: {shorthand}={value!r} and tables.{name}={getattr(tables, name)!r} disagree; "
+                                 f"{shorthand} is a shorthand for tables.{name}: give one of the two")
+        settings = {name: getattr(tables, name) for name in TABLE_SETTING_NAMES} if tables is not None else {}
+        if optimizer is not None:
+            settings["optimizer"] = optimizer
+        if init is not None:
+            settings["init"] = init
+        return cls(**settings, overrides=dict(overrides or {}), data_parallel_max_rows=data_parallel_max_rows)
 
     def config_for(self, name: str, short_name: str, dim: int, module_init: EmbeddingInit) -> TableConfig:
         settings = {key: getattr(self, key) for key in TABLE_SETTING_NAMES}

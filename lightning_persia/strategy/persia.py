@@ -1,18 +1,15 @@
 """``PersiaStrategy``: embeddings on parameter-server shards (asynchronous, bounded staleness), dense network with DDP.
 
-Over 500 lines because the class documents every argument where LightningCLI reads it (its docstring is a third
-of the file) and keeps Lightning's hooks together, as Lightning's own ``strategies/ddp.py`` does; the work behind
-the hooks lives in ``embedding/`` (the pipeline), ``strategy/interception.py``, ``recovery.py`` and ``local_cluster.py``.
+The class keeps Lightning's hooks, as Lightning's own ``strategies/ddp.py`` does; the work behind them lives in
+``embedding/`` (the pipeline), ``strategy/interception.py``, ``recovery.py``, ``table_saves.py`` and ``local_cluster.py``.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
 import math
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Union
 
 import torch
@@ -38,7 +35,7 @@ from lightning_persia.embedding.rank_merge import RankMerge
 from lightning_persia.embedding.worker_client import EmbeddingWorkers
 from lightning_persia.ops.pooled_lookup import kernel_in_use
 from lightning_persia.remote_ps.client import PSClient, ShardWait
-from lightning_persia.remote_ps.table_config import TABLE_SETTING_NAMES, InitLike, OptimizerLike, TableSettings
+from lightning_persia.remote_ps.table_config import InitLike, OptimizerLike, TableSettings
 from lightning_persia.strategy import ps_checkpoint
 from lightning_persia.strategy.interception import MODULE_KINDS, TableDefaults, TableOverride, intercept
 from lightning_persia.strategy.lightning_internals import keep_the_users_samplers
@@ -46,14 +43,12 @@ from lightning_persia.strategy.local_cluster import LocalCluster
 from lightning_persia.strategy.metrics import MetricsEndpoint, TrainerMetrics
 from lightning_persia.strategy.moved_arguments import refuse_moved_arguments
 from lightning_persia.strategy.ps_settings import PSSettings
-from lightning_persia.strategy.recovery import (
-    PersiaRecoveryError, Recovery, RecoveryConfig, RollbackEvent, is_shard_failure, new_save_id,
-)
+from lightning_persia.strategy.recovery import Recovery, RecoveryConfig, RollbackEvent
+from lightning_persia.strategy.table_saves import TableSaves
 from lightning_persia.strategy.worker_settings import EmbeddingWorkerSettings
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_KEY = "persia"
 WAIT_REPORT_INTERVAL_S = 2.0  # a line every this many seconds while a shard has not answered yet
 
 
@@ -178,7 +173,7 @@ class PersiaStrategy(DDPStrategy):
         self.average_embedding_gradients = average_embedding_gradients
         self.merge_rank_gradients = merge_rank_gradients
         self.log_embedding_metrics = log_embedding_metrics
-        self.table_defaults = _table_defaults(tables, embedding_optimizer, embedding_init, table_overrides, data_parallel_max_rows)
+        self.table_defaults = TableDefaults.of(tables, embedding_optimizer, embedding_init, table_overrides, data_parallel_max_rows)
         self.client: Optional[PSClient] = None
         self._pipeline: Optional[EmbeddingPipeline] = None
         self.remote_modules: list[RemoteModule] = []
@@ -187,6 +182,7 @@ class PersiaStrategy(DDPStrategy):
         self._loaders: list[PrefetchingLoader] = []
         self.recovery = recovery if recovery is not None else RecoveryConfig()
         self._recovery = Recovery(self, self.recovery)
+        self._table_saves = TableSaves(self, self._recovery)
         self.metrics = metrics
         self._metrics: Optional[TrainerMetrics] = None
 
@@ -446,73 +442,16 @@ class PersiaStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
         """Saves the shards' state beside the ``.ckpt`` (in ``<file>.ps/``, a path or an ``fsspec`` URL), consistent
         with the same step."""
-        ps_dir = None
-        if self.client is not None and self.remote_modules:
-            ps_dir = self._save_shards(filepath, checkpoint)
-            checkpoint[CHECKPOINT_KEY] = {"ps_dir": ps_checkpoint.relative_name(ps_dir),
-                                          "tables": [t.name for m in self.remote_modules for t in m.remote_tables],
-                                          "interception": self._interception_record()}
+        ps_dir = self._table_saves.save(filepath, checkpoint) if self.client is not None and self.remote_modules else None
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         if ps_dir is not None:
-            if self.is_global_zero:
-                ps_checkpoint.remove_other_saves(ps_dir)
-            self._recovery.saved(filepath, ps_dir)
-
-    def _save_shards(self, filepath: _PATH, checkpoint: dict[str, Any]) -> str:
-        """Every shard saves its state, consistent with ``checkpoint`` (the dense state of the same step), into a
-        fresh folder; returns it. A shard that fails during the save is a shard failure like any other: every rank
-        rolls back (``checkpoint`` is refilled with the restored state) and the save starts again, so the ``.ckpt``
-        written next never names an incomplete folder and Lightning never hears of a save that did not happen."""
-        assert self.client is not None
-        while True:
-            self._drain()
-            self.barrier("persia_save_checkpoint")
-            self._recovery.check("checkpoint", checkpoint)
-            # A fresh folder per save (<file>.ps/<save id>/): the previous one, named by the .ckpt it belongs to,
-            # stays intact until the new .ckpt has replaced it, so a save killed half-way never breaks the pair.
-            ps_dir = ps_checkpoint.folder_of(filepath, self.broadcast(new_save_id()))
-            error: Optional[tuple[bool, str]] = None
-            if self.is_global_zero:
-                try:
-                    self.client.save(ps_dir)
-                except Exception as err:  # noqa: BLE001 - every rank hears of it below
-                    error = (is_shard_failure(err), f"{type(err).__name__}: {err}")
-                    ps_checkpoint.remove(ps_dir)  # what the shards that did answer wrote
-            error = self.broadcast(error)
-            if error is None:
-                return ps_dir
-            shard_failure, reason = error
-            if not shard_failure or not self.recovery.enabled:
-                raise PersiaRecoveryError(f"the parameter-server shards could not save the checkpoint {filepath}: {reason}")
-            self._recovery.failed(f"the shards' save of checkpoint {Path(str(filepath)).name} failed: {reason}")
-
-    def _interception_record(self) -> dict[str, Any]:
-        """What rebuilds the twins without this strategy (``lightning_persia.serving``): which modules were
-        swapped, and the configuration of every table, remote or kept (plain values: checkpoints load weights-only)."""
-        configs = [t.config for m in self.remote_modules for t in m.remote_tables]
-        configs += [c for tables in self.data_parallel_tables for c in tables.configs]
-        return {
-            "intercept": list(self.intercept_kinds),
-            "exclude": list(self.exclude),
-            "data_parallel_max_rows": self.table_defaults.data_parallel_max_rows,
-            "seed": self.ps.seed,
-            "wire_dtype": self.wire_dtype,
-            "tables": {c.name: json.loads(json.dumps(c.to_dict())) for c in configs},
-        }
+            self._table_saves.saved(filepath, ps_dir)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Loads the dense state, and the shards' state from ``<file>.ps/`` (also into another shard count)."""
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        entry = checkpoint.get(CHECKPOINT_KEY)
-        if entry is not None and self.client is not None:
-            ps_dir = ps_checkpoint.folder_named_by(checkpoint_path, entry["ps_dir"])
-            self.barrier("persia_load_checkpoint")
-            if self.is_global_zero:
-                self.client.load(ps_dir)
-            self.barrier("persia_load_checkpoint_done")
-            self.client.refresh_incarnations()  # every shard holds this checkpoint now, a restarted one too
-            self._recovery.loaded(checkpoint_path, ps_dir)
+        self._table_saves.load(checkpoint_path, checkpoint)
         return checkpoint
 
     @override
@@ -612,19 +551,3 @@ def _raw_id_features(trainer: "pl.Trainer") -> tuple[str, ...]:
     transform = getattr(trainer.datamodule, "transform", None)
     return transform.raw_features if isinstance(transform, DataTransform) else ()
 
-
-def _table_defaults(
-    tables: Optional[TableSettings], optimizer: Optional[OptimizerLike], init: Optional[InitLike],
-    overrides: Optional[dict[str, TableOverride]], data_parallel_max_rows: int,
-) -> TableDefaults:
-    unset = TableSettings()
-    for shorthand, name, value in (("embedding_optimizer", "optimizer", optimizer), ("embedding_init", "init", init)):
-        if tables is not None and value is not None and getattr(tables, name) not in (getattr(unset, name), value):
-            raise ValueError(f"PersiaStrategy: {shorthand}={value!r} and tables.{name}={getattr(tables, name)!r} disagree; "
-                             f"{shorthand} is a shorthand for tables.{name}: give one of the two")
-    settings = {name: getattr(tables, name) for name in TABLE_SETTING_NAMES} if tables is not None else {}
-    if optimizer is not None:
-        settings["optimizer"] = optimizer
-    if init is not None:
-        settings["init"] = init
-    return TableDefaults(**settings, overrides=dict(overrides or {}), data_parallel_max_rows=data_parallel_max_rows)

@@ -20,7 +20,7 @@ import pytest
 
 from lightning_persia.remote_ps.config import load_ps_config
 from lightning_persia.remote_ps.protocol import ADDRESSES_ENV, TOKEN_ENV
-from lightning_persia.remote_ps.server import ShardServer
+from lightning_persia.remote_ps.server import Endpoint, ShardServer
 from lightning_persia.remote_ps.store import ShardStore
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,7 +57,7 @@ def test_an_unreachable_shard_is_reported_while_waiting_and_ends_the_output():
 
 
 def test_a_wrong_token_ends_the_output_with_the_shard_s_answer():
-    shard = ShardServer(ShardStore(0, 1), load_ps_config(None, []), token="the-right-one")
+    shard = ShardServer(ShardStore(0, 1), load_ps_config(None, []), Endpoint(token="the-right-one"))
     address = shard.start()
     try:
         rc, lines = _fit(f"--trainer.strategy.init_args.ps.addresses=[{address}]",

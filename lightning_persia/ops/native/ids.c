@@ -1,22 +1,13 @@
 /* The trainer's kernels over a batch's ids: each table's unique ids, and the first id another shard owns.
  *
- * Called through ctypes on the buffers of CPU tensors (see ids.py). The hash is lightning_persia.ops.hashing's
- * splitmix64 finaliser, bit for bit (the store's kernels, remote_ps/store/native, hash with the same one).
+ * Called through ctypes on the buffers of CPU tensors (see ids.py). The hash is hash.h's, which the store's kernels
+ * (remote_ps/store/native) hash with too.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-static const uint64_t SLOT_SALT = 0x9E3779B97F4A7C15ULL;
-static const uint64_t SHARD_SALT = 0x2545F4914F6CDD1DULL;
-
-static inline uint64_t mix64(uint64_t x) {
-    x ^= x >> 30;
-    x *= 0xBF58476D1CE4E5B9ULL;
-    x ^= x >> 27;
-    x *= 0x94D049BB133111EBULL;
-    return x ^ (x >> 31);
-}
+#include "hash.h"
 
 /* ---- shard ownership ------------------------------------------------------------------------------------ */
 

@@ -100,6 +100,23 @@ class Library:
         return library
 
 
+class NativeObject:
+    """A C object that this Python object owns: made by the library's ``<prefix>_new()`` (NULL: out of memory), freed
+    by its ``<prefix>_free`` when this object is collected. Subclasses call the library on ``self._handle``."""
+
+    def __init__(self, library: Library, prefix: str, what: str) -> None:
+        self._library = library.require()
+        self._free = getattr(self._library, f"{prefix}_free")
+        self._handle = getattr(self._library, f"{prefix}_new")()
+        if not self._handle:
+            raise MemoryError(f"cannot allocate {what}")
+
+    def __del__(self) -> None:
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle:
+            self._free(handle)
+
+
 def _apply(library: ctypes.CDLL, signatures: Signatures) -> None:
     for name, (arguments, result) in signatures.items():
         function = getattr(library, name)

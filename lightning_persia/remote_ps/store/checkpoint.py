@@ -23,8 +23,7 @@ Arrays are read with their header parsed by numpy and never unpickled: loading n
 Loading into M shards reads every folder of the checkpoint and keeps the ids that hash to the shard; into the
 same number of shards, each shard reads only its own folder.
 
-Over 500 lines on purpose: the writer and the reader of one file format stay in one module, so that a change
-to one is read beside the other.
+The writer and the reader of the format are this one module, so that a change to one is read beside the other.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from lightning_persia.ops.hashing import slot_hash
 from lightning_persia.remote_ps.store import native
 from lightning_persia.remote_ps.store.chunked_rows import ChunkedField, ChunkedRows
 from lightning_persia.remote_ps.store.native import jobs
-from lightning_persia.remote_ps.store.native.id_index import Index
+from lightning_persia.remote_ps.store.native.id_index import Index, IndexInfo
 
 EMPTY = -1
 TOMBSTONE = -2
@@ -70,24 +70,17 @@ class NativeIdIndex:
         self._rows = rows
         self._index = Index()
 
+    def info(self) -> IndexInfo:
+        """The native index's figures now (its partition rebuilds among them)."""
+        return self._index.info()
+
     @property
     def nbytes(self) -> int:
-        return self._index.info()[1]
-
-    @property
-    def rebuilds(self) -> int:
-        """Partition rebuilds so far (each rehashes about 1/4096 of the ids)."""
-        return self._index.info()[2]
-
-    @property
-    def put_off(self) -> int:
-        """Rebuilds an insert left to a later insert so far, its budget of rows to rehash spent."""
-        return self._index.info()[3]
+        return self._index.info().nbytes
 
     @property
     def inserted(self) -> int:
-        """Ids inserted so far: while it stays the same, no absent id became present."""
-        return self._index.info()[4]
+        return self._index.info().inserted
 
     def find(self, ids: torch.Tensor, copy: Optional[tuple[ChunkedField, torch.Tensor]] = None,
              touch: Optional[tuple[ChunkedField, int, bool]] = None) -> torch.Tensor:

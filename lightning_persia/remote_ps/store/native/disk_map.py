@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from lightning_persia.ops.native.library import check
+from lightning_persia.ops.native.library import NativeObject, check
 from lightning_persia.remote_ps.store import native
 from lightning_persia.remote_ps.store.native import records
 
@@ -31,7 +31,7 @@ checks them)."""
 native.LIBRARY.declare(SIGNATURES)
 
 
-class DiskMap:
+class DiskMap(NativeObject):
     """The disk tier's id map (``disk_map.c``): id -> slot on disk, 8 bytes an id, the ids themselves left on disk.
 
     :meth:`find` answers a slot whose entry's fingerprint matches the id; the caller confirms it against the id in
@@ -45,15 +45,10 @@ class DiskMap:
     """
 
     def __init__(self) -> None:
-        self._library = native.LIBRARY.require()
-        self._handle = self._library.lp_dmap_new()
-        if not self._handle:
-            raise MemoryError("cannot allocate a disk id map")
+        super().__init__(native.LIBRARY, "lp_dmap", "a disk id map")
 
     def __del__(self) -> None:
-        handle, self._handle = getattr(self, "_handle", None), None
-        if handle:
-            self._library.lp_dmap_free(handle)
+        super().__del__()
         for address, nbytes in getattr(self, "_borrowed", ()):  # after the map that pointed into them
             records.unmap_file(address, nbytes)
 

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import ctypes
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
-from lightning_persia.ops.native.library import check, row_bytes
+from lightning_persia.ops.native.library import NativeObject, check, row_bytes
 from lightning_persia.remote_ps.store import native
 from lightning_persia.remote_ps.store.native import jobs
 from lightning_persia.remote_ps.store.native.rows import Chunks
@@ -28,7 +28,17 @@ checks them)."""
 native.LIBRARY.declare(SIGNATURES)
 
 
-class Index:
+class IndexInfo(NamedTuple):
+    """What :meth:`Index.info` reads of the index."""
+
+    present: int  #: ids present
+    nbytes: int  #: memory the index holds
+    rebuilds: int  #: partition rebuilds so far (each rehashes about 1/4096 of the ids)
+    put_off: int  #: rebuilds an insert left to a later insert so far, its budget of rows to rehash spent
+    inserted: int  #: ids inserted so far: while it stays the same, no absent id became present
+
+
+class Index(NativeObject):
     """The native id index of one table (``id_index.c``): id -> row. A row's id is read from the first 8 bytes of its
     record in ``chunks``.
 
@@ -40,22 +50,13 @@ class Index:
     """
 
     def __init__(self) -> None:
-        self._library = native.LIBRARY.require()
-        self._handle = self._library.lp_index_new()
-        if not self._handle:
-            raise MemoryError("cannot allocate an id index")
+        super().__init__(native.LIBRARY, "lp_index", "an id index")
 
-    def __del__(self) -> None:
-        handle, self._handle = getattr(self, "_handle", None), None
-        if handle:
-            self._library.lp_index_free(handle)
-
-    def info(self) -> tuple[int, int, int, int, int]:
-        """``(ids present, bytes, partition rebuilds so far, rebuilds an insert put off to a later one so far, ids
-        inserted so far)``."""
+    def info(self) -> IndexInfo:
+        """The index's figures now."""
         out = (ctypes.c_int64 * 5)()
         self._library.lp_index_info(self._handle, out)
-        return out[0], out[1], out[2], out[3], out[4]
+        return IndexInfo(*out)
 
     def find(
         self, ids: torch.Tensor, chunks: Chunks, copy: Optional[tuple[int, torch.Tensor]] = None,

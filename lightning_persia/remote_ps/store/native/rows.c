@@ -20,28 +20,29 @@
     }
 #define GATHER(WIDTH) memcpy(data + i * (WIDTH), field, (size_t)(WIDTH))
 #define SCATTER(WIDTH) memcpy(field, data + i * (WIDTH), (size_t)(WIDTH))
-ROW_LOOP(gather_4, 4, PREFETCH_SPAN, GATHER(4))
-ROW_LOOP(gather_8, 8, PREFETCH_SPAN, GATHER(8))
-ROW_LOOP(gather_32, 32, PREFETCH_SPAN, GATHER(32))
-ROW_LOOP(gather_64, 64, PREFETCH_SPAN, GATHER(64))
-ROW_LOOP(gather_any, width, PREFETCH_SPAN, GATHER(width))
-ROW_LOOP(scatter_4, 4, PREFETCH_WRITE_SPAN, SCATTER(4))
-ROW_LOOP(scatter_8, 8, PREFETCH_WRITE_SPAN, SCATTER(8))
-ROW_LOOP(scatter_32, 32, PREFETCH_WRITE_SPAN, SCATTER(32))
-ROW_LOOP(scatter_64, 64, PREFETCH_WRITE_SPAN, SCATTER(64))
-ROW_LOOP(scatter_any, width, PREFETCH_WRITE_SPAN, SCATTER(width))
+/* NAME_4, NAME_8, NAME_32, NAME_64 and NAME_any (any width), and the call of the one for `width`. */
+#define ROW_LOOPS(NAME, PREFETCH_OP, COPY)                 \
+    ROW_LOOP(NAME##_4, 4, PREFETCH_OP, COPY(4))            \
+    ROW_LOOP(NAME##_8, 8, PREFETCH_OP, COPY(8))            \
+    ROW_LOOP(NAME##_32, 32, PREFETCH_OP, COPY(32))         \
+    ROW_LOOP(NAME##_64, 64, PREFETCH_OP, COPY(64))         \
+    ROW_LOOP(NAME##_any, width, PREFETCH_OP, COPY(width))
+#define BY_WIDTH(NAME, ...)                    \
+    switch (width) {                           \
+        case 4: NAME##_4(__VA_ARGS__); break;   \
+        case 8: NAME##_8(__VA_ARGS__); break;   \
+        case 32: NAME##_32(__VA_ARGS__); break; \
+        case 64: NAME##_64(__VA_ARGS__); break; \
+        default: NAME##_any(__VA_ARGS__);       \
+    }
+ROW_LOOPS(gather, PREFETCH_SPAN, GATHER)
+ROW_LOOPS(scatter, PREFETCH_WRITE_SPAN, SCATTER)
 
 /* out[i] = the field of row rows[i]; rows[i] < 0 leaves out[i] as it is. */
 void lp_gather(const int64_t *chunks, int64_t shift, int64_t stride, int64_t offset, int64_t width, const int64_t *rows,
                int64_t n, char *out) {
     const rows_t t = {chunks, shift, stride};
-    switch (width) {
-        case 4: gather_4(&t, offset, width, rows, n, out); break;
-        case 8: gather_8(&t, offset, width, rows, n, out); break;
-        case 32: gather_32(&t, offset, width, rows, n, out); break;
-        case 64: gather_64(&t, offset, width, rows, n, out); break;
-        default: gather_any(&t, offset, width, rows, n, out);
-    }
+    BY_WIDTH(gather, &t, offset, width, rows, n, out)
 }
 
 /* The field of row rows[i] = src[i]; rows[i] < 0 is skipped. */
@@ -49,13 +50,7 @@ void lp_scatter(const int64_t *chunks, int64_t shift, int64_t stride, int64_t of
                 int64_t n, const char *src) {
     const rows_t t = {chunks, shift, stride};
     char *data = (char *)(intptr_t)src; /* read only: the loops share one signature */
-    switch (width) {
-        case 4: scatter_4(&t, offset, width, rows, n, data); break;
-        case 8: scatter_8(&t, offset, width, rows, n, data); break;
-        case 32: scatter_32(&t, offset, width, rows, n, data); break;
-        case 64: scatter_64(&t, offset, width, rows, n, data); break;
-        default: scatter_any(&t, offset, width, rows, n, data);
-    }
+    BY_WIDTH(scatter, &t, offset, width, rows, n, data)
 }
 
 /* Several fields of each row in one pass over the records (a chunk copied for a checkpoint, or rows loaded

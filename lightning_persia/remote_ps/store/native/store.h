@@ -4,7 +4,8 @@
  * Called through ctypes on the buffers of CPU tensors (each C file's binding is the Python module of its name). A
  * table of hundreds of millions of rows lives far outside the caches, so every kernel walks its ids in blocks and
  * prefetches the memory of a whole block before it touches any of it: a block's cache misses then overlap instead
- * of queueing one behind the other. The hash is lightning_persia.ops.hashing's splitmix64 finaliser, bit for bit.
+ * of queueing one behind the other. The hash is the trainer's (ops/native/hash.h: lightning_persia.ops.hashing's
+ * splitmix64 finaliser, bit for bit).
  */
 #ifndef LP_STORE_H
 #define LP_STORE_H
@@ -19,18 +20,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "../../../ops/native/hash.h"
+
 /* Shared by the C files of this library, not exported from it (the exported functions are the lp_* ones). */
 #define INTERNAL __attribute__((visibility("hidden")))
-
-static const uint64_t SLOT_SALT = 0x9E3779B97F4A7C15ULL;
-
-static inline uint64_t mix64(uint64_t x) {
-    x ^= x >> 30;
-    x *= 0xBF58476D1CE4E5B9ULL;
-    x ^= x >> 27;
-    x *= 0x94D049BB133111EBULL;
-    return x ^ (x >> 31);
-}
 
 #define BLOCK 32 /* ids whose memory is prefetched together */
 #define PREFETCH(address) __builtin_prefetch((const void *)(address), 0, 0)

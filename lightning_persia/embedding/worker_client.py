@@ -175,6 +175,11 @@ class EmbeddingWorkers:
         return [w.process.pid for w in self._workers]
 
     @property
+    def read_trainer_memory(self) -> list[bool]:
+        """Per worker, whether it reads ids and gradients in the trainer's memory (else they are copied to it)."""
+        return [w.reads_trainer_memory for w in self._workers]
+
+    @property
     def restarted(self) -> int:
         """How many times a worker was started again after it died."""
         return sum(w.restarts for w in self._workers)

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from lightning_persia.embedding import worker_client
 from lightning_persia.embedding.worker_client import EmbeddingWorkerError, EmbeddingWorkers
 from lightning_persia.ops.dedup import keyed_unique
 from lightning_persia.ops.keyed_ids import KeyedIds
@@ -59,6 +60,28 @@ def test_rows_and_updates_through_the_workers_are_the_clients(cluster):
         torch.testing.assert_close(client.lookup_sharded_async(client.shard(keyed), train=False, wire_dtype="fp32").result(60),
                                    expected - 2 * grads, rtol=0, atol=1e-6)
         assert len(set(workers.pids)) == 2 and os.getpid() not in workers.pids
+    finally:
+        workers.close()
+
+
+def test_workers_that_cannot_read_the_trainers_memory_get_copies_and_answer_the_same(cluster, monkeypatch):
+    _, client = cluster
+    with monkeypatch.context() as patch:  # the workers are told of a process they may not read: as under Yama's ptrace_scope 1
+        patch.setattr(worker_client.os, "getpid", lambda: 2**22 + 7)
+        workers = _workers(client)
+    try:
+        assert workers.read_trainer_memory == [False]
+        keyed = KeyedIds(("a", "b"), (6, 4), torch.tensor([5, 1, 5, 9, 1, 1, 7, -2, 7, 7]) + (1 << 30))
+        unique, inverse = workers.deduplicate(keyed)
+        expected_unique, expected_inverse = keyed_unique(keyed)
+        assert torch.equal(unique.ids, expected_unique.ids) and torch.equal(inverse, expected_inverse)
+        fresh = _keyed([1 << 31, 2 << 31], [3 << 31])  # not in a shared buffer: copied into one
+        sharded = workers.shard(fresh)
+        rows = workers.lookup_sharded_async(sharded, train=True, wire_dtype="fp32").result(60)
+        grads = torch.arange(rows.numel(), dtype=torch.float32) / 10
+        workers.update_sharded_async(sharded, grads, (4, 8), wire_dtype="fp32").result(60)
+        after = client.lookup_sharded_async(client.shard(fresh), train=False, wire_dtype="fp32").result(60)
+        torch.testing.assert_close(after, rows - grads, rtol=0, atol=1e-6)
     finally:
         workers.close()
 

@@ -96,6 +96,21 @@ def test_a_worker_killed_mid_run_is_started_again_and_nothing_is_lost():
 
 
 @pytest.mark.timeout(300)
+def test_a_worker_killed_with_several_steps_in_flight_is_started_again_and_the_run_ends():
+    """At staleness 3 the dead worker had lookups and updates of several steps unanswered: all are sent again."""
+    strategy = PersiaStrategy(staleness=3, embedding_optimizer=SGD(lr=0.1), embedding_init=INIT,
+                              embedding_workers=EmbeddingWorkerSettings(restarts=1))
+    kill = _KillWorker(strategy, at=4)
+    try:
+        _trainer(strategy, steps=14, callbacks=[kill]).fit(ToyRecommender(device="meta"), loader(make_batches(14)))
+        assert strategy.embedding_workers_restarted == 1
+        assert strategy.embedding_worker_pids[0] != kill.killed and _alive(strategy.embedding_worker_pids[0])
+        strategy.pipeline.pusher.wait_for_pushed(30)  # every step's update acknowledged: none was lost in the death
+    finally:
+        strategy.close()
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("staleness", [0, 3])
 def test_a_worker_that_dies_without_restarts_stops_the_run_with_an_error_naming_it(staleness):
     strategy = PersiaStrategy(staleness=staleness, embedding_optimizer=SGD(lr=0.1), embedding_init=INIT,

@@ -7,7 +7,7 @@ the rows straight into the trainer's shared buffer; per update, it encodes the g
 shared buffer (reusing the lookup's bucketing) and sends it. None of that runs in the trainer's interpreter, whose
 one lock its threads would share.
 
-Messages are small tuples on a pipe (:data:`DEDUP`, :data:`LOOKUP`, :data:`UPDATE`, :data:`DROP`, :data:`CLOSE` in; :data:`READY`,
+Messages are small tuples on a pipe (:data:`DEDUP`, :data:`DEDUP_FEATURES`, :data:`LOOKUP`, :data:`UPDATE`, :data:`DROP`, :data:`CLOSE` in; :data:`READY`,
 :data:`DONE`, :data:`FAILED` out); tensors travel as ``(segment, offset, numel)`` of the trainer's
 :class:`~lightning_persia.embedding.shared_buffers.SharedBuffers`, or, for what the worker only reads (ids, gradients),
 as ``(None, address, numel)`` in the trainer's own memory (``embedding/process_memory.py``). Updates come numbered
@@ -39,7 +39,7 @@ from lightning_persia.remote_ps.client.retry import RetryPolicy
 from lightning_persia.remote_ps.metrics import ClientCallLog
 
 
-DEDUP, LOOKUP, UPDATE, DROP, CLOSE = "dedup", "lookup", "update", "drop", "close"
+DEDUP, DEDUP_FEATURES, LOOKUP, UPDATE, DROP, CLOSE = "dedup", "dedup_features", "lookup", "update", "drop", "close"
 READY, DONE, FAILED = "ready", "done", "failed"
 SHARDINGS_KEPT = 64  # lookups whose bucketing is kept for their update (more than any staleness window holds)
 
@@ -114,6 +114,8 @@ class _Worker:
             try:
                 if kind == DEDUP:
                     self._dedup(*message[1:])
+                elif kind == DEDUP_FEATURES:
+                    self._dedup_features(*message[1:])
                 elif kind == LOOKUP:
                     self._lookup(*message[1:])
                 elif kind == UPDATE:
@@ -132,6 +134,20 @@ class _Worker:
         self._tensor(unique, torch.int64)[: found.ids.numel()].copy_(found.ids)
         self._tensor(inverse, torch.int64).copy_(rows)
         self._reply(DONE, request, found.counts)
+
+    def _dedup_features(self, request: int, tables: tuple[str, ...], feature_tables: tuple[int, ...], stride: int, ids: BufferRef,
+                        lengths: BufferRef, unique: BufferRef, inverse: BufferRef, incarnations: Optional[tuple]) -> None:
+        """:meth:`_dedup` of a collection's ids, counted per table here from the batch's lengths (``stride`` of each
+        feature, ``feature_tables[f]`` the table of feature ``f``); answers the unique counts and the ids' counts."""
+        ends = torch.cumsum(self._tensor(lengths, torch.int64), 0)[stride - 1 :: stride]
+        per_feature = torch.diff(ends, prepend=ends.new_zeros(1))
+        counts = torch.zeros(len(tables), dtype=torch.int64).index_add_(0, torch.tensor(feature_tables, dtype=torch.int64), per_feature)
+        id_counts = tuple(counts.tolist())
+        self._fence(incarnations)
+        found, rows = keyed_unique(KeyedIds(tables, id_counts, self._tensor(ids, torch.int64)))
+        self._tensor(unique, torch.int64)[: found.ids.numel()].copy_(found.ids)
+        self._tensor(inverse, torch.int64).copy_(rows)
+        self._reply(DONE, request, (found.counts, id_counts))
 
     def _lookup(self, request: int, token: Optional[int], tables: tuple[str, ...], counts: tuple[int, ...], ids: BufferRef,
                 rows: BufferRef, train: bool, wire_dtype: str, incarnations: Optional[tuple]) -> None:

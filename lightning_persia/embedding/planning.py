@@ -8,7 +8,7 @@ while the trainer runs earlier steps.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -21,6 +21,20 @@ from lightning_persia.ops.keyed_ids import KeyedIds
 Deduplicate = Callable[[KeyedIds], tuple[KeyedIds, torch.Tensor]]
 """Every table's unique ids of some ids, and each id's row among them (``ops.dedup.keyed_unique``, or an embedding
 worker's: ``EmbeddingWorkers.deduplicate``)."""
+
+
+@runtime_checkable
+class CountingDeduplicate(Protocol):
+    """A :data:`Deduplicate` that can also count a collection's ids per table itself, from the batch's lengths (an
+    embedding worker reading them in the trainer's memory: ``worker_client.WorkerDeduplication``), so that the
+    planning thread does no pass over the lengths."""
+
+    def __call__(self, keyed: KeyedIds) -> tuple[KeyedIds, torch.Tensor]: ...
+
+    def by_features(self, tables: tuple[str, ...], feature_tables: tuple[int, ...], stride: int, ids: torch.Tensor,
+                    lengths: torch.Tensor) -> Optional[tuple[KeyedIds, torch.Tensor, tuple[int, ...]]]:
+        """The unique ids, inverse indices and ids per table of ``ids`` (``stride`` lengths a feature, ``feature_tables[f]``
+        the table of feature ``f``); None when it cannot (the caller counts and calls the deduplication)."""
 
 
 def _plan_ids(key: str, tables: tuple[str, ...], dims: tuple[int, ...], counts: tuple[int, ...], ids: torch.Tensor,
@@ -87,6 +101,11 @@ class CollectionPlanner:
 
     def plan(self, kjt: KeyedJaggedTensor, dedup: Deduplicate = keyed_unique) -> RowPlan:
         mine = self.select(kjt)
+        if isinstance(dedup, CountingDeduplicate) and not mine.variable_stride_per_key() and mine.keys() and mine.stride():
+            found = dedup.by_features(self.tables, self.feature_tables, mine.stride(), mine.values().reshape(-1), mine.lengths())
+            if found is not None:
+                unique, inverse, counts = found
+                return RowPlan(self.key, unique, self.dims, inverse, self.sources(kjt), self.feature_tables if self.pooled else None, counts)
         per_feature = torch.tensor(_length_per_key(mine), dtype=torch.int64)
         counts = torch.zeros(len(self.tables), dtype=torch.int64).index_add_(0, torch.tensor(self.feature_tables, dtype=torch.int64), per_feature)
         return _plan_ids(self.key, self.tables, self.dims, tuple(counts.tolist()), mine.values(), self.sources(kjt),

@@ -10,9 +10,11 @@ import time
 
 import pytest
 import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_persia.embedding import worker_client
-from lightning_persia.embedding.worker_client import EmbeddingWorkerError, EmbeddingWorkers
+from lightning_persia.embedding.planning import CollectionPlanner
+from lightning_persia.embedding.worker_client import EmbeddingWorkerError, EmbeddingWorkers, WorkerDeduplication
 from lightning_persia.ops.dedup import keyed_unique
 from lightning_persia.ops.keyed_ids import KeyedIds
 from lightning_persia.remote_ps.client import PSClient
@@ -97,6 +99,30 @@ def test_the_workers_deduplicate_like_the_trainer(cluster):
         assert torch.equal(unique.ids, expected_unique.ids) and torch.equal(inverse, expected_inverse)
         empty, rows = workers.deduplicate(KeyedIds(("a",), (0,), torch.empty(0, dtype=torch.int64)))
         assert empty.counts == (0,) and rows.numel() == 0
+    finally:
+        workers.close()
+
+
+def test_a_collection_planned_through_the_workers_is_planned_as_in_the_trainer(cluster):
+    _, client = cluster
+    workers = _workers(client)
+    try:
+        generator = torch.Generator().manual_seed(4)
+        features = ["f0", "f1", "f2"]
+        lengths = torch.randint(0, 5, (3 * 64,), generator=generator)
+        values = torch.randint(0, 40, (int(lengths.sum()),), generator=generator)
+        kjt = KeyedJaggedTensor(keys=features, values=values, lengths=lengths)
+        planner = CollectionPlanner("ebc", ("a", "b"), (4, 8), tuple(features), (0, 1, 1))
+        local = planner.plan(kjt)
+        dedup = WorkerDeduplication(workers)
+        through = planner.plan(kjt, dedup)
+        if workers.read_trainer_memory[0]:  # counted by the worker from the lengths
+            assert dedup.by_features(("a", "b"), (0, 1, 1), 64, values, lengths) is not None
+        assert through.id_counts == local.id_counts and through.unique.counts == local.unique.counts
+        assert torch.equal(through.unique.ids, local.unique.ids) and torch.equal(through.inverse, local.inverse)
+        assert torch.equal(through.block_rows(), local.block_rows())
+        # int32 lengths are not read in place: the planning counts them and the worker deduplicates, as before
+        assert dedup.by_features(("a", "b"), (0, 1, 1), 64, values, lengths.int()) is None
     finally:
         workers.close()
 

@@ -136,10 +136,10 @@ class _Worker:
         self._reply(DONE, request, found.counts)
 
     def _dedup_features(self, request: int, tables: tuple[str, ...], feature_tables: tuple[int, ...], stride: int, ids: BufferRef,
-                        lengths: BufferRef, unique: BufferRef, inverse: BufferRef, incarnations: Optional[tuple]) -> None:
+                        lengths: BufferRef, lengths_dtype: str, unique: BufferRef, inverse: BufferRef, incarnations: Optional[tuple]) -> None:
         """:meth:`_dedup` of a collection's ids, counted per table here from the batch's lengths (``stride`` of each
         feature, ``feature_tables[f]`` the table of feature ``f``); answers the unique counts and the ids' counts."""
-        ends = torch.cumsum(self._tensor(lengths, torch.int64), 0)[stride - 1 :: stride]
+        ends = torch.cumsum(self._tensor(lengths, getattr(torch, lengths_dtype)), 0, dtype=torch.int64)[stride - 1 :: stride]
         per_feature = torch.diff(ends, prepend=ends.new_zeros(1))
         counts = torch.zeros(len(tables), dtype=torch.int64).index_add_(0, torch.tensor(feature_tables, dtype=torch.int64), per_feature)
         id_counts = tuple(counts.tolist())

@@ -218,18 +218,19 @@ class EmbeddingWorkers:
     def deduplicate_features(self, tables: tuple[str, ...], feature_tables: tuple[int, ...], stride: int, ids: torch.Tensor,
                              lengths: torch.Tensor) -> Optional[tuple[KeyedIds, torch.Tensor, tuple[int, ...]]]:
         """A collection's ids deduplicated by a worker that also counts them per table from the batch's ``lengths``
-        (``stride`` a feature, ``feature_tables[f]`` the table of feature ``f``), both read in the trainer's memory:
+        (``stride`` a feature, ``feature_tables[f]`` the table of feature ``f``; int32 or int64), both read in the trainer's memory:
         the unique ids, inverse indices and ids per table. None where the worker cannot read them in place (the
         planning then counts them and calls :meth:`deduplicate`)."""
         worker = self._workers[next(self._turn) % len(self._workers)]
-        if not (worker.reads_trainer_memory and _readable_in_place(ids, torch.int64) and _readable_in_place(lengths, torch.int64)):
+        if not (worker.reads_trainer_memory and _readable_in_place(ids, torch.int64)
+                and lengths.dtype in (torch.int32, torch.int64) and _readable_in_place(lengths, lengths.dtype)):
             return None
         unique = self._buffers.take(ids.numel(), torch.int64)
         inverse = self._buffers.take(ids.numel(), torch.int64)
         request = next(self._requests)
         future = self._send(worker, request, None, (ids, lengths, unique, inverse), (
             DEDUP_FEATURES, request, tuple(tables), tuple(feature_tables), stride, (None, ids.data_ptr(), ids.numel()),
-            (None, lengths.data_ptr(), lengths.numel()), _ref(unique), _ref(inverse)))
+            (None, lengths.data_ptr(), lengths.numel()), str(lengths.dtype).removeprefix("torch."), _ref(unique), _ref(inverse)))
         try:
             counts, id_counts = future.result(self._timeout_s)
         except FutureTimeout:

@@ -27,6 +27,10 @@ from lightning_persia.remote_ps.client.retry import RetryPolicy
 from lightning_persia.remote_ps.client.sharding import ShardedIds, Sharder
 from lightning_persia.remote_ps.protocol import WIRE_DTYPE_ENUMS, persia_pb2
 
+SEQS_PER_UPDATE = 1 << 20
+"""Sequence numbers an update numbered by its sender may use on each shard (``update_sharded_async(seq_base=...)``):
+more than its messages to one shard can be (an update of 2^18 ids per message would need 2^38 ids to fill them)."""
+
 
 class PSClient(ShardAdmin):
     """Talks to the shards of one parameter-server cluster (``addresses[i]`` is shard ``i``).
@@ -178,6 +182,7 @@ class PSClient(ShardAdmin):
 
     def update_sharded_async(
         self, sharded: ShardedIds, grads: torch.Tensor, dims: Sequence[int], *, wire_dtype: str = "fp16", sender: Optional[str] = None,
+        seq_base: Optional[int] = None,
     ) -> "Future[None]":
         """Sends the gradients of ``sharded``'s ids: ``grads`` is flat, in its :class:`KeyedIds` order (table after
         table, ``[count, dims[t]]`` each); each shard applies its part exactly once.
@@ -187,7 +192,14 @@ class PSClient(ShardAdmin):
         same number on retry. Clients that send the very same updates in the same order under one shared
         ``sender`` make each shard apply every update once, and each of them hears back only after it is
         applied (how ranks push one merged gradient, see ``embedding/rank_merge.py``).
+
+        ``seq_base``: the caller numbers the sender's updates itself (the ``n``-th one takes ``n *
+        SEQS_PER_UPDATE``), so that another client (an embedding worker started in place of one that died) can
+        send the same update again under the same numbers, which the shards apply once; each shard's messages
+        of this update take ``seq_base``, ``seq_base + 1``, ... A sender is numbered one way or the other, never both.
         """
+        if seq_base is not None and seq_base < 1:
+            raise ValueError(f"seq_base must be >= 1, got {seq_base}")
         sender = sender or self.client_id
         dtype = _wire_enum(wire_dtype)
         keyed, order = sharded.keyed, sharded.order
@@ -199,12 +211,18 @@ class PSClient(ShardAdmin):
             )
         encoded = grads.detach().to(device="cpu", dtype=wire.WIRE_DTYPES[wire_dtype])
         calls = []
+        numbered = [itertools.count(seq_base) for _ in self.addresses] if seq_base is not None else None
         for message in sharded.messages:
             if message.start == message.end:
                 continue
-            with self._seq_lock:
-                seqs = self._seqs.setdefault(sender, [itertools.count(1) for _ in self.addresses])
-                seq = next(seqs[message.shard])
+            if numbered is not None:
+                seq = next(numbered[message.shard])
+                if seq - seq_base >= SEQS_PER_UPDATE:
+                    raise ValueError(f"an update numbered by its sender sends at most {SEQS_PER_UPDATE} messages to a shard")
+            else:
+                with self._seq_lock:
+                    seqs = self._seqs.setdefault(sender, [itertools.count(1) for _ in self.addresses])
+                    seq = next(seqs[message.shard])
             request = persia_pb2.UpdateRequest(client_id=sender, seq=seq, packed_dtype=dtype)
             named = [(t, c) for t, c in zip(message.tables, message.counts) if c]
             request.packed.tables.extend(t for t, _ in named)

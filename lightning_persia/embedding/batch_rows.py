@@ -128,7 +128,7 @@ class BatchRows:
         self.keyed = KeyedIds.concat([plan.unique for plan in plans])
         self.dims = tuple(d for plan in plans for d in plan.dims)
         self.layout = RowLayout(self.keyed.counts, self.dims)
-        sizes = [RowLayout(plan.unique.counts, plan.dims).numel for plan in plans]
+        sizes = [RowLayout(plan.unique.counts, plan.dims).numel for plan in plans] if len(plans) > 1 else [self.layout.numel]
         self._bases = dict(zip(self.plans, accumulate(sizes, initial=0)))
         self.sharded: Any = None  # the ids bucketed by shard, ready to send (ShardClient.shard)
         self.weights: Optional[torch.Tensor] = None

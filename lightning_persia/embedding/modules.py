@@ -30,6 +30,7 @@ from lightning_persia.embedding.planning import CollectionPlanner, TensorPlanner
 from lightning_persia.embedding.row_source import Planner, RowSource
 from lightning_persia.embedding.transfer import small_tensor
 from lightning_persia.ops.pooled_lookup import pooled_lookup
+from lightning_persia.ops.row_gather import gather_rows
 
 
 class RemoteModule(nn.Module):
@@ -194,14 +195,14 @@ class RemoteEmbeddingCollection(_KJTModule, EmbeddingCollectionInterface):
             starts = small_tensor([table_rows[t] for t in kept.feature_tables], rows_local.device)
             rows_all = rows_local + torch.repeat_interleave(starts, small_tensor(local.length_per_key(), rows_local.device),
                                                             output_size=rows_local.numel())
-            out.update(self._per_id(local, kept.features, kept.weight.view(-1, self.embedding_dim()).index_select(0, rows_all)))
+            out.update(self._per_id(local, kept.features, gather_rows(kept.weight.view(-1, self.embedding_dim()), rows_all)))
         return {feature: out[feature] for feature in self.output_features}
 
     def _gathered(self, rows: ModuleRows) -> torch.Tensor:
         """The embedding of every id of the module's input, in order (one gather over the module's tables)."""
         offsets = rows.layout(()).table_offsets
         block = rows.weights[rows.base : offsets[-1]].view(-1, self.embedding_dim())
-        return block.index_select(0, rows.block_rows)
+        return gather_rows(block, rows.block_rows)
 
     def _per_id(self, kjt: KeyedJaggedTensor, features: list[str], embeddings: torch.Tensor) -> dict[str, JaggedTensor]:
         """``{feature: JaggedTensor of the embeddings of its ids}`` from every id's embedding, feature after feature."""

@@ -8,7 +8,7 @@ while the trainer runs earlier steps.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -23,10 +23,39 @@ Deduplicate = Callable[[KeyedIds], tuple[KeyedIds, torch.Tensor]]
 worker's: ``EmbeddingWorkers.deduplicate``)."""
 
 
+@runtime_checkable
+class CountingDeduplicate(Protocol):
+    """A :data:`Deduplicate` that can also count a collection's ids per table itself, from the batch's lengths (an
+    embedding worker reading them in the trainer's memory: ``worker_client.WorkerDeduplication``), so that the
+    planning thread does no pass over the lengths."""
+
+    def __call__(self, keyed: KeyedIds) -> tuple[KeyedIds, torch.Tensor]: ...
+
+    def by_features(self, tables: tuple[str, ...], feature_tables: tuple[int, ...], stride: int, ids: torch.Tensor,
+                    lengths: torch.Tensor) -> Optional[tuple[KeyedIds, torch.Tensor, tuple[int, ...]]]:
+        """The unique ids, inverse indices and ids per table of ``ids`` (``stride`` lengths a feature, ``feature_tables[f]``
+        the table of feature ``f``); None when it cannot (the caller counts and calls the deduplication)."""
+
+
 def _plan_ids(key: str, tables: tuple[str, ...], dims: tuple[int, ...], counts: tuple[int, ...], ids: torch.Tensor,
               source: tuple[torch.Tensor, ...], feature_tables: Optional[tuple[int, ...]], dedup: Deduplicate) -> RowPlan:
     unique, inverse = dedup(KeyedIds(tables, counts, ids.reshape(-1).to(device="cpu", dtype=torch.int64)))
     return RowPlan(key, unique, dims, inverse, source, feature_tables, counts)
+
+
+def _length_per_key(kjt: KeyedJaggedTensor) -> list[int]:
+    """``kjt.length_per_key()`` without TorchRec's ``torch.sum`` over a ``[keys, batch]`` view of the lengths, which
+    costs 1.4 to 4 ms of CPU at batch 16,384 and 26 keys: read off the offsets when the batch has them, else off a
+    cumulative sum of the lengths (0.16 ms)."""
+    known = kjt.length_per_key_or_none()
+    stride = kjt.stride() if kjt.keys() else 0
+    if known is not None or kjt.variable_stride_per_key() or not stride:
+        return known if known is not None else kjt.length_per_key()
+    offsets = kjt.offsets_or_none()
+    if offsets is not None:
+        return offsets[::stride].diff().tolist()
+    ends = torch.cumsum(kjt.lengths(), 0)[stride - 1 :: stride]
+    return torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
 
 
 @dataclass(frozen=True)
@@ -72,7 +101,12 @@ class CollectionPlanner:
 
     def plan(self, kjt: KeyedJaggedTensor, dedup: Deduplicate = keyed_unique) -> RowPlan:
         mine = self.select(kjt)
-        per_feature = torch.tensor(mine.length_per_key(), dtype=torch.int64)
+        if isinstance(dedup, CountingDeduplicate) and not mine.variable_stride_per_key() and mine.keys() and mine.stride():
+            found = dedup.by_features(self.tables, self.feature_tables, mine.stride(), mine.values().reshape(-1), mine.lengths())
+            if found is not None:
+                unique, inverse, counts = found
+                return RowPlan(self.key, unique, self.dims, inverse, self.sources(kjt), self.feature_tables if self.pooled else None, counts)
+        per_feature = torch.tensor(_length_per_key(mine), dtype=torch.int64)
         counts = torch.zeros(len(self.tables), dtype=torch.int64).index_add_(0, torch.tensor(self.feature_tables, dtype=torch.int64), per_feature)
         return _plan_ids(self.key, self.tables, self.dims, tuple(counts.tolist()), mine.values(), self.sources(kjt),
                          self.feature_tables if self.pooled else None, dedup)

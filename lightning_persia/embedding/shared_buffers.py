@@ -13,6 +13,7 @@ segment to the GPU in one asynchronous copy with no staging buffer.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 import uuid
@@ -101,19 +102,23 @@ class SharedBuffers:
             segment.close()
 
     def _free_segment(self, nbytes: int) -> _Segment:
-        free = [s for s in self._segments if s.free]
-        fitting = [s for s in free if s.size >= nbytes]
-        if fitting:
-            return min(fitting, key=lambda s: s.size)
-        if free:  # a free one too small is replaced, so that the pool holds at most the buffers in use at once
-            smallest = min(free, key=lambda s: s.size)
-            self._segments.remove(smallest)
-            smallest.close()
+        # The pool is kept smallest first, so the first free one that fits is the smallest: a step takes five buffers
+        # from a pool of about twenty, and each look at a segment asks whether its storage expired (a few us).
+        smallest_free: Optional[_Segment] = None
+        for segment in self._segments:
+            if segment.free:
+                if segment.size >= nbytes:
+                    return segment
+                if smallest_free is None:
+                    smallest_free = segment
+        if smallest_free is not None:  # a free one too small is replaced, so that the pool holds at most the buffers in use at once
+            self._segments.remove(smallest_free)
+            smallest_free.close()
             if self._on_drop is not None:
-                self._on_drop(smallest.memory.name)
+                self._on_drop(smallest_free.memory.name)
         size = max(MIN_SEGMENT_BYTES, 1 << (nbytes - 1).bit_length())  # a power of two: room for the next steps' growth
         segment = _Segment(size, self._prefix, self._pin)
-        self._segments.append(segment)
+        bisect.insort(self._segments, segment, key=lambda s: s.size)
         return segment
 
 

@@ -32,7 +32,7 @@ from lightning_persia.embedding.modules import RemoteModule
 from lightning_persia.embedding.pipeline import EmbeddingPipeline
 from lightning_persia.embedding.prefetch import PrefetchingLoader
 from lightning_persia.embedding.rank_merge import RankMerge
-from lightning_persia.embedding.worker_client import EmbeddingWorkers
+from lightning_persia.embedding.worker_client import EmbeddingWorkers, WorkerDeduplication
 from lightning_persia.ops.pooled_lookup import kernel_in_use
 from lightning_persia.remote_ps.client import PSClient, ShardWait
 from lightning_persia.remote_ps.table_config import InitLike, OptimizerLike, TableSettings
@@ -198,6 +198,11 @@ class PersiaStrategy(DDPStrategy):
         return self._workers.pids if self._workers is not None else []
 
     @property
+    def embedding_workers_restarted(self) -> int:
+        """How many times one of this rank's embedding workers died and was started again (``EmbeddingWorkerSettings.restarts``)."""
+        return self._workers.restarted if self._workers is not None else 0
+
+    @property
     def metrics_url(self) -> Optional[str]:
         """Where this rank serves its Prometheus metrics (set up with the environment; None without ``metrics``)."""
         return self._metrics.url if self._metrics is not None else None
@@ -298,9 +303,10 @@ class PersiaStrategy(DDPStrategy):
             self._workers = EmbeddingWorkers(
                 self.embedding_workers.count, client.addresses, dims, client.retry, lambda: client.incarnations, token=self.ps.token,
                 tls_root_cert=self.ps.tls_root_cert, rank=self.global_rank, start_timeout_s=self.embedding_workers.start_timeout_s,
-                timeout_s=budget_s, on_calls=self._metrics.client_interceptor.record if self._metrics is not None else None)
+                timeout_s=budget_s, on_calls=self._metrics.client_interceptor.record if self._metrics is not None else None,
+                restarts=self.embedding_workers.restarts)
             self._pipeline = EmbeddingPipeline(self._workers, self.staleness, self.wire_dtype, self.root_device, timeout_s=budget_s,
-                                               rank_merge=rank_merge, dedup=self._workers.deduplicate)
+                                               rank_merge=rank_merge, dedup=WorkerDeduplication(self._workers))
         else:
             self._pipeline = EmbeddingPipeline(client, self.staleness, self.wire_dtype, self.root_device, timeout_s=budget_s, rank_merge=rank_merge)
         # Lightning moves each batch to the device as a whole; a module that overrides one of these hooks may change it.

@@ -14,9 +14,9 @@ class EmbeddingWorkerSettings:
 
         PersiaStrategy(embedding_workers=EmbeddingWorkerSettings(count=2))
 
-    The workers run on the trainer's machine, started with the rank and stopped with it; rows and gradients cross
-    through shared memory. Workers on other hosts are not supported: they would need the rows over the network
-    instead of shared memory.
+    The workers run on the trainer's machine, started with the rank and stopped with it; rows cross through shared
+    memory, and the workers read ids and gradients in the trainer's memory. Workers on other hosts are not
+    supported: they would need the rows over the network instead of shared memory.
     """
 
     count: int = 1
@@ -24,9 +24,16 @@ class EmbeddingWorkerSettings:
     workers existed). Lookups go to the workers in turn; each update goes to the worker that looked its ids up."""
     start_timeout_s: float = 120.0
     """Longest wait for a worker to start and reach the shards (a fresh interpreter imports torch first)."""
+    restarts: int = 3
+    """How many times each worker is started again after it dies (killed, out of memory), over the whole run. The new
+    worker is sent every call the dead one had not answered: lookups and deduplications again, updates again under
+    their first sequence numbers, which the shards apply exactly once, so nothing is lost or applied twice. ``0``, or
+    a death past the last restart: the run stops with an error naming the worker."""
 
     def __post_init__(self) -> None:
         if self.count < 0:
             raise ValueError(f"EmbeddingWorkerSettings: count must be >= 0, got {self.count}")
         if not self.start_timeout_s > 0:
             raise ValueError(f"EmbeddingWorkerSettings: start_timeout_s must be > 0, got {self.start_timeout_s}")
+        if self.restarts < 0:
+            raise ValueError(f"EmbeddingWorkerSettings: restarts must be >= 0, got {self.restarts}")

@@ -1,5 +1,7 @@
 """Embedding workers against real shards: rows, updates and deduplication as the trainer's own client and planning
-give them, through shared buffers; bad input refused; a worker that dies fails every call, in flight or to come, with an error naming it."""
+give them, through shared buffers; bad input refused; a worker that dies is started again and its unanswered calls sent
+to the new one, each update applied once, or, past its restarts, fails every call, in flight or to come, with an error
+naming it."""
 from __future__ import annotations
 
 import os
@@ -8,8 +10,11 @@ import time
 
 import pytest
 import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_persia.embedding.worker_client import EmbeddingWorkerError, EmbeddingWorkers
+from lightning_persia.embedding import worker_client
+from lightning_persia.embedding.planning import CollectionPlanner
+from lightning_persia.embedding.worker_client import EmbeddingWorkerError, EmbeddingWorkers, WorkerDeduplication
 from lightning_persia.ops.dedup import keyed_unique
 from lightning_persia.ops.keyed_ids import KeyedIds
 from lightning_persia.remote_ps.client import PSClient
@@ -31,8 +36,8 @@ def cluster():
     cluster.stop()
 
 
-def _workers(client: PSClient, count: int = 1) -> EmbeddingWorkers:
-    return EmbeddingWorkers(count, client.addresses, DIMS, client.retry, lambda: client.incarnations, start_timeout_s=120)
+def _workers(client: PSClient, count: int = 1, restarts: int = 0) -> EmbeddingWorkers:
+    return EmbeddingWorkers(count, client.addresses, DIMS, client.retry, lambda: client.incarnations, start_timeout_s=120, restarts=restarts)
 
 
 def _keyed(a: list[int], b: list[int]) -> KeyedIds:
@@ -61,6 +66,28 @@ def test_rows_and_updates_through_the_workers_are_the_clients(cluster):
         workers.close()
 
 
+def test_workers_that_cannot_read_the_trainers_memory_get_copies_and_answer_the_same(cluster, monkeypatch):
+    _, client = cluster
+    with monkeypatch.context() as patch:  # the workers are told of a process they may not read: as under Yama's ptrace_scope 1
+        patch.setattr(worker_client.os, "getpid", lambda: 2**22 + 7)
+        workers = _workers(client)
+    try:
+        assert workers.read_trainer_memory == [False]
+        keyed = KeyedIds(("a", "b"), (6, 4), torch.tensor([5, 1, 5, 9, 1, 1, 7, -2, 7, 7]) + (1 << 30))
+        unique, inverse = workers.deduplicate(keyed)
+        expected_unique, expected_inverse = keyed_unique(keyed)
+        assert torch.equal(unique.ids, expected_unique.ids) and torch.equal(inverse, expected_inverse)
+        fresh = _keyed([1 << 31, 2 << 31], [3 << 31])  # not in a shared buffer: copied into one
+        sharded = workers.shard(fresh)
+        rows = workers.lookup_sharded_async(sharded, train=True, wire_dtype="fp32").result(60)
+        grads = torch.arange(rows.numel(), dtype=torch.float32) / 10
+        workers.update_sharded_async(sharded, grads, (4, 8), wire_dtype="fp32").result(60)
+        after = client.lookup_sharded_async(client.shard(fresh), train=False, wire_dtype="fp32").result(60)
+        torch.testing.assert_close(after, rows - grads, rtol=0, atol=1e-6)
+    finally:
+        workers.close()
+
+
 def test_the_workers_deduplicate_like_the_trainer(cluster):
     _, client = cluster
     workers = _workers(client)
@@ -72,6 +99,33 @@ def test_the_workers_deduplicate_like_the_trainer(cluster):
         assert torch.equal(unique.ids, expected_unique.ids) and torch.equal(inverse, expected_inverse)
         empty, rows = workers.deduplicate(KeyedIds(("a",), (0,), torch.empty(0, dtype=torch.int64)))
         assert empty.counts == (0,) and rows.numel() == 0
+    finally:
+        workers.close()
+
+
+def test_a_collection_planned_through_the_workers_is_planned_as_in_the_trainer(cluster):
+    _, client = cluster
+    workers = _workers(client)
+    try:
+        generator = torch.Generator().manual_seed(4)
+        features = ["f0", "f1", "f2"]
+        lengths = torch.randint(0, 5, (3 * 64,), generator=generator)
+        values = torch.randint(0, 40, (int(lengths.sum()),), generator=generator)
+        kjt = KeyedJaggedTensor(keys=features, values=values, lengths=lengths)
+        planner = CollectionPlanner("ebc", ("a", "b"), (4, 8), tuple(features), (0, 1, 1))
+        local = planner.plan(kjt)
+        dedup = WorkerDeduplication(workers)
+        through = planner.plan(kjt, dedup)
+        if workers.read_trainer_memory[0]:  # counted by the worker from the lengths
+            assert dedup.by_features(("a", "b"), (0, 1, 1), 64, values, lengths) is not None
+        assert through.id_counts == local.id_counts and through.unique.counts == local.unique.counts
+        assert torch.equal(through.unique.ids, local.unique.ids) and torch.equal(through.inverse, local.inverse)
+        assert torch.equal(through.block_rows(), local.block_rows())
+        if workers.read_trainer_memory[0]:  # int32 lengths (TorchRec's usual) are read as well
+            short = dedup.by_features(("a", "b"), (0, 1, 1), 64, values, lengths.int())
+            assert short is not None and short[2] == local.id_counts and torch.equal(short[1], local.inverse)
+        # ids not int64 are not read in place: the planning counts them and the worker deduplicates, as before
+        assert dedup.by_features(("a", "b"), (0, 1, 1), 64, values.int(), lengths) is None
     finally:
         workers.close()
 
@@ -88,6 +142,8 @@ def test_bad_input_is_refused_with_its_name(cluster):
             workers.lookup_sharded_async(client.shard(_keyed([1], [2])), train=True)
         with pytest.raises(ValueError, match="count must be >= 1"):
             EmbeddingWorkers(0, client.addresses, DIMS, client.retry, lambda: client.incarnations)
+        with pytest.raises(ValueError, match="restarts must be >= 0, got -1"):
+            EmbeddingWorkers(1, client.addresses, DIMS, client.retry, lambda: client.incarnations, restarts=-1)
     finally:
         workers.close()
 
@@ -114,3 +170,35 @@ def test_a_worker_that_cannot_reach_the_shards_fails_the_start_naming_it(cluster
     _, client = cluster
     with pytest.raises(EmbeddingWorkerError, match=r"embedding worker 0 of rank 3 \(pid \d+\) could not reach the shards"):
         EmbeddingWorkers(1, client.addresses, {"nope": 4}, client.retry, lambda: client.incarnations, rank=3)
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_killed_with_calls_in_flight_is_started_again_and_each_update_lands_once(cluster):
+    _, client = cluster
+    workers = _workers(client, restarts=2)
+    try:
+        keyed = _keyed(list(range(10_000, 14_000)), list(range(10_000, 11_000)))
+        before = client.lookup_sharded_async(client.shard(keyed), train=False, wire_dtype="fp32").result(60)
+        grads = torch.rand(4000 * 4 + 1000 * 8)
+        expected = before
+        for delay in (0.0, 0.05):  # killed before the worker read the update, or while it sends it
+            sharded = workers.shard(keyed)
+            workers.lookup_sharded_async(sharded, train=True, wire_dtype="fp32").result(60)  # the rows exist, as after a forward
+            update = workers.update_sharded_async(sharded, grads, (4, 8), wire_dtype="fp32")
+            time.sleep(delay)
+            os.kill(workers.pids[0], signal.SIGKILL)
+            update.result(120)  # answered by the worker started in its place (or by the first, just before it died)
+            expected = expected - grads  # SGD(lr=1), once, whether or not the dead worker's attempt reached a shard
+            after = client.lookup_sharded_async(client.shard(keyed), train=False, wire_dtype="fp32").result(60)
+            torch.testing.assert_close(after, expected, rtol=0, atol=1e-5)
+            # A call made after the death is answered by the worker started in its place.
+            torch.testing.assert_close(workers.lookup_sharded_async(workers.shard(keyed), train=False, wire_dtype="fp32").result(120),
+                                       expected, rtol=0, atol=1e-5)
+        assert workers.restarted == 2
+        # The third death is past its restarts: the calls fail naming the worker, after both restarts.
+        os.kill(workers.pids[0], signal.SIGKILL)
+        with pytest.raises(EmbeddingWorkerError, match=r"embedding worker 0 of rank 0 \(pid \d+\) exited with code -9 after 2 restart"):
+            for _ in range(50):
+                workers.lookup_sharded_async(workers.shard(keyed), train=True).result(30)
+    finally:
+        workers.close()

@@ -13,8 +13,10 @@ import grpc.aio
 import pytest
 import torch
 
+from lightning_persia.ops.keyed_ids import KeyedIds
 from lightning_persia.ops.shard_map import shard_of
 from lightning_persia.remote_ps.client import PSError, PSRequestError, RetryPolicy, ShardUnavailableError, ShardWait
+from lightning_persia.remote_ps.client.ps_client import SEQS_PER_UPDATE
 from lightning_persia.remote_ps.launcher import LocalShards
 from lightning_persia.remote_ps.store import ShardStore
 from lightning_persia.remote_ps.table_config import SGD, Adagrad, Adam, Constant, Normal, TableConfig, TableSettings, Uniform
@@ -260,6 +262,23 @@ def test_clients_sending_one_update_under_a_shared_sender_apply_it_once(ps_clust
     with pytest.raises(PSRequestError, match="other content"):
         second.update({"shared": (ids, torch.full((ids.numel(), 2), 5.0))}, wire_dtype="fp32", sender="job-merged")
     assert torch.equal(first.lookup({"shared": ids}, train=False, wire_dtype="fp32")["shared"], torch.full_like(got, -8.0))
+
+
+def test_an_update_numbered_by_its_sender_is_applied_once_from_any_client(ps_cluster, make_client):
+    """How an embedding worker started in place of a dead one resends its updates: same sender, same seq_base."""
+    first, second = make_client(ps_cluster.addresses), make_client(ps_cluster.addresses)
+    first.configure([TableConfig("numbered", 2, optimizer=SGD(lr=1.0), init=Constant(0.0))])
+    ids = _ids(300, seed=22)
+    first.lookup({"numbered": ids}, train=True)
+    keyed = KeyedIds(("numbered",), (ids.numel(),), ids)
+    grads = torch.ones(ids.numel() * 2)
+    for client in (first, second, first):  # the second client and a second try of the first: duplicates
+        client.update_sharded_async(client.shard(keyed), grads, (2,), wire_dtype="fp32", sender="worker-7", seq_base=SEQS_PER_UPDATE).result(30)
+    second.update_sharded_async(second.shard(keyed), grads, (2,), wire_dtype="fp32", sender="worker-7", seq_base=2 * SEQS_PER_UPDATE).result(30)
+    got = first.lookup({"numbered": ids}, train=False, wire_dtype="fp32")["numbered"]
+    assert torch.equal(got, torch.full_like(got, -2.0))  # updates 1 and 2, once each
+    with pytest.raises(ValueError, match="seq_base must be >= 1, got 0"):
+        first.update_sharded_async(first.shard(keyed), grads, (2,), seq_base=0)
 
 
 def test_retried_update_is_applied_once(ps_cluster, make_client):

@@ -1,16 +1,19 @@
-"""The strategy's embedding workers: started with the rank (one by default), stopped with the strategy, and a worker
-that dies mid-run stops the run with an error naming it instead of hanging."""
+"""The strategy's embedding workers: started with the rank (one by default), stopped with the strategy; a worker that
+dies mid-run is started again and the run ends with the very weights of a run without the death, or, with no
+restart allowed, the run stops with an error naming it instead of hanging."""
 from __future__ import annotations
 
 import os
 import signal
+from typing import Optional
 
 import lightning as L
 import pytest
+import torch
 
 from lightning_persia import SGD, PersiaStrategy
 from lightning_persia.strategy.worker_settings import EmbeddingWorkerSettings
-from toy import INIT, ToyRecommender, loader, make_batches
+from toy import INIT, NUM_IDS, ToyRecommender, loader, make_batches
 
 
 def _trainer(strategy: PersiaStrategy, steps: int, callbacks=()) -> L.Trainer:
@@ -62,9 +65,56 @@ class _KillWorker(L.Callback):
             os.kill(self.killed, signal.SIGKILL)
 
 
+def _trained(kill_at: Optional[int]) -> tuple[dict[str, torch.Tensor], int]:
+    """The remote rows and dense weights after 12 steps at staleness 0, the worker killed after step ``kill_at``;
+    and how many times a worker was started again."""
+    torch.manual_seed(0)
+    model = ToyRecommender(device="meta")
+    strategy = PersiaStrategy(staleness=0, embedding_optimizer=SGD(lr=0.1), embedding_init=INIT, wire_dtype="fp32",
+                              embedding_workers=EmbeddingWorkerSettings(restarts=1))
+    callbacks = [_KillWorker(strategy, at=kill_at)] if kill_at is not None else []
+    try:
+        _trainer(strategy, steps=12, callbacks=callbacks).fit(model, loader(make_batches(12)))
+        weights = {f"ebc.{t}": strategy.client.lookup({f"ebc.{t}": torch.arange(NUM_IDS)}, train=False, wire_dtype="fp32")[f"ebc.{t}"]
+                   for t in ("t0", "t1")}
+        weights.update({f"mlp.{k}": v.clone() for k, v in model.mlp.state_dict().items()})
+        return weights, strategy.embedding_workers_restarted
+    finally:
+        strategy.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_killed_mid_run_is_started_again_and_nothing_is_lost():
+    expected, restarted = _trained(kill_at=None)
+    assert restarted == 0
+    for kill_at in (2, 7):  # right after a step's push, its update in flight: sent again, applied once
+        got, restarted = _trained(kill_at=kill_at)
+        assert restarted == 1
+        assert got.keys() == expected.keys()
+        for name, value in expected.items():
+            assert torch.equal(got[name], value), f"{name} differs after the worker was killed after step {kill_at}"
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_killed_with_several_steps_in_flight_is_started_again_and_the_run_ends():
+    """At staleness 3 the dead worker had lookups and updates of several steps unanswered: all are sent again."""
+    strategy = PersiaStrategy(staleness=3, embedding_optimizer=SGD(lr=0.1), embedding_init=INIT,
+                              embedding_workers=EmbeddingWorkerSettings(restarts=1))
+    kill = _KillWorker(strategy, at=4)
+    try:
+        _trainer(strategy, steps=14, callbacks=[kill]).fit(ToyRecommender(device="meta"), loader(make_batches(14)))
+        assert strategy.embedding_workers_restarted == 1
+        assert strategy.embedding_worker_pids[0] != kill.killed and _alive(strategy.embedding_worker_pids[0])
+        strategy.pipeline.pusher.wait_for_pushed(30)  # every step's update acknowledged: none was lost in the death
+    finally:
+        strategy.close()
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("staleness", [0, 3])
-def test_a_worker_that_dies_stops_the_run_with_an_error_naming_it(staleness):
-    strategy = PersiaStrategy(staleness=staleness, embedding_optimizer=SGD(lr=0.1), embedding_init=INIT)
+def test_a_worker_that_dies_without_restarts_stops_the_run_with_an_error_naming_it(staleness):
+    strategy = PersiaStrategy(staleness=staleness, embedding_optimizer=SGD(lr=0.1), embedding_init=INIT,
+                              embedding_workers=EmbeddingWorkerSettings(restarts=0))
     kill = _KillWorker(strategy, at=3)
     try:
         with pytest.raises(RuntimeError, match=r"embedding worker 0 of rank 0 \(pid \d+\) exited with code -9") as raised:
@@ -79,5 +129,7 @@ def test_bad_worker_settings_are_refused_with_their_name():
         EmbeddingWorkerSettings(count=-1)
     with pytest.raises(ValueError, match="start_timeout_s must be > 0"):
         EmbeddingWorkerSettings(start_timeout_s=0)
+    with pytest.raises(ValueError, match="EmbeddingWorkerSettings: restarts must be >= 0, got -2"):
+        EmbeddingWorkerSettings(restarts=-2)
     with pytest.raises(TypeError, match="embedding_workers must be a EmbeddingWorkerSettings or None, got int"):
         PersiaStrategy(embedding_workers=2)

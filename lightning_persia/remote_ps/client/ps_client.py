@@ -33,6 +33,10 @@ from lightning_persia.remote_ps.protocol import WIRE_DTYPE_ENUMS, WIRE_DTYPE_NAM
 
 log = logging.getLogger("lightning_persia.ps.client")
 
+SEQS_PER_UPDATE = 1 << 20
+"""Sequence numbers an update numbered by its sender may use on each shard (``update_sharded_async(seq_base=...)``):
+more than its messages to one shard can be (an update of 2^18 ids per message would need 2^38 ids to fill them)."""
+
 
 class PSClient(ShardAdmin):
     """Talks to the shards of one parameter-server cluster (``addresses[i]`` is shard ``i``).
@@ -197,6 +201,7 @@ class PSClient(ShardAdmin):
 
     def update_sharded_async(
         self, sharded: ShardedIds, grads: torch.Tensor, dims: Sequence[int], *, wire_dtype: str = "fp16", sender: Optional[str] = None,
+        seq_base: Optional[int] = None,
     ) -> "Future[None]":
         """Sends the gradients of ``sharded``'s ids: ``grads`` is flat, in its :class:`KeyedIds` order (table after
         table, ``[count, dims[t]]`` each); each shard applies its part exactly once.
@@ -206,7 +211,14 @@ class PSClient(ShardAdmin):
         same number on retry. Clients that send the very same updates in the same order under one shared
         ``sender`` make each shard apply every update once, and each of them hears back only after it is
         applied (how ranks push one merged gradient, see ``embedding/rank_merge.py``).
+
+        ``seq_base``: the caller numbers the sender's updates itself (the ``n``-th one takes ``n *
+        SEQS_PER_UPDATE``), so that another client (an embedding worker started in place of one that died) can
+        send the same update again under the same numbers, which the shards apply once; each shard's messages
+        of this update take ``seq_base``, ``seq_base + 1``, ... A sender is numbered one way or the other, never both.
         """
+        if seq_base is not None and seq_base < 1:
+            raise ValueError(f"seq_base must be >= 1, got {seq_base}")
         sender = sender or self.client_id
         dtype = _wire_enum(wire_dtype)
         keyed = sharded.keyed
@@ -219,19 +231,26 @@ class PSClient(ShardAdmin):
                 f"{grads.dtype} {tuple(grads.shape)}"
             )
         encoded = grads.detach().to(device="cpu", dtype=wire.WIRE_DTYPES[wire_dtype])
-        return self._submit(self._update(self._update_calls(sharded, encoded, layout, dtype, wire_dtype, sender)))
+        return self._submit(self._update(self._update_calls(sharded, encoded, layout, dtype, wire_dtype, sender, seq_base)))
 
     def _update_calls(self, sharded: ShardedIds, encoded: torch.Tensor, layout: RowLayout, dtype: int, wire_dtype: str,
-                      sender: str, resent_seq: Optional[int] = None) -> list[tuple[int, persia_pb2.UpdateRequest]]:
+                      sender: str, seq_base: Optional[int] = None,
+                      resent_seq: Optional[int] = None) -> list[tuple[int, persia_pb2.UpdateRequest]]:
         """The Update request of each message of ``sharded`` (``encoded``: the flat gradients in the wire dtype), each
-        under the sender's next seq for its shard, or under ``resent_seq`` (a re-routed update's)."""
+        under the sender's next seq for its shard, the next from ``seq_base`` (see :meth:`update_sharded_async`), or
+        ``resent_seq`` (a re-routed update's)."""
         order = sharded.order
         calls = []
+        numbered: dict[int, Iterator[int]] = {}  # per shard, from seq_base
         for message in sharded.messages:
             if message.start == message.end:
                 continue
             if resent_seq is not None:
                 seq = resent_seq
+            elif seq_base is not None:
+                seq = next(numbered.setdefault(message.shard, itertools.count(seq_base)))
+                if seq - seq_base >= SEQS_PER_UPDATE:
+                    raise ValueError(f"an update numbered by its sender sends at most {SEQS_PER_UPDATE} messages to a shard")
             else:
                 with self._seq_lock:
                     seqs = self._seqs.setdefault(sender, [])

@@ -83,9 +83,17 @@ class SlotHandover:
         return outgoing.to_map if outgoing is not None else None
 
     def handover_changes(self) -> tuple[list[TableConfig], list[Change]]:
-        """The changes to the moving slots' rows since the handover's point (or the last call), oldest first, and the
-        configuration of every table (the changes may name a table made since the point)."""
-        changes = self._handing_over().take_changes()
+        """The moving slots' rows changed since the handover's point (or the last call), as they are now: one change
+        per table that writes the rows present and removes the others, and the configuration of every table (the
+        changes may name a table made since the point). A row changed again after it was read is read again next
+        time; after the fence, none is."""
+        changed = self._handing_over().take_changed()
+        changes = []
+        for name, ids in sorted(changed.items()):
+            table = self._table(name)
+            with table.lock:
+                rows, absent = table.saved_rows_locked(ids)
+                changes.append(Change([TableChange(name, table.step, removed=absent, rows=rows)]))
         return [table.config for table in self._listed_tables()], changes
 
     def fence_handover(self) -> None:

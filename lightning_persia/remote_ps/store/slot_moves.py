@@ -1,15 +1,15 @@
 """The store's side of moving slots between live shards: a gate for ownership changes, and an outgoing move.
 
 A move of slots from shard S to shard T (``ShardStore.begin_handover`` … ``finish_handover``) is a copy followed by
-log shipping, the mechanism a restarted shard's replay already reproduces bit for bit:
+rounds of the rows changed since, in the write-ahead log's record format (which a replay applies bit for bit):
 
-1. S takes one consistent point of every table (as a save does) and from then on collects every change its
-   operations make to rows of the moving slots (:class:`OutgoingSlots`), the very records its write-ahead log holds;
-2. the rows of the moving slots at the point go to T, which writes them (``take_rows``); then the collected changes,
-   in order (``take_changes``), as often as the caller likes while S keeps serving;
-3. S fences the slots: it answers their ids with "moving, retry" (:class:`SlotsMovingError`); the last changes go
-   to T; T, then S, adopt the new map. S drops the rows it handed over; its clients hear the map moved
-   (:class:`MapMovedError`) and send those ids to T.
+1. S takes one consistent point of every table (as a save does) and from then on notes which rows of the moving
+   slots its operations change (:class:`OutgoingSlots`: it hears what its write-ahead log hears);
+2. the rows of the moving slots at the point go to T, which writes them (``take_changes``); then, in rounds while S
+   keeps serving, each row changed since the last round as it is now (or its removal);
+3. S fences the slots: requests for their ids wait, and hear "moving, retry" (:class:`SlotsMovingError`) after a
+   while; the last round goes to T; T, then S, adopt the new map. S drops the rows it handed over; its clients hear
+   the map moved (:class:`MapMovedError`) and send those ids to T.
 
 Every ownership change (the point, the fence, the adoption) passes the :class:`RoutingGate` alone, after the requests
 in flight: a request checks its ids and applies its change inside the gate, so none straddles one.
@@ -25,7 +25,7 @@ import torch
 from lightning_persia.ops.hashing import slot_of
 from lightning_persia.ops.shard_map import SLOTS, ShardMap
 from lightning_persia.remote_ps.store.errors import StoreError
-from lightning_persia.remote_ps.store.wal.changes import Change, TableChange
+from lightning_persia.remote_ps.store.wal.changes import TableChange
 
 
 class SlotsMovingError(StoreError):
@@ -82,7 +82,11 @@ class RoutingGate:
 
 
 class OutgoingSlots:
-    """Slots this shard hands to others under ``to_map``, and the changes to their rows since the move's point."""
+    """Slots this shard hands to others under ``to_map``, and which of their rows changed since the move's point.
+
+    A round ships each changed row once, as it is when the round is taken (``ShardStore.handover_changes``), not every
+    change: a trainer rewrites its hot rows many times a round, and rounds must shrink for the fence to be short.
+    """
 
     def __init__(self, shard_index: int, current: ShardMap, to_map: ShardMap) -> None:
         self.to_map = to_map
@@ -92,7 +96,7 @@ class OutgoingSlots:
         self._mask[list(moving)] = True
         self.fenced = False
         self.settled = threading.Event()  # set once the handover finished or was given up
-        self._changes: list[Change] = []
+        self._dirty: dict[str, list[torch.Tensor]] = {}  # table -> ids changed since the last round was taken
         self._lock = threading.Lock()
 
     def covers(self, ids: torch.Tensor) -> torch.Tensor:
@@ -100,21 +104,20 @@ class OutgoingSlots:
         return self._mask[slot_of(ids, SLOTS)]
 
     def collect(self, changes: Sequence[TableChange]) -> None:
-        """Keeps the part of one operation's changes that falls in the moving slots (called with the tables' locks
-        held, so the collected order is the order of the changes)."""
-        kept = [part for part in (self._part(change) for change in changes) if part]
-        if kept:
-            with self._lock:
-                self._changes.append(Change(kept))
+        """Notes the rows of the moving slots that one operation changed (called with the tables' locks held)."""
+        for change in changes:
+            part = part_of(change, self.covers)
+            touched = [ids for ids in (part.removed, part.admitted, part.rows["ids"] if part.rows else None)
+                       if ids is not None and ids.numel()]
+            if touched:
+                with self._lock:
+                    self._dirty.setdefault(change.name, []).extend(touched)
 
-    def take_changes(self) -> list[Change]:
-        """The changes collected since the last call, oldest first."""
+    def take_changed(self) -> dict[str, torch.Tensor]:
+        """Per table, the ids of the moving slots changed since the last call (each once)."""
         with self._lock:
-            taken, self._changes = self._changes, []
-        return taken
-
-    def _part(self, change: TableChange) -> TableChange:
-        return part_of(change, self.covers)
+            taken, self._dirty = self._dirty, {}
+        return {name: torch.cat(ids).unique() for name, ids in taken.items()}
 
 
 def part_of(change: TableChange, keep: Callable[[torch.Tensor], torch.Tensor]) -> TableChange:

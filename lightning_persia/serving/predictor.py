@@ -1,15 +1,13 @@
 """``Predictor``: a bundle's LightningModule answering batches without a Trainer, its tables on read-only shards."""
 from __future__ import annotations
 
-import contextlib
 import importlib
 import inspect
 import logging
 import os
-import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from lightning.pytorch import LightningModule
@@ -17,6 +15,7 @@ from lightning.pytorch.cli import instantiate_module
 from safetensors.torch import load_file
 
 from lightning_persia.embedding.data_parallel import DataParallelTables
+from lightning_persia.read_write_lock import ReadWriteLock
 from lightning_persia.remote_ps.client import PSClient, PSError, RetryPolicy
 from lightning_persia.remote_ps.launcher import LocalShards
 from lightning_persia.remote_ps.table_config import TableConfig
@@ -38,48 +37,6 @@ class Prediction:
 
 class ServingError(RuntimeError):
     """The predictor cannot answer: its shards are between two versions (a commit failed on some of them)."""
-
-
-class _ReadWriteLock:
-    """Any number of readers (predictions) or one writer (a version switch); a waiting writer goes first.
-
-    (The standard library has none; a dependency for these few lines was not worth it.)
-    """
-
-    def __init__(self) -> None:
-        self._condition = threading.Condition()
-        self._readers = 0
-        self._writing = False
-        self._writers_waiting = 0
-
-    @contextlib.contextmanager
-    def reading(self) -> Iterator[None]:
-        with self._condition:
-            while self._writing or self._writers_waiting:
-                self._condition.wait()
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._condition:
-                self._readers -= 1
-                if not self._readers:
-                    self._condition.notify_all()
-
-    @contextlib.contextmanager
-    def writing(self) -> Iterator[None]:
-        with self._condition:
-            self._writers_waiting += 1
-            while self._writing or self._readers:
-                self._condition.wait()
-            self._writers_waiting -= 1
-            self._writing = True
-        try:
-            yield
-        finally:
-            with self._condition:
-                self._writing = False
-                self._condition.notify_all()
 
 
 class Predictor:
@@ -113,7 +70,7 @@ class Predictor:
         self._bundle = bundle
         self._client = client
         self._shards = shards
-        self._lock = _ReadWriteLock()
+        self._lock = ReadWriteLock()
         self._watcher: Optional[DeltaWatcher] = None
         self._uncommitted: Optional[tuple[int, dict[str, torch.Tensor]]] = None  # a version committed on some shards only
 

@@ -14,7 +14,8 @@ import torch
 
 from lightning_persia.ops.shard_map import ShardMap
 from lightning_persia.remote_ps.store.errors import InvalidRequestError
-from lightning_persia.remote_ps.store.slot_moves import OutgoingSlots, RoutingGate, part_of
+from lightning_persia.read_write_lock import ReadWriteLock
+from lightning_persia.remote_ps.store.slot_moves import OutgoingSlots, part_of
 from lightning_persia.remote_ps.store.table import Table
 from lightning_persia.remote_ps.store.table_snapshot import TableSnapshot
 from lightning_persia.remote_ps.store.wal.changes import Change, TableChange
@@ -31,7 +32,7 @@ class SlotHandover:
     shard_index: int
     num_shards: int
     _shard_map: ShardMap
-    _gate: RoutingGate
+    _gate: ReadWriteLock
     _outgoing: Optional[OutgoingSlots]
     _lock: threading.Lock
     _save_lock: threading.Lock
@@ -49,7 +50,7 @@ class SlotHandover:
         if to_map.version <= self._shard_map.version:
             raise InvalidRequestError(f"a handover to shard map version {to_map.version}, not newer than this shard's "
                                       f"{self._shard_map.version}")
-        with self._gate.alone(), self._save_lock, self._lock, contextlib.ExitStack() as held:
+        with self._gate.writing(), self._save_lock, self._lock, contextlib.ExitStack() as held:
             if self._outgoing is not None:
                 raise InvalidRequestError(f"a handover to shard map version {self._outgoing.to_map.version} is under way")
             tables = [self._tables[name] for name in sorted(self._tables)]
@@ -99,12 +100,12 @@ class SlotHandover:
     def fence_handover(self) -> None:
         """From now on the moving slots' ids are answered with :class:`SlotsMovingError`: the changes collected after
         this call are the last ones."""
-        with self._gate.alone():
+        with self._gate.writing():
             self._handing_over().fenced = True
 
     def finish_handover(self) -> None:
         """Adopts the handover's map (the new owners adopted it first) and drops the rows handed over."""
-        with self._gate.alone():
+        with self._gate.writing():
             outgoing = self._handing_over()
             if not outgoing.fenced:
                 raise InvalidRequestError("a handover finishes once fenced: its last changes must have been taken")
@@ -118,7 +119,7 @@ class SlotHandover:
     def abort_handover(self) -> None:
         """Gives up the handover under way, if any (the slots stay this shard's, served as before), and drops the
         rows taken over for slots this shard's map does not give it (a handover to it that was given up)."""
-        with self._gate.alone():
+        with self._gate.writing():
             outgoing, self._outgoing = self._outgoing, None
         if outgoing is not None:
             outgoing.settled.set()
@@ -138,7 +139,7 @@ class SlotHandover:
 
     def adopt_map(self, shard_map: ShardMap) -> None:
         """Makes ``shard_map`` this shard's (a newer version; the same one again is a no-op)."""
-        with self._gate.alone():
+        with self._gate.writing():
             if shard_map.version < self._shard_map.version or (
                     shard_map.version == self._shard_map.version and shard_map != self._shard_map):
                 raise InvalidRequestError(f"shard map version {shard_map.version} is older than or differs from this "
@@ -158,8 +159,8 @@ class SlotHandover:
         return self._outgoing
 
     def _set_map(self, shard_map: ShardMap) -> None:
-        """Adopts ``shard_map``, in the log first when there is one (a restart then keeps it); the routing gate passed
-        alone. A shard the map leaves without slots (drained) keeps its index: every id has moved elsewhere."""
+        """Adopts ``shard_map``, in the log first when there is one (a restart then keeps it); the routing gate
+        held for writing. A shard the map leaves without slots (drained) keeps its index: every id moved elsewhere."""
         if self.log is not None:
             self.log.wait(self.log.record_map(shard_map))
         self.replay_map(shard_map)
@@ -170,7 +171,7 @@ class SlotHandover:
 
     def _record(self, changes: list[TableChange]) -> None:
         """Applies changes as a replay does, and logs them: another shard's rows become this one's, durably."""
-        with self._gate.request():
+        with self._gate.reading():
             tickets: list[int] = []
             journal = self._journal("", 0, tickets)
             tables = [self._table(change.name) for change in changes]

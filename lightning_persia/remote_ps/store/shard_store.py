@@ -20,7 +20,8 @@ from lightning_persia.remote_ps.store.disk.part import DiskPart
 from lightning_persia.remote_ps.store.disk.records import record_specs
 from lightning_persia.remote_ps.store.progress import Progress
 from lightning_persia.remote_ps.store.handover import SlotHandover
-from lightning_persia.remote_ps.store.slot_moves import MapMovedError, OutgoingSlots, RoutingGate, SlotsMovingError
+from lightning_persia.read_write_lock import ReadWriteLock
+from lightning_persia.remote_ps.store.slot_moves import MapMovedError, OutgoingSlots, SlotsMovingError
 from lightning_persia.remote_ps.store.disk.segment_mapping import MAPPED_BYTES
 from lightning_persia.remote_ps.store.table import Table
 from lightning_persia.remote_ps.store.table_journal import Journal
@@ -90,11 +91,11 @@ class ShardStore(SlotHandover):
         self.progress = Progress(f"shard {shard_index}/{num_shards}")
         self._disk_dir = disk_dir
         self._disk_mapped_bytes = disk_mapped_bytes
-        # requests and sweeps pass it together, changes of what the shard owns alone (slot_moves.py)
-        self._gate = RoutingGate()
+        # requests and sweeps hold it for reading, changes of what the shard owns for writing (slot_moves.py)
+        self._gate = ReadWriteLock()
         self._outgoing: Optional[OutgoingSlots] = None  # the slots this shard is handing over, while it does
         self._expirer = Expirer(self._tables_with_ttl, expiry_interval_s, journal=lambda: self._journal("", 0, []),
-                                guard=self._gate.request)
+                                guard=self._gate.reading)
         budget = MappedBudget(memory_limit_bytes) if memory_limit_bytes is not None else None
         self._demoter = Demoter(self._disk_parts, demotion_interval_s, budget) if demotion_interval_s is not None else None
         self.log: Optional[ShardLog] = None  # set once the shard restored itself (wal/shard_log.py)
@@ -141,7 +142,7 @@ class ShardStore(SlotHandover):
 
         ``map_version``: the version of the shard map the caller routed the ids by (None: this shard's own); ids this
         shard's newer map gives another shard raise :class:`MapMovedError`."""
-        with self._gate.request():
+        with self._gate.reading():
             return self._lookup_many(requests, train, dtype, map_version)
 
     def _lookup_many(self, requests: Sequence[tuple[str, torch.Tensor]], train: bool, dtype: torch.dtype,
@@ -170,7 +171,7 @@ class ShardStore(SlotHandover):
         seq)``, from which a restarted shard rebuilds its exactly-once memory. ``map_version``: as for
         :meth:`lookup_many`.
         """
-        with self._gate.request():
+        with self._gate.reading():
             return self._update_many(requests, client, seq, map_version)
 
     def _update_many(self, requests: Sequence[tuple[str, torch.Tensor, torch.Tensor]], client: str, seq: int,

@@ -11,14 +11,14 @@ rounds of the rows changed since, in the write-ahead log's record format (which 
    while; the last round goes to T; T, then S, adopt the new map. S drops the rows it handed over; its clients hear
    the map moved (:class:`MapMovedError`) and send those ids to T.
 
-Every ownership change (the point, the fence, the adoption) passes the :class:`RoutingGate` alone, after the requests
-in flight: a request checks its ids and applies its change inside the gate, so none straddles one.
+Every ownership change (the point, the fence, the adoption) holds the store's routing gate (a
+:class:`~lightning_persia.read_write_lock.ReadWriteLock`) for writing, after the requests in flight: a request checks its
+ids and applies its change holding it for reading, so none straddles one.
 """
 from __future__ import annotations
 
-import contextlib
 import threading
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -40,45 +40,6 @@ class MapMovedError(StoreError):
     def __init__(self, message: str, version: int) -> None:
         super().__init__(message)
         self.version = version
-
-
-class RoutingGate:
-    """Requests pass it together (:meth:`request`); a change of what the shard owns passes it alone (:meth:`alone`),
-    once the requests in flight are done, and the requests that come meanwhile wait for it."""
-
-    def __init__(self) -> None:
-        self._changed = threading.Condition()
-        self._active = 0
-        self._closed = False
-
-    @contextlib.contextmanager
-    def request(self) -> Iterator[None]:
-        with self._changed:
-            while self._closed:
-                self._changed.wait()
-            self._active += 1
-        try:
-            yield
-        finally:
-            with self._changed:
-                self._active -= 1
-                if not self._active:
-                    self._changed.notify_all()
-
-    @contextlib.contextmanager
-    def alone(self) -> Iterator[None]:
-        with self._changed:
-            while self._closed:
-                self._changed.wait()
-            self._closed = True
-            while self._active:
-                self._changed.wait()
-        try:
-            yield
-        finally:
-            with self._changed:
-                self._closed = False
-                self._changed.notify_all()
 
 
 class OutgoingSlots:

@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from lightning_persia.remote_ps.client import PSClient
+from lightning_persia.remote_ps.client import PSClient, RetryPolicy
 from lightning_persia.remote_ps.client.errors import PSError
 from lightning_persia.remote_ps.client.scaling import rescale, wait_drained
 from lightning_persia.remote_ps.launcher import LocalShards
@@ -170,3 +170,32 @@ def test_a_shard_started_with_join_past_the_shard_count_takes_slots_from_a_runni
                 assert client.shard_stats(2)["tables"]["user"]["rows"] > 0
         finally:
             stop_processes([joining], 15)
+
+
+def test_a_taker_killed_during_a_move_leaves_the_old_map_and_every_row(tmp_path):
+    """The new shard dies while rows stream to it: the move is given up on every shard that answers, the cluster keeps
+    its map, and the client's rows are all there."""
+    import os
+    import signal
+
+    config = TableConfig("t", 4, optimizer=Adam(lr=0.1))
+    with LocalShards(2, overrides=["seed=5"]) as shards:
+        client, admin = PSClient(shards.addresses), PSClient(shards.addresses, retry=RetryPolicy(timeout_s=5, max_retries=1))
+        client.wait_healthy(60)
+        client.configure([config])
+        ids = UNIVERSE
+        client.lookup({"t": ids}, train=True)
+        client.update({"t": (ids, torch.ones(ids.numel(), 4))})
+        before = client.lookup({"t": ids}, train=False, wire_dtype="fp32")["t"]
+        grown = shards.grow(3)
+        os.kill(shards.processes[2].pid, signal.SIGKILL)
+        with pytest.raises(PSError):
+            rescale(admin, grown)
+        assert [admin.shard_map_of(s)[0].version for s in (0, 1)] == [0, 0]
+        client.update({"t": (ids, torch.ones(ids.numel(), 4))})  # the sources serve their slots, unfenced
+        after = client.lookup({"t": ids}, train=False, wire_dtype="fp32")["t"]
+        assert client.shard_map.version == 0 and not torch.equal(after, before)
+        assert sum(admin.shard_stats(s)["tables"]["t"]["rows"] for s in (0, 1)) == ids.numel()
+        client.save(str(tmp_path / "after"))  # the move's consistent point was let go: a save takes its own
+        client.close()
+        admin.close()

@@ -61,21 +61,18 @@ class SlotHandover:
             for table in tables:
                 held.enter_context(table.lock)
             snapshots = [table.begin_snapshot(0) for table in tables]
-            self._outgoing = OutgoingSlots(self.shard_index, self._shard_map, to_map)
+            self._outgoing = OutgoingSlots(self.shard_index, self._shard_map, to_map, snapshots)
         return self._handover_rows(self._outgoing, snapshots)
 
     @staticmethod
     def _handover_rows(outgoing: OutgoingSlots, snapshots: list[TableSnapshot]) -> Iterator[tuple[TableConfig, int, dict[str, torch.Tensor]]]:
-        try:
-            for snapshot in snapshots:
-                yield snapshot.config, snapshot.step, {}  # the table, even with no row to move
-                for chunk in snapshot.chunks():
-                    keep = outgoing.covers(chunk["ids"])
-                    if bool(keep.any()):
-                        yield snapshot.config, snapshot.step, {name: values[keep] for name, values in chunk.items()}
-        finally:
-            for snapshot in snapshots:
-                snapshot.close()
+        for snapshot in snapshots:
+            yield snapshot.config, snapshot.step, {}  # the table, even with no row to move
+            for chunk in snapshot.chunks():
+                keep = outgoing.covers(chunk["ids"])
+                if bool(keep.any()):
+                    yield snapshot.config, snapshot.step, {name: values[keep] for name, values in chunk.items()}
+        outgoing.release()  # the tables stop keeping pre-images for the point as soon as its rows are read
 
     @property
     def handover_map(self) -> Optional[ShardMap]:
@@ -111,6 +108,7 @@ class SlotHandover:
                 raise InvalidRequestError("a handover finishes once fenced: its last changes must have been taken")
             self._set_map(outgoing.to_map)
             self._outgoing = None
+        outgoing.release()
         outgoing.settled.set()
         with self._save_lock:
             for table in self._listed_tables():
@@ -122,6 +120,7 @@ class SlotHandover:
         with self._gate.writing():
             outgoing, self._outgoing = self._outgoing, None
         if outgoing is not None:
+            outgoing.release()  # the rows may never have been read: the point's snapshots end here
             outgoing.settled.set()
         with self._save_lock:
             for table in self._listed_tables():

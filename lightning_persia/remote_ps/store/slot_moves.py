@@ -18,7 +18,7 @@ ids and applies its change holding it for reading, so none straddles one.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
@@ -26,6 +26,9 @@ from lightning_persia.ops.hashing import slot_of
 from lightning_persia.ops.shard_map import SLOTS, ShardMap
 from lightning_persia.remote_ps.store.errors import StoreError
 from lightning_persia.remote_ps.store.wal.changes import TableChange
+
+if TYPE_CHECKING:
+    from lightning_persia.remote_ps.store.table_snapshot import TableSnapshot
 
 
 class SlotsMovingError(StoreError):
@@ -49,7 +52,7 @@ class OutgoingSlots:
     change: a trainer rewrites its hot rows many times a round, and rounds must shrink for the fence to be short.
     """
 
-    def __init__(self, shard_index: int, current: ShardMap, to_map: ShardMap) -> None:
+    def __init__(self, shard_index: int, current: ShardMap, to_map: ShardMap, snapshots: Sequence["TableSnapshot"] = ()) -> None:
         self.to_map = to_map
         moving = [slot for slot, (now, then) in enumerate(zip(current.owners, to_map.owners)) if now == shard_index != then]
         self.slots = tuple(moving)
@@ -59,6 +62,14 @@ class OutgoingSlots:
         self.settled = threading.Event()  # set once the handover finished or was given up
         self._dirty: dict[str, list[torch.Tensor]] = {}  # table -> ids changed since the last round was taken
         self._lock = threading.Lock()
+        self._snapshots = list(snapshots)  # the tables at the move's point, until its rows are read or it ends
+
+    def release(self) -> None:
+        """Ends the move's snapshots, once (their rows were read, or the move finished or was given up)."""
+        with self._lock:
+            snapshots, self._snapshots = self._snapshots, []
+        for snapshot in snapshots:
+            snapshot.close()
 
     def covers(self, ids: torch.Tensor) -> torch.Tensor:
         """Which of ``ids`` are in the moving slots (a bool mask)."""

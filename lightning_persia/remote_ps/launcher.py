@@ -149,6 +149,9 @@ class LocalShards:
         self.max_restarts = max_restarts
         self.restore_from = restore_from
         self.restarts = [0] * num_shards
+        # the shard count each shard was started with: a restart passes it again, so that the shard finds its own
+        # write-ahead log (named by it) and routes by the map the log holds, whatever grow or shrink did since
+        self._started_as = [num_shards] * num_shards
         self.events: list[ShardEvent] = []
         self.startup_timeout_s = startup_timeout_s
         self._logs: list[collections.deque] = [collections.deque(maxlen=200) for _ in range(num_shards)]
@@ -203,6 +206,7 @@ class LocalShards:
         deadline = time.monotonic() + self.startup_timeout_s
         with self._lock:
             self.restarts += [0] * len(processes)
+            self._started_as += [num_shards] * len(processes)
             self.num_shards = num_shards
         self.addresses += [self._read_address(len(self.addresses), process, deadline) for process in processes]
         return list(self.addresses)
@@ -212,6 +216,7 @@ class LocalShards:
         with self._lock:
             drained, self.processes = self.processes[num_shards:], self.processes[:num_shards]
             self.addresses, self.restarts = self.addresses[:num_shards], self.restarts[:num_shards]
+            self._started_as = self._started_as[:num_shards]
             self.num_shards = num_shards
         stop_processes(drained, timeout_s)
 
@@ -265,7 +270,7 @@ class LocalShards:
         with self._lock:
             if self._stopping:
                 return
-            process = self._popen(index, port, restore)
+            process = self._popen(index, port, restore, self._started_as[index])
             self.processes[index] = process
         try:
             address = self._read_address(index, process, time.monotonic() + self.startup_timeout_s)

@@ -199,3 +199,33 @@ def test_a_taker_killed_during_a_move_leaves_the_old_map_and_every_row(tmp_path)
         client.save(str(tmp_path / "after"))  # the move's consistent point was let go: a save takes its own
         client.close()
         admin.close()
+
+
+def test_a_source_killed_during_a_move_comes_back_from_its_log_under_the_old_map(tmp_path):
+    """A shard giving slots away dies in the middle of the move: its launcher restarts it and it replays its log, the
+    move is given up everywhere, and the cluster serves every acknowledged row under the old map."""
+    import os
+    import signal
+
+    config = TableConfig("t", 4, optimizer=Adam(lr=0.1))
+    with LocalShards(2, overrides=["seed=5", "durability=log", f"wal_dir={tmp_path / 'wal'}"], restart=True) as shards:
+        client = PSClient(shards.addresses, retry=RetryPolicy(retry_for_s=60))
+        admin = PSClient(shards.addresses, retry=RetryPolicy(timeout_s=5, max_retries=2))
+        client.wait_healthy(60)
+        client.configure([config])
+        client.lookup({"t": UNIVERSE}, train=True)
+        client.update({"t": (UNIVERSE, torch.ones(UNIVERSE.numel(), 4))})
+        before = client.lookup({"t": UNIVERSE}, train=False, wire_dtype="fp32")["t"]
+        grown = shards.grow(3)
+        admin.handover(0, 1, admin.shard_map_of(0)[0].resized(3))  # BEGIN on shard 0 by hand: the move is under way
+        os.kill(shards.processes[0].pid, signal.SIGKILL)
+        with pytest.raises(PSError):
+            rescale(admin, grown)  # shard 0 is down, then back with no move under way: the move fails
+        admin.wait_healthy(120)  # shard 0 replayed its log
+        assert [admin.shard_map_of(s)[0].version for s in (0, 1)] == [0, 0]
+        assert torch.equal(client.lookup({"t": UNIVERSE}, train=False, wire_dtype="fp32")["t"], before)
+        report = rescale(admin, grown)  # the move, tried again, completes
+        assert report.to_shards == 3 and report.rows_moved > 0
+        assert torch.equal(client.lookup({"t": UNIVERSE}, train=False, wire_dtype="fp32")["t"], before)
+        client.close()
+        admin.close()

@@ -255,6 +255,7 @@ class PersiaStrategy(DDPStrategy):
                                interceptors=[self._metrics.client_interceptor] if self._metrics is not None else ())
         self._recovery.attach(self.client, None, self._cluster)
         self.client.wait_healthy(self.ps.timeout_s, on_wait=_report_wait, report_every_s=WAIT_REPORT_INTERVAL_S)
+        self.client.refresh_map()  # a cluster scaled before this trainer started routes by a newer map than its own
 
     # ---- model ------------------------------------------------------------------------------------------
 
@@ -277,7 +278,7 @@ class PersiaStrategy(DDPStrategy):
         kept = [c.name for tables in self.data_parallel_tables for c in tables.configs]
         excluded = f"; modules left to DDP (exclude): {', '.join(self.exclude)}" if self.exclude else ""
         rank_zero_info(
-            f"PersiaStrategy: {mode}: {shards}\n"
+            f"PersiaStrategy: {mode}: {shards} (shard map version {self.client.shard_map.version})\n"
             f"PersiaStrategy: {len(remote)} tables on the shards ({_names(remote)}); {len(kept)} kept on the trainers "
             f"({_names(kept)}){excluded}; staleness {self.staleness}\n"
             f"PersiaStrategy: pooled lookups on {self.root_device}: {kernel_in_use(self.root_device.type)}"

@@ -48,7 +48,7 @@ def test_config_runs_a_few_steps(name, tmp_path, caplog):
     assert not any(p.is_meta for p in cli.model.parameters())
     # the start-up announcement, and the result as the last word of fit (examples.common.PrintAUC)
     assert re.search(r"PersiaStrategy: embedded parameter server \(shards started here\): shard 0 at 127\.0\.0\.1:\d+, "
-                     r"shard 1 at 127\.0\.0\.1:\d+", caplog.text)
+                     r"shard 1 at 127\.0\.0\.1:\d+ \(shard map version 0\)", caplog.text)
     assert re.search(r"PersiaStrategy: \d+ tables on the shards \(\w+\.\w+.*\); 0 kept on the trainers \(none\)", caplog.text)
     assert re.search(r"end of fit: val_auc 0\.\d{4}( vs ground-truth ceiling 0\.\d{4})? \(step 2\)$", caplog.records[-1].getMessage())
     cli.trainer.strategy.close()

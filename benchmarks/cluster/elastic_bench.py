@@ -50,7 +50,8 @@ class Trainer:
         """Steps until ``busy`` ends (at least one); returns the window's (start, end)."""
         began = time.monotonic()
         busy.start()
-        while busy.is_alive() or time.monotonic() == began:
+        self.step()
+        while busy.is_alive():
             self.step()
         return began, time.monotonic()
 

@@ -52,7 +52,7 @@ def test_scaling_2_3_2_at_staleness_zero_ends_with_the_weights_of_a_run_that_nev
         assert torch.equal(scaled_dense[name], dense[name]), name
 
 
-def test_scaling_refuses_a_cluster_it_did_not_start_and_a_bad_count():
+def test_scaling_refuses_a_cluster_it_did_not_start():
     strategy = PersiaStrategy()
     with pytest.raises(RuntimeError, match="did not start"):
         strategy.scale_shards(3)

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
     from lightning_persia.remote_ps.servicer import PSServicer
     from lightning_persia.remote_ps.store.progress import JobFigures
+    from lightning_persia.remote_ps.store.shard_store import ShardStore
 
 # Request latencies from a loopback lookup (well under a millisecond) to a save of a large table.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
@@ -193,6 +194,7 @@ class ShardCollector:
                                 value=servicer.started_at)
         yield GaugeMetricFamily("persia_ps_tables", "Tables this shard holds.", value=len(stats))
         yield from _job_families(servicer.store.progress.figures())
+        yield from _move_families(servicer.store)
         background = CounterMetricFamily("persia_ps_background_cpu_seconds", "CPU the shard's background threads spent "
                                          "in their passes (the demoter: disk tables' promotions, demotions, compaction).",
                                          labels=["thread"])
@@ -222,14 +224,14 @@ class ShardCollector:
 
 
 def _job_families(jobs: Iterable["JobFigures"]) -> Iterable[Metric]:
-    """The figures of the shard's last save, load and re-shard of each table (running or finished)."""
+    """The figures of the shard's last save, load, re-shard and hand-over of each table (running or finished)."""
     labels = ["job", "table"]
-    done = GaugeMetricFamily("persia_ps_job_done_rows", "Rows done by the table's last save, load or re-shard.", labels=labels)
-    total = GaugeMetricFamily("persia_ps_job_total_rows", "Rows the table's last save, load or re-shard has to do.", labels=labels)
-    rate = GaugeMetricFamily("persia_ps_job_rows_per_second", "Rows per second of the table's last save, load or re-shard.", labels=labels)
-    left = GaugeMetricFamily("persia_ps_job_seconds_left", "Seconds the table's running save, load or re-shard has left "
+    done = GaugeMetricFamily("persia_ps_job_done_rows", "Rows done by the table's last save, load, re-shard or hand-over.", labels=labels)
+    total = GaugeMetricFamily("persia_ps_job_total_rows", "Rows the table's last save, load, re-shard or hand-over has to do.", labels=labels)
+    rate = GaugeMetricFamily("persia_ps_job_rows_per_second", "Rows per second of the table's last save, load, re-shard or hand-over.", labels=labels)
+    left = GaugeMetricFamily("persia_ps_job_seconds_left", "Seconds the table's running save, load, re-shard or hand-over has left "
                              "at its rate so far (0 once done).", labels=labels)
-    running = GaugeMetricFamily("persia_ps_job_running", "1 while the table's save, load or re-shard runs.", labels=labels)
+    running = GaugeMetricFamily("persia_ps_job_running", "1 while the table's save, load, re-shard or hand-over runs.", labels=labels)
     for job in jobs:
         key = [job.job, job.table]
         done.add_metric(key, job.done_rows)
@@ -240,6 +242,31 @@ def _job_families(jobs: Iterable["JobFigures"]) -> Iterable[Metric]:
         if job.seconds_left is not None:
             left.add_metric(key, job.seconds_left)
     yield from (done, total, rate, left, running)
+
+
+def _move_families(store: "ShardStore") -> Iterable[Metric]:
+    """The shard's place in the shard map and what its live moves carried (``docs/elastic.md``)."""
+    shard_map = store.shard_map
+    yield GaugeMetricFamily("persia_ps_shard_map_version", "Version of the shard map this shard routes by.",
+                            value=shard_map.version)
+    yield GaugeMetricFamily("persia_ps_slots_owned", "Slots of the shard map this shard owns (of 4096).",
+                            value=len(shard_map.slots_of(store.shard_index)))
+    yield GaugeMetricFamily("persia_ps_handover_running", "1 while this shard hands slots over to others.",
+                            value=float(store.handover_map is not None))
+    tally = store.moves
+    rows = CounterMetricFamily("persia_ps_moved_rows", "Rows live moves carried, out of this shard or into it (a "
+                               "row sent again in a later round counts again).", labels=["direction"])
+    moved = CounterMetricFamily("persia_ps_moved_bytes", "Bytes of rows live moves carried, out of this shard or into it.",
+                                labels=["direction"])
+    for direction, count, size in (("out", tally.rows_out, tally.bytes_out), ("in", tally.rows_into, tally.bytes_into)):
+        rows.add_metric([direction], count)
+        moved.add_metric([direction], size)
+    yield rows
+    yield moved
+    moves = CounterMetricFamily("persia_ps_handovers", "Moves of slots out of this shard, by how they ended.", labels=["outcome"])
+    moves.add_metric(["finished"], tally.finished)
+    moves.add_metric(["given_up"], tally.given_up)
+    yield moves
 
 
 def shard_registry(servicer: "PSServicer") -> CollectorRegistry:

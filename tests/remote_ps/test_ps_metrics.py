@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from lightning_persia.remote_ps.client import PSClient, PSRequestError, RetryPolicy, ShardUnavailableError
+from lightning_persia.remote_ps.client.scaling import rescale
 from lightning_persia.remote_ps.metrics import ClientCallLog, ClientRpcMetrics
 from lightning_persia.remote_ps.protocol import LISTENING_PREFIX, METRICS_PREFIX
 from lightning_persia.remote_ps.table_config import SGD, TableConfig
@@ -105,6 +106,38 @@ def test_a_shard_with_a_write_ahead_log_reports_its_size_and_its_replay(start_ps
     # a first start has nothing to replay (a restarted shard's figures: tests/remote_ps/test_ps_wal.py)
     assert value(samples, "persia_ps_wal_replay_seconds") == replay["seconds"] == 0
     assert value(samples, "persia_ps_wal_replay_rows") == replay["rows"] == 0
+
+
+def test_shards_report_a_live_move_slots_rows_and_bytes_each_way(start_ps_cluster):
+    """2 → 3 shards with no request during the move: the rows the sources say they handed over are the rows the new
+    shard says it took and holds, and each source's copy job read every row it had."""
+    shards = start_ps_cluster(2, extra_args=["--metrics-port", "0"], overrides=["seed=5"])
+    ids = torch.arange(0, 3000) * 7919 - 11
+    with PSClient(shards.addresses, retry=RetryPolicy(timeout_s=10)) as client:
+        client.wait_healthy(30)
+        client.configure([TableConfig("m.moving", dim=4, optimizer=SGD(lr=0.1))])
+        client.lookup({"m.moving": ids}, train=True)
+        held = [entry["tables"]["m.moving"]["rows"] for entry in client.stats()]
+        report = rescale(client, shards.grow(3))
+        after = [client.shard_stats(shard)["tables"]["m.moving"]["rows"] for shard in range(3)]
+    samples = [scrape(metrics_url(shards, shard)) for shard in range(3)]
+    assert report.rows_moved == after[2] > 0 and report.changed_rows == 0
+    assert [value(s, "persia_ps_shard_map_version") for s in samples] == [1, 1, 1]
+    owned = [value(s, "persia_ps_slots_owned") for s in samples]
+    assert sum(owned) == 4096 and owned[2] in (1365, 1366)
+    out = [value(s, "persia_ps_moved_rows_total", direction="out") for s in samples]
+    taken = [value(s, "persia_ps_moved_rows_total", direction="in") for s in samples]
+    assert out[2] == taken[0] == taken[1] == 0 and out[0] + out[1] == taken[2] == after[2]
+    assert [held[s] - out[s] for s in (0, 1)] == after[:2]
+    sent_bytes = sum(value(s, "persia_ps_moved_bytes_total", direction="out") for s in samples[:2])
+    assert sent_bytes == value(samples[2], "persia_ps_moved_bytes_total", direction="in") > after[2] * 4 * 4
+    for shard in (0, 1):
+        assert value(samples[shard], "persia_ps_handovers_total", outcome="finished") == 1
+        assert value(samples[shard], "persia_ps_handovers_total", outcome="given_up") == 0
+        assert value(samples[shard], "persia_ps_handover_running") == 0
+        job = dict(job="hand-over", table="m.moving")
+        assert value(samples[shard], "persia_ps_job_done_rows", **job) == value(samples[shard], "persia_ps_job_total_rows", **job) == held[shard]
+        assert value(samples[shard], "persia_ps_job_running", **job) == 0
 
 
 def _serve(*args: str) -> subprocess.CompletedProcess:

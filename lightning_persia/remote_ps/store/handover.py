@@ -15,7 +15,8 @@ import torch
 from lightning_persia.ops.shard_map import ShardMap
 from lightning_persia.remote_ps.store.errors import InvalidRequestError
 from lightning_persia.read_write_lock import ReadWriteLock
-from lightning_persia.remote_ps.store.slot_moves import OutgoingSlots, part_of
+from lightning_persia.remote_ps.store.progress import Progress
+from lightning_persia.remote_ps.store.slot_moves import MoveTally, OutgoingSlots, part_of
 from lightning_persia.remote_ps.store.table import Table
 from lightning_persia.remote_ps.store.table_snapshot import TableSnapshot
 from lightning_persia.remote_ps.store.wal.changes import Change, TableChange
@@ -38,6 +39,8 @@ class SlotHandover:
     _save_lock: threading.Lock
     _tables: dict[str, Table]
     log: Optional["ShardLog"]
+    progress: Progress
+    moves: MoveTally
 
     def begin_handover(self, to_map: ShardMap) -> Iterator[tuple[TableConfig, int, dict[str, torch.Tensor]]]:
         """Starts handing this shard's slots that ``to_map`` gives to other shards over to them.
@@ -64,14 +67,18 @@ class SlotHandover:
             self._outgoing = OutgoingSlots(self.shard_index, self._shard_map, to_map, snapshots)
         return self._handover_rows(self._outgoing, snapshots)
 
-    @staticmethod
-    def _handover_rows(outgoing: OutgoingSlots, snapshots: list[TableSnapshot]) -> Iterator[tuple[TableConfig, int, dict[str, torch.Tensor]]]:
+    def _handover_rows(self, outgoing: OutgoingSlots, snapshots: list[TableSnapshot]) -> Iterator[tuple[TableConfig, int, dict[str, torch.Tensor]]]:
         for snapshot in snapshots:
             yield snapshot.config, snapshot.step, {}  # the table, even with no row to move
+            job = self.progress.begin("hand-over", snapshot.config.name, snapshot.rows)  # rows of the point read
             for chunk in snapshot.chunks():
                 keep = outgoing.covers(chunk["ids"])
+                job.advance(int(keep.numel()))
                 if bool(keep.any()):
-                    yield snapshot.config, snapshot.step, {name: values[keep] for name, values in chunk.items()}
+                    rows = {name: values[keep] for name, values in chunk.items()}
+                    self.moves.handed(rows)
+                    yield snapshot.config, snapshot.step, rows
+            job.finish()
         outgoing.release()  # the tables stop keeping pre-images for the point as soon as its rows are read
 
     @property
@@ -91,6 +98,7 @@ class SlotHandover:
             table = self._table(name)
             with table.lock:
                 rows, absent = table.saved_rows_locked(ids)
+                self.moves.handed(rows)
                 changes.append(Change([TableChange(name, table.step, removed=absent, rows=rows)]))
         return [table.config for table in self._listed_tables()], changes
 
@@ -108,6 +116,7 @@ class SlotHandover:
                 raise InvalidRequestError("a handover finishes once fenced: its last changes must have been taken")
             self._set_map(outgoing.to_map)
             self._outgoing = None
+        self.moves.finished += 1
         outgoing.release()
         outgoing.settled.set()
         with self._save_lock:
@@ -120,6 +129,7 @@ class SlotHandover:
         with self._gate.writing():
             outgoing, self._outgoing = self._outgoing, None
         if outgoing is not None:
+            self.moves.given_up += 1
             outgoing.release()  # the rows may never have been read: the point's snapshots end here
             outgoing.settled.set()
         with self._save_lock:
@@ -134,7 +144,10 @@ class SlotHandover:
             self.configure(config)
         mine = lambda ids: to_map.shard_of(ids) == self.shard_index  # noqa: E731
         for change in changes:
-            self._record([part_of(part, mine) for part in change.tables])
+            parts = [part_of(part, mine) for part in change.tables]
+            for part in parts:
+                self.moves.taken(part.rows)
+            self._record(parts)
 
     def adopt_map(self, shard_map: ShardMap) -> None:
         """Makes ``shard_map`` this shard's (a newer version; the same one again is a no-op)."""

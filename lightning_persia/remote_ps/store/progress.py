@@ -1,4 +1,4 @@
-"""How far a shard's long jobs are: the save, load or re-shard of each table, in rows.
+"""How far a shard's long jobs are: the save, load, re-shard or hand-over (a live move's copy) of each table, in rows.
 
 A job is told the rows it has done a block at a time (:meth:`Job.advance`: never per row); every ``interval_s`` it
 logs the rows done, the rate and the time left, and :class:`Progress` keeps the latest figures of every job for
@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 log = logging.getLogger("lightning_persia.ps")
 
-JOBS = ("save", "load", "re-shard")
+JOBS = ("save", "load", "re-shard", "hand-over")
 INTERVAL_S = 10.0
 
 

@@ -21,7 +21,7 @@ from lightning_persia.remote_ps.store.disk.records import record_specs
 from lightning_persia.remote_ps.store.progress import Progress
 from lightning_persia.remote_ps.store.handover import SlotHandover
 from lightning_persia.read_write_lock import ReadWriteLock
-from lightning_persia.remote_ps.store.slot_moves import MapMovedError, OutgoingSlots, SlotsMovingError
+from lightning_persia.remote_ps.store.slot_moves import MapMovedError, MoveTally, OutgoingSlots, SlotsMovingError
 from lightning_persia.remote_ps.store.disk.segment_mapping import MAPPED_BYTES
 from lightning_persia.remote_ps.store.table import Table
 from lightning_persia.remote_ps.store.table_journal import Journal
@@ -94,6 +94,7 @@ class ShardStore(SlotHandover):
         # requests and sweeps hold it for reading, changes of what the shard owns for writing (slot_moves.py)
         self._gate = ReadWriteLock()
         self._outgoing: Optional[OutgoingSlots] = None  # the slots this shard is handing over, while it does
+        self.moves = MoveTally()  #: what this shard's live moves carried (read by the metrics)
         self._expirer = Expirer(self._tables_with_ttl, expiry_interval_s, journal=lambda: self._journal("", 0, []),
                                 guard=self._gate.reading)
         budget = MappedBudget(memory_limit_bytes) if memory_limit_bytes is not None else None

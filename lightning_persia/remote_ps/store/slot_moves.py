@@ -18,7 +18,8 @@ ids and applies its change holding it for reading, so none straddles one.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import torch
 
@@ -90,6 +91,38 @@ class OutgoingSlots:
         with self._lock:
             taken, self._dirty = self._dirty, {}
         return {name: torch.cat(ids).unique() for name, ids in taken.items()}
+
+
+@dataclass
+class MoveTally:
+    """What this shard's moves carried since it started, for its metrics: rows and bytes handed to other shards
+    (``out``) and taken from them (``into``), and how its moves as a source ended. A row shipped again in a later
+    round counts again: the figures are what crossed the wire, which is what a move costs."""
+
+    rows_out: int = 0
+    bytes_out: int = 0
+    rows_into: int = 0
+    bytes_into: int = 0
+    finished: int = 0
+    given_up: int = 0
+
+    def handed(self, rows: Mapping[str, torch.Tensor]) -> None:
+        """One block of ``{field: values}`` given to another shard."""
+        self.rows_out += _count(rows)
+        self.bytes_out += _bytes(rows)
+
+    def taken(self, rows: Mapping[str, torch.Tensor]) -> None:
+        """One block of ``{field: values}`` taken from another shard."""
+        self.rows_into += _count(rows)
+        self.bytes_into += _bytes(rows)
+
+
+def _count(rows: Mapping[str, torch.Tensor]) -> int:
+    return int(rows["ids"].numel()) if rows else 0
+
+
+def _bytes(rows: Mapping[str, torch.Tensor]) -> int:
+    return sum(values.numel() * values.element_size() for values in rows.values())
 
 
 def part_of(change: TableChange, keep: Callable[[torch.Tensor], torch.Tensor]) -> TableChange:

@@ -10,6 +10,8 @@ import atexit
 import os
 import shutil
 import tempfile
+import threading
+from concurrent.futures import Future
 from typing import Optional
 
 from omegaconf import OmegaConf
@@ -68,6 +70,7 @@ class LocalCluster:
             self._remove_logs()
             raise
         self.addresses = list(self._shards.addresses)
+        self._moving: Optional[Future[ScaleReport]] = None  # the move start_rescale began, until it ends
         atexit.register(self.stop)
 
     @property
@@ -90,8 +93,33 @@ class LocalCluster:
 
     def rescale(self, num_shards: int, token: Optional[str] = None) -> ScaleReport:
         """Starts shards up to ``num_shards``, or drains those past it, and moves their slots live, from a process of
-        its own (``ps scale``: the trainer's interpreter goes on training meanwhile); drained shards stop once their
+        its own (``ps scale``: the rows never pass through the caller's interpreter); drained shards stop once their
         clients have followed the new map."""
+        if self._moving is not None and not self._moving.done():
+            raise RuntimeError("the embedded shards are being rescaled already: wait for that move to end first")
+        return self._rescale(num_shards, token)
+
+    def start_rescale(self, num_shards: int, token: Optional[str] = None) -> "Future[ScaleReport]":
+        """:meth:`rescale` on a thread of its own, for a caller that goes on training during the move (its clients
+        follow the new map when the shards answer with it). One move at a time."""
+        if num_shards < 1:
+            raise ValueError(f"scale to {num_shards} shards: at least one is needed")
+        if self._moving is not None and not self._moving.done():
+            raise RuntimeError("the embedded shards are being rescaled already: wait for that move to end first")
+        moving: Future[ScaleReport] = Future()
+        moving.set_running_or_notify_cancel()
+
+        def move() -> None:
+            try:
+                moving.set_result(self._rescale(num_shards, token))
+            except BaseException as err:  # noqa: BLE001 - the caller reads it from the future
+                moving.set_exception(err)
+
+        self._moving = moving
+        threading.Thread(target=move, name="persia-rescale", daemon=True).start()
+        return moving
+
+    def _rescale(self, num_shards: int, token: Optional[str]) -> ScaleReport:
         before = len(self.addresses)
         if num_shards < 1:
             raise ValueError(f"scale to {num_shards} shards: at least one is needed")

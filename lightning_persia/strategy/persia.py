@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import logging
 import math
+from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any, Literal, Mapping, Optional, Union
 
@@ -478,9 +479,11 @@ class PersiaStrategy(DDPStrategy):
 
     # ---- the shards ------------------------------------------------------------------------------------
 
-    def scale_shards(self, num_shards: int) -> ScaleReport:
+    def scale_shards(self, num_shards: int, *, wait: bool = True) -> "ScaleReport | Future[ScaleReport]":
         """Grows or drains the embedded parameter server to ``num_shards`` shards while training runs: slots move to
-        their new owners live, and the trainer routes by the new map from its next request (``docs/elastic.md``).
+        their new owners live, and the trainer routes by the new map (``docs/elastic.md``). ``wait=False`` returns a
+        ``Future`` at once and training goes on during the move (requests follow the new map as the shards answer
+        with it); ``wait=True`` returns the move's report when it is done.
 
         Call it from the one rank (a callback's ``on_train_batch_end``, say). A cluster given by address is scaled by
         whoever runs it (``lightning-persia ps scale``). Several ranks push one merged update under a shared sender,
@@ -493,11 +496,13 @@ class PersiaStrategy(DDPStrategy):
         if self.world_size > 1:
             raise RuntimeError(f"scale_shards with {self.world_size} ranks: the ranks push one merged update each step, which a "
                                "map changing mid-step would split differently on each; save, restart on the new shard count, load")
+        if not wait:
+            moving = self._cluster.start_rescale(num_shards, token=self.ps.token)
+            moving.add_done_callback(_report_scaled)
+            return moving
         report = self._cluster.rescale(num_shards, token=self.ps.token)
         self.client.refresh_map()
-        rank_zero_info(f"PersiaStrategy: {report.from_shards} -> {report.to_shards} shards (shard map version "
-                       f"{report.map_version}): {report.slots_moved} slots, {report.rows_moved} rows moved in "
-                       f"{report.seconds:.1f} s; requests for them waited {report.fenced_seconds * 1e3:.0f} ms")
+        _report_scale(report)
         return report
 
     # ---- teardown ----------------------------------------------------------------------------------
@@ -548,6 +553,19 @@ class PersiaStrategy(DDPStrategy):
                 cluster.stop()
             if metrics is not None:
                 metrics.stop()
+
+
+def _report_scaled(moving: "Future[ScaleReport]") -> None:
+    if moving.exception() is not None:
+        log.warning("PersiaStrategy: rescaling the embedded shards failed, they stay on their map: %s", moving.exception())
+    else:
+        _report_scale(moving.result())
+
+
+def _report_scale(report: ScaleReport) -> None:
+    rank_zero_info(f"PersiaStrategy: {report.from_shards} -> {report.to_shards} shards (shard map version "
+                   f"{report.map_version}): {report.slots_moved} slots, {report.rows_moved} rows moved in "
+                   f"{report.seconds:.1f} s; requests for them waited {report.fenced_seconds * 1e3:.0f} ms")
 
 
 def _report_wait(wait: ShardWait) -> None:

@@ -13,22 +13,37 @@ STEPS = 24
 
 
 class Scale(L.Callback):
-    """Scales the embedded shards after the given steps: ``{step: shard count}``."""
+    """Scales the embedded shards after the given steps: ``{step: shard count}``; ``wait=False``: training goes on
+    during each move (a move waits for the one before it, and fit's end for the last)."""
 
-    def __init__(self, plan: dict[int, int]) -> None:
-        self.plan = plan
+    def __init__(self, plan: dict[int, int], wait: bool = True) -> None:
+        self.plan, self.wait = plan, wait
         self.reports = []
+        self._moving = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step in self.plan:
-            self.reports.append(trainer.strategy.scale_shards(self.plan[trainer.global_step]))
+            self._settle()
+            outcome = trainer.strategy.scale_shards(self.plan[trainer.global_step], wait=self.wait)
+            if self.wait:
+                self.reports.append(outcome)
+            else:
+                self._moving = outcome
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._settle()
+
+    def _settle(self) -> None:
+        if self._moving is not None:
+            self.reports.append(self._moving.result(timeout=300))
+            self._moving = None
 
 
-def _fit(staleness: int, plan: dict[int, int]):
+def _fit(staleness: int, plan: dict[int, int], wait: bool = True):
     torch.manual_seed(0)
     model = ToyRecommender(device="meta")
     strategy = PersiaStrategy(staleness=staleness, embedding_optimizer=SGD(lr=0.1), embedding_init=INIT, wire_dtype="fp32")
-    scale = Scale(plan)
+    scale = Scale(plan, wait)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, strategy=strategy, callbacks=[scale])
     try:
@@ -46,6 +61,16 @@ def test_scaling_2_3_2_at_staleness_zero_ends_with_the_weights_of_a_run_that_nev
     assert [(r.from_shards, r.to_shards, r.map_version) for r in reports] == [(2, 3, 1), (3, 2, 2)]
     assert all(r.rows_moved > 0 for r in reports)
     assert client.shard_map.version == 2
+    for table in rows:
+        assert torch.equal(scaled_rows[table], rows[table]), table
+    for name in dense:
+        assert torch.equal(scaled_dense[name], dense[name]), name
+
+
+def test_scaling_in_the_background_while_training_goes_on_ends_with_the_same_weights():
+    rows, dense, _, _ = _fit(0, {})
+    scaled_rows, scaled_dense, reports, _ = _fit(0, {6: 3, 14: 2}, wait=False)
+    assert [(r.from_shards, r.to_shards, r.map_version) for r in reports] == [(2, 3, 1), (3, 2, 2)]
     for table in rows:
         assert torch.equal(scaled_rows[table], rows[table]), table
     for name in dense:

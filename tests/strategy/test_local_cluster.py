@@ -42,3 +42,20 @@ def test_a_ps_config_that_cannot_be_read_is_refused_naming_the_file(tmp_path):
         LocalCluster(1, config_path=str(broken))
     with pytest.raises(ConfigError, match="missing.yaml"):
         LocalCluster(1, config_path=str(tmp_path / "missing.yaml"))
+
+
+def test_one_move_of_the_embedded_shards_at_a_time():
+    cluster = LocalCluster(1)
+    try:
+        with pytest.raises(ValueError, match="at least one"):
+            cluster.start_rescale(0)
+        moving = cluster.start_rescale(2)
+        with pytest.raises(RuntimeError, match="being rescaled already"):
+            cluster.rescale(1)
+        with pytest.raises(RuntimeError, match="being rescaled already"):
+            cluster.start_rescale(1)
+        report = moving.result(timeout=120)
+        assert (report.from_shards, report.to_shards) == (1, 2) and len(cluster.addresses) == 2
+        assert cluster.rescale(1).to_shards == 1  # the next move, once the first ended
+    finally:
+        cluster.stop()

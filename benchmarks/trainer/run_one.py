@@ -77,6 +77,36 @@ class _StepClock:
         return rates
 
 
+class _Rescales:
+    """Moves the embedded shards to ``{step: shard count}`` after those steps, training on during each move (a move
+    waits for the one before it; the end of fit for the last). ``reports``: what each move did."""
+
+    def __init__(self, plan: Dict[int, int]) -> None:
+        import lightning as L
+
+        rescales = self
+
+        class Callback(L.Callback):
+            def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+                if trainer.global_step in plan:
+                    rescales.settle()
+                    rescales.moving = trainer.strategy.scale_shards(plan[trainer.global_step], wait=False)
+
+            def on_train_end(self, trainer, module) -> None:
+                rescales.settle()
+
+        self.reports: List[Dict[str, Any]] = []
+        self.moving = None
+        self.callback = Callback()
+
+    def settle(self) -> None:
+        if self.moving is not None:
+            report = self.moving.result()
+            self.reports.append({"to_shards": report.to_shards, "rows_moved": report.rows_moved,
+                                 "seconds": report.seconds, "fenced_seconds": report.fenced_seconds})
+            self.moving = None
+
+
 def run(config: Dict[str, Any]) -> None:
     _quiet()
     threads = config.get("torch_threads")
@@ -131,6 +161,10 @@ def run(config: Dict[str, Any]) -> None:
     clock = _StepClock(config["warmup"], config["window"], torch.cuda.synchronize if gpu else None)
     cpu = CpuMeter(config["warmup"])
     callbacks = [clock.callback, cpu]
+    scaling = None
+    if config.get("scale_at"):
+        scaling = _Rescales({int(step): int(shards) for step, shards in config["scale_at"].items()})
+        callbacks.append(scaling.callback)
     probe = None
     if config.get("profile"):
         probe = StepProbe(warmup=config["warmup"], steps=config["steps"], trace=config.get("trace"))
@@ -203,6 +237,8 @@ def run(config: Dict[str, Any]) -> None:
         "wal": wal,
         **cpu.summary(),
     }
+    if scaling is not None:
+        result["rescales"] = scaling.reports
     if probe is not None:
         result["profile"] = probe.summary(skip=config["warmup"])
     tmp = config["out"] + ".tmp"

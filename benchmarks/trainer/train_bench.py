@@ -75,6 +75,9 @@ def make_configs(args: argparse.Namespace, meta: Dict[str, Any]) -> List[Dict[st
         for staleness in [0, *args.staleness]:
             name = ("sync" if staleness == 0 else f"hybrid-{staleness}") + (f" x{world}" if world > 1 else "")
             configs.append(dict(common, name=name, mode="persia", world=world, staleness=staleness))
+    if args.scale_at:  # each 1-rank run again, its embedded shards moved live at those steps
+        plan = dict(args.scale_at)
+        configs += [dict(c, name=f"{c['name']} scaled", scale_at=plan) for c in list(configs) if c["mode"] == "persia" and c["world"] == 1]
     for level in args.durability or ():  # the headline hybrid run once per level of the shards' write-ahead log
         name = f"hybrid-{args.staleness[0]} {level}" + (f" x{min(args.ranks)}" if min(args.ranks) > 1 else "")
         configs.append(dict(common, name=name, mode="persia", world=min(args.ranks), staleness=args.staleness[0], durability=level))
@@ -303,6 +306,13 @@ def add_device_arguments(parser: argparse.ArgumentParser) -> None:
                              "DataLoader asks (in --loader-workers processes)")
 
 
+def _step_and_shards(text: str) -> tuple[int, int]:
+    step, _, shards = text.partition(":")
+    if not (step.isdigit() and shards.isdigit() and int(shards) >= 1):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected STEP:SHARDS, e.g. 100:3")
+    return int(step), int(shards)
+
+
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
@@ -348,6 +358,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--embedding-workers", type=int, default=None, metavar="N",
                         help="PersiaStrategy(embedding_workers=EmbeddingWorkerSettings(count=N)) (0: the per-id work on the "
                              "trainer's threads; default: the strategy's)")
+    parser.add_argument("--scale-at", nargs="+", type=_step_and_shards, default=None, metavar="STEP:SHARDS",
+                        help="also run every 1-rank PersiaStrategy configuration with its embedded shards moved live to "
+                             "SHARDS after STEP (scale_shards(..., wait=False)), e.g. 100:3 200:2: the AUC and samples/s "
+                             "of a run that scales beside one that does not")
     parser.add_argument("--storage-dtype", default="fp32", choices=["fp32", "fp16"], help="how the shards store the rows")
     parser.add_argument("--grow", action="store_true",
                         help="instead of the table: train while the tables grow (Criteo-Terabyte cardinalities) to --grow-rows")

@@ -108,6 +108,7 @@ class _Clients:
         return self.answers
 
 
+@pytest.mark.scenario  # half a minute of processes or more: CI's scenario step (`make scenarios`), not `make test`
 def test_training_on_two_ranks_while_serving_moves_the_version_on_and_no_request_fails(following, trained, online, tmp_path):
     """The endpoint serves version 4 (the test above); a new 2-rank run publishes versions 5, 6, 7 meanwhile."""
     server, root = following

@@ -67,6 +67,7 @@ def test_scaling_2_3_2_at_staleness_zero_ends_with_the_weights_of_a_run_that_nev
         assert torch.equal(scaled_dense[name], dense[name]), name
 
 
+@pytest.mark.scenario  # half a minute of processes or more: CI's scenario step (`make scenarios`), not `make test`
 def test_scaling_in_the_background_while_training_goes_on_ends_with_the_same_weights():
     rows, dense, _, _ = _fit(0, {})
     scaled_rows, scaled_dense, reports, _ = _fit(0, {6: 3, 14: 2}, wait=False)

@@ -40,7 +40,8 @@ def _group(pgid: int) -> list[str]:
 KEEP_T0 = ("--data-parallel-max-rows", "40", "--t1-rows", "80")  # t0 (40 rows) on the trainers, t1 (80) remote
 
 
-@pytest.mark.parametrize("kept", [(), KEEP_T0, (*KEEP_T0, "--accumulate", "2")], ids=["all-remote", "t0-kept", "t0-kept-accumulating"])
+@pytest.mark.parametrize("kept", [(), KEEP_T0, pytest.param((*KEEP_T0, "--accumulate", "2"), marks=pytest.mark.scenario)],
+                         ids=["all-remote", "t0-kept", "t0-kept-accumulating"])  # the third: CI's scenario step
 def test_two_ranks_two_shards_identical_dense_weights_and_falling_loss(tmp_path, kept):
     _run(tmp_path, "--devices", "2", "--shards", "2", "--steps", "40", "--epoch-batches", "8", "--staleness", "2", "--lightning-sampler", *kept)
     rank0 = torch.load(tmp_path / "rank0.pt")
@@ -60,7 +61,7 @@ def test_two_ranks_two_shards_identical_dense_weights_and_falling_loss(tmp_path,
         assert not torch.allclose(rank0["dense"]["ebc.data_parallel.weight"], initial), "the kept table must train"
 
 
-@pytest.mark.parametrize("merge", [True, False], ids=["merged", "per-rank"])
+@pytest.mark.parametrize("merge", [True, pytest.param(False, marks=pytest.mark.scenario)], ids=["merged", "per-rank"])  # per-rank: CI's scenario step
 def test_two_ranks_train_the_tables_as_one_rank_when_their_gradients_are_merged(tmp_path, merge):
     # Both ranks train on the same batches here (no distributed sampler), so with merged gradients 2 ranks
     # take exactly the steps of 1 rank. Per rank, row-wise Adagrad takes two half steps where 1 rank takes
@@ -104,6 +105,7 @@ def test_model_checkpoint_keeps_ps_files_only_for_kept_checkpoints(tmp_path):
     assert [k for k in kept if k.endswith(".ps")] == [k + ".ps" for k in kept if k.endswith(".ckpt")], kept
 
 
+@pytest.mark.scenario  # half a minute of processes or more: CI's scenario step (`make scenarios`), not `make test`
 def test_ctrl_c_stops_training_and_leaves_no_process_behind(tmp_path):
     process = subprocess.Popen(
         [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--devices", "2", "--steps", "400", "--epoch-batches", "8", "--slow-after", "3"],

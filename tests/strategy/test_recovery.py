@@ -381,6 +381,7 @@ def test_a_shard_killed_during_validation_rolls_back_and_each_batch_is_evaluated
         strategy.close()
 
 
+@pytest.mark.scenario  # half a minute of processes or more: CI's scenario step (`make scenarios`), not `make test`
 def test_a_shard_killed_in_the_sanity_check_before_any_checkpoint_fails_clearly():
     _, _ = _pair()
     torch.manual_seed(0)
@@ -409,6 +410,7 @@ class _Testable(ToyRecommender):
         self.log("test_loss", nn.functional.binary_cross_entropy_with_logits(self(batch), batch["labels"]), batch_size=1)
 
 
+@pytest.mark.scenario  # half a minute of processes or more: CI's scenario step (`make scenarios`), not `make test`
 def test_after_fit_test_from_the_checkpoint_accepts_a_restarted_shard_and_test_without_it_refuses_it(tmp_path):
     """Outside fit nothing rolls back: the restarted shard's rows are the checkpoint's, not the trained ones, so
     test refuses them; testing from the checkpoint loads it into every shard and accepts their incarnations."""

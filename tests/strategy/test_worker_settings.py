@@ -83,6 +83,7 @@ def _trained(kill_at: Optional[int]) -> tuple[dict[str, torch.Tensor], int]:
         strategy.close()
 
 
+@pytest.mark.scenario  # half a minute of processes or more: CI's scenario step (`make scenarios`), not `make test`
 @pytest.mark.timeout(300)
 def test_a_worker_killed_mid_run_is_started_again_and_nothing_is_lost():
     expected, restarted = _trained(kill_at=None)

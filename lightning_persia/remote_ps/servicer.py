@@ -26,6 +26,7 @@ from lightning_persia.remote_ps import handover_wire, messages, remote_folder
 from lightning_persia.remote_ps.config import PSConfig
 from lightning_persia.remote_ps.exactly_once import UpdateDeduplicator
 from lightning_persia.remote_ps.messages import RpcRefusal, invalid, read_only
+from lightning_persia.remote_ps.move_settling import MoveSettler, MoveSettlingError
 from lightning_persia.remote_ps.protocol import (
     FENCED_METHODS, INCARNATION_METADATA_KEY, MAP_VERSION_METADATA_KEY, SERVICE, SERVICE_NAME, persia_pb2, persia_pb2_grpc,
 )
@@ -91,8 +92,11 @@ def _writes(method: Callable) -> Callable:
 class PSServicer(persia_pb2_grpc.ParameterServerServicer):
     """The ``persia.ParameterServer`` service of one shard."""
 
-    def __init__(self, store: ShardStore, config: PSConfig, model_version: int = 0) -> None:
+    def __init__(self, store: ShardStore, config: PSConfig, model_version: int = 0, *,
+                 settler: Optional[MoveSettler] = None) -> None:
         self.store = store
+        # ends a move whose coordinator is gone (the shard server starts its watch, with the shard's token and TLS)
+        self.settler = settler if settler is not None else MoveSettler(store, config.handover_deadline_s)
         self.config = config
         self.served = ServedVersion(store, model_version)
         self.watching_deltas: Optional[str] = None  # the folder of deltas this shard applies on its own, if any
@@ -265,8 +269,23 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
     @_writes
     def Handover(self, request: persia_pb2.HandoverStep, context) -> persia_pb2.HandoverPage:
         step = request.step
+        if step == persia_pb2.HandoverStep.SETTLE:
+            try:
+                version, addresses = self.settler.settle()
+            except MoveSettlingError as err:
+                raise RpcRefusal(grpc.StatusCode.UNAVAILABLE, str(err)) from None
+            if addresses:
+                self._addresses[version] = addresses
+            self._handover_rows = None if self.store.handover is None else self._handover_rows
+            return persia_pb2.HandoverPage(map_version=version)
+        if step == persia_pb2.HandoverStep.ABORT:
+            self._handover_rows = None
+            to_map = self._map_of(request.map) if request.HasField("map") else None
+            return persia_pb2.HandoverPage(map_version=self.store.abort_handover(to_map))
+        self.settler.heard_coordinator()
         if step == persia_pb2.HandoverStep.BEGIN:
-            self._handover_rows = self.store.begin_handover(self._map_of(request.map))
+            shard_map, addresses = self._map_and_addresses(request.map)
+            self._handover_rows = self.store.begin_handover(shard_map, addresses)
             return persia_pb2.HandoverPage()
         if step == persia_pb2.HandoverStep.ROWS:
             return self._next_rows()
@@ -284,9 +303,6 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
                 self._addresses[shard_map.version] = addresses
             self.store.finish_handover()
             self._handover_rows = None
-        elif step == persia_pb2.HandoverStep.ABORT:
-            self._handover_rows = None
-            self.store.abort_handover()
         else:
             raise invalid(f"unknown handover step {step}")
         return persia_pb2.HandoverPage()
@@ -335,8 +351,12 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
 
     @staticmethod
     def _map_of(message: persia_pb2.ShardMapMessage) -> ShardMap:
+        return PSServicer._map_and_addresses(message)[0]
+
+    @staticmethod
+    def _map_and_addresses(message: persia_pb2.ShardMapMessage) -> tuple[ShardMap, list[str]]:
         try:
-            return handover_wire.map_of(message)[0]
+            return handover_wire.map_of(message)
         except ValueError as err:
             raise invalid(f"not a valid shard map: {err}") from None
 

@@ -53,6 +53,8 @@ class MoveSettler:
         self._last_step: Optional[float] = None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self.finished = 0  # moves this shard finished without their coordinator (Stats: ``moves_settled``)
+        self.rolled_back = 0  # and those it gave up
 
     def heard_coordinator(self) -> None:
         """A coordinator's step arrived: the deadline counts from now."""
@@ -67,20 +69,21 @@ class MoveSettler:
         if self._thread is not None:
             self._thread.join(5)
 
-    def settle(self) -> tuple[int, list[str]]:
-        """Ends the handover under way, if any, by the rule above; returns this shard's map version after it and the
-        addresses of its shards (``[]`` when none moved). Raises :class:`MoveSettlingError` when it cannot decide."""
+    def settle(self) -> int:
+        """Ends the handover under way, if any, by the rule above; returns this shard's map version after it. Raises
+        :class:`MoveSettlingError` when it cannot decide."""
         with self._lock:
             outgoing = self._store.handover
             if outgoing is None:  # a coordinator starts over: a move given up here may be run again
                 self._store.forget_given_up()
-                return self._store.shard_map.version, []
+                return self._store.shard_map.version
             to_map, takers = outgoing.to_map, outgoing.takers
             if not outgoing.fenced:  # no taker can have adopted the map: it would have been fenced first
                 log.warning("shard %d: the move to shard map version %d was not fenced yet; giving it up (its coordinator "
                             "is gone)", self._store.shard_index, to_map.version)
                 self._tell(takers, lambda address: self._abort(address, outgoing), outgoing, must=False)
-                return self._store.abort_handover(to_map), []
+                self.rolled_back += 1
+                return self._store.abort_handover(to_map)
             if len(outgoing.addresses) != to_map.num_shards:
                 raise MoveSettlingError(f"the move to shard map version {to_map.version} came without its shards' "
                                         "addresses: end it with `ps scale` (ABORT or FINISH by hand)")
@@ -93,14 +96,16 @@ class MoveSettler:
                 log.warning("shard %d: the move to shard map version %d rolled back (its first taker, shard %d, never "
                             "adopted it); serving the slots again", self._store.shard_index, to_map.version, takers[0])
                 self._tell(takers[1:], lambda address: self._abort(address, outgoing), outgoing, must=False)
-                return self._store.abort_handover(to_map), []
+                self.rolled_back += 1
+                return self._store.abort_handover(to_map)
             bystanders = [s for s in range(to_map.num_shards) if s not in outgoing.sources and s != self._store.shard_index]
             self._tell([s for s in bystanders if s != takers[0]], lambda address: self._adopt(address, outgoing),
                        outgoing, must=True)
             self._store.finish_handover()
+            self.finished += 1
             log.warning("shard %d: finished the move to shard map version %d without its coordinator (its first taker "
                         "had adopted it)", self._store.shard_index, to_map.version)
-            return to_map.version, list(outgoing.addresses)
+            return to_map.version
 
     def _watch(self) -> None:
         while not self._stop.wait(min(1.0, self._deadline_s / 4)):

@@ -118,6 +118,8 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         # kept by version, so that an answer never pairs a map with another map's addresses
         self._addresses: dict[int, list[str]] = {}
         self._handover_rows: Optional[Iterator] = None  # the rows of the handover under way still to give
+        if store.handover is not None:  # a fence replayed from the log: the map it settles to has these shards
+            self._addresses[store.handover.to_map.version] = list(store.handover.addresses)
 
     def add_to_server(self, server: grpc.Server) -> None:
         """Registers every RPC of the service, like the generated ``add_ParameterServerServicer_to_server``,
@@ -271,11 +273,9 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         step = request.step
         if step == persia_pb2.HandoverStep.SETTLE:
             try:
-                version, addresses = self.settler.settle()
+                version = self.settler.settle()
             except MoveSettlingError as err:
                 raise RpcRefusal(grpc.StatusCode.UNAVAILABLE, str(err)) from None
-            if addresses:
-                self._addresses[version] = addresses
             self._handover_rows = None if self.store.handover is None else self._handover_rows
             return persia_pb2.HandoverPage(map_version=version)
         if step == persia_pb2.HandoverStep.ABORT:
@@ -286,6 +286,8 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         if step == persia_pb2.HandoverStep.BEGIN:
             shard_map, addresses = self._map_and_addresses(request.map)
             self._handover_rows = self.store.begin_handover(shard_map, addresses)
+            if addresses:  # the shards' addresses once the move goes through, with or without its coordinator
+                self._addresses[shard_map.version] = addresses
             return persia_pb2.HandoverPage()
         if step == persia_pb2.HandoverStep.ROWS:
             return self._next_rows()
@@ -367,6 +369,7 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         with self._counter_lock:
             server = dict(self._counters)
         server["dedup_duplicates"] = self.dedup.duplicates
+        server["moves_settled"] = {"finished": self.settler.finished, "rolled_back": self.settler.rolled_back}
         server.update(incarnation=self.incarnation, started_at=self.started_at, restored_from=self.restored_from,
                       model_version=self.served.version, staged_version=self.served.staged_version,
                       watching_deltas=self.watching_deltas, wal=self.log_stats(), background_cpu_s=self.store.background_cpu_s())

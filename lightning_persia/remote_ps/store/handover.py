@@ -98,7 +98,12 @@ class SlotHandover:
         per table that writes the rows present and removes the others, and the configuration of every table (the
         changes may name a table made since the point). A row changed again after it was read is read again next
         time; after the fence, none is."""
-        changed = self._handing_over().take_changed()
+        outgoing = self._handing_over()
+        if outgoing.replayed:
+            raise InvalidRequestError(f"this shard restarted during the move to shard map version {outgoing.to_map.version}: "
+                                      "the rows changed since the move's last round are not known here, so the move "
+                                      "cannot go through: give it up (ABORT) and run it again")
+        changed = outgoing.take_changed()
         changes = []
         for name, ids in sorted(changed.items()):
             table = self._table(name)
@@ -166,7 +171,7 @@ class SlotHandover:
             self._outgoing = None  # a MAP record since says the move went through
             return
         self._outgoing = OutgoingSlots(self.shard_index, self._shard_map, to_map, addresses=fence.get("addresses", ()))
-        self._outgoing.fenced = True
+        self._outgoing.fenced = self._outgoing.replayed = True
 
     def take_changes(self, configs: Sequence[TableConfig], changes: Sequence[Change], to_map: ShardMap) -> None:
         """Applies, in order, the part ``to_map`` gives this shard of the rows (:meth:`begin_handover`'s blocks, as

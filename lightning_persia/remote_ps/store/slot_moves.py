@@ -62,6 +62,7 @@ class OutgoingSlots:
         self._mask = torch.zeros(SLOTS, dtype=torch.bool)
         self._mask[list(moving)] = True
         self.fenced = False
+        self.replayed = False  # read back from the log by a restarted shard: which rows changed since the last round is lost
         self.settled = threading.Event()  # set once the handover finished or was given up
         self._dirty: dict[str, list[torch.Tensor]] = {}  # table -> ids changed since the last round was taken
         self._lock = threading.Lock()

@@ -2,9 +2,11 @@
 turn, while a client trains; in each, one process dies by SIGKILL at a step of the move drawn at random (seeded).
 
 - The shards log every update (``durability=log``) and their launcher restarts a killed one, which replays its log.
-- The victims: the coordinator (``ps scale``'s process), a shard giving slots away (a *source*), a shard taking them
-  (a *taker*), or a second trainer (a process of its own). The step: the one the coordinator is about to begin
-  (``rescale``'s ``on_step``: begin, rows, changes, fence, last changes, adopt, finish).
+- The victims, each in turn (shuffled): the coordinator (``ps scale``'s process), a shard giving slots away (a
+  *source*), a shard taking them (a *taker*), or a second trainer (a process of its own). The step, drawn: the one
+  the coordinator is about to begin (``rescale``'s ``on_step``: begin, rows, changes, fence, last changes, adopt,
+  finish). The shards settle a fenced move alone after the default ``handover_deadline_s`` (30 s), longer than a
+  shard's restart: a killed taker is waited for.
 - A move whose coordinator failed or died is run again once the shards answer, as an operator (or a Kubernetes Job's
   restart) runs ``ps scale`` again. That run first settles the move left under way: finished if it had gone through,
   given up otherwise (``remote_ps/move_settling.py``). ``attempts_rolled_back`` counts the killed attempts that the
@@ -190,8 +192,10 @@ def _coordinate(current: list[str], addresses: list[str], kill_at: Optional[str]
     return killed, report if process.returncode == 0 else None
 
 
-def soak(moves: int, *, rows: int, batch: int, dim: int, seed: int, deadline_s: float = 2.0) -> SoakReport:
+def soak(moves: int, *, rows: int, batch: int, dim: int, seed: int) -> SoakReport:
     draw = random.Random(seed)
+    victims = [VICTIMS[i % len(VICTIMS)] for i in range(moves)]  # each victim in turn, shuffled
+    draw.shuffle(victims)
     report = SoakReport()
     wal = tempfile.mkdtemp(prefix="elastic-soak-wal-")
     began = time.monotonic()
@@ -201,7 +205,7 @@ def soak(moves: int, *, rows: int, batch: int, dim: int, seed: int, deadline_s: 
     model = ShardStore(0, 1, seed=0)
     model.configure(tables[1])
     try:
-        with LocalShards(2, overrides=["seed=0", "durability=log", f"wal_dir={wal}", f"handover_deadline_s={deadline_s}"],
+        with LocalShards(2, overrides=["seed=0", "durability=log", f"wal_dir={wal}"],
                          restart=True, max_restarts=moves + 5) as shards:
             with PSClient(shards.addresses) as client:
                 client.wait_healthy(120)
@@ -216,7 +220,7 @@ def soak(moves: int, *, rows: int, batch: int, dim: int, seed: int, deadline_s: 
             side = SideTrainer()
             for number in range(moves):
                 to_shards = 3 if shards.num_shards == 2 else 2
-                move = Move(to_shards, draw.choice(VICTIMS), draw.choice(STEPS))
+                move = Move(to_shards, victims[number], draw.choice(STEPS))
                 started = time.monotonic()
                 current = list(shards.addresses)
                 if to_shards == 3:

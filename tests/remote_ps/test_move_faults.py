@@ -22,11 +22,11 @@ CONFIG = TableConfig("t", 4, optimizer=Adam(lr=0.1))
 UNIVERSE = torch.arange(0, 4000) * 7919 - 11
 
 
-def logged_shards(tmp_path, num_shards: int = 2) -> LocalShards:
-    """Shards that log every update, come back when killed, and settle a fenced move 1 s after its coordinator's
-    last step."""
-    return LocalShards(num_shards, overrides=["seed=5", "durability=log", f"wal_dir={tmp_path / 'wal'}",
-                                              "handover_deadline_s=1"], restart=True)
+def logged_shards(tmp_path, deadline_s: float = 1.0) -> LocalShards:
+    """Two shards that log every update, come back when killed, and settle a fenced move ``deadline_s`` after its
+    coordinator's last step."""
+    return LocalShards(2, overrides=["seed=5", "durability=log", f"wal_dir={tmp_path / 'wal'}",
+                                     f"handover_deadline_s={deadline_s}"], restart=True)
 
 
 class Acknowledged:
@@ -181,6 +181,23 @@ def test_a_taker_killed_after_it_adopted_the_map_comes_back_on_it(tmp_path):
             assert rescale(admin, grown[:2]).map_version == 2
         shards.shrink(2)
         acked.check(2)
+        acked.close()
+
+
+def test_a_taker_killed_before_it_adopted_the_map_is_waited_for_and_the_move_goes_through(tmp_path):
+    """The taker dies before the last changes reach it: it comes back from its log with what it took, the
+    coordinator's calls wait for it (their retries outlast a restart), and the move goes through. (The fenced sources
+    wait longer than the restart before they ask the taker: asked earlier, it would roll the move back.)"""
+    with logged_shards(tmp_path, deadline_s=60) as shards:
+        acked = Acknowledged(shards.addresses)
+        acked.train(3)
+        grown = shards.grow(3)
+        with PSClient(grown, retry=RetryPolicy(timeout_s=30, retry_for_s=60)) as admin:
+            kill = lambda step: step == "last changes" and os.kill(shards.processes[2].pid, signal.SIGKILL)  # noqa: E731
+            assert rescale(admin, grown, on_step=kill).map_version == 1
+            assert versions(admin, range(3)) == [1, 1, 1]
+        acked.train(3)
+        acked.check(3)
         acked.close()
 
 

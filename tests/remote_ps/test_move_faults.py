@@ -147,6 +147,24 @@ def test_a_coordinator_killed_after_the_fence_rolls_back_on_its_own(tmp_path):
         acked.close()
 
 
+def test_a_rerun_right_after_a_coordinator_killed_after_the_fence_of_a_drain_settles_and_drains(tmp_path):
+    """The next `ps scale` comes before the deadline: it settles the move (the source rolls it back, and its takers
+    refuse it) and then lets the takers take part in the move again, which goes through in that one run."""
+    with logged_shards(tmp_path, deadline_s=60) as shards:
+        acked = Acknowledged(shards.addresses)
+        grown = shards.grow(3)
+        with PSClient(grown, retry=RetryPolicy(timeout_s=30)) as admin:
+            rescale(admin, grown)
+            acked.train(3)
+            kill_coordinator_at("last changes", grown, grown[:2])
+            assert rescale(admin, grown[:2]).map_version == 2
+            assert settled(admin, [2]) == {"finished": 0, "rolled_back": 1}
+        shards.shrink(2)
+        acked.train(3)
+        acked.check(2)
+        acked.close()
+
+
 def test_a_coordinator_killed_between_the_takers_and_the_sources_adoption_completes_on_its_own(tmp_path):
     """The first taker adopted the map (the move's point of no return) and the coordinator died before the sources
     finished: they find out from the taker and finish; the cluster is on the new map and drains again later."""

@@ -158,7 +158,9 @@ def _settled_map(admin: ShardAdmin, addresses: Sequence[str]):
                       "keep their positions; new ones come after them, drained ones are the last")
     known = list(addresses) if len(addresses) > len(old) else old
     admin.reach(known)
-    versions = [admin.handover(shard, Step.SETTLE).map_version for shard in range(len(known))]
+    # twice: the first pass settles the moves under way (a source that rolls one back makes its takers refuse it),
+    # the second finds none under way and lets every shard take part in a new move (the takers forget the refusal)
+    versions = [admin.handover(shard, Step.SETTLE).map_version for _ in range(2) for shard in range(len(known))]
     if max(versions) != current.version:
         log.warning("settled a move its coordinator left under way: the cluster is at shard map version %d", max(versions))
         current, _ = admin.shard_map_of(versions.index(max(versions)))

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+from lightning_persia.ops.shard_map import ShardMap
 from lightning_persia.remote_ps.client.admin import ShardAdmin
 from lightning_persia.remote_ps.client.errors import PSError
 from lightning_persia.remote_ps.protocol import SHARD_PROCESS_ENV, TOKEN_ENV, persia_pb2
@@ -148,7 +149,7 @@ def rescale(admin: ShardAdmin, addresses: Sequence[str], *, max_rounds: int = 8,
     return report
 
 
-def _settled_map(admin: ShardAdmin, addresses: Sequence[str]):
+def _settled_map(admin: ShardAdmin, addresses: Sequence[str]) -> ShardMap:
     """The cluster's map once any move a coordinator left under way is settled; checks ``addresses`` against it."""
     current, _ = admin.shard_map_of(0)
     old = list(admin.addresses[: current.num_shards])
@@ -167,7 +168,7 @@ def _settled_map(admin: ShardAdmin, addresses: Sequence[str]):
     return current
 
 
-def _went_through(admin: ShardAdmin, first_taker: int, to_map) -> bool:
+def _went_through(admin: ShardAdmin, first_taker: int, to_map: ShardMap) -> bool:
     """Whether the move's first taker adopted ``to_map``; if not, it never will (``ABORT`` with the map)."""
     try:
         return admin.handover(first_taker, Step.ABORT, to_map).map_version >= to_map.version

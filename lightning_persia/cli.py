@@ -356,12 +356,15 @@ COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
 
 def _ps_scale(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s persia-ps-scale %(levelname)s %(message)s")
-    from lightning_persia.remote_ps.client import PSClient, PSError
+    from lightning_persia.remote_ps.client import PSClient, PSError, RetryPolicy
     from lightning_persia.remote_ps.client.scaling import rescale, wait_drained
 
     current, target = _addresses(args.addresses), _addresses(args.to)
+    # a shard killed during the move is restarted by its supervisor and replays its log: the move's calls wait for
+    # it (a taker's restart then costs the move nothing) rather than give the move up after a few seconds
+    retry = RetryPolicy(retry_for_s=60)
     try:
-        with PSClient(current, token=args.token, tls_root_cert=args.tls_root_cert) as admin:
+        with PSClient(current, token=args.token, tls_root_cert=args.tls_root_cert, retry=retry) as admin:
             admin.wait_healthy(60)
             report = rescale(admin, target)
             if len(target) < len(current):

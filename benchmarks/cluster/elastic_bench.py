@@ -8,6 +8,11 @@ and every row is compared with the updates counted on the client.
 
     python -m benchmarks.cluster.elastic_bench --json                 # 20M rows
     python -m benchmarks.cluster.elastic_bench --rows 2000000 --json  # a first look
+    python -m benchmarks.cluster.elastic_bench --kill-soak 10 --rows 100000 --batch 2048 --json
+
+``--kill-soak N`` runs N moves with a process killed at a random point of each instead (``elastic_soak.py``): its
+line carries ``kills``, ``lost_updates``, ``rollbacks`` and ``weights_equal``; the timed moves' line carries none
+of them (no kill, and ``lost_updates``: rows that differ from the updates sent).
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import time
 
 import torch
 
+from benchmarks.cluster import elastic_soak
 from lightning_persia.remote_ps.client import PSClient
 from lightning_persia.remote_ps.client.scaling import rescale_apart
 from lightning_persia.remote_ps.launcher import LocalShards
@@ -89,8 +95,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=65_536, help="ids a step looks up and updates")
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--steady-steps", type=int, default=20, help="steps timed before the moves")
+    parser.add_argument("--kill-soak", type=int, default=0, metavar="MOVES",
+                        help="instead: MOVES moves (2 -> 3 and 3 -> 2 in turn), a process killed at a random point of each")
+    parser.add_argument("--seed", type=int, default=0, help="--kill-soak: which kills, where")
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     args = parser.parse_args()
+    if args.kill_soak:
+        _kill_soak(args)
+        return
 
     config = TableConfig(TABLE, args.dim, optimizer=SGD(lr=1.0), init=Constant(0.0))
     with LocalShards(2, overrides=["seed=0", "durability=none"]) as shards:
@@ -123,7 +135,7 @@ def main() -> None:
         "throughput_ratio_during": min(grow["throughput_ratio_during"], shrink["throughput_ratio_during"]),
         "rows_moved_ratio": max(grow["rows_moved"], shrink["rows_moved"]) / ideal,
         "seconds_per_100M_rows": 1e8 / min(grow["move_rows_per_s"], shrink["move_rows_per_s"]),
-        "kills": 0, "lost_updates": lost, "rollbacks": 0, "weights_equal": lost == 0,
+        "lost_updates": lost,
         "load": os.getloadavg()[0],
     }
     for name in ("grow", "shrink"):
@@ -134,6 +146,18 @@ def main() -> None:
               f"throughput {move['throughput_ratio_during']:.2f}x")
     print(f"rows moved / ideal: {summary['rows_moved_ratio']:.3f}; 100M rows would take "
           f"{summary['seconds_per_100M_rows']:.0f} s; rows differing from the updates sent: {lost}")
+    if args.json:
+        print(json.dumps(summary))
+
+
+def _kill_soak(args: argparse.Namespace) -> None:
+    report = elastic_soak.soak(args.kill_soak, rows=args.rows, batch=args.batch, dim=args.dim, seed=args.seed)
+    summary = {"rows": args.rows, "batch": args.batch, "dim": args.dim, "seed": args.seed, **elastic_soak.summary(report),
+               "load": os.getloadavg()[0]}
+    print(f"{summary['moves']} moves, {summary['kills']} kills ({summary['steps']} training steps, {summary['soak_s']:.0f} s): "
+          f"{summary['rollbacks']} moves ended on the old map, {summary['attempts_rolled_back']} killed attempts given up "
+          f"and run again; {summary['lost_updates']} acknowledged updates lost, {summary['applied_twice']} applied twice; "
+          f"weights equal to the unscaled run: {summary['weights_equal']}")
     if args.json:
         print(json.dumps(summary))
 

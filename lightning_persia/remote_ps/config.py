@@ -111,6 +111,11 @@ class PSConfig:
     """Serve lookups only (an inference shard): a training lookup is answered like an evaluation lookup (unseen
     ids read their initial row, nothing is inserted, evicted or touched); Update, Load, Save and a Configure
     that would create or change a table are refused with FAILED_PRECONDITION."""
+    handover_deadline_s: float = 30.0
+    """A shard that fenced the slots it hands over (a live move's cut-over) and has heard nothing from the move's
+    coordinator for this long settles the move on its own: it asks the first new owner whether it adopted the new map,
+    and finishes or rolls back by the answer (docs/elastic.md, *A move without its coordinator*). Requests for those
+    slots wait meanwhile: keep it under the clients' retry budget (``RetryPolicy``), well over a cut-over's seconds."""
     fault_delay_s: float = 0.0
     """Testing only: every Lookup and Update sleeps this long before it runs (a slow shard)."""
     fault_save_delay_s: float = 0.0
@@ -125,6 +130,8 @@ class PSConfig:
     """Table defaults: ``{name: TableConfig fields without the name}``."""
 
     def __post_init__(self) -> None:
+        if not self.handover_deadline_s > 0:
+            raise ConfigError(f"PS config: handover_deadline_s must be > 0, got {self.handover_deadline_s}")
         for name in ("max_ids_per_request", "max_message_mb", "server_threads", "dedup_window", "dedup_max_clients", "max_tables"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"PS config: {name} must be >= 1, got {getattr(self, name)}")

@@ -30,6 +30,7 @@ from lightning_persia.remote_ps.faults import DelayInterceptor
 from lightning_persia.remote_ps.process import exit_with_parent, prepare_shard_process, trim_memory_every
 from lightning_persia.remote_ps.protocol import LISTENING_PREFIX, METRICS_PREFIX, SERVICE_NAME
 from lightning_persia.remote_ps.security import TLSFiles, TokenInterceptor, check_bind_security, is_loopback_host
+from lightning_persia.remote_ps.move_settling import MoveSettler
 from lightning_persia.remote_ps.servicer import PSServicer
 from lightning_persia.remote_ps.store import ShardStore
 from lightning_persia.remote_ps.store.wal import ReplayReport, open_shard_log
@@ -59,7 +60,8 @@ class ShardServer:
 
     def __init__(self, store: ShardStore, config: PSConfig, endpoint: Endpoint = Endpoint(), *, model_version: int = 0) -> None:
         check_bind_security(endpoint.host, token=endpoint.token, tls=endpoint.tls is not None, insecure=endpoint.insecure)
-        self.servicer = PSServicer(store, config, model_version)
+        self.servicer = PSServicer(store, config, model_version, settler=MoveSettler(
+            store, config.handover_deadline_s, token=endpoint.token, tls=endpoint.tls))
         self.health = health.HealthServicer()
         self._host = endpoint.host
         self._metrics_port = config.metrics_port
@@ -106,6 +108,7 @@ class ShardServer:
                 raise
             self.metrics_url = metrics.metrics_url(self._metrics_server, self._host)
         self._server.start()
+        self.servicer.settler.start()
         for service in ("", SERVICE_NAME):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         return self.address
@@ -113,6 +116,7 @@ class ShardServer:
     def stop(self, grace_s: float) -> None:
         """Reports NOT_SERVING, lets in-flight calls finish for up to ``grace_s`` seconds, then stops."""
         self.health.enter_graceful_shutdown()
+        self.servicer.settler.stop()
         self._server.stop(grace_s).wait()
         metrics.stop_metrics(self._metrics_server)
 

@@ -26,6 +26,7 @@ from lightning_persia.remote_ps import handover_wire, messages, remote_folder
 from lightning_persia.remote_ps.config import PSConfig
 from lightning_persia.remote_ps.exactly_once import UpdateDeduplicator
 from lightning_persia.remote_ps.messages import RpcRefusal, invalid, read_only
+from lightning_persia.remote_ps.move_settling import MoveSettler, MoveSettlingError
 from lightning_persia.remote_ps.protocol import (
     FENCED_METHODS, INCARNATION_METADATA_KEY, MAP_VERSION_METADATA_KEY, SERVICE, SERVICE_NAME, persia_pb2, persia_pb2_grpc,
 )
@@ -91,8 +92,11 @@ def _writes(method: Callable) -> Callable:
 class PSServicer(persia_pb2_grpc.ParameterServerServicer):
     """The ``persia.ParameterServer`` service of one shard."""
 
-    def __init__(self, store: ShardStore, config: PSConfig, model_version: int = 0) -> None:
+    def __init__(self, store: ShardStore, config: PSConfig, model_version: int = 0, *,
+                 settler: Optional[MoveSettler] = None) -> None:
         self.store = store
+        # ends a move whose coordinator is gone (the shard server starts its watch, with the shard's token and TLS)
+        self.settler = settler if settler is not None else MoveSettler(store, config.handover_deadline_s)
         self.config = config
         self.served = ServedVersion(store, model_version)
         self.watching_deltas: Optional[str] = None  # the folder of deltas this shard applies on its own, if any
@@ -114,6 +118,8 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         # kept by version, so that an answer never pairs a map with another map's addresses
         self._addresses: dict[int, list[str]] = {}
         self._handover_rows: Optional[Iterator] = None  # the rows of the handover under way still to give
+        if store.handover is not None:  # a fence replayed from the log: the map it settles to has these shards
+            self._addresses[store.handover.to_map.version] = list(store.handover.addresses)
 
     def add_to_server(self, server: grpc.Server) -> None:
         """Registers every RPC of the service, like the generated ``add_ParameterServerServicer_to_server``,
@@ -265,8 +271,23 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
     @_writes
     def Handover(self, request: persia_pb2.HandoverStep, context) -> persia_pb2.HandoverPage:
         step = request.step
+        if step == persia_pb2.HandoverStep.SETTLE:
+            try:
+                version = self.settler.settle()
+            except MoveSettlingError as err:
+                raise RpcRefusal(grpc.StatusCode.UNAVAILABLE, str(err)) from None
+            self._handover_rows = None if self.store.handover is None else self._handover_rows
+            return persia_pb2.HandoverPage(map_version=version)
+        if step == persia_pb2.HandoverStep.ABORT:
+            self._handover_rows = None
+            to_map = self._map_of(request.map) if request.HasField("map") else None
+            return persia_pb2.HandoverPage(map_version=self.store.abort_handover(to_map))
+        self.settler.heard_coordinator()
         if step == persia_pb2.HandoverStep.BEGIN:
-            self._handover_rows = self.store.begin_handover(self._map_of(request.map))
+            shard_map, addresses = self._map_and_addresses(request.map)
+            self._handover_rows = self.store.begin_handover(shard_map, addresses)
+            if addresses:  # the shards' addresses once the move goes through, with or without its coordinator
+                self._addresses[shard_map.version] = addresses
             return persia_pb2.HandoverPage()
         if step == persia_pb2.HandoverStep.ROWS:
             return self._next_rows()
@@ -284,9 +305,6 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
                 self._addresses[shard_map.version] = addresses
             self.store.finish_handover()
             self._handover_rows = None
-        elif step == persia_pb2.HandoverStep.ABORT:
-            self._handover_rows = None
-            self.store.abort_handover()
         else:
             raise invalid(f"unknown handover step {step}")
         return persia_pb2.HandoverPage()
@@ -335,8 +353,12 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
 
     @staticmethod
     def _map_of(message: persia_pb2.ShardMapMessage) -> ShardMap:
+        return PSServicer._map_and_addresses(message)[0]
+
+    @staticmethod
+    def _map_and_addresses(message: persia_pb2.ShardMapMessage) -> tuple[ShardMap, list[str]]:
         try:
-            return handover_wire.map_of(message)[0]
+            return handover_wire.map_of(message)
         except ValueError as err:
             raise invalid(f"not a valid shard map: {err}") from None
 
@@ -347,6 +369,7 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         with self._counter_lock:
             server = dict(self._counters)
         server["dedup_duplicates"] = self.dedup.duplicates
+        server["moves_settled"] = {"finished": self.settler.finished, "rolled_back": self.settler.rolled_back}
         server.update(incarnation=self.incarnation, started_at=self.started_at, restored_from=self.restored_from,
                       model_version=self.served.version, staged_version=self.served.staged_version,
                       watching_deltas=self.watching_deltas, wal=self.log_stats(), background_cpu_s=self.store.background_cpu_s())

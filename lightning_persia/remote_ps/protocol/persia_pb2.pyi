@@ -187,6 +187,7 @@ class HandoverStep(_message.Message):
         FENCE: _ClassVar[HandoverStep.Step]
         FINISH: _ClassVar[HandoverStep.Step]
         ABORT: _ClassVar[HandoverStep.Step]
+        SETTLE: _ClassVar[HandoverStep.Step]
     STEP_UNSPECIFIED: HandoverStep.Step
     BEGIN: HandoverStep.Step
     ROWS: HandoverStep.Step
@@ -194,6 +195,7 @@ class HandoverStep(_message.Message):
     FENCE: HandoverStep.Step
     FINISH: HandoverStep.Step
     ABORT: HandoverStep.Step
+    SETTLE: HandoverStep.Step
     STEP_FIELD_NUMBER: _ClassVar[int]
     MAP_FIELD_NUMBER: _ClassVar[int]
     step: HandoverStep.Step
@@ -201,20 +203,22 @@ class HandoverStep(_message.Message):
     def __init__(self, step: _Optional[_Union[HandoverStep.Step, str]] = ..., map: _Optional[_Union[ShardMapMessage, _Mapping]] = ...) -> None: ...
 
 class HandoverPage(_message.Message):
-    __slots__ = ("tables_json", "records", "done", "rows", "applied_json", "source")
+    __slots__ = ("tables_json", "records", "done", "rows", "applied_json", "source", "map_version")
     TABLES_JSON_FIELD_NUMBER: _ClassVar[int]
     RECORDS_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     APPLIED_JSON_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    MAP_VERSION_FIELD_NUMBER: _ClassVar[int]
     tables_json: _containers.RepeatedScalarFieldContainer[str]
     records: _containers.RepeatedScalarFieldContainer[bytes]
     done: bool
     rows: int
     applied_json: str
     source: int
-    def __init__(self, tables_json: _Optional[_Iterable[str]] = ..., records: _Optional[_Iterable[bytes]] = ..., done: _Optional[bool] = ..., rows: _Optional[int] = ..., applied_json: _Optional[str] = ..., source: _Optional[int] = ...) -> None: ...
+    map_version: int
+    def __init__(self, tables_json: _Optional[_Iterable[str]] = ..., records: _Optional[_Iterable[bytes]] = ..., done: _Optional[bool] = ..., rows: _Optional[int] = ..., applied_json: _Optional[str] = ..., source: _Optional[int] = ..., map_version: _Optional[int] = ...) -> None: ...
 
 class TakeOverRequest(_message.Message):
     __slots__ = ("page", "to_map", "adopt")

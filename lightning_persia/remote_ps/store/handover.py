@@ -35,6 +35,7 @@ class SlotHandover:
     _shard_map: ShardMap
     _gate: ReadWriteLock
     _outgoing: Optional[OutgoingSlots]
+    _given_up_version: int  # the newest map version a move to this shard rolled back from: never adopted since
     _lock: threading.Lock
     _save_lock: threading.Lock
     _tables: dict[str, Table]
@@ -42,13 +43,14 @@ class SlotHandover:
     progress: Progress
     moves: MoveTally
 
-    def begin_handover(self, to_map: ShardMap) -> Iterator[tuple[TableConfig, int, dict[str, torch.Tensor]]]:
+    def begin_handover(self, to_map: ShardMap, addresses: Sequence[str] = ()) -> Iterator[tuple[TableConfig, int, dict[str, torch.Tensor]]]:
         """Starts handing this shard's slots that ``to_map`` gives to other shards over to them.
 
         Takes one consistent point of every table and from then on collects the changes to the moving slots' rows
         (:meth:`handover_changes`). Returns ``(config, step, rows)`` of the moving slots' rows at the point, a block
         at a time (``rows``: ``{field: values}``, empty for a table without such rows; the new owner takes them as
-        changes that write them, :meth:`take_changes`). One handover at a time.
+        changes that write them, :meth:`take_changes`). One handover at a time. ``addresses``: of ``to_map``'s shards, which a fenced move whose
+        coordinator is gone asks (``docs/elastic.md``, *A move without its coordinator*).
         """
         if to_map.version <= self._shard_map.version:
             raise InvalidRequestError(f"a handover to shard map version {to_map.version}, not newer than this shard's "
@@ -64,7 +66,7 @@ class SlotHandover:
             for table in tables:
                 held.enter_context(table.lock)
             snapshots = [table.begin_snapshot(0) for table in tables]
-            self._outgoing = OutgoingSlots(self.shard_index, self._shard_map, to_map, snapshots)
+            self._outgoing = OutgoingSlots(self.shard_index, self._shard_map, to_map, snapshots, addresses)
         return self._handover_rows(self._outgoing, snapshots)
 
     def _handover_rows(self, outgoing: OutgoingSlots, snapshots: list[TableSnapshot]) -> Iterator[tuple[TableConfig, int, dict[str, torch.Tensor]]]:
@@ -82,6 +84,17 @@ class SlotHandover:
         outgoing.release()  # the tables stop keeping pre-images for the point as soon as its rows are read
 
     @property
+    def handover(self) -> Optional[OutgoingSlots]:
+        """The handover under way, or None."""
+        return self._outgoing
+
+    @property
+    def fence(self) -> Optional[dict]:
+        """The fenced handover as the write-ahead log keeps it (``OutgoingSlots.fence_record``), or None."""
+        outgoing = self._outgoing
+        return outgoing.fence_record() if outgoing is not None and outgoing.fenced else None
+
+    @property
     def handover_map(self) -> Optional[ShardMap]:
         """The map the handover under way moves to, or None."""
         outgoing = self._outgoing
@@ -92,7 +105,12 @@ class SlotHandover:
         per table that writes the rows present and removes the others, and the configuration of every table (the
         changes may name a table made since the point). A row changed again after it was read is read again next
         time; after the fence, none is."""
-        changed = self._handing_over().take_changed()
+        outgoing = self._handing_over()
+        if outgoing.replayed:
+            raise InvalidRequestError(f"this shard restarted during the move to shard map version {outgoing.to_map.version}: "
+                                      "the rows changed since the move's last round are not known here, so the move "
+                                      "cannot go through: give it up (ABORT) and run it again")
+        changed = outgoing.take_changed()
         changes = []
         for name, ids in sorted(changed.items()):
             table = self._table(name)
@@ -104,9 +122,13 @@ class SlotHandover:
 
     def fence_handover(self) -> None:
         """From now on the moving slots' ids are answered with :class:`SlotsMovingError`: the changes collected after
-        this call are the last ones."""
+        this call are the last ones. The fence is in the log first: a shard restarted before the move ends comes back
+        fenced (the new owners may have taken the slots over), and settles the move before it serves them."""
         with self._gate.writing():
-            self._handing_over().fenced = True
+            outgoing = self._handing_over()
+            if self.log is not None and not outgoing.fenced:
+                self.log.wait(self.log.record_fence(outgoing.fence_record()))
+            outgoing.fenced = True
 
     def finish_handover(self) -> None:
         """Adopts the handover's map (the new owners adopted it first) and drops the rows handed over."""
@@ -123,11 +145,22 @@ class SlotHandover:
             for table in self._listed_tables():
                 self._drop_foreign_rows(table)
 
-    def abort_handover(self) -> None:
+    def abort_handover(self, to_map: Optional[ShardMap] = None) -> int:
         """Gives up the handover under way, if any (the slots stay this shard's, served as before), and drops the
-        rows taken over for slots this shard's map does not give it (a handover to it that was given up)."""
+        rows taken over for slots this shard's map does not give it (a handover to it that was given up).
+
+        With ``to_map``, the move to it rolls back here for good unless this shard adopted it already (then nothing
+        changes): this shard never adopts it, nor takes rows for it, later. Returns this shard's map version after
+        the call: ``>= to_map.version`` says the move had gone through here."""
         with self._gate.writing():
+            if to_map is not None:
+                if self._shard_map.version >= to_map.version:
+                    return self._shard_map.version
+                self._given_up_version = max(self._given_up_version, to_map.version)
             outgoing, self._outgoing = self._outgoing, None
+            if outgoing is not None and outgoing.fenced and self.log is not None:
+                self.log.wait(self.log.record_fence(None))
+            version = self._shard_map.version
         if outgoing is not None:
             self.moves.given_up += 1
             outgoing.release()  # the rows may never have been read: the point's snapshots end here
@@ -135,11 +168,26 @@ class SlotHandover:
         with self._save_lock:
             for table in self._listed_tables():
                 self._drop_foreign_rows(table)
+        return version
+
+    def replay_fence(self, fence: Optional[dict]) -> None:
+        """Makes the log's FENCE (or its end, ``None``) this shard's again, before it serves: the moving slots stay
+        refused until the move is settled (the shard's servicer does it first thing, ``remote_ps/move_settling.py``)."""
+        if fence is None:
+            self._outgoing = None
+            return
+        to_map = ShardMap.from_dict(fence["to_map"])
+        if to_map.version <= self._shard_map.version:
+            self._outgoing = None  # a MAP record since says the move went through
+            return
+        self._outgoing = OutgoingSlots(self.shard_index, self._shard_map, to_map, addresses=fence.get("addresses", ()))
+        self._outgoing.fenced = self._outgoing.replayed = True
 
     def take_changes(self, configs: Sequence[TableConfig], changes: Sequence[Change], to_map: ShardMap) -> None:
         """Applies, in order, the part ``to_map`` gives this shard of the rows (:meth:`begin_handover`'s blocks, as
         changes that write them) and then of the changes (:meth:`handover_changes`) another shard hands over,
         creating the tables ``configs`` first."""
+        self._check_not_given_up(to_map)
         for config in configs:
             self.configure(config)
         mine = lambda ids: to_map.shard_of(ids) == self.shard_index  # noqa: E731
@@ -156,7 +204,18 @@ class SlotHandover:
                     shard_map.version == self._shard_map.version and shard_map != self._shard_map):
                 raise InvalidRequestError(f"shard map version {shard_map.version} is older than or differs from this "
                                           f"shard's version {self._shard_map.version}")
+            self._check_not_given_up(shard_map)
             self._set_map(shard_map)
+
+    def forget_given_up(self) -> None:
+        """Lets a move this shard rolled back from be run again (a new coordinator starts, the old one is gone)."""
+        with self._gate.writing():
+            self._given_up_version = 0
+
+    def _check_not_given_up(self, to_map: ShardMap) -> None:
+        if self._shard_map.version < to_map.version <= self._given_up_version:
+            raise InvalidRequestError(f"the move to shard map version {to_map.version} rolled back on this shard (a "
+                                      "shard giving slots away gave it up without its coordinator): run the move again")
 
     def wait_handover(self, timeout_s: float) -> None:
         """Waits (at most ``timeout_s``) for the handover under way, if any, to finish or be given up: what a request

@@ -95,6 +95,7 @@ class ShardStore(SlotHandover):
         self._gate = ReadWriteLock()
         self._outgoing: Optional[OutgoingSlots] = None  # the slots this shard is handing over, while it does
         self.moves = MoveTally()  #: what this shard's live moves carried (read by the metrics)
+        self._given_up_version = 0
         self._expirer = Expirer(self._tables_with_ttl, expiry_interval_s, journal=lambda: self._journal("", 0, []),
                                 guard=self._gate.reading)
         budget = MappedBudget(memory_limit_bytes) if memory_limit_bytes is not None else None
@@ -227,6 +228,8 @@ class ShardStore(SlotHandover):
         """Makes ``shard_map`` this shard's again, as the log read back says it was (before the shard serves)."""
         self._shard_map = shard_map
         self.num_shards = shard_map.num_shards
+        if self._outgoing is not None and shard_map.version >= self._outgoing.to_map.version:
+            self._outgoing = None  # a replayed fence whose move went through
 
     def replay_configure(self, config: dict) -> None:
         """Creates a table read back from the log (as :meth:`configure`, without logging it again)."""

@@ -53,17 +53,36 @@ class OutgoingSlots:
     change: a trainer rewrites its hot rows many times a round, and rounds must shrink for the fence to be short.
     """
 
-    def __init__(self, shard_index: int, current: ShardMap, to_map: ShardMap, snapshots: Sequence["TableSnapshot"] = ()) -> None:
+    def __init__(self, shard_index: int, current: ShardMap, to_map: ShardMap, snapshots: Sequence["TableSnapshot"] = (),
+                 addresses: Sequence[str] = ()) -> None:
+        self.from_map = current
         self.to_map = to_map
+        self.addresses = tuple(addresses)  # of to_map's shards, where the coordinator said: whom to ask without it
         moving = [slot for slot, (now, then) in enumerate(zip(current.owners, to_map.owners)) if now == shard_index != then]
         self.slots = tuple(moving)
         self._mask = torch.zeros(SLOTS, dtype=torch.bool)
         self._mask[list(moving)] = True
         self.fenced = False
+        self.replayed = False  # read back from the log by a restarted shard: which rows changed since the last round is lost
         self.settled = threading.Event()  # set once the handover finished or was given up
         self._dirty: dict[str, list[torch.Tensor]] = {}  # table -> ids changed since the last round was taken
         self._lock = threading.Lock()
         self._snapshots = list(snapshots)  # the tables at the move's point, until its rows are read or it ends
+
+    @property
+    def takers(self) -> list[int]:
+        """The shards the whole move (not only this shard's part) gives slots to, in the order they adopt its map:
+        the first one's adoption is the move's point of no return (``docs/elastic.md``)."""
+        return sorted({now for _, now in self.from_map.moves(self.to_map).values()})
+
+    @property
+    def sources(self) -> list[int]:
+        """The shards the whole move takes slots from."""
+        return sorted({was for was, _ in self.from_map.moves(self.to_map).values()})
+
+    def fence_record(self) -> dict:
+        """What the write-ahead log's FENCE record keeps of the move: enough to settle it after a restart."""
+        return {"to_map": self.to_map.to_dict(), "addresses": list(self.addresses)}
 
     def release(self) -> None:
         """Ends the move's snapshots, once (their rows were read, or the move finished or was given up)."""

@@ -276,3 +276,64 @@ def test_a_restarted_shard_keeps_the_map_it_adopted_and_the_rows_it_took(tmp_pat
     for table in ("user", "item"):
         assert torch.equal(_rows(after, table, ids), before[table]), table
         assert [s.stats()[table]["rows"] for s in restarted] == [int((three.shard_of(ids) == i).sum()) for i in range(3)]
+
+
+@pytest.mark.parametrize("save_between", [False, True], ids=["replayed", "saved-then-replayed"])
+def test_a_source_restarted_fenced_comes_back_fenced_until_the_move_is_settled(tmp_path, save_between):
+    """The fence is in the log (its own record, and every later segment's OPEN): a source restarted before its move
+    ended refuses the moving slots, cannot give changes it no longer knows, and settles either way; the settling is
+    in the log too."""
+    from lightning_persia.remote_ps.store.wal import open_shard_log
+
+    def start(incarnation: str) -> ShardStore:
+        store = ShardStore(0, 2, seed=7)
+        store.log = open_shard_log(store, str(tmp_path / "wal"), "log", incarnation, None, window=64)
+        return store
+
+    source = start("a")
+    source.configure(TABLES[0])
+    ids = torch.arange(0, 2000) * 104729
+    mine = ids[ShardMap.uniform(2).shard_of(ids) == 0]
+    source.lookup("user", mine, train=True)
+    three = ShardMap.uniform(2).resized(3)
+    moving = mine[three.shard_of(mine) == 2]
+    list(source.begin_handover(three, ["a:1", "b:1", "c:1"]))
+    source.fence_handover()
+    if save_between:
+        source.save(str(tmp_path / "ckpt"))  # a new segment: its OPEN carries the fence
+    source.log.close()
+
+    restarted = start("b")
+    assert restarted.fence == {"to_map": three.to_dict(), "addresses": ["a:1", "b:1", "c:1"]}
+    assert restarted.handover.takers == [2] and restarted.handover.sources == [0, 1]
+    with pytest.raises(SlotsMovingError):
+        restarted.lookup("user", moving[:3], train=False)
+    with pytest.raises(InvalidRequestError, match="restarted during the move"):
+        restarted.handover_changes()
+    assert restarted.abort_handover(three) == 0  # rolled back: the slots are served again
+    assert restarted.lookup("user", moving[:3], train=False).shape == (3, 4)
+    restarted.log.close()
+    again = start("c")
+    assert again.fence is None and again.handover is None and again.shard_map.version == 0
+    again.log.close()
+
+
+def test_a_taker_that_gave_a_move_up_never_adopts_it_until_a_coordinator_starts_over():
+    taker = ShardStore(0, 3, seed=7)
+    two = ShardMap.uniform(3).resized(2)  # shard 0 takes some of shard 2's slots
+    assert taker.abort_handover(two) == 0  # not adopted: from now on refused
+    with pytest.raises(InvalidRequestError, match="rolled back on this shard"):
+        taker.adopt_map(two)
+    with pytest.raises(InvalidRequestError, match="rolled back on this shard"):
+        taker.take_changes([], [], two)
+    taker.forget_given_up()
+    taker.adopt_map(two)
+    assert taker.abort_handover(two) == 1  # adopted: the answer says the move went through, and nothing changes
+    assert taker.shard_map == two
+
+
+def test_a_handover_deadline_must_be_positive():
+    from lightning_persia.remote_ps.config import ConfigError, PSConfig
+
+    with pytest.raises(ConfigError, match="handover_deadline_s must be > 0, got 0"):
+        PSConfig(handover_deadline_s=0)

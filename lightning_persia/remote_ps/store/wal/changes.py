@@ -11,7 +11,10 @@ A record is one of:
   ids evicted, the ids admitted (their first rows are a pure function of (seed, table, id), so only the ids and
   their access values are kept), and the new values of the rows an update wrote (ids, weights, optimizer state,
   access), plus the table's lookup step. Replaying it writes those values: it never runs the optimizer again;
-- ``MAP``: the shard map this shard adopted (slots moved to or from it, ``store/slot_moves.py``).
+- ``MAP``: the shard map this shard adopted (slots moved to or from it, ``store/slot_moves.py``);
+- ``FENCE``: this shard fenced the slots it hands over under a new map (``{"to_map", "addresses"}``), or (``null``)
+  gave that move up: a shard restarted while fenced comes back fenced, and settles the move before serving those
+  slots (``store/slot_moves.py``).
 
 Bytes: ``kind (u8) | meta length (u32) | meta (JSON) | tensors``; the meta lists each tensor's dtype and shape.
 """
@@ -25,7 +28,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-OPEN, CONFIGURE, CHANGE, MAP = 1, 2, 3, 4
+OPEN, CONFIGURE, CHANGE, MAP, FENCE = 1, 2, 3, 4, 5
 _PREFIX = struct.Struct("<BI")
 _DTYPES = {"int64": torch.int64, "int32": torch.int32, "float32": torch.float32, "float16": torch.float16}
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
@@ -120,6 +123,7 @@ class Opening:
     applied: dict[str, list[int]] = field(default_factory=dict)  # client -> seqs applied recently
     base: Optional[str] = None  # the checkpoint the segment's records follow, where a save or load began it
     shard_map: Optional[dict] = None  # ShardMap.to_dict() in force when the segment began (older logs: none)
+    fence: Optional[dict] = None  # the FENCE in force when the segment began, if any
 
     def encode(self) -> list[bytes | memoryview]:
         return encode(OPEN, self.__dict__)

@@ -49,6 +49,11 @@ class ReplayTarget(Protocol):
 
     def replay_map(self, shard_map: ShardMap) -> None: ...
 
+    def replay_fence(self, fence: Optional[dict]) -> None: ...
+
+    @property
+    def fence(self) -> Optional[dict]: ...
+
     @property
     def shard_map(self) -> ShardMap: ...
 
@@ -94,8 +99,9 @@ class ShardLog:
     """The open log of a shard (:func:`open_shard_log` makes it). Thread-safe."""
 
     def __init__(self, wal: WriteAheadLog, incarnation: str, accepted: list[str], applied: dict[str, deque], window: int,
-                 report: ReplayReport, max_clients: int = 4096) -> None:
+                 report: ReplayReport, max_clients: int = 4096, fence: Optional[dict] = None) -> None:
         self.wal = wal
+        self._fence = fence  # the FENCE in force: every segment's OPEN repeats it, so a save's rotation keeps it
         self.incarnation = incarnation
         self.accepted = frozenset(accepted)
         self.report = report
@@ -130,7 +136,16 @@ class ShardLog:
 
     def record_map(self, shard_map: ShardMap) -> int:
         """Queues the adoption of ``shard_map`` (call it where no request runs: the routing gate passed alone)."""
+        fence = self._fence
+        if fence is not None and shard_map.version >= fence["to_map"]["version"]:
+            self._fence = None  # the move went through
         return self.wal.append(records.encode(records.MAP, {"shard_map": shard_map.to_dict()}))
+
+    def record_fence(self, fence: Optional[dict]) -> int:
+        """Queues a fence of the slots handed over (``{"to_map", "addresses"}``), or with ``None`` its end without
+        the new map (the move given up); called where no request runs, like :meth:`record_map`."""
+        self._fence = fence
+        return self.wal.append(records.encode(records.FENCE, {"fence": fence}))
 
     def record_configure(self, table: dict) -> int:
         """Queues a table's creation (call it holding the lock under which the table appears); its ticket."""
@@ -159,7 +174,7 @@ class ShardLog:
 
     def _opening(self, base: Optional[str], shard_map: ShardMap) -> records.Opening:
         return records.Opening(self.incarnation, sorted(self.accepted), boot_id(), self.durability, self.applied_seqs(), base,
-                               shard_map.to_dict())
+                               shard_map.to_dict(), self._fence)
 
 
 def open_shard_log(store: ReplayTarget, directory: str, durability: str, incarnation: str, restore_from: Optional[str],
@@ -195,11 +210,11 @@ def open_shard_log(store: ReplayTarget, directory: str, durability: str, incarna
     accepted.add(incarnation)
     opening = records.Opening(incarnation, sorted(accepted), boot_id(), durability,
                               {client: list(seqs) for client, seqs in applied.items()}, report.checkpoint,
-                              store.shard_map.to_dict())
+                              store.shard_map.to_dict(), store.fence)
     wal = WriteAheadLog(path, durability, opening.encode())
     if not report.replayed:  # a fresh log: it follows what was just loaded, and the old segments go
         wal.set_base(wal.segment, report.checkpoint)
-    return ShardLog(wal, incarnation, sorted(accepted), applied, window, report)
+    return ShardLog(wal, incarnation, sorted(accepted), applied, window, report, fence=store.fence)
 
 
 def _check_readable(path: Path, base: Optional[dict]) -> None:
@@ -310,6 +325,9 @@ def _replay_segments(store: ReplayTarget, path: Path, base: Optional[dict], segm
                                 "machine restarted: its last acknowledged records may be lost")
                     if opening.shard_map is not None:
                         store.replay_map(ShardMap.from_dict(opening.shard_map))
+                    store.replay_fence(opening.fence)
+                elif kind == records.FENCE:
+                    store.replay_fence(meta["fence"])
                 elif kind == records.CONFIGURE:
                     store.replay_configure(meta["table"])
                 elif kind == records.MAP:

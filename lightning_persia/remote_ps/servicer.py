@@ -149,8 +149,8 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
             )
         # A read-only shard answers a training lookup like an evaluation one: nothing is inserted or touched.
         train = request.train and not self.config.read_only
-        found = self._past_handover(lambda: self.store.lookup_many(
-            [(item.name, item.ids) for item in items], train=train, dtype=wire.WIRE_DTYPES[dtype], map_version=request.map_version))
+        found = self._past_handover(self.store.lookup_many, [(item.name, item.ids) for item in items], train=train,
+                                    dtype=wire.WIRE_DTYPES[dtype], map_version=request.map_version)
         self._count("lookup_rows", sum(item.ids.numel() for item in items))
         response = messages.lookup_response(request, items, found, dtype)
         response.map_version = self.store.shard_map.version
@@ -323,14 +323,14 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
             self.store.adopt_map(to_map)
         return persia_pb2.TakeOverResponse()
 
-    def _past_handover(self, call: Callable[[], T]) -> T:
-        """``call()``; one refused because its slots are being handed over waits for the handover to end, then runs
-        again (and hears the map moved), rather than send its client into a back-off that could outlast a drained
-        shard. After :data:`HANDOVER_WAIT_S` the refusal goes to the client, which retries."""
+    def _past_handover(self, call: Callable[..., T], *args, **kwargs) -> T:
+        """``call(*args, **kwargs)``; one refused because its slots are being handed over waits for the handover to
+        end, then runs again (and hears the map moved), rather than send its client into a back-off that could outlast
+        a drained shard. After :data:`HANDOVER_WAIT_S` the refusal goes to the client, which retries."""
         deadline = time.monotonic() + HANDOVER_WAIT_S
         while True:
             try:
-                return call()
+                return call(*args, **kwargs)
             except SlotsMovingError:
                 if time.monotonic() >= deadline:
                     raise

@@ -13,29 +13,32 @@ snapshot *since* an earlier point holds only the rows changed after it, and the 
 write-ahead log (``table_journal.py``).
 
 A row that leaves a full memory is evicted, or, where the table has a disk part (``disk/part.py``), demoted to disk;
-the part brings rows back through :meth:`MemoryRows.place`.
+the part brings rows back through :meth:`MemoryRows.place`. An id that neither holds enters by admission
+(:meth:`MemoryRows.admit_missing`: which ids, ``admission.py``; their first rows, ``initializers.py``).
 """
 from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import torch
 
 from lightning_persia.remote_ps.store import eviction
+from lightning_persia.remote_ps.store.admission import Admission
 from lightning_persia.remote_ps.store.chunked_rows import ChunkedRows, FieldSpec
 from lightning_persia.remote_ps.store.disk.part import DiskPart, NoDisk
 from lightning_persia.remote_ps.store.errors import StoreError
 from lightning_persia.remote_ps.store.free_rows import FreeRows
-from lightning_persia.remote_ps.store.index import make_index
-from lightning_persia.remote_ps.store.initializers import initial_rows
+from lightning_persia.remote_ps.store.index import NativeIdIndex, make_index
+from lightning_persia.remote_ps.store.initializers import initial_rows, table_key
+from lightning_persia.remote_ps.store.native import jobs as native
 from lightning_persia.remote_ps.store.optimizers import make_rule
 from lightning_persia.remote_ps.store.removal_log import RemovalLog
 from lightning_persia.remote_ps.store.table_journal import Journal, Recording
 from lightning_persia.remote_ps.store.table_snapshot import SAVED_FIELDS, Preimages, SnapshotPoint, TableSnapshot
 from lightning_persia.remote_ps.store.wal.changes import TableChange
-from lightning_persia.remote_ps.table_config import STORAGE_DTYPES, TableConfig
+from lightning_persia.remote_ps.table_config import STORAGE_DTYPES, TableConfig, Uniform
 
 
 class MemoryRows:
@@ -72,7 +75,12 @@ class MemoryRows:
         self._removals = RemovalLog(config.name)
         self._counters = dict(lookups=0, lookup_rows=0, inserted=0, evicted=0, not_admitted=0, updates=0, update_rows=0,
                               dropped_update_rows=0, expired=0)
-        self._disk: DiskPart | NoDisk = NoDisk(config)  # where evicted rows go: nowhere, or to disk
+        self._admission = Admission(config, seed)
+        # What admitting an id in one native pass needs (see _admits_natively): the generator's key, one record's
+        # initial optimizer state.
+        self._init_key = table_key(seed, config.name)
+        self._initial_state = self.rule.initial_state(1).reshape(-1)
+        self._disk: DiskPart | NoDisk = NoDisk(self)  # where evicted rows go: nowhere, or to disk
 
     @property
     def storage_dtype(self) -> torch.dtype:
@@ -87,6 +95,11 @@ class MemoryRows:
     def memory_rows(self) -> int:
         """Rows in memory now (read without the lock: a moment's value)."""
         return self._live
+
+    @property
+    def inserted(self) -> int:
+        """Ids the index took in so far (a lookup that let the lock go probes again where it changed meanwhile)."""
+        return self._index.inserted
 
     # ---- rows written from outside a request: a checkpoint, a delta, the log ---------------------
 
@@ -241,6 +254,96 @@ class MemoryRows:
         self._free.push(rows)
         self._live -= rows.numel()
 
+    # ---- a lookup's rows in memory ------------------------------------------------------------------
+
+    def _touch(self, train: bool, advance: bool = True) -> Optional[tuple]:
+        """What a lookup writes into its rows' access values (a training one; an evaluation one leaves them); the
+        lookup step advances unless ``advance`` is False (a lookup's second probe, after a read ahead: the table's
+        step now, which other lookups may have advanced meanwhile)."""
+        if not train:
+            return None
+        if advance:
+            self._step += 1
+        return (self._rows["access"], *eviction.touch_value(self.config.eviction, self._step))
+
+    def admit_missing(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, left: int) -> None:
+        """The rows of ``out`` that neither the memory nor the disk held (``left`` of them: -1 in ``rows``): a training
+        lookup admits their ids (those :class:`Admission` lets in), an evaluation one reads their initial rows. The
+        lock held."""
+        if train and self._admits_natively(left):
+            self._admit_natively(ids, rows, out, left)
+        else:
+            absent = rows == -1  # -2: read from disk, left there (an evaluation lookup, or a promotion queued)
+            out[absent] = self._fill_missing(ids[absent], train)
+
+    def _admits_natively(self, missing: int) -> bool:
+        """Whether the ``missing`` ids of a training lookup are admitted in one native pass: every one of them is
+        admitted (no admission draw, room for all), no save keeps pre-images, and their first rows are Uniform
+        (the initialiser the pass draws; a Normal or Constant one takes the tensor path)."""
+        return (isinstance(self._index, NativeIdIndex) and isinstance(self.config.init, Uniform) and self._preimages.active is None
+                and self._admission.admits_all and missing <= self.config.capacity)
+
+    def _admit_natively(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, missing: int) -> None:
+        """Admits the absent ids of a training lookup and fills their rows of ``out`` (``jobs.c``'s ``lp_admit``).
+
+        Rows are taken for every absent occurrence (a client sends each id once; an id repeated in a request takes
+        one row and hands the others back to the free list), except where rows must be evicted for them. Only the
+        ids at -1 are absent: a row at -2 was read from disk and queued for promotion, and stays the id's.
+        """
+        if missing > self.config.capacity - self._live:  # rows evicted for them: exactly one per new id, none more
+            missing = int(torch.unique(ids[rows == -1]).numel())
+        fresh = self._take_rows(missing)
+        weights, access, version = self._rows["weights"], self._rows["access"], self._rows["version"]
+        state = self._rows.fields.get("state")
+        fields = native.AdmitFields(
+            weights=(weights.offset, weights.spec.dtype),
+            access=(access.offset, eviction.first_access(self.config.eviction, self._step)),
+            version=(version.offset, self._version),
+            state=self._initial_state,
+            state_offset=state.offset if state is not None else 0,
+        )
+        job: Optional[native.AdmitJob] = None
+        try:
+            job = self._index.admit_job(ids.contiguous(), rows, out, fresh, fields, self._init_key, (self.config.init.low, self.config.init.high))
+            native.admit(job)
+        finally:  # what was admitted stays (also when the index could not grow); the rest of `fresh` is freed
+            used = job.used if job is not None else 0
+            if self._recording is not None and used:
+                self._recording.admitted(self._rows["ids"].gather(fresh[:used]), access.gather(fresh[:used]))
+            self._live += used
+            self._counters["inserted"] += used
+            unused = fresh[used:]
+            if unused.numel():
+                access.fill(unused, eviction.FREE)
+                self._free.push(unused)
+
+    def _fill_missing(self, ids: torch.Tensor, train: bool) -> torch.Tensor:
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        initial = initial_rows(self.config.init, self.seed, self.config.name, unique, self.config.dim).to(self.storage_dtype)
+        if train:
+            self._admit(unique, initial)
+        return initial[inverse]
+
+    def _admit(self, ids: torch.Tensor, initial: torch.Tensor) -> None:
+        keep = self._admission.admitted(ids)
+        if not bool(keep.all()):
+            self._counters["not_admitted"] += int((~keep).sum())
+            ids, initial = ids[keep], initial[keep]
+        if ids.numel() > self.config.capacity:
+            self._counters["not_admitted"] += ids.numel() - self.config.capacity
+            ids, initial = ids[: self.config.capacity], initial[: self.config.capacity]
+        if not ids.numel():
+            return
+        n = ids.numel()
+        fields = {"weights": initial,
+                  "access": torch.full((n,), eviction.first_access(self.config.eviction, self._step), dtype=torch.int32)}
+        if "state" in self._rows.fields:
+            fields["state"] = self.rule.initial_state(n)
+        self._write_new(ids, fields)
+        if self._recording is not None:
+            self._recording.admitted(ids, fields["access"])
+        self._counters["inserted"] += n
+
     # ---- what the disk part asks of the memory (DiskPart's Memory) -----------------------------------
 
     def saved_rows_locked(self, ids: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -256,6 +359,19 @@ class MemoryRows:
     def find_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The row of each of ``ids`` in memory, -1 where absent. The lock held."""
         return self._index.find(ids)
+
+    def find_again(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool) -> None:
+        """A lookup's second probe, back under the lock after it let it go: of ``ids`` at ``positions`` (those its
+        first probe missed that may be in memory now: another request, or the demoter's promotions, may have brought
+        them in meanwhile), those found get their row in ``rows`` and their values in ``out``, touched at the
+        table's step now."""
+        if not positions.numel():
+            return
+        again = torch.empty(positions.numel(), self.config.dim, dtype=self.storage_dtype)
+        found = self._index.find(ids[positions], copy=(self._rows["weights"], again), touch=self._touch(train, advance=False))
+        hit = found >= 0
+        rows[positions[hit]] = found[hit]
+        out[positions[hit]] = again[hit]
 
     def place(self, ids: torch.Tensor, values: dict[str, torch.Tensor], step: Optional[int] = None,
               keep: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -351,3 +467,10 @@ class MemoryRows:
         self._counters["evicted"] += victims.numel()
 
 
+def journal_changes(tables: Sequence[MemoryRows], journal: Optional[Journal], always: bool) -> None:
+    """Hands the tables' recorded changes to ``journal`` (when there are any, or ``always``); their locks held."""
+    if journal is None:
+        return
+    changes = [table._take_recording() for table in tables if table._recording is not None]
+    if always or any(changes):
+        journal(changes)

@@ -145,21 +145,17 @@ class ShardStore(SlotHandover):
         ``map_version``: the version of the shard map the caller routed the ids by (None: this shard's own); ids this
         shard's newer map gives another shard raise :class:`MapMovedError`."""
         with self._gate.reading():
-            return self._lookup_many(requests, train, dtype, map_version)
-
-    def _lookup_many(self, requests: Sequence[tuple[str, torch.Tensor]], train: bool, dtype: torch.dtype,
-                     map_version: Optional[int]) -> list[torch.Tensor]:
-        tables = [self._table(name) for name, _ in requests]
-        for name, ids in requests:
-            self._check_ids(name, ids, map_version)
-        if not requests:  # a lookup of no table (the native path's batch of zero jobs needs the kernels)
-            return []
-        tickets: list[int] = []
-        journal = self._journal("", 0, tickets) if train else None
-        found = Table.lookup_together([(table, ids) for table, (_, ids) in zip(tables, requests)], train, dtype, journal)
-        if self.log is not None:  # the rows read may hold an update whose record is still queued: none is served unlogged
-            self.log.wait_all()
-        return found
+            tables = [self._table(name) for name, _ in requests]
+            for name, ids in requests:
+                self._check_ids(name, ids, map_version)
+            if not requests:  # a lookup of no table (the native path's batch of zero jobs needs the kernels)
+                return []
+            tickets: list[int] = []
+            journal = self._journal("", 0, tickets) if train else None
+            found = Table.lookup_together([(table, ids) for table, (_, ids) in zip(tables, requests)], train, dtype, journal)
+            if self.log is not None:  # the rows read may hold an update whose record is still queued: none is served unlogged
+                self.log.wait_all()
+            return found
 
     def update(self, name: str, ids: torch.Tensor, grads: torch.Tensor) -> int:
         """Applies the table's optimizer to the rows of ``ids``; duplicate ids have their gradients summed."""

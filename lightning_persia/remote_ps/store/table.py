@@ -1,33 +1,30 @@
 """One embedding table on one shard: the requests over its rows, each under the table's one lock.
 
 The table keeps its rows in memory (:class:`~.memory_rows.MemoryRows`: ids, rows, optimizer state, access
-statistics and change versions) and the lock. What it does beyond them is a part with one entry point, called
-without asking which kind the table has: its disk part (``disk/part.py``: the rows its memory does not hold, or
-none), to which it hands its lock; its admission of unseen ids (``admission.py``); its time to live
-(``expiry.py``). A lookup probes the memory, asks the disk part for the rest (which may let the lock go while it
-reads), then admits what neither holds.
+statistics and change versions, and the ids admitted into them) and the lock. What it does beyond them is a part
+with one entry point, called without asking which kind the table has: its disk part (``disk/part.py``: the rows its
+memory does not hold, or none), to which it hands its lock; its admission of unseen ids (``admission.py``); its time
+to live (``expiry.py``). A lookup probes the memory, hands the misses and the lock to the disk part in one call
+(which may let the lock go while it reads), then admits what neither holds.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import ContextManager, Optional, Sequence
 
 import torch
 
 from lightning_persia.remote_ps.store import eviction
-from lightning_persia.remote_ps.store.admission import Admission
 from lightning_persia.remote_ps.store.disk import part as disk_part
-from lightning_persia.remote_ps.store.disk.part import DiskPart, Gap, NoDisk
+from lightning_persia.remote_ps.store.disk.part import DiskPart, NoDisk
 from lightning_persia.remote_ps.store.disk.segment_mapping import MAPPED_BYTES
 from lightning_persia.remote_ps.store.errors import StoreError
 from lightning_persia.remote_ps.store.expiry import SLICE_ROWS as EXPIRY_SLICE_ROWS, TimeToLive
 from lightning_persia.remote_ps.store.index import NativeIdIndex
-from lightning_persia.remote_ps.store.initializers import initial_rows, table_key
-from lightning_persia.remote_ps.store.memory_rows import MemoryRows
+from lightning_persia.remote_ps.store.memory_rows import MemoryRows, journal_changes
 from lightning_persia.remote_ps.store.native import jobs as native
 from lightning_persia.remote_ps.store.table_journal import Journal
-from lightning_persia.remote_ps.store.thread_clock import Held, LockWaits, WorstHeld
-from lightning_persia.remote_ps.table_config import TableConfig, Uniform
+from lightning_persia.remote_ps.store.thread_clock import HeldLocks, LockWaits, WorstHeld
+from lightning_persia.remote_ps.table_config import TableConfig
 
 
 class Table(MemoryRows):
@@ -44,11 +41,6 @@ class Table(MemoryRows):
         ``promote_later``: a training lookup leaves the rows it read from disk to the shard's demoter
         (:meth:`DiskPart.promote_pending`) instead of bringing them into memory itself (``promotions.py``)."""
         super().__init__(config, seed)
-        # What admitting an id in one native pass needs (see _admits_natively): the generator's key, one record's
-        # initial optimizer state.
-        self._init_key = table_key(seed, config.name)
-        self._initial_state = self.rule.initial_state(1).reshape(-1)
-        self._admission = Admission(config, seed)
         self._ttl = TimeToLive(config)
         self._worst_held = WorstHeld()
         self._lock_waits = LockWaits()
@@ -74,7 +66,8 @@ class Table(MemoryRows):
         """Rows of ``ids`` as ``[n, dim]`` of ``dtype``; training lookups admit unseen ids.
 
         ``journal`` hears of the ids the lookup admitted or evicted, if any (see :data:`Journal`). A disk table reads
-        the records of the ids its memory lacks without the lock (:meth:`DiskPart.gap`), then takes it again to finish."""
+        the records of the ids its memory lacks without the lock (:func:`~.disk.part.look_up`), then takes it again to
+        finish."""
         return Table.lookup_together([(self, ids)], train, dtype, journal)[0]
 
     @staticmethod
@@ -90,26 +83,21 @@ class Table(MemoryRows):
         for part, (_, ids) in zip(parts if train else (), requests):
             part.check_request(ids.numel())
         outs = [torch.empty(ids.numel(), table.config.dim, dtype=table.storage_dtype) for table, ids in requests]
-        asked = sum(out.shape[0] for out in outs)
-        with _all_locked(tables):
-            held = Held.now(asked, train)
+        with _all_locked(tables, sum(out.shape[0] for out in outs), train) as locks:
             rows = Table._probe(requests, outs, train)
-            gaps = disk_part.gaps(parts, [ids for _, ids in requests], rows, train)
-            if not any(gaps):
-                for (table, ids), found, out in zip(requests, rows, outs):
-                    table._finish_lookup(ids, found, out, train, journal, held, None)
-                _journal(tables, journal, always=False)
-                return [out.to(dtype) for out in outs]
-            inserted = [table._index.inserted for table in tables]
-            for table in tables if train else ():
-                table._worst_held.record(held)
-        with disk_part.let_go(parts, gaps, lambda: _all_locked(tables)):  # reads and makes room, the locks let go
-            held = Held.now(asked, train)
-            for (table, ids), found, out, before, gap in zip(requests, rows, outs, inserted, gaps):
-                table._rejoin(ids, found, out, train, before, gap)  # every table's, before any changes a row
-            for (table, ids), found, out, gap in zip(requests, rows, outs, gaps):
-                table._finish_lookup(ids, found, out, train, journal, held, gap)
-            _journal(tables, journal, always=False)
+            left, disk_work = disk_part.look_up(parts, [ids for _, ids in requests], rows, outs, train, locks)
+            with disk_work:
+                for (table, ids), found, out, missing in zip(requests, rows, outs, left):
+                    table._start_recording(journal if train else None)
+                    table._counters["lookups"] += 1
+                    table._counters["lookup_rows"] += ids.numel()
+                    if missing is None:  # the memory held every id
+                        continue
+                    if missing:
+                        table.admit_missing(ids, found, out, train, missing)
+                    if train:
+                        table._worst_held.record(locks.held)
+            journal_changes(tables, journal, always=False)
         return [out.to(dtype) for out in outs]
 
     @staticmethod
@@ -125,51 +113,6 @@ class Table(MemoryRows):
                           for (table, ids), found, out, touch in zip(requests, rows, outs, touches)])
         return rows
 
-    def _rejoin(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, inserted: int,
-                gap: Optional[Gap]) -> None:
-        """Back under the lock after it was let go: where ids were inserted since the index counted ``inserted``,
-        the ids the first probe missed that may be in memory now (:meth:`DiskPart.rejoin`) are probed again
-        (another request, or the demoter's promotions, may have brought them in meanwhile)."""
-        absent = self._disk.rejoin(gap, rows if self._index.inserted != inserted else None)
-        if absent is None or not absent.numel():
-            return
-        again = torch.empty(absent.numel(), self.config.dim, dtype=self.storage_dtype)
-        found = self._index.find(ids[absent], copy=(self._rows["weights"], again), touch=self._touch(train, advance=False))
-        hit = found >= 0
-        rows[absent[hit]] = found[hit]
-        out[absent[hit]] = again[hit]
-
-    def _touch(self, train: bool, advance: bool = True) -> Optional[tuple]:
-        """What a lookup writes into its rows' access values (a training one; an evaluation one leaves them); the
-        lookup step advances unless ``advance`` is False (a lookup's second probe, after a read ahead: the table's
-        step now, which other lookups may have advanced meanwhile)."""
-        if not train:
-            return None
-        if advance:
-            self._step += 1
-        return (self._rows["access"], *eviction.touch_value(self.config.eviction, self._step))
-
-    def _finish_lookup(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, journal: Optional[Journal],
-                       held: Held, gap: Optional[Gap]) -> None:
-        """The rest of a lookup once the memory was probed (``rows``, -1 where it missed): the ids it missed read from
-        disk, or admitted when training; the counters; what changed recorded for ``journal`` (:func:`_journal` hands
-        it on once every table is done). The lock held."""
-        self._start_recording(journal if train else None)
-        self._counters["lookups"] += 1
-        self._counters["lookup_rows"] += ids.numel()
-        missing = int((rows < 0).sum())
-        if not missing:
-            return
-        with self._disk.operation("lookup"):
-            left = self._disk.fill(ids, rows, out, train, missing, gap)
-            if train and left and self._admits_natively(left):
-                self._admit_natively(ids, rows, out, left)
-            elif left:
-                absent = rows == -1  # -2: read from disk, left there (an evaluation lookup, or a promotion queued)
-                out[absent] = self._fill_missing(ids[absent], train)
-        if train:
-            self._worst_held.record(held)
-
     # ---- updates -----------------------------------------------------------------------------------
 
     def update(self, ids: torch.Tensor, grads: torch.Tensor, journal: Optional[Journal] = None) -> int:
@@ -181,7 +124,7 @@ class Table(MemoryRows):
         with self.locked():
             self._start_recording(journal)
             applied = self._update_locked(ids, grads)
-            _journal([self], journal, always=True)
+            journal_changes([self], journal, always=True)
             return applied
 
     @staticmethod
@@ -217,7 +160,7 @@ class Table(MemoryRows):
                     applied += table._finish_update(job[0], job[3])
                     continue
                 applied += table._update_locked(*_summed_by_id(ids, grads))
-            _journal(tables, journal, always=True)
+            journal_changes(tables, journal, always=True)
         return applied
 
     def _update_job(self, ids: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor) -> native.UpdateJob:
@@ -313,7 +256,7 @@ class Table(MemoryRows):
                 if rows.numel():
                     self._start_recording(journal)
                     self._drop(rows)
-                    _journal([self], journal, always=False)
+                    journal_changes([self], journal, always=False)
                     expired += rows.numel()
         expired += self._disk.expire(limit, dropped=lambda ids: self._journal_removed(ids, journal))
         with self.lock:
@@ -325,77 +268,7 @@ class Table(MemoryRows):
         self._start_recording(journal)
         if self._recording is not None:
             self._recording.removed.append(ids)
-        _journal([self], journal, always=False)
-
-    # ---- internals ---------------------------------------------------------------------------------
-
-    def _admits_natively(self, missing: int) -> bool:
-        """Whether the ``missing`` ids of a training lookup are admitted in one native pass: every one of them is
-        admitted (no admission draw, room for all), no save keeps pre-images, and their first rows are Uniform
-        (the initialiser the pass draws; a Normal or Constant one takes the tensor path)."""
-        return (isinstance(self._index, NativeIdIndex) and isinstance(self.config.init, Uniform) and self._preimages.active is None
-                and self._admission.admits_all and missing <= self.config.capacity)
-
-    def _admit_natively(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, missing: int) -> None:
-        """Admits the absent ids of a training lookup and fills their rows of ``out`` (``jobs.c``'s ``lp_admit``).
-
-        Rows are taken for every absent occurrence (a client sends each id once; an id repeated in a request takes
-        one row and hands the others back to the free list), except where rows must be evicted for them. Only the
-        ids at -1 are absent: a row at -2 was read from disk and queued for promotion, and stays the id's.
-        """
-        if missing > self.config.capacity - self._live:  # rows evicted for them: exactly one per new id, none more
-            missing = int(torch.unique(ids[rows == -1]).numel())
-        fresh = self._take_rows(missing)
-        weights, access, version = self._rows["weights"], self._rows["access"], self._rows["version"]
-        state = self._rows.fields.get("state")
-        fields = native.AdmitFields(
-            weights=(weights.offset, weights.spec.dtype),
-            access=(access.offset, eviction.first_access(self.config.eviction, self._step)),
-            version=(version.offset, self._version),
-            state=self._initial_state,
-            state_offset=state.offset if state is not None else 0,
-        )
-        job: Optional[native.AdmitJob] = None
-        try:
-            job = self._index.admit_job(ids.contiguous(), rows, out, fresh, fields, self._init_key, (self.config.init.low, self.config.init.high))
-            native.admit(job)
-        finally:  # what was admitted stays (also when the index could not grow); the rest of `fresh` is freed
-            used = job.used if job is not None else 0
-            if self._recording is not None and used:
-                self._recording.admitted(self._rows["ids"].gather(fresh[:used]), access.gather(fresh[:used]))
-            self._live += used
-            self._counters["inserted"] += used
-            unused = fresh[used:]
-            if unused.numel():
-                access.fill(unused, eviction.FREE)
-                self._free.push(unused)
-
-    def _fill_missing(self, ids: torch.Tensor, train: bool) -> torch.Tensor:
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        initial = initial_rows(self.config.init, self.seed, self.config.name, unique, self.config.dim).to(self.storage_dtype)
-        if train:
-            self._admit(unique, initial)
-        return initial[inverse]
-
-    def _admit(self, ids: torch.Tensor, initial: torch.Tensor) -> None:
-        keep = self._admission.admitted(ids)
-        if not bool(keep.all()):
-            self._counters["not_admitted"] += int((~keep).sum())
-            ids, initial = ids[keep], initial[keep]
-        if ids.numel() > self.config.capacity:
-            self._counters["not_admitted"] += ids.numel() - self.config.capacity
-            ids, initial = ids[: self.config.capacity], initial[: self.config.capacity]
-        if not ids.numel():
-            return
-        n = ids.numel()
-        fields = {"weights": initial,
-                  "access": torch.full((n,), eviction.first_access(self.config.eviction, self._step), dtype=torch.int32)}
-        if "state" in self._rows.fields:
-            fields["state"] = self.rule.initial_state(n)
-        self._write_new(ids, fields)
-        if self._recording is not None:
-            self._recording.admitted(ids, fields["access"])
-        self._counters["inserted"] += n
+        journal_changes([self], journal, always=False)
 
 
 def _summed_by_id(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -406,21 +279,8 @@ def _summed_by_id(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor,
     return unique, torch.zeros(unique.numel(), grads.shape[1], dtype=grads.dtype).index_add_(0, inverse, grads)
 
 
-def _all_locked(tables: Sequence[Table]) -> ContextManager:
-    """Every table's lock, taken in name order (so that two callers never wait on each other)."""
-    if len(tables) == 1:  # a lookup of one table: its lock alone, without a stack (a few microseconds a request)
-        return tables[0].locked()
-    held = contextlib.ExitStack()
-    for table in sorted(tables, key=lambda t: t.config.name):
-        held.enter_context(table.locked())
-    return held
-
-
-def _journal(tables: Sequence[Table], journal: Optional[Journal], always: bool) -> None:
-    """Hands the tables' recorded changes to ``journal`` (when there are any, or ``always``); their locks held."""
-    if journal is None:
-        return
-    changes = [table._take_recording() for table in tables if table._recording is not None]
-    if always or any(changes):
-        journal(changes)
-
+def _all_locked(tables: Sequence[Table], asked: int = 0, train: bool = False) -> HeldLocks:
+    """Every table's lock, taken in name order (so that two callers never wait on each other), for a request of
+    ``asked`` ids, a training lookup's if ``train``."""
+    ordered = tables if len(tables) == 1 else sorted(tables, key=lambda t: t.config.name)
+    return HeldLocks([(table.lock, table._lock_waits, table._worst_held) for table in ordered], asked, train)

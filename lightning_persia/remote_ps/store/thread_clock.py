@@ -13,7 +13,7 @@ import contextlib
 import heapq
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 try:
     import resource
@@ -102,10 +102,70 @@ class LockWaits:
     @contextlib.contextmanager
     def holding(self, lock) -> Iterator[None]:
         """``lock`` held for the block, the wait to take it counted."""
-        began = self._clock()
-        with lock:
-            self.seconds += self._clock() - began  # the lock held: no other request adds meanwhile
+        self.take(lock)
+        try:
             yield
+        finally:
+            lock.release()
+
+    def take(self, lock) -> None:
+        """Takes ``lock``, the wait to take it counted; the caller releases it."""
+        began = self._clock()
+        lock.acquire()
+        self.seconds += self._clock() - began  # the lock held: no other request adds meanwhile
+
+
+class HeldLocks:
+    """The locks of the tables one request holds, as a context manager: taken in the tables' name order (so that two
+    requests never wait on each other), the wait to take each counted (:class:`LockWaits`). :meth:`let_go` lets them
+    go for a while (a lookup's disk part reads without them) and takes them again.
+
+    ``locks``: each table's ``(lock, its LockWaits, its WorstHeld)``, in name order; ``asked`` and ``train``: the
+    request's ids and kind. :attr:`held`: when the locks were last taken (:class:`Held`); a training lookup's hold
+    before it lets them go is among each table's worst (:class:`WorstHeld`).
+    """
+
+    __slots__ = ("_locks", "_asked", "_train", "held")
+
+    def __init__(self, locks: Sequence[tuple[object, "LockWaits", WorstHeld]], asked: int = 0, train: bool = False) -> None:
+        self._locks = locks
+        self._asked, self._train = asked, train
+        self.held: Held | None = None
+
+    def __enter__(self) -> "HeldLocks":
+        self._take()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._release()
+
+    @contextlib.contextmanager
+    def let_go(self) -> Iterator[None]:
+        """The locks let go for the block, and taken again after it (also when it fails)."""
+        if self._train:
+            for _, _, worst in self._locks:
+                worst.record(self.held)
+        self._release()
+        try:
+            yield
+        finally:
+            self._take()
+
+    def _take(self) -> None:
+        taken = 0
+        try:
+            for lock, waits, _ in self._locks:
+                waits.take(lock)
+                taken += 1
+        except BaseException:
+            for lock, _, _ in reversed(self._locks[:taken]):
+                lock.release()
+            raise
+        self.held = Held.now(self._asked, self._train)
+
+    def _release(self) -> None:
+        for lock, _, _ in reversed(self._locks):
+            lock.release()
 
 
 class DiskOperation(NamedTuple):

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from lightning_persia.remote_ps.store import thread_clock
-from lightning_persia.remote_ps.store.thread_clock import DiskWork, LockWaits, thread_times
+from lightning_persia.remote_ps.store.thread_clock import DiskWork, HeldLocks, LockWaits, WorstHeld, thread_times
 
 
 def _busy(seconds: float, clock=time.perf_counter) -> None:
@@ -133,10 +133,10 @@ class _ContendedLock:
     def __init__(self, clock: _Clock, wait: float) -> None:
         self._clock, self._wait = clock, wait
 
-    def __enter__(self) -> None:
+    def acquire(self) -> None:
         self._clock.now += self._wait
 
-    def __exit__(self, *exc) -> None:
+    def release(self) -> None:
         pass
 
 
@@ -162,3 +162,45 @@ def test_lock_waits_hold_a_real_lock_for_the_block_and_let_it_go_after_it_or_an_
         with waits.holding(lock):
             raise RuntimeError("the block failed")
     assert not lock.locked()
+
+
+def _held_locks(train: bool):
+    locks = [(threading.Lock(), LockWaits(), WorstHeld()) for _ in range(2)]
+    return locks, HeldLocks(locks, asked=10, train=train)
+
+
+def test_held_locks_are_let_go_for_a_block_and_taken_again_the_hold_before_it_among_the_worst():
+    locks, held = _held_locks(train=True)
+    with held:
+        assert all(lock.locked() for lock, _, _ in locks)
+        first = held.held
+        time.sleep(0.01)
+        with held.let_go():
+            assert not any(lock.locked() for lock, _, _ in locks)
+        assert all(lock.locked() for lock, _, _ in locks) and held.held.wall > first.wall  # held anew since
+    assert not any(lock.locked() for lock, _, _ in locks)
+    assert all(worst.wall_s >= 0.01 for _, _, worst in locks)
+
+
+def test_held_locks_of_an_evaluation_record_no_hold_and_are_taken_again_after_an_error():
+    locks, held = _held_locks(train=False)
+    with pytest.raises(RuntimeError, match="the read failed"):
+        with held:
+            with held.let_go():
+                raise RuntimeError("the read failed")
+            pytest.fail("the error goes on up")  # pragma: no cover
+    assert not any(lock.locked() for lock, _, _ in locks)
+    assert all(worst.wall_s == 0.0 for _, _, worst in locks)
+
+
+def test_held_locks_taken_partly_let_the_taken_ones_go_on_an_error():
+    class Refusing:
+        def acquire(self):
+            raise KeyboardInterrupt
+
+    first = threading.Lock()
+    held = HeldLocks([(first, LockWaits(), WorstHeld()), (Refusing(), LockWaits(), WorstHeld())])
+    with pytest.raises(KeyboardInterrupt):
+        with held:
+            pass  # pragma: no cover
+    assert not first.locked()

@@ -7,6 +7,8 @@ demoter (``promotions.py``), an update's absent rows promoted first, evicted row
 made, and the demoter's steps (promotions, demotion, compaction, mapping). A memory table has :class:`NoDisk`,
 which answers each of these with "nothing on disk", so the table calls its part without asking which it has.
 
+A lookup hands its part (its parts: one per table of the request) the misses of its memory probe and the tables'
+locks in one call, :func:`look_up`, which reads what is on disk with the locks let go and fills the rows from it.
 The part asks its table's rows in memory through :class:`Memory` (``memory_rows.MemoryRows`` is one), never through
 the table's privates.
 """
@@ -26,7 +28,7 @@ from lightning_persia.remote_ps.store.disk.read_ahead import ReadAhead
 from lightning_persia.remote_ps.store.disk.records import take_records
 from lightning_persia.remote_ps.store.disk.tier import DiskTier, FrozenTier
 from lightning_persia.remote_ps.store.errors import InvalidRequestError, StoreError
-from lightning_persia.remote_ps.store.thread_clock import DiskOperation, DiskWork
+from lightning_persia.remote_ps.store.thread_clock import DiskOperation, DiskWork, HeldLocks
 from lightning_persia.remote_ps.table_config import TableConfig
 
 
@@ -42,7 +44,12 @@ class Memory(Protocol):
     @property
     def step(self) -> int: ...
 
+    @property
+    def inserted(self) -> int: ...
+
     def find_rows(self, ids: torch.Tensor) -> torch.Tensor: ...
+
+    def find_again(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool) -> None: ...
 
     def place(self, ids: torch.Tensor, values: dict[str, torch.Tensor], step: Optional[int],
               keep: Optional[torch.Tensor]) -> torch.Tensor: ...
@@ -67,8 +74,14 @@ class NoDisk:
     record_bytes = 0
     map_bytes = 0
 
-    def __init__(self, config: TableConfig) -> None:
-        self._config = config
+    def __init__(self, memory: Memory) -> None:
+        self._memory = memory
+        self._config = memory.config
+
+    @property
+    def memory_inserted(self) -> int:
+        """Ids the table's memory took in so far (the lock held)."""
+        return self._memory.inserted
 
     def check_request(self, n: int) -> None:
         """A memory table takes a request of any size: it evicts what does not fit."""
@@ -83,8 +96,12 @@ class NoDisk:
     def gap(self, ids: torch.Tensor, rows: torch.Tensor, train: bool) -> Optional[Gap]:
         return None
 
-    def rejoin(self, gap: Optional[Gap], rows: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        return None if rows is None else torch.nonzero(rows < 0).squeeze(1)
+    def rejoin(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, gap: Optional[Gap],
+               inserted: int) -> None:
+        """Back under the lock that another table's lookup let go: the misses probed again where the memory took in
+        ids meanwhile (``inserted``: its count when the lock was let go)."""
+        if self._memory.inserted != inserted:
+            self._memory.find_again(ids, torch.nonzero(rows < 0).squeeze(1), rows, out, train)
 
     def fill(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, missing: int,
              gap: Optional[Gap]) -> int:
@@ -155,6 +172,11 @@ class DiskPart:
         """Rows in its table's memory now (read without the lock: a moment's value)."""
         return self._memory.memory_rows
 
+    @property
+    def memory_inserted(self) -> int:
+        """Ids the table's memory took in so far (the lock held)."""
+        return self._memory.inserted
+
     def check_request(self, n: int) -> None:
         """A training request must fit in the table's memory budget: every row it touches comes into memory."""
         if n > self.config.capacity:
@@ -200,20 +222,23 @@ class DiskPart:
         if gap.ahead is not None:
             self._tier.end_read()
 
-    def rejoin(self, gap: Optional[Gap], rows: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """Back under the lock after a lookup let it go (its read ended: :func:`let_go`): the positions of its
-        ``rows`` to probe the memory again for (``rows`` None: no id was inserted meanwhile, none). Of the positions
-        whose records ``gap`` read, those no longer on disk at the slot read (another request, or the demoter's
-        promotions, brought the row in meanwhile), as a row is in memory or on disk, never both; else every miss.
-        Raises :class:`StoreError` where the table was dropped meanwhile."""
+    def rejoin(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, gap: Optional[Gap],
+               inserted: int) -> None:
+        """Back under the lock after a lookup let it go (its read ended): where the memory took in ids meanwhile
+        (``inserted``: its count when the lock was let go), the misses that may be in memory now are probed again
+        (:meth:`Memory.find_again`). Of the positions whose records ``gap`` read, those no longer on disk at the slot
+        read (another request, or the demoter's promotions, brought the row in meanwhile), as a row is in memory or
+        on disk, never both; else every miss. Raises :class:`StoreError` where the table was dropped meanwhile."""
         if self._tier.closed:
             raise StoreError(f"table {self.config.name!r} was dropped during the lookup")
-        if rows is None:
-            return None
+        if self._memory.inserted == inserted:
+            return
         ahead = gap.ahead if gap is not None else None
         if ahead is None or ahead.records is None:
-            return torch.nonzero(rows < 0).squeeze(1)
-        return ahead.positions[~self._tier.still_holds(ahead.ids, ahead.slots, ahead.records)]
+            positions = torch.nonzero(rows < 0).squeeze(1)
+        else:
+            positions = ahead.positions[~self._tier.still_holds(ahead.ids, ahead.slots, ahead.records)]
+        self._memory.find_again(ids, positions, rows, out, train)
 
     def fill(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, missing: int,
              gap: Optional[Gap]) -> int:
@@ -431,46 +456,59 @@ class DiskPart:
 
 
 Part = NoDisk | DiskPart
+_NONE_OPEN = contextlib.nullcontext()  # a lookup's disk operations where none was opened (reusable)
 
 
-def gaps(parts: Sequence[Part], ids: Sequence[torch.Tensor], rows: Sequence[torch.Tensor], train: bool) -> list[Optional[Gap]]:
-    """Each table's :meth:`DiskPart.gap` (its part, the ids it was asked, the rows its memory probe found); where one
-    fails, the reads the others began end before the error goes on up. Every table's lock held."""
-    begun: list[Optional[Gap]] = []
+def look_up(parts: Sequence[Part], ids: Sequence[torch.Tensor], rows: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
+            train: bool, locks: HeldLocks) -> tuple[list[Optional[int]], ContextManager]:
+    """The rest of a lookup of one or more tables once their memory was probed, every table's lock held (``locks``):
+    for each table, its part, the ``ids`` it was asked, the ``rows`` its memory probe found (-1 where it missed) and
+    its ``outs``. The records of the misses that are on disk are read with the locks let go, and the room a training
+    lookup needs is made meanwhile (:meth:`DiskPart.make_room`); the locks taken again, each table probes its memory
+    again where it changed meanwhile (:meth:`DiskPart.rejoin`), then fills its misses from disk (a training lookup
+    brings those rows into memory: :meth:`DiskPart.fill`).
+
+    Returns, for each table, the ids still missing (-1 in its ``rows``; None: its memory held every id), and the
+    parts' disk operations of the lookup, still open: the caller admits the missing ids within them (what that
+    demotes is the lookup's disk work), then closes them."""
+    gaps: list[Optional[Gap]] = []
     try:
         for part, wanted, found in zip(parts, ids, rows):
-            begun.append(part.gap(wanted, found, train))
-    except BaseException:
-        _end_reads(parts, begun)
-        raise
-    return begun
-
-
-@contextlib.contextmanager
-def let_go(parts: Sequence[Part], gaps: Sequence[Optional[Gap]], relock: Callable[[], ContextManager]) -> Iterator[None]:
-    """A lookup's time between its two holds of its tables' locks, their lock let go: reads the records of ``gaps``
-    (one or None per table) and makes the room of each in its part; then takes every lock again (``relock()``), ends
-    the reads (every one, before any table's rejoin may fail) and holds the locks for the block."""
-    _between_locks(parts, gaps, relock)
-    with relock():
+            gaps.append(part.gap(wanted, found, train))
+    except BaseException:  # the reads the others began end before the error goes on up
         _end_reads(parts, gaps)
-        yield
-
-
-def _between_locks(parts: Sequence[Part], gaps: Sequence[Optional[Gap]], relock: Callable[[], ContextManager]) -> None:
-    """Reads the records of ``gaps`` (one or None per table) with no table's lock held, then makes the room of each
-    in its part; on an error, ends every read (holding ``relock()``: every table's lock) before it goes on up."""
-    try:
-        for gap in gaps:
-            if gap is not None and gap.ahead is not None:
-                gap.ahead.read()
-        for part, gap in zip(parts, gaps):
-            if gap is not None:
-                part.make_room(gap.shortfall)
-    except BaseException:
-        with relock():
-            _end_reads(parts, gaps)
         raise
+    if any(gaps):
+        inserted = [part.memory_inserted for part in parts]
+        try:
+            with locks.let_go():
+                for gap in gaps:
+                    if gap is not None and gap.ahead is not None:
+                        gap.ahead.read()
+                for part, gap in zip(parts, gaps):
+                    if gap is not None:
+                        part.make_room(gap.shortfall)
+        finally:  # the locks taken again: every read ends, also when one failed, before any table's rejoin may fail
+            _end_reads(parts, gaps)
+        for part, wanted, found, out, gap, before in zip(parts, ids, rows, outs, gaps, inserted):
+            part.rejoin(wanted, found, out, train, gap, before)  # every table's, before any changes a row
+    operations = None  # made for the first miss: a lookup its memory answered whole opens none
+    left: list[Optional[int]] = []
+    try:
+        for part, wanted, found, out, gap in zip(parts, ids, rows, outs, gaps):
+            missing = int((found < 0).sum())
+            if not missing:
+                left.append(None)
+                continue
+            if operations is None:
+                operations = contextlib.ExitStack()
+            operations.enter_context(part.operation("lookup"))
+            left.append(part.fill(wanted, found, out, train, missing, gap))
+    except BaseException:
+        if operations is not None:
+            operations.close()
+        raise
+    return left, operations if operations is not None else _NONE_OPEN
 
 
 def _end_reads(parts: Sequence[Part], gaps: Sequence[Optional[Gap]]) -> None:
@@ -478,3 +516,4 @@ def _end_reads(parts: Sequence[Part], gaps: Sequence[Optional[Gap]]) -> None:
     for part, gap in zip(parts, gaps):
         if gap is not None:
             part.end_read(gap)
+

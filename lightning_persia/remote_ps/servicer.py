@@ -114,12 +114,7 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
                 self.dedup.remember(client, seqs)
         self.started_at = time.time()
         self.restored_from: Optional[str] = None
-        # the addresses of each shard map's shards, in shard order, as the handovers told them (GetShardMap's answer):
-        # kept by version, so that an answer never pairs a map with another map's addresses
-        self._addresses: dict[int, list[str]] = {}
         self._handover_rows: Optional[Iterator] = None  # the rows of the handover under way still to give
-        if store.handover is not None:  # a fence replayed from the log: the map it settles to has these shards
-            self._addresses[store.handover.to_map.version] = list(store.handover.addresses)
 
     def add_to_server(self, server: grpc.Server) -> None:
         """Registers every RPC of the service, like the generated ``add_ParameterServerServicer_to_server``,
@@ -264,8 +259,7 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
 
     @_rpc
     def GetShardMap(self, request: persia_pb2.GetShardMapRequest, context) -> persia_pb2.ShardMapMessage:
-        shard_map = self.store.shard_map
-        return handover_wire.map_message(shard_map, self._addresses.get(shard_map.version, ()))
+        return handover_wire.map_message(self.store.shard_map, self.store.map_addresses)
 
     @_rpc
     @_writes
@@ -286,8 +280,6 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         if step == persia_pb2.HandoverStep.BEGIN:
             shard_map, addresses = self._map_and_addresses(request.map)
             self._handover_rows = self.store.begin_handover(shard_map, addresses)
-            if addresses:  # the shards' addresses once the move goes through, with or without its coordinator
-                self._addresses[shard_map.version] = addresses
             return persia_pb2.HandoverPage()
         if step == persia_pb2.HandoverStep.ROWS:
             return self._next_rows()
@@ -301,9 +293,7 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
             shard_map, addresses = handover_wire.map_of(request.map) if request.HasField("map") else (None, [])
             if shard_map is not None and shard_map != self.store.handover_map:
                 raise invalid(f"FINISH names shard map version {shard_map.version}, the handover under way moves to another")
-            if shard_map is not None and addresses:
-                self._addresses[shard_map.version] = addresses
-            self.store.finish_handover()
+            self.store.finish_handover(addresses)
             self._handover_rows = None
         else:
             raise invalid(f"unknown handover step {step}")
@@ -318,9 +308,7 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         for client, seqs in (json.loads(request.page.applied_json) if request.page.applied_json else {}).items():
             self.dedup.remember(f"{client}@{request.page.source}", seqs)
         if request.adopt:
-            if request.to_map.addresses:
-                self._addresses[to_map.version] = list(request.to_map.addresses)
-            self.store.adopt_map(to_map)
+            self.store.adopt_map(to_map, list(request.to_map.addresses))
         return persia_pb2.TakeOverResponse()
 
     def _past_handover(self, call: Callable[..., T], *args, **kwargs) -> T:

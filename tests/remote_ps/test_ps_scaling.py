@@ -229,3 +229,32 @@ def test_a_source_killed_during_a_move_comes_back_from_its_log_under_the_old_map
         assert torch.equal(client.lookup({"t": UNIVERSE}, train=False, wire_dtype="fp32")["t"], before)
         client.close()
         admin.close()
+
+
+@pytest.mark.parametrize("saved", [False, True], ids=["log", "saved-then-log"])
+def test_shards_restarted_after_a_move_still_tell_a_client_where_the_new_shards_are(tmp_path, saved):
+    """Both first shards die after a 2 → 3 move and come back from their logs (after a save, whose segment keeps the
+    map only in its OPEN record): they still answer GetShardMap with the three addresses, so a client that was given
+    the first two shards only finds every row."""
+    import os
+    import signal
+
+    config = TableConfig("t", 4, optimizer=Adam(lr=0.1))
+    with LocalShards(2, overrides=["seed=5", "durability=log", f"wal_dir={tmp_path / 'wal'}"], restart=True) as shards:
+        with PSClient(shards.addresses, retry=RetryPolicy(retry_for_s=60)) as client:
+            client.wait_healthy(60)
+            client.configure([config])
+            client.lookup({"t": UNIVERSE}, train=True)
+            client.update({"t": (UNIVERSE, torch.ones(UNIVERSE.numel(), 4))})
+            grown = shards.grow(3)
+            rescale(client, grown)
+            before = client.lookup({"t": UNIVERSE}, train=False, wire_dtype="fp32")["t"]
+            if saved:
+                client.save(str(tmp_path / "checkpoint"))
+            for shard in (0, 1):
+                os.kill(shards.processes[shard].pid, signal.SIGKILL)
+            client.wait_healthy(120)
+            assert [client.shard_map_of(shard) for shard in (0, 1)] == [(client.shard_map, grown)] * 2
+        with PSClient(grown[:2], retry=RetryPolicy(retry_for_s=60)) as late:
+            assert torch.equal(late.lookup({"t": UNIVERSE}, train=False, wire_dtype="fp32")["t"], before)
+            assert late.num_shards == 3

@@ -42,6 +42,7 @@ class SlotHandover:
     log: Optional["ShardLog"]
     progress: Progress
     moves: MoveTally
+    map_addresses: tuple[str, ...]
 
     def begin_handover(self, to_map: ShardMap, addresses: Sequence[str] = ()) -> Iterator[tuple[TableConfig, int, dict[str, torch.Tensor]]]:
         """Starts handing this shard's slots that ``to_map`` gives to other shards over to them.
@@ -130,13 +131,14 @@ class SlotHandover:
                 self.log.wait(self.log.record_fence(outgoing.fence_record()))
             outgoing.fenced = True
 
-    def finish_handover(self) -> None:
-        """Adopts the handover's map (the new owners adopted it first) and drops the rows handed over."""
+    def finish_handover(self, addresses: Sequence[str] = ()) -> None:
+        """Adopts the handover's map (the new owners adopted it first) and drops the rows handed over. ``addresses``:
+        of the map's shards (default: those the handover began with)."""
         with self._gate.writing():
             outgoing = self._handing_over()
             if not outgoing.fenced:
                 raise InvalidRequestError("a handover finishes once fenced: its last changes must have been taken")
-            self._set_map(outgoing.to_map)
+            self._set_map(outgoing.to_map, addresses or outgoing.addresses)
             self._outgoing = None
         self.moves.finished += 1
         outgoing.release()
@@ -197,15 +199,16 @@ class SlotHandover:
                 self.moves.taken(part.rows)
             self._record(parts)
 
-    def adopt_map(self, shard_map: ShardMap) -> None:
-        """Makes ``shard_map`` this shard's (a newer version; the same one again is a no-op)."""
+    def adopt_map(self, shard_map: ShardMap, addresses: Sequence[str] = ()) -> None:
+        """Makes ``shard_map``, whose shards listen at ``addresses``, this shard's (a newer version; the same one
+        again is a no-op)."""
         with self._gate.writing():
             if shard_map.version < self._shard_map.version or (
                     shard_map.version == self._shard_map.version and shard_map != self._shard_map):
                 raise InvalidRequestError(f"shard map version {shard_map.version} is older than or differs from this "
                                           f"shard's version {self._shard_map.version}")
             self._check_not_given_up(shard_map)
-            self._set_map(shard_map)
+            self._set_map(shard_map, addresses or (self.map_addresses if shard_map == self._shard_map else ()))
 
     def forget_given_up(self) -> None:
         """Lets a move this shard rolled back from be run again (a new coordinator starts, the old one is gone)."""
@@ -229,12 +232,12 @@ class SlotHandover:
             raise InvalidRequestError("no handover is under way on this shard")
         return self._outgoing
 
-    def _set_map(self, shard_map: ShardMap) -> None:
+    def _set_map(self, shard_map: ShardMap, addresses: Sequence[str]) -> None:
         """Adopts ``shard_map``, in the log first when there is one (a restart then keeps it); the routing gate
         held for writing. A shard the map leaves without slots (drained) keeps its index: every id moved elsewhere."""
         if self.log is not None:
-            self.log.wait(self.log.record_map(shard_map))
-        self.replay_map(shard_map)
+            self.log.wait(self.log.record_map(shard_map, addresses))
+        self.replay_map(shard_map, addresses)
 
     def _listed_tables(self) -> list[Table]:
         with self._lock:

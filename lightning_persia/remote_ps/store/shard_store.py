@@ -78,6 +78,7 @@ class ShardStore(SlotHandover):
         self.shard_index = shard_index
         self.num_shards = num_shards
         self._shard_map = shard_map if shard_map is not None else ShardMap.uniform(num_shards)
+        self._map_addresses: tuple[str, ...] = ()
         if self._shard_map.num_shards != num_shards:
             raise ValueError(f"a shard map of {self._shard_map.num_shards} shards for a cluster of {num_shards}")
         self.seed = seed
@@ -220,9 +221,17 @@ class ShardStore(SlotHandover):
             rows += part.admitted.numel() + (part.rows["ids"].numel() if part.rows else 0)
         return rows
 
-    def replay_map(self, shard_map: ShardMap) -> None:
-        """Makes ``shard_map`` this shard's again, as the log read back says it was (before the shard serves)."""
+    @property
+    def map_addresses(self) -> tuple[str, ...]:
+        """Where the shards of :attr:`shard_map` listen, in shard order, as the move that made it said (empty for the
+        map the shard started with): kept in the log, so a restarted shard still tells its clients."""
+        return self._map_addresses
+
+    def replay_map(self, shard_map: ShardMap, addresses: Sequence[str] = ()) -> None:
+        """Makes ``shard_map`` (whose shards listen at ``addresses``) this shard's again, as the log read back says it
+        was (before the shard serves)."""
         self._shard_map = shard_map
+        self._map_addresses = tuple(addresses)
         self.num_shards = shard_map.num_shards
         if self._outgoing is not None and shard_map.version >= self._outgoing.to_map.version:
             self._outgoing = None  # a replayed fence whose move went through

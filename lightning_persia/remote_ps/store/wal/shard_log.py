@@ -22,7 +22,7 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional, Protocol, Sequence
 
 from lightning_persia.ops.shard_map import ShardMap
 from lightning_persia.remote_ps.store.errors import CheckpointError
@@ -47,7 +47,7 @@ class ReplayTarget(Protocol):
 
     def replay_change(self, change: records.Change) -> int: ...
 
-    def replay_map(self, shard_map: ShardMap) -> None: ...
+    def replay_map(self, shard_map: ShardMap, addresses: Sequence[str] = ()) -> None: ...
 
     def replay_fence(self, fence: Optional[dict]) -> None: ...
 
@@ -56,6 +56,9 @@ class ReplayTarget(Protocol):
 
     @property
     def shard_map(self) -> ShardMap: ...
+
+    @property
+    def map_addresses(self) -> tuple[str, ...]: ...
 
     def clear(self) -> None: ...
 
@@ -99,9 +102,11 @@ class ShardLog:
     """The open log of a shard (:func:`open_shard_log` makes it). Thread-safe."""
 
     def __init__(self, wal: WriteAheadLog, incarnation: str, accepted: list[str], applied: dict[str, deque], window: int,
-                 report: ReplayReport, max_clients: int = 4096, fence: Optional[dict] = None) -> None:
+                 report: ReplayReport, max_clients: int = 4096, fence: Optional[dict] = None,
+                 addresses: Sequence[str] = ()) -> None:
         self.wal = wal
         self._fence = fence  # the FENCE in force: every segment's OPEN repeats it, so a save's rotation keeps it
+        self._addresses = tuple(addresses)  # where the map's shards listen: every OPEN repeats them with the map
         self.incarnation = incarnation
         self.accepted = frozenset(accepted)
         self.report = report
@@ -134,12 +139,15 @@ class ShardLog:
         with self._lock:
             return {client: list(seqs) for client, seqs in self._applied.items()}
 
-    def record_map(self, shard_map: ShardMap) -> int:
-        """Queues the adoption of ``shard_map`` (call it where no request runs: the routing gate passed alone)."""
+    def record_map(self, shard_map: ShardMap, addresses: Sequence[str] = ()) -> int:
+        """Queues the adoption of ``shard_map``, whose shards listen at ``addresses`` (empty: not known), so that a
+        restarted shard still tells its clients where they are. Call it where no request runs (the routing gate
+        passed alone)."""
         fence = self._fence
         if fence is not None and shard_map.version >= fence["to_map"]["version"]:
             self._fence = None  # the move went through
-        return self.wal.append(records.encode(records.MAP, {"shard_map": shard_map.to_dict()}))
+        self._addresses = tuple(addresses)
+        return self.wal.append(records.encode(records.MAP, {"shard_map": map_value(shard_map, addresses)}))
 
     def record_fence(self, fence: Optional[dict]) -> int:
         """Queues a fence of the slots handed over (``{"to_map", "addresses"}``), or with ``None`` its end without
@@ -174,7 +182,7 @@ class ShardLog:
 
     def _opening(self, base: Optional[str], shard_map: ShardMap) -> records.Opening:
         return records.Opening(self.incarnation, sorted(self.accepted), boot_id(), self.durability, self.applied_seqs(), base,
-                               shard_map.to_dict(), self._fence)
+                               map_value(shard_map, self._addresses), self._fence)
 
 
 def open_shard_log(store: ReplayTarget, directory: str, durability: str, incarnation: str, restore_from: Optional[str],
@@ -210,11 +218,23 @@ def open_shard_log(store: ReplayTarget, directory: str, durability: str, incarna
     accepted.add(incarnation)
     opening = records.Opening(incarnation, sorted(accepted), boot_id(), durability,
                               {client: list(seqs) for client, seqs in applied.items()}, report.checkpoint,
-                              store.shard_map.to_dict(), store.fence)
+                              map_value(store.shard_map, store.map_addresses), store.fence)
     wal = WriteAheadLog(path, durability, opening.encode())
     if not report.replayed:  # a fresh log: it follows what was just loaded, and the old segments go
         wal.set_base(wal.segment, report.checkpoint)
-    return ShardLog(wal, incarnation, sorted(accepted), applied, window, report, fence=store.fence)
+    return ShardLog(wal, incarnation, sorted(accepted), applied, window, report, fence=store.fence, addresses=store.map_addresses)
+
+
+def map_value(shard_map: ShardMap, addresses: Sequence[str]) -> dict:
+    """A map as MAP and OPEN records hold it: :meth:`ShardMap.to_dict`, and its shards' addresses when known."""
+    value = shard_map.to_dict()
+    if addresses:
+        value["addresses"] = list(addresses)
+    return value
+
+
+def _replay_map(store: ReplayTarget, value: dict) -> None:
+    store.replay_map(ShardMap.from_dict(value), tuple(value.get("addresses", ())))
 
 
 def _check_readable(path: Path, base: Optional[dict]) -> None:
@@ -293,7 +313,7 @@ def _replay_segments(store: ReplayTarget, path: Path, base: Optional[dict], segm
     report.checkpoint = base["checkpoint"]
     opening = _first_opening(segment_path(path, first))
     if opening is not None and opening.shard_map is not None:  # the checkpoint's rows are sifted by the map it had
-        store.replay_map(ShardMap.from_dict(opening.shard_map))
+        _replay_map(store, opening.shard_map)
     try:
         if report.checkpoint:
             store.load(report.checkpoint, own_part=True)  # the other shards may not have finished that save
@@ -324,14 +344,14 @@ def _replay_segments(store: ReplayTarget, path: Path, base: Optional[dict], segm
                         return (f"segment {number} was written with durability {opening.durability!r} before the "
                                 "machine restarted: its last acknowledged records may be lost")
                     if opening.shard_map is not None:
-                        store.replay_map(ShardMap.from_dict(opening.shard_map))
+                        _replay_map(store, opening.shard_map)
                     store.replay_fence(opening.fence)
                 elif kind == records.FENCE:
                     store.replay_fence(meta["fence"])
                 elif kind == records.CONFIGURE:
                     store.replay_configure(meta["table"])
                 elif kind == records.MAP:
-                    store.replay_map(ShardMap.from_dict(meta["shard_map"]))
+                    _replay_map(store, meta["shard_map"])
                 elif kind == records.CHANGE:
                     change = records.decode_change(meta, tensors)
                     report.rows += store.replay_change(change)

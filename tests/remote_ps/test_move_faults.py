@@ -107,7 +107,7 @@ def kill_coordinator_at(step: str, current, to) -> None:
         process.wait(30)
 
 
-@pytest.mark.parametrize("step", ["rows", "a rows page"])
+@pytest.mark.parametrize("step", ["rows", pytest.param("a rows page", marks=pytest.mark.scenario)])  # the second: CI's scenario step
 def test_a_coordinator_killed_before_the_fence_leaves_the_old_map_and_a_rerun_completes(tmp_path, step):
     """Killed after BEGIN ("rows": before any page) or while rows stream: the sources keep serving their slots
     unfenced; the next `ps scale` gives the move up (the taker drops its part) and runs it to the end."""
@@ -147,6 +147,7 @@ def test_a_coordinator_killed_after_the_fence_rolls_back_on_its_own(tmp_path):
         acked.close()
 
 
+@pytest.mark.scenario  # a variant of a test `make test` runs: CI's scenario step (`make scenarios`)
 def test_a_rerun_right_after_a_coordinator_killed_after_the_fence_of_a_drain_settles_and_drains(tmp_path):
     """The next `ps scale` comes before the deadline: it settles the move (the source rolls it back, and its takers
     refuse it) and then lets the takers take part in the move again, which goes through in that one run."""

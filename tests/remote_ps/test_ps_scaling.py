@@ -231,7 +231,7 @@ def test_a_source_killed_during_a_move_comes_back_from_its_log_under_the_old_map
         admin.close()
 
 
-@pytest.mark.parametrize("saved", [False, True], ids=["log", "saved-then-log"])
+@pytest.mark.parametrize("saved", [False, pytest.param(True, marks=pytest.mark.scenario)], ids=["log", "saved-then-log"])  # the second: CI's scenario step
 def test_shards_restarted_after_a_move_still_tell_a_client_where_the_new_shards_are(tmp_path, saved):
     """Both first shards die after a 2 → 3 move and come back from their logs (after a save, whose segment keeps the
     map only in its OPEN record): they still answer GetShardMap with the three addresses, so a client that was given

@@ -143,6 +143,7 @@ def test_with_staleness_a_killed_shard_replays_its_log_and_no_update_in_flight_i
         strategy.close()
 
 
+@pytest.mark.scenario  # half a minute of processes or more: CI's scenario step (`make scenarios`), not `make test`
 def test_killed_shard_rolls_back_dense_and_sparse_together_and_training_goes_on(tmp_path):
     steps = 24
     batches = make_batches(steps)

@@ -15,6 +15,10 @@ from endpoint_client import Server, predict
 from lightning_persia.serving.delta import delta_path
 from online_run import train_online
 
+# A minute of processes, and the second test goes on from the version the first leaves served: both run in CI's
+# scenario step (`make scenarios`), in this order, not in `make test`.
+pytestmark = pytest.mark.scenario
+
 
 @pytest.fixture(scope="module")
 def following(bundle, online, tmp_path_factory):
@@ -108,7 +112,6 @@ class _Clients:
         return self.answers
 
 
-@pytest.mark.scenario  # half a minute of processes or more: CI's scenario step (`make scenarios`), not `make test`
 def test_training_on_two_ranks_while_serving_moves_the_version_on_and_no_request_fails(following, trained, online, tmp_path):
     """The endpoint serves version 4 (the test above); a new 2-rank run publishes versions 5, 6, 7 meanwhile."""
     server, root = following

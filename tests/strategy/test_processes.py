@@ -98,6 +98,7 @@ def test_resume_after_restart_gives_the_same_weights_as_one_run(tmp_path, kept):
         torch.testing.assert_close(resumed["tables"][table], rows, rtol=0, atol=1e-5)
 
 
+@pytest.mark.scenario  # half a minute of processes or more: CI's scenario step (`make scenarios`), not `make test`
 def test_model_checkpoint_keeps_ps_files_only_for_kept_checkpoints(tmp_path):
     _run(tmp_path, "--devices", "1", "--steps", "12", "--checkpoint-every", "3")
     kept = sorted(p.name for p in (tmp_path / "ckpt").iterdir())

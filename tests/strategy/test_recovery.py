@@ -119,6 +119,7 @@ def _id_counts(batches: list[dict]) -> dict[str, torch.Tensor]:
     return counts
 
 
+@pytest.mark.scenario  # half a minute of processes or more: CI's scenario step (`make scenarios`), not `make test`
 def test_with_staleness_a_killed_shard_replays_its_log_and_no_update_in_flight_is_lost_or_applied_twice(tmp_path, monkeypatch):
     """τ = 4: up to four updates are in flight when a shard dies, and lookups of later steps wait for it too; each
     update is applied once (the rows count every id of every batch), with no rollback."""
@@ -254,7 +255,7 @@ def _assert_equals_plain_training(strategy, remote, local, survivors) -> None:
         torch.testing.assert_close(remote.mlp.state_dict()[name], value, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("when", ["before the save", "while the shards write"])
+@pytest.mark.parametrize("when", [pytest.param("before the save", marks=pytest.mark.scenario), "while the shards write"])  # the first: CI's scenario step
 def test_a_shard_killed_in_a_checkpoint_save_rolls_back_and_the_save_completes(tmp_path, when):
     """The Save RPC fails (the shard is down, then a new incarnation): every rank rolls back, the save starts
     again into a fresh folder, and the .ckpt names a complete, committed PS folder; ModelCheckpoint saw one save."""

@@ -312,17 +312,19 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         return persia_pb2.TakeOverResponse()
 
     def _past_handover(self, call: Callable[..., T], *args, **kwargs) -> T:
-        """``call(*args, **kwargs)``; one refused because its slots are being handed over waits for the handover to
-        end, then runs again (and hears the map moved), rather than send its client into a back-off that could outlast
-        a drained shard. After :data:`HANDOVER_WAIT_S` the refusal goes to the client, which retries."""
+        """``call(*args, **kwargs)``; one refused because its slots are being handed over (or because it was routed
+        by a map this shard has not adopted yet) waits for the handover to end (or the adoption), then runs again
+        (and hears the map moved), rather than send its client into a back-off that could outlast a drained shard.
+        After :data:`HANDOVER_WAIT_S` the refusal goes to the client, which retries."""
         deadline = time.monotonic() + HANDOVER_WAIT_S
         while True:
+            seen_version = self.store.shard_map.version
             try:
                 return call(*args, **kwargs)
             except SlotsMovingError:
                 if time.monotonic() >= deadline:
                     raise
-            self.store.wait_handover(max(0.0, deadline - time.monotonic()))
+            self.store.wait_handover(max(0.0, deadline - time.monotonic()), seen_version)
 
     def _next_rows(self) -> persia_pb2.HandoverPage:
         if self._handover_rows is None:

@@ -35,6 +35,7 @@ class SlotHandover:
     _shard_map: ShardMap
     _gate: ReadWriteLock
     _outgoing: Optional[OutgoingSlots]
+    _map_changed: threading.Condition
     _given_up_version: int  # the newest map version a move to this shard rolled back from: never adopted since
     _lock: threading.Lock
     _save_lock: threading.Lock
@@ -220,12 +221,16 @@ class SlotHandover:
             raise InvalidRequestError(f"the move to shard map version {to_map.version} rolled back on this shard (a "
                                       "shard giving slots away gave it up without its coordinator): run the move again")
 
-    def wait_handover(self, timeout_s: float) -> None:
-        """Waits (at most ``timeout_s``) for the handover under way, if any, to finish or be given up: what a request
-        refused with :class:`SlotsMovingError` waits for before it runs again."""
+    def wait_handover(self, timeout_s: float, seen_version: int) -> None:
+        """Waits (at most ``timeout_s``) for the handover under way, if any, to finish or be given up, or else for
+        this shard's map to be newer than ``seen_version`` (read before the request): what a request refused with
+        :class:`SlotsMovingError` waits for before it runs again."""
         outgoing = self._outgoing
         if outgoing is not None:
             outgoing.settled.wait(timeout_s)
+            return
+        with self._map_changed:
+            self._map_changed.wait_for(lambda: self._shard_map.version != seen_version, timeout_s)
 
     def _handing_over(self) -> OutgoingSlots:
         if self._outgoing is None:

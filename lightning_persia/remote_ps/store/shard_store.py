@@ -95,6 +95,7 @@ class ShardStore(SlotHandover):
         # requests and sweeps hold it for reading, changes of what the shard owns for writing (slot_moves.py)
         self._gate = ReadWriteLock()
         self._outgoing: Optional[OutgoingSlots] = None  # the slots this shard is handing over, while it does
+        self._map_changed = threading.Condition()  # requests routed by a map this shard has not adopted yet wait on it
         self.moves = MoveTally()  #: what this shard's live moves carried (read by the metrics)
         self._given_up_version = 0
         self._expirer = Expirer(self._tables_with_ttl, expiry_interval_s, journal=lambda: self._journal("", 0, []),
@@ -230,11 +231,13 @@ class ShardStore(SlotHandover):
     def replay_map(self, shard_map: ShardMap, addresses: Sequence[str] = ()) -> None:
         """Makes ``shard_map`` (whose shards listen at ``addresses``) this shard's again, as the log read back says it
         was (before the shard serves)."""
-        self._shard_map = shard_map
-        self._map_addresses = tuple(addresses)
-        self.num_shards = shard_map.num_shards
-        if self._outgoing is not None and shard_map.version >= self._outgoing.to_map.version:
-            self._outgoing = None  # a replayed fence whose move went through
+        with self._map_changed:
+            self._shard_map = shard_map
+            self._map_addresses = tuple(addresses)
+            self.num_shards = shard_map.num_shards
+            if self._outgoing is not None and shard_map.version >= self._outgoing.to_map.version:
+                self._outgoing = None  # a replayed fence whose move went through
+            self._map_changed.notify_all()
 
     def replay_configure(self, config: dict) -> None:
         """Creates a table read back from the log (as :meth:`configure`, without logging it again)."""
@@ -463,6 +466,12 @@ class ShardStore(SlotHandover):
         foreign = shard_map.first_foreign(ids, self.shard_index) if shard_map.num_shards > 1 else -1
         if foreign >= 0:
             example = ids[foreign : foreign + 1]
+            if map_version is not None and map_version > shard_map.version:
+                # A move's takers adopt its map one after the other: a client that heard it from the first may reach
+                # the next before it adopted, and the rows it sends for may still have a last change on the way.
+                raise SlotsMovingError(f"table {name!r}: id {int(example)} was routed by shard map version {map_version}, "
+                                       f"which this shard has not adopted yet (it routes by version {shard_map.version}); "
+                                       "retry")
             if map_version is not None and map_version < shard_map.version:
                 raise MapMovedError(f"table {name!r}: id {int(example)} moved to shard {int(shard_map.shard_of(example))} "
                                     f"in shard map version {shard_map.version} (the request was routed by version "

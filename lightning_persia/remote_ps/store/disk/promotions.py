@@ -3,8 +3,7 @@ by the shard's demoter thread instead of by the request.
 
 A training lookup that misses memory reads the row's record from disk and answers with it. Bringing the row into
 memory as well (a free row taken, the id indexed, its disk entry removed) cost the request about a quarter of its
-CPU in process (``benchmarks/results/disk-tier/2026-11-26-17-promotions-left-to-the-demoter.md``), and nothing of
-the answer needs it.
+CPU in process, and nothing of the answer needs it.
 Where the shard runs a demoter, the lookup instead queues what it read (:class:`PendingPromotion`), and the demoter
 promotes it between requests. An update of such a row before then promotes it itself (``DiskPart.promote_absent``);
 a lookup of it before then reads its record again. The queue is bounded (:data:`PENDING_ROWS`): past it, a lookup

@@ -347,14 +347,18 @@ class MemoryRows:
     # ---- what the disk part asks of the memory (DiskPart's Memory) -----------------------------------
 
     def saved_rows_locked(self, ids: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """``({field: values} of the ids in memory, the ids absent)``, the saved fields as a checkpoint holds them (a
-        handover's round of changed rows); the lock held."""
+        """``({field: values} of the ids (unique) present, in memory or on disk, the ids absent)``, the saved fields as a
+        checkpoint holds them (a handover's round of changed rows); the lock held."""
         found = self.find_rows(ids)
         present = found >= 0
         rows = found[present]
         fields = [name for name in SAVED_FIELDS if name in self._rows.fields]
         values = {name: torch.empty(self.field_specs[name].shape(rows.numel()), dtype=self.field_specs[name].dtype) for name in fields}
-        return self._rows.gather_fields(rows, values), ids[~present]
+        values = self._rows.gather_fields(rows, values)
+        on_disk, absent = self._disk.saved_rows(ids[~present])
+        if on_disk:
+            values = {name: torch.cat([values[name], on_disk[name]]) for name in values}
+        return values, absent
 
     def find_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The row of each of ``ids`` in memory, -1 where absent. The lock held."""

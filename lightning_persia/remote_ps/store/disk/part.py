@@ -117,6 +117,10 @@ class NoDisk:
     def remove(self, ids: torch.Tensor) -> None:
         pass
 
+    def saved_rows(self, ids: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """No row is on disk: ``({}, ids)``."""
+        return {}, ids
+
     def spill(self, block: dict[str, torch.Tensor], room: int) -> dict[str, torch.Tensor]:
         return block
 
@@ -395,6 +399,16 @@ class DiskPart:
     def remove(self, ids: torch.Tensor) -> None:
         """Drops the rows of ``ids`` found on disk (a delta's row replaces them, or they were removed). The lock held."""
         self._tier.remove(ids)
+
+    def saved_rows(self, ids: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """``({field: values} of the ids (unique) on disk, the ids not on disk)``, read and left there: a handover's
+        round ships a changed row that was demoted since as it is on disk, not as a removal. The lock held."""
+        if not ids.numel() or not self._tier.rows:
+            return {}, ids
+        with self._work.timed():
+            slots, records = self._tier.find(ids)
+        hit = slots >= 0
+        return self._tier.unpack(take_records(records, hit)), ids[~hit]
 
     def expire(self, limit: int, dropped: Callable[[torch.Tensor], None]) -> int:
         """Drops the rows on disk whose access value is at or below ``limit`` (see :meth:`DiskTier.expire`)."""

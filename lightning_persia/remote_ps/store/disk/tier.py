@@ -34,7 +34,7 @@ from lightning_persia.remote_ps.store import native
 from lightning_persia.remote_ps.store.chunked_rows import FieldSpec
 from lightning_persia.remote_ps.store.disk import compaction
 from lightning_persia.remote_ps.store.disk.read_ahead import ReadAhead
-from lightning_persia.remote_ps.store.disk.records import (DISK_FIELDS, link, live_slots, packed_columns, pread_records,
+from lightning_persia.remote_ps.store.disk.records import (DISK_FIELDS, SegmentFiles, link, live_slots, packed_columns, pread_records,
                                                            record_ids, record_specs, take_records, unpack, write_all)
 from lightning_persia.remote_ps.store.disk.segment_mapping import MAPPED_BYTES, SegmentMapping
 from lightning_persia.remote_ps.store.errors import StoreError
@@ -63,6 +63,17 @@ class FrozenTier:
     id_map: Optional[DiskMap] = None  # the tier's map, being saved as at the point (DiskMap.save_begin)
     lock: Optional[threading.Lock] = None  # the table's: held to copy a part of the map
     released: Optional[Callable[[], None]] = None  # tells the tier (its lock held): its segments may be deleted again
+
+    @property
+    def rows(self) -> int:
+        """Live rows at the point."""
+        return sum(int(np.bitwise_count(bits.numpy()).sum()) for bits in self.live)
+
+    def files(self) -> Iterator[SegmentFiles]:
+        """``(number, rows, records file, ids file, live bits)`` of each segment at the point: what a live move reads
+        its rows from (``records.live_records``), while this tier deletes none of them (until :meth:`release`)."""
+        for (segment, rows), live in zip(self.segments, self.live):
+            yield (segment, rows, *DiskTier.files_of(self.directory, segment), live)
 
     def release(self) -> None:
         """Ends the map's save (done or abandoned), taking its table's lock."""

@@ -49,8 +49,8 @@ class SlotHandover:
         """Starts handing this shard's slots that ``to_map`` gives to other shards over to them.
 
         Takes one consistent point of every table (a disk table's rows in memory and on disk) and from then on collects
-        the changes to the moving slots' rows (:meth:`handover_changes`). Returns ``(config, step, rows)`` of the moving slots' rows at the point, a block
-        at a time (``rows``: ``{field: values}``, empty for a table without such rows; the new owner takes them as
+        the changes to the moving slots' rows (:meth:`handover_changes`). Returns ``(config, step, rows)`` of the
+        moving slots' rows at the point, a block at a time (``rows``: ``{field: values}``, empty for a table without such rows; the new owner takes them as
         changes that write them, :meth:`take_changes`). One handover at a time. ``addresses``: of ``to_map``'s shards, which a fenced move whose
         coordinator is gone asks (``docs/elastic.md``, *A move without its coordinator*).
         """
@@ -63,7 +63,7 @@ class SlotHandover:
             tables = [self._tables[name] for name in sorted(self._tables)]
             for table in tables:
                 held.enter_context(table.lock)
-            snapshots = [table.begin_snapshot(0) for table in tables]
+            snapshots = [table.begin_snapshot(0, disk_map=False) for table in tables]
             self._outgoing = OutgoingSlots(self.shard_index, self._shard_map, to_map, snapshots, addresses)
         return self._handover_rows(self._outgoing, snapshots)
 
@@ -264,7 +264,7 @@ class SlotHandover:
     def _drop_foreign_rows(self, table: Table) -> None:
         """Removes (and logs the removal of) the rows of ``table`` its map gives other shards, in memory and on disk."""
         with table.lock:
-            snapshot = table.begin_snapshot(0)
+            snapshot = table.begin_snapshot(0, disk_map=False)
         try:
             foreign = [ids[self._shard_map.shard_of(ids) != self.shard_index].clone()
                        for ids in itertools.chain((chunk["ids"] for chunk in snapshot.chunks()), snapshot.disk_ids())]

@@ -1,5 +1,6 @@
 """Slots moving between live stores: a random stream of lookups and updates, interleaved with the steps of handovers
 (2 -> 3 -> 2 shards), against one store that never moved, compared row for row, bit for bit."""
+import os
 import random
 import threading
 from dataclasses import replace
@@ -284,6 +285,23 @@ def test_a_row_changed_during_the_copy_then_demoted_is_shipped_as_a_row_not_a_re
     assert torch.equal(torch.sort(change.rows["ids"])[0], torch.sort(moving[:5])[0])
     assert torch.equal(change.rows["weights"].float(), source.lookup("user", change.rows["ids"], train=False))
     assert change.rows["state"].abs().sum() > 0  # Adam's moments of the update
+
+
+@pytest.mark.usefixtures("disk_tier_kernels")
+def test_a_disk_segment_cut_short_during_the_copy_fails_the_handover_naming_it(tmp_path):
+    from lightning_persia.remote_ps.store.disk.tier import DiskTierError
+
+    source = _disk_stores(tmp_path, 2, DISK_TABLES[:1])[0]
+    ids = torch.arange(0, 4000)
+    for batch in ids[ShardMap.uniform(2).shard_of(ids) == 0].split(40):
+        source.lookup("user", batch, train=True)
+    rows = source.begin_handover(ShardMap.uniform(2).resized(3))
+    (segment,) = (tmp_path / "tiers").glob("shard-*/user.*/segment-000000.rows")
+    os.truncate(segment, 100)
+    with pytest.raises(DiskTierError, match=r"table 'user' could not be read at its point: disk segment .*segment-000000.rows ends before"):
+        list(rows)
+    source.abort_handover()
+    assert source.handover is None
 
 
 def test_concurrent_updates_during_a_handover_are_applied_once_each():

@@ -105,7 +105,7 @@ def rows(shard_folder: Path, entry: dict, specs: dict[str, FieldSpec], shard_ind
             keep = shard_map.shard_of(values["ids"]) == shard_index
             yield {name: array[keep] for name, array in values.items()}
     except OSError as err:
-        raise CheckpointError(f"{err.strerror or err} (a disk segment of the checkpoint ends early)") from None
+        raise CheckpointError(f"the checkpoint is truncated: {err.strerror or err}") from None
 
 
 def _folder(shard_folder: Path, entry: dict) -> Path:

@@ -127,7 +127,7 @@ class NoDisk:
     def expire(self, limit: int, dropped: Callable[[torch.Tensor], None]) -> int:
         return 0
 
-    def freeze(self) -> Optional[FrozenTier]:
+    def freeze(self, with_map: bool = True) -> Optional[FrozenTier]:
         return None
 
     def attach(self, segments: Iterable, adopt_map: Optional[Callable] = None) -> None:
@@ -443,9 +443,9 @@ class DiskPart:
 
     # ---- checkpoints, and the end -------------------------------------------------------------------
 
-    def freeze(self) -> FrozenTier:
+    def freeze(self, with_map: bool = True) -> FrozenTier:
         """The disk tier at a checkpoint's point (:meth:`DiskTier.freeze`); the lock held."""
-        return self._tier.freeze()
+        return self._tier.freeze(with_map)
 
     def attach(self, segments: Iterable, adopt_map: Optional[Callable] = None) -> None:
         """Takes the disk segments of a checkpoint saved by this shard, and its id map (see :meth:`DiskTier.attach`)."""

@@ -76,12 +76,15 @@ class FrozenTier:
             yield (segment, rows, *DiskTier.files_of(self.directory, segment), live)
 
     def release(self) -> None:
-        """Ends the map's save (done or abandoned), taking its table's lock."""
-        if self.id_map is not None:
-            with self.lock:
+        """Ends the map's save, if any, and the point's hold on the segments (done or abandoned), taking its table's
+        lock."""
+        if self.lock is None:
+            return
+        with self.lock:
+            if self.id_map is not None:
                 self.id_map.save_end()
-                if self.released is not None:
-                    self.released()
+            if self.released is not None:
+                self.released()
 
 
 class DiskTier:
@@ -491,15 +494,18 @@ class DiskTier:
 
     # ---- checkpoints -------------------------------------------------------------------------------------
 
-    def freeze(self) -> FrozenTier:
-        """The tier at this point (its table's lock held): the open segments are sealed, later rows go to new ones."""
+    def freeze(self, with_map: bool = True) -> FrozenTier:
+        """The tier at this point (its table's lock held): the open segments are sealed, later rows go to new ones.
+        ``with_map``: the id map is saved as at the point too (a checkpoint's; a live move reads the segments alone,
+        and a map save that no partition copy ends logs every removal until it ends)."""
         written = [(segment, rows) for segment, rows in enumerate(self._written) if self._fds[segment] >= 0 and rows]
         self._next = len(self._fds) << SEGMENT_SHIFT  # past every segment: no slot below it is written until the save ends
         self._next_moved = 0  # at a segment's start: compaction's next rows open one (past the point, while the save lasts)
-        self._map.save_begin(self._next)  # every slot written from now on is past the point
+        if with_map:
+            self._map.save_begin(self._next)  # every slot written from now on is past the point
         self._saves += 1
         return FrozenTier(self.directory, written, [self._live[segment][: (rows + 7) >> 3].clone() for segment, rows in written],
-                          self._map, self._lock, self._save_ended)
+                          self._map if with_map else None, self._lock, self._save_ended)
 
     def _save_ended(self) -> None:
         self._saves -= 1

@@ -370,11 +370,14 @@ def test_handover_refusals_name_the_problem():
 
 @pytest.mark.parametrize("storage", ["memory", "disk"])
 @pytest.mark.parametrize("save_between", [False, True], ids=["replayed", "saved-then-replayed"])
-def test_a_restarted_shard_keeps_the_map_it_adopted_and_the_rows_it_took(tmp_path, save_between, storage, request):
+def test_a_restarted_shard_keeps_the_map_it_adopted_and_the_rows_it_took(tmp_path, save_between, storage, request, monkeypatch):
     """The log holds the map (MAP records, and each segment's OPEN) and the rows taken over: a taker and a source
     restarted after a move route and hold exactly what they did (a disk table: in memory and on disk, the source
-    none of the rows it handed over in either tier)."""
+    none of the rows it handed over in either tier, dropped in several logged removals)."""
+    from lightning_persia.remote_ps.store import handover
     from lightning_persia.remote_ps.store.wal import open_shard_log
+
+    monkeypatch.setattr(handover, "_DROPPED_A_RECORD", 100)
 
     tables, batch = (TABLES, 3000) if storage == "memory" else (DISK_TABLES, 40)
     if storage == "disk":

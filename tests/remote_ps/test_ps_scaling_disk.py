@@ -112,6 +112,7 @@ def test_a_source_and_a_taker_restarted_from_their_logs_after_a_move_hold_what_t
             _assert_same_rows(client, model, tmp_path, "restarted")
 
 
+@pytest.mark.scenario  # CI's scenario step: make test keeps its margin under 12 minutes
 def test_a_taker_killed_after_it_took_disk_rows_comes_back_from_its_log_and_the_move_goes_through(tmp_path):
     """The taker dies after the rows and before the last changes (it took rows into its memory and disk): it replays
     them from its log, the coordinator's calls wait for it, and the move goes through with every row."""

@@ -9,6 +9,10 @@ and every row is compared with the updates counted on the client.
     python -m benchmarks.cluster.elastic_bench --json                 # 20M rows
     python -m benchmarks.cluster.elastic_bench --rows 2000000 --json  # a first look
     python -m benchmarks.cluster.elastic_bench --kill-soak 10 --rows 100000 --batch 2048 --json
+    python -m benchmarks.cluster.elastic_bench --storage disk --rows 2000000 --json   # most rows on disk
+
+``--storage disk`` makes the table a disk table whose shards keep ``--memory-rows`` rows each in memory (an eighth
+of the rows by default), the others on disk (a temporary folder), and fills it ``--memory-rows`` ids a request.
 
 ``--kill-soak N`` runs N moves with a process killed at a random point of each instead (``elastic_soak.py``): its
 line carries ``kills``, ``lost_updates``, ``rollbacks`` and ``weights_equal``; the timed moves' line carries none
@@ -20,6 +24,7 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
 import threading
 import time
 
@@ -62,7 +67,7 @@ class Trainer:
         return began, time.monotonic()
 
 
-def _fill(client: PSClient, rows: int, chunk: int = 1 << 20) -> float:
+def _fill(client: PSClient, rows: int, chunk: int) -> float:
     began = time.monotonic()
     for start in range(0, rows, chunk):
         client.lookup({TABLE: torch.arange(start, min(rows, start + chunk))}, train=True)
@@ -98,6 +103,9 @@ def main() -> None:
     parser.add_argument("--kill-soak", type=int, default=0, metavar="MOVES",
                         help="instead: MOVES moves (2 -> 3 and 3 -> 2 in turn), a process killed at a random point of each")
     parser.add_argument("--seed", type=int, default=0, help="--kill-soak: which kills, where")
+    parser.add_argument("--storage", choices=("memory", "disk"), default="memory", help="the table's storage")
+    parser.add_argument("--memory-rows", type=int, default=0,
+                        help="--storage disk: rows a shard keeps in memory (its capacity; default: an eighth of --rows)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     args = parser.parse_args()
     if args.kill_soak:
@@ -105,11 +113,20 @@ def main() -> None:
         return
 
     config = TableConfig(TABLE, args.dim, optimizer=SGD(lr=1.0), init=Constant(0.0))
-    with LocalShards(2, overrides=["seed=0", "durability=none"]) as shards:
+    overrides, fill_chunk = ["seed=0", "durability=none"], 1 << 20
+    folder = tempfile.TemporaryDirectory(prefix="elastic-bench-tiers-")
+    if args.storage == "disk":
+        memory_rows = args.memory_rows or max(args.rows // 8, 2 * args.batch)
+        if args.batch > memory_rows:
+            parser.error(f"--batch {args.batch} is more than a disk table's --memory-rows {memory_rows}: a shard refuses it")
+        config = TableConfig(TABLE, args.dim, optimizer=SGD(lr=1.0), init=Constant(0.0), capacity=memory_rows, storage="disk")
+        overrides.append(f"disk_dir={folder.name}")
+        fill_chunk = memory_rows  # a request of a disk table fits in a shard's memory budget
+    with folder, LocalShards(2, overrides=overrides) as shards:
         client = PSClient(shards.addresses)
         client.wait_healthy(120)
         client.configure([config])
-        fill_s = _fill(client, args.rows)
+        fill_s = _fill(client, args.rows, fill_chunk)
         trainer = Trainer(client, args.rows, args.batch, args.dim)
         for _ in range(args.steady_steps):
             trainer.step()
@@ -129,7 +146,8 @@ def main() -> None:
         client.close()
     ideal = args.rows / 3
     summary = {
-        "rows": args.rows, "batch": args.batch, "dim": args.dim, "fill_s": fill_s, "steady_step_s": steady,
+        "rows": args.rows, "batch": args.batch, "dim": args.dim, "storage": args.storage,
+        "memory_rows": config.capacity if args.storage == "disk" else None, "fill_s": fill_s, "steady_step_s": steady,
         "grow": grow, "shrink": shrink,
         "max_extra_step_s": max(grow["max_extra_step_s"], shrink["max_extra_step_s"]),
         "throughput_ratio_during": min(grow["throughput_ratio_during"], shrink["throughput_ratio_during"]),

@@ -19,9 +19,9 @@ UNIVERSE = torch.arange(0, 5000) * 7919 - 11
 class Trainer(threading.Thread):
     """A client's lookups and updates, one after the other, replayed on the model store as they are answered."""
 
-    def __init__(self, client: PSClient, model: ShardStore) -> None:
+    def __init__(self, client: PSClient, model: ShardStore, tables=TABLES) -> None:
         super().__init__(daemon=True)
-        self.client, self.model = client, model
+        self.client, self.model, self.tables = client, model, tables
         self.step = 0
         self.error = None
         self.stop_at = 1 << 30  # the last step, once the test knows it
@@ -31,11 +31,11 @@ class Trainer(threading.Thread):
             generator = torch.Generator().manual_seed(3)
             while self.step < self.stop_at:
                 self.step += 1
-                ids = {t.name: UNIVERSE[torch.randperm(UNIVERSE.numel(), generator=generator)[:400]] for t in TABLES}
+                ids = {t.name: UNIVERSE[torch.randperm(UNIVERSE.numel(), generator=generator)[:400]] for t in self.tables}
                 found = self.client.lookup(ids, train=True, wire_dtype="fp32")
                 for name, table_ids in ids.items():
                     assert torch.equal(found[name], self.model.lookup(name, table_ids, train=True)), (self.step, name)
-                grads = {t.name: torch.randn(400, t.dim, generator=generator) for t in TABLES}
+                grads = {t.name: torch.randn(400, t.dim, generator=generator) for t in self.tables}
                 self.client.update({name: (ids[name], grads[name]) for name in ids}, wire_dtype="fp32")
                 self.model.update_many([(name, ids[name], grads[name]) for name in ids])
         except BaseException as err:  # noqa: BLE001 - the test reports it

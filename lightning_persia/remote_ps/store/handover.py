@@ -7,6 +7,7 @@ migration's coordinator does, through the shard's servicer.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
@@ -48,9 +49,9 @@ class SlotHandover:
     def begin_handover(self, to_map: ShardMap, addresses: Sequence[str] = ()) -> Iterator[tuple[TableConfig, int, dict[str, torch.Tensor]]]:
         """Starts handing this shard's slots that ``to_map`` gives to other shards over to them.
 
-        Takes one consistent point of every table and from then on collects the changes to the moving slots' rows
-        (:meth:`handover_changes`). Returns ``(config, step, rows)`` of the moving slots' rows at the point, a block
-        at a time (``rows``: ``{field: values}``, empty for a table without such rows; the new owner takes them as
+        Takes one consistent point of every table (a disk table's rows in memory and on disk) and from then on collects
+        the changes to the moving slots' rows (:meth:`handover_changes`). Returns ``(config, step, rows)`` of the
+        moving slots' rows at the point, a block at a time (``rows``: ``{field: values}``, empty for a table without such rows; the new owner takes them as
         changes that write them, :meth:`take_changes`). One handover at a time. ``addresses``: of ``to_map``'s shards, which a fenced move whose
         coordinator is gone asks (``docs/elastic.md``, *A move without its coordinator*).
         """
@@ -61,21 +62,17 @@ class SlotHandover:
             if self._outgoing is not None:
                 raise InvalidRequestError(f"a handover to shard map version {self._outgoing.to_map.version} is under way")
             tables = [self._tables[name] for name in sorted(self._tables)]
-            disk = [table.config.name for table in tables if table.config.storage == "disk"]
-            if disk:
-                raise InvalidRequestError(f"tables {disk} keep rows on disk, which cannot move between live shards yet: "
-                                          "change the shard count through a checkpoint (save, restart with the new count, load)")
             for table in tables:
                 held.enter_context(table.lock)
-            snapshots = [table.begin_snapshot(0) for table in tables]
+            snapshots = [table.begin_snapshot(0, disk_map=False) for table in tables]
             self._outgoing = OutgoingSlots(self.shard_index, self._shard_map, to_map, snapshots, addresses)
         return self._handover_rows(self._outgoing, snapshots)
 
     def _handover_rows(self, outgoing: OutgoingSlots, snapshots: list[TableSnapshot]) -> Iterator[tuple[TableConfig, int, dict[str, torch.Tensor]]]:
         for snapshot in snapshots:
             yield snapshot.config, snapshot.step, {}  # the table, even with no row to move
-            job = self.progress.begin("hand-over", snapshot.config.name, snapshot.rows)  # rows of the point read
-            for chunk in snapshot.chunks():
+            job = self.progress.begin("hand-over", snapshot.config.name, snapshot.rows + snapshot.disk_rows)  # rows of the point read
+            for chunk in itertools.chain(snapshot.chunks(), snapshot.disk_chunks()):  # memory's, then disk's
                 keep = outgoing.covers(chunk["ids"])
                 job.advance(int(keep.numel()))
                 if bool(keep.any()):
@@ -198,7 +195,13 @@ class SlotHandover:
             parts = [part_of(part, mine) for part in change.tables]
             for part in parts:
                 self.moves.taken(part.rows)
-            self._record(parts)
+            pieces = [_in_pieces(part, self._table(part.name).config) for part in parts]
+            if all(len(split) == 1 for split in pieces):
+                self._record(parts)
+                continue
+            for split in pieces:  # a disk table's rows, a memory budget at a time (see _in_pieces)
+                for piece in split:
+                    self._record([piece])
 
     def adopt_map(self, shard_map: ShardMap, addresses: Sequence[str] = ()) -> None:
         """Makes ``shard_map``, whose shards listen at ``addresses``, this shard's (a newer version; the same one
@@ -264,14 +267,37 @@ class SlotHandover:
             self._wait_logged(tickets)
 
     def _drop_foreign_rows(self, table: Table) -> None:
-        """Removes (and logs the removal of) the rows of ``table`` its map gives other shards."""
+        """Removes (and logs the removal of) the rows of ``table`` its map gives other shards, in memory and on disk."""
         with table.lock:
-            snapshot = table.begin_snapshot(0)
+            snapshot = table.begin_snapshot(0, disk_map=False)
         try:
-            foreign = [chunk["ids"][self._shard_map.shard_of(chunk["ids"]) != self.shard_index].clone()
-                       for chunk in snapshot.chunks()]
+            foreign = [ids[self._shard_map.shard_of(ids) != self.shard_index].clone()
+                       for ids in itertools.chain((chunk["ids"] for chunk in snapshot.chunks()), snapshot.disk_ids())]
         finally:
             snapshot.close()
         ids = torch.cat(foreign) if foreign else torch.empty(0, dtype=torch.int64)
-        if ids.numel():
-            self._record([TableChange(table.config.name, 0, removed=ids)])
+        for piece in ids.split(_DROPPED_A_RECORD):  # the table's requests run between the pieces
+            self._record([TableChange(table.config.name, 0, removed=piece)])
+
+
+_DROPPED_A_RECORD = 1 << 16
+"""Rows a handover's drop removes with the table's lock held, in one logged removal: a disk table's drop reads each
+row's record to find it (a third of a shard's 1M rows dropped at once held the lock for about a second)."""
+
+
+def _in_pieces(change: TableChange, config: TableConfig) -> list[TableChange]:
+    """``change`` as changes that write at most a memory budget of rows each (``config.capacity``), where its table keeps
+    rows on disk: a taken row lands in memory, as a replayed one does, and the rows it displaces are demoted to make
+    room first, so the taker's memory stays within its budget; a page of a million rows landing at once would hold them
+    all in memory until the demoter caught up. The first piece also removes and admits what ``change`` does."""
+    count = change.rows["ids"].numel() if change.rows else 0
+    if config.storage != "disk" or count <= config.capacity:
+        return [change]
+    pieces = []
+    for start in range(0, count, config.capacity):
+        piece = TableChange(change.name, change.step, rows={name: values[start : start + config.capacity]
+                                                            for name, values in change.rows.items()})
+        if not start:
+            piece.removed, piece.admitted, piece.admitted_access = change.removed, change.admitted, change.admitted_access
+        pieces.append(piece)
+    return pieces

@@ -176,19 +176,21 @@ class MemoryRows:
 
     # ---- checkpoints -------------------------------------------------------------------------------
 
-    def begin_snapshot(self, since: int = 0) -> TableSnapshot:
+    def begin_snapshot(self, since: int = 0, disk_map: bool = True) -> TableSnapshot:
         """Takes the table's consistent point for a checkpoint; call it holding :attr:`lock`.
 
         The rows are then read chunk by chunk with :meth:`TableSnapshot.chunks`, while the table keeps serving.
         ``since`` (the :attr:`TableSnapshot.point` of an earlier snapshot) keeps only what changed after it: the
         rows written since, and the ids evicted since (:attr:`TableSnapshot.removed`). Raises :class:`StoreError`
         when the evictions since then are no longer remembered (then only a full snapshot is possible).
+        ``disk_map``: a disk table's id map is saved as at the point too (a checkpoint keeps it; a live move, which
+        reads the point's rows alone, does not).
         """
         if self._preimages.active is not None:
             raise StoreError(f"table {self.config.name!r} is already being saved")
         removed = self._removals.since(since) if since else torch.empty(0, dtype=torch.int64)
         state = SnapshotPoint(point=self._version, since=since, size=self._size, live=self._live, step=self._step,
-                              removed=removed, disk=self._disk.freeze() if not since else None)
+                              removed=removed, disk=self._disk.freeze(disk_map) if not since else None)
         self._preimages.begin(state)
         self._version += 1
         return TableSnapshot(self.config, self.field_specs, state, self._preimages, self._disk.record_bytes)
@@ -347,14 +349,18 @@ class MemoryRows:
     # ---- what the disk part asks of the memory (DiskPart's Memory) -----------------------------------
 
     def saved_rows_locked(self, ids: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """``({field: values} of the ids in memory, the ids absent)``, the saved fields as a checkpoint holds them (a
-        handover's round of changed rows); the lock held."""
+        """``({field: values} of the ids (unique) present, in memory or on disk, the ids absent)``, the saved fields as a
+        checkpoint holds them (a handover's round of changed rows); the lock held."""
         found = self.find_rows(ids)
         present = found >= 0
         rows = found[present]
         fields = [name for name in SAVED_FIELDS if name in self._rows.fields]
         values = {name: torch.empty(self.field_specs[name].shape(rows.numel()), dtype=self.field_specs[name].dtype) for name in fields}
-        return self._rows.gather_fields(rows, values), ids[~present]
+        values = self._rows.gather_fields(rows, values)
+        on_disk, absent = self._disk.saved_rows(ids[~present])
+        if on_disk:
+            values = {name: torch.cat([values[name], on_disk[name]]) for name in values}
+        return values, absent
 
     def find_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The row of each of ``ids`` in memory, -1 where absent. The lock held."""

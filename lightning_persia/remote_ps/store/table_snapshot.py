@@ -3,6 +3,10 @@
 :meth:`Table.begin_snapshot` takes the point (the table's version then); :class:`TableSnapshot` hands out the rows
 chunk by chunk, each copied under the table's lock. A write to a row of a chunk not copied yet first keeps the row's
 pre-image (its value at the point, :meth:`Preimages.keep`), so the checkpoint holds every row as it was at the point.
+A disk table's point also seals its tier's segments (:meth:`DiskTier.freeze`): a checkpoint links them, a live move
+reads the rows live in them then (:meth:`TableSnapshot.disk_chunks`). A row is in memory or on disk, never both, so
+the two parts of the point do not overlap: a row demoted after the point is read as its memory pre-image, a row
+promoted after it from its sealed record.
 """
 from __future__ import annotations
 
@@ -14,7 +18,8 @@ import torch
 
 from lightning_persia.remote_ps.store import eviction
 from lightning_persia.remote_ps.store.chunked_rows import ChunkedRows, FieldSpec
-from lightning_persia.remote_ps.store.disk.tier import FrozenTier
+from lightning_persia.remote_ps.store.disk.records import live_ids, live_records, record_specs, unpack
+from lightning_persia.remote_ps.store.disk.tier import DiskTierError, FrozenTier
 from lightning_persia.remote_ps.table_config import TableConfig
 
 SAVED_FIELDS = ("ids", "weights", "state", "access")
@@ -145,6 +150,38 @@ class TableSnapshot:
         A chunk's tensors stay valid until the chunk after the next one is asked for (they are reused then).
         """
         return self._preimages.chunks(self._state)
+
+    @property
+    def disk_rows(self) -> int:
+        """A full snapshot's rows on disk at the point (0 for a memory table)."""
+        return self.disk.rows if self.disk is not None else 0
+
+    def disk_chunks(self) -> Iterator[dict[str, torch.Tensor]]:
+        """``{field: rows}`` (the fields of :meth:`chunks`) of the rows on disk at the point, a block at a time: read
+        from the segments the point sealed, which the tier keeps until :meth:`close`, while the table serves. None
+        for a memory table."""
+        if self.disk is None:
+            return
+        specs = record_specs(self.field_specs)
+        try:
+            for block in live_records(self.disk.files(), self.disk_record_bytes):
+                rows = unpack(block, specs)
+                if "state" not in rows:
+                    rows["state"] = torch.empty(block.shape[0], 0)
+                yield rows
+        except OSError as err:
+            raise DiskTierError(f"the disk tier of table {self.config.name!r} could not be read at its point: "
+                                f"{err.strerror or err}") from None
+
+    def disk_ids(self) -> Iterator[torch.Tensor]:
+        """The ids of the rows on disk at the point (of :meth:`disk_chunks`), from the segments' ids files."""
+        if self.disk is None:
+            return
+        try:
+            yield from live_ids(self.disk.files())
+        except OSError as err:
+            raise DiskTierError(f"the disk tier of table {self.config.name!r} could not be read at its point: "
+                                f"{err.strerror or err}") from None
 
     def close(self) -> None:
         """Ends the snapshot (written or abandoned): the table stops keeping pre-images for it (and a disk table's id

@@ -1,7 +1,9 @@
 """Slots moving between live stores: a random stream of lookups and updates, interleaved with the steps of handovers
 (2 -> 3 -> 2 shards), against one store that never moved, compared row for row, bit for bit."""
+import os
 import random
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,8 +14,10 @@ from lightning_persia.remote_ps.store.errors import InvalidRequestError
 from lightning_persia.remote_ps.store.slot_moves import MapMovedError, SlotsMovingError
 from lightning_persia.remote_ps.store.wal.changes import Change, TableChange
 from lightning_persia.remote_ps.table_config import SGD, Adam, Constant, TableConfig
+from tests.remote_ps.checkpoint_rows import COMPARED, saved_rows
 
 TABLES = (TableConfig("user", 4, optimizer=Adam(lr=0.05)), TableConfig("item", 2, optimizer=Adam(lr=0.1)))  # no capacity: evictions depend on which rows share a shard
+DISK_TABLES = tuple(replace(config, capacity=40, storage="disk") for config in TABLES)  # most rows on disk: demoted, never lost
 
 
 class PartlyRefused(Exception):
@@ -116,26 +120,29 @@ def _move(stores: list[ShardStore], to_map: ShardMap, between):
         source.finish_handover()
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_handovers_2_3_2_under_requests_keep_every_row_bit_for_bit(seed):
-    rng = random.Random(seed)
-    universe = torch.arange(0, 900) * 7919 - 3000
-    model = _stores(1)[0]
-    cluster = Cluster(_stores(2))
-    retry = []  # updates refused while their slots moved: the client sends them again
+class Traffic:
+    """A client's random lookups and updates of ``universe`` (``max_ids`` a request at most) sent to ``cluster`` and
+    applied to ``model`` (a store that never moves), their answers compared; updates refused while their slots move
+    are sent again by :meth:`flush_retries`."""
 
-    def requests(count: int) -> None:
+    def __init__(self, seed: int, cluster: Cluster, model: ShardStore, universe: torch.Tensor, max_ids: int = 120) -> None:
+        self.rng = random.Random(seed)
+        self.cluster, self.model, self.universe, self.max_ids = cluster, model, universe, max_ids
+        self.retry = []
+
+    def __call__(self, count: int) -> None:
+        rng, cluster, model = self.rng, self.cluster, self.model
         for _ in range(count):
             table = rng.choice(("user", "item"))
             dim = 4 if table == "user" else 2
-            ids = universe[torch.randperm(universe.numel(), generator=torch.Generator().manual_seed(rng.getrandbits(31)))[: rng.randint(1, 120)]]
+            ids = self.universe[torch.randperm(self.universe.numel(), generator=torch.Generator().manual_seed(rng.getrandbits(31)))[: rng.randint(1, self.max_ids)]]
             if rng.random() < 0.5:
                 try:
                     found = cluster.lookup(table, ids, train=True)
                 except PartlyRefused as partly:  # the client looks the refused ids up again later
                     done = torch.ones(ids.numel(), dtype=torch.bool)
                     done[partly.refused] = False
-                    retry.append((table, ids[partly.refused], None))
+                    self.retry.append((table, ids[partly.refused], None))
                     ids, found = ids[done], partly.rows[done]
                 assert torch.equal(found, model.lookup_many([(table, ids)], True)[0])
             else:
@@ -144,33 +151,157 @@ def test_handovers_2_3_2_under_requests_keep_every_row_bit_for_bit(seed):
                 applied = torch.ones(ids.numel(), dtype=torch.bool)
                 if refused is not None:
                     applied[refused] = False
-                    retry.append((table, ids[refused], grads[refused]))
+                    self.retry.append((table, ids[refused], grads[refused]))
                 if applied.any():
                     model.update_many([(table, ids[applied], grads[applied])])
 
-    def flush_retries() -> None:
-        while retry:
-            table, ids, grads = retry.pop(0)
-            if grads is None:
-                assert torch.equal(cluster.lookup(table, ids, train=True), model.lookup_many([(table, ids)], True)[0])
-                continue
-            assert cluster.update(table, ids, grads) is None
-            model.update_many([(table, ids, grads)])
+    def between(self) -> None:
+        """A few requests: what a move's steps see between them."""
+        self(self.rng.randint(0, 6))
 
-    requests(40)
+    def flush_retries(self) -> None:
+        while self.retry:
+            table, ids, grads = self.retry.pop(0)
+            if grads is None:
+                assert torch.equal(self.cluster.lookup(table, ids, train=True), self.model.lookup_many([(table, ids)], True)[0])
+                continue
+            assert self.cluster.update(table, ids, grads) is None
+            self.model.update_many([(table, ids, grads)])
+
+
+def _moves_2_3_2(traffic: Traffic, new_shard: ShardStore) -> None:
+    """Requests, a move to 3 shards (``new_shard`` the third), requests, a move back to 2, requests."""
+    cluster = traffic.cluster
+    traffic(40)
     three = cluster.map.resized(3)
-    cluster.stores.append(ShardStore(2, 3, seed=7))  # a new shard: no request reaches it before it adopts the map
-    _move(cluster.stores, three, lambda: requests(rng.randint(0, 6)))
-    flush_retries()
-    requests(40)
-    two = three.resized(2)
-    _move(cluster.stores, two, lambda: requests(rng.randint(0, 6)))
-    flush_retries()
-    requests(20)
+    cluster.stores.append(new_shard)  # a new shard: no request reaches it before it adopts the map
+    _move(cluster.stores, three, traffic.between)
+    traffic.flush_retries()
+    traffic(40)
+    _move(cluster.stores, three.resized(2), traffic.between)
+    traffic.flush_retries()
+    traffic(20)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_handovers_2_3_2_under_requests_keep_every_row_bit_for_bit(seed):
+    universe = torch.arange(0, 900) * 7919 - 3000
+    model = _stores(1)[0]
+    cluster = Cluster(_stores(2))
+    _moves_2_3_2(Traffic(seed, cluster, model, universe), ShardStore(2, 3, seed=7))
     for table in ("user", "item"):
         assert torch.equal(_rows(cluster, table, universe), _rows(model, table, universe)), f"seed {seed}, table {table}"
         held = [store.stats()[table]["rows"] for store in cluster.stores]
         assert held[2] == 0 and sum(held) == model.stats()[table]["rows"], (seed, table, held)
+
+
+def _disk_stores(tmp_path, n: int, tables=DISK_TABLES) -> list[ShardStore]:
+    """``n`` stores of ``tables`` whose requests demote what they need (no demoter: the rows in memory depend on the
+    requests alone)."""
+    stores = [ShardStore(i, n, seed=7, disk_dir=str(tmp_path / "tiers"), demotion_interval_s=None) for i in range(n)]
+    for store in stores:
+        for config in tables:
+            store.configure(config)
+    return stores
+
+
+def _saved(tmp_path, stores: list[ShardStore], name: str, fields=COMPARED) -> dict[str, dict[str, torch.Tensor]]:
+    """Every row of the shards of ``stores``' map as their checkpoint (at ``tmp_path / name``) holds it."""
+    for store in stores[: stores[0].shard_map.num_shards]:
+        store.save(str(tmp_path / name))
+    return saved_rows(tmp_path / name, fields=fields)
+
+
+@pytest.mark.usefixtures("disk_tier_kernels")
+@pytest.mark.parametrize("seed", range(3))
+def test_disk_tables_move_2_3_2_under_requests_with_every_row_and_its_optimizer_state(tmp_path, seed):
+    """Most rows on disk (a memory budget of 40 rows a shard for 900 ids): the rows at the point come from both
+    tiers, rows changed during the copy are shipped whether they were demoted or promoted since, and what the
+    stores hold at the end (values and optimizer state) is what one store that never moved holds."""
+    universe = torch.arange(0, 900) * 7919 - 3000
+    model = _stores(1)[0]
+    cluster = Cluster(_disk_stores(tmp_path, 2))
+    new_shard = ShardStore(2, 3, seed=7, disk_dir=str(tmp_path / "tiers"), demotion_interval_s=None)
+    _moves_2_3_2(Traffic(seed, cluster, model, universe, max_ids=40), new_shard)
+    for table in ("user", "item"):
+        assert torch.equal(_rows(cluster, table, universe), _rows(model, table, universe)), f"seed {seed}, table {table}"
+        stats = [store.stats()[table] for store in cluster.stores]
+        assert stats[2]["rows"] == stats[2]["disk_rows"] == 0, stats[2]
+        assert sum(s["rows"] + s["disk_rows"] for s in stats) == model.stats()[table]["rows"]
+        assert sum(s["disk_rows"] for s in stats) > sum(s["rows"] for s in stats)  # most rows on disk
+    kept, expected = _saved(tmp_path, cluster.stores, "moved"), _saved(tmp_path, [model], "model")
+    for table in ("user", "item"):
+        for field in COMPARED:
+            assert torch.equal(kept[table][field], expected[table][field]), (seed, table, field)
+
+
+@pytest.mark.usefixtures("disk_tier_kernels")
+def test_a_quiet_move_carries_each_disk_row_whole_with_its_access_count(tmp_path):
+    """No request during the move: every row (ids, values, optimizer state, LFU access count) is after the move what
+    it was before, whichever tier it was in on either side."""
+    tables = tuple(replace(config, eviction="lfu") for config in DISK_TABLES)
+    stores = _disk_stores(tmp_path, 2, tables)
+    cluster = Cluster(stores)
+    ids = torch.arange(0, 600) * 104729
+    generator = torch.Generator().manual_seed(2)
+    for round_ in range(4):  # rows looked up 1 to 4 times: access counts that differ
+        for table, dim in (("user", 4), ("item", 2)):
+            for batch in ids[: 600 - 150 * round_].split(40):
+                cluster.lookup(table, batch, train=True)
+                cluster.update(table, batch, torch.randn(batch.numel(), dim, generator=generator))
+    fields = (*COMPARED, "access")
+    before = _saved(tmp_path, stores, "before", fields)
+    stores.append(ShardStore(2, 3, seed=7, disk_dir=str(tmp_path / "tiers"), demotion_interval_s=None))
+    three = ShardMap.uniform(2).resized(3)
+    _move(stores, three, lambda: None)
+    after = _saved(tmp_path, stores, "after", fields)
+    for table in ("user", "item"):
+        for field in fields:
+            assert torch.equal(after[table][field], before[table][field]), (table, field)
+        assert stores[2].stats()[table]["disk_rows"] > 0  # the taker's budget: what it took went on to its disk
+        held = [(store.stats()[table]["rows"] + store.stats()[table]["disk_rows"]) for store in stores]
+        assert held == [int((three.shard_of(ids) == i).sum()) for i in range(3)], (table, held)
+
+
+@pytest.mark.usefixtures("disk_tier_kernels")
+def test_a_row_changed_during_the_copy_then_demoted_is_shipped_as_a_row_not_a_removal(tmp_path):
+    config = DISK_TABLES[0]
+    source = _disk_stores(tmp_path, 2, (config,))[0]
+    ids = torch.arange(0, 2000) * 104729
+    mine = ids[ShardMap.uniform(2).shard_of(ids) == 0]
+    for batch in mine.split(40):
+        source.lookup("user", batch, train=True)
+    three = ShardMap.uniform(2).resized(3)
+    moving = mine[three.shard_of(mine) == 2]
+    staying = mine[three.shard_of(mine) == 0]
+    list(source.begin_handover(three))
+    source.update("user", moving[:5], torch.ones(5, 4))  # brought in from disk, changed
+    for batch in staying.split(40):  # every one of the five demoted again
+        source.lookup("user", batch, train=True)
+    assert source.stats()["user"]["rows"] <= config.capacity
+    _, changes = source.handover_changes()
+    (change,) = [table for c in changes for table in c.tables]
+    assert change.removed.numel() == 0
+    assert torch.equal(torch.sort(change.rows["ids"])[0], torch.sort(moving[:5])[0])
+    assert torch.equal(change.rows["weights"].float(), source.lookup("user", change.rows["ids"], train=False))
+    assert change.rows["state"].abs().sum() > 0  # Adam's moments of the update
+
+
+@pytest.mark.usefixtures("disk_tier_kernels")
+def test_a_disk_segment_cut_short_during_the_copy_fails_the_handover_naming_it(tmp_path):
+    from lightning_persia.remote_ps.store.disk.tier import DiskTierError
+
+    source = _disk_stores(tmp_path, 2, DISK_TABLES[:1])[0]
+    ids = torch.arange(0, 4000)
+    for batch in ids[ShardMap.uniform(2).shard_of(ids) == 0].split(40):
+        source.lookup("user", batch, train=True)
+    rows = source.begin_handover(ShardMap.uniform(2).resized(3))
+    (segment,) = (tmp_path / "tiers").glob("shard-*/user.*/segment-000000.rows")
+    os.truncate(segment, 100)
+    with pytest.raises(DiskTierError, match=r"table 'user' could not be read at its point: disk segment .*segment-000000.rows ends before"):
+        list(rows)
+    source.abort_handover()
+    assert source.handover is None
 
 
 def test_concurrent_updates_during_a_handover_are_applied_once_each():
@@ -220,7 +351,7 @@ def test_concurrent_updates_during_a_handover_are_applied_once_each():
     assert torch.equal(final.lookup("t", ids, train=False), expected)
 
 
-def test_handover_refusals_name_the_problem(tmp_path):
+def test_handover_refusals_name_the_problem():
     store = _stores(2)[0]
     with pytest.raises(InvalidRequestError, match="not newer than this shard's 0"):
         store.begin_handover(ShardMap.uniform(2))
@@ -235,32 +366,39 @@ def test_handover_refusals_name_the_problem(tmp_path):
     store.abort_handover()
     with pytest.raises(InvalidRequestError, match="older than or differs"):
         store.adopt_map(ShardMap(tuple([1, 0] * 2048), 0))  # version 0, another map
-    disk = ShardStore(0, 2, disk_dir=str(tmp_path))
-    disk.configure(TableConfig("d", 2, storage="disk"))
-    with pytest.raises(InvalidRequestError, match=r"tables \['d'\] keep rows on disk"):
-        disk.begin_handover(ShardMap.uniform(2).resized(3))
 
 
+@pytest.mark.parametrize("storage", ["memory", "disk"])
 @pytest.mark.parametrize("save_between", [False, True], ids=["replayed", "saved-then-replayed"])
-def test_a_restarted_shard_keeps_the_map_it_adopted_and_the_rows_it_took(tmp_path, save_between):
+def test_a_restarted_shard_keeps_the_map_it_adopted_and_the_rows_it_took(tmp_path, save_between, storage, request, monkeypatch):
     """The log holds the map (MAP records, and each segment's OPEN) and the rows taken over: a taker and a source
-    restarted after a move route and hold exactly what they did."""
+    restarted after a move route and hold exactly what they did (a disk table: in memory and on disk, the source
+    none of the rows it handed over in either tier, dropped in several logged removals)."""
+    from lightning_persia.remote_ps.store import handover
     from lightning_persia.remote_ps.store.wal import open_shard_log
 
+    monkeypatch.setattr(handover, "_DROPPED_A_RECORD", 100)
+
+    tables, batch = (TABLES, 3000) if storage == "memory" else (DISK_TABLES, 40)
+    if storage == "disk":
+        request.getfixturevalue("disk_tier_kernels")
+
     def start(index: int, num_shards: int, incarnation: str) -> ShardStore:
-        store = ShardStore(index, num_shards, seed=7)
+        store = ShardStore(index, num_shards, seed=7, disk_dir=str(tmp_path / "tiers"), demotion_interval_s=None)
         store.log = open_shard_log(store, str(tmp_path / f"wal-{index}"), "log", incarnation, None, window=64)
         return store
 
     stores = [start(0, 2, "a"), start(1, 2, "a")]
     for store in stores:
-        for config in TABLES:
+        for config in tables:
             store.configure(config)
     cluster = Cluster(stores)
     ids = torch.arange(0, 3000) * 104729
+    generator = torch.Generator().manual_seed(1)
     for table in ("user", "item"):
-        cluster.lookup(table, ids, train=True)
-        cluster.update(table, ids, torch.randn(ids.numel(), 4 if table == "user" else 2, generator=torch.Generator().manual_seed(1)))
+        for part in ids.split(batch):
+            cluster.lookup(table, part, train=True)
+            cluster.update(table, part, torch.randn(part.numel(), 4 if table == "user" else 2, generator=generator))
     stores.append(start(2, 3, "a"))
     three = ShardMap.uniform(2).resized(3)
     _move(stores, three, lambda: None)
@@ -275,7 +413,10 @@ def test_a_restarted_shard_keeps_the_map_it_adopted_and_the_rows_it_took(tmp_pat
     after = Cluster(restarted)
     for table in ("user", "item"):
         assert torch.equal(_rows(after, table, ids), before[table]), table
-        assert [s.stats()[table]["rows"] for s in restarted] == [int((three.shard_of(ids) == i).sum()) for i in range(3)]
+        held = [s.stats()[table]["rows"] + s.stats()[table]["disk_rows"] for s in restarted]
+        assert held == [int((three.shard_of(ids) == i).sum()) for i in range(3)], (table, held)
+        if storage == "disk":
+            assert all(s.stats()[table]["disk_rows"] > s.stats()[table]["rows"] for s in restarted)
 
 
 @pytest.mark.parametrize("save_between", [False, True], ids=["replayed", "saved-then-replayed"])

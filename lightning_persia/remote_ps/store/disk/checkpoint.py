@@ -28,7 +28,7 @@ from lightning_persia import checksum
 from lightning_persia.ops.shard_map import ShardMap
 from lightning_persia.remote_ps.store.chunked_rows import FieldSpec
 from lightning_persia.remote_ps.store.disk import id_map_file
-from lightning_persia.remote_ps.store.disk.records import link, live_slots, unpack
+from lightning_persia.remote_ps.store.disk.records import link, live_records, unpack
 from lightning_persia.remote_ps.store.disk.tier import DiskTier, FrozenTier
 from lightning_persia.remote_ps.store.errors import CheckpointError
 from lightning_persia.remote_ps.store.native.disk_map import DiskMap
@@ -99,19 +99,13 @@ def id_map(shard_folder: Path, entry: dict) -> Optional[Callable[[DiskMap], None
 
 def rows(shard_folder: Path, entry: dict, specs: dict[str, FieldSpec], shard_index: int, shard_map: ShardMap) -> Iterator[dict[str, torch.Tensor]]:
     """``{field: values}`` of the live rows that ``shard_map`` puts on shard ``shard_index``, a block at a time."""
-    record_bytes = entry["record_bytes"]
-    for segment, count, records, _, bits in segments(shard_folder, entry):
-        live = torch.zeros(count, dtype=torch.bool)
-        live[live_slots(bits, count)] = True
-        for start in range(0, count, _BLOCK_ROWS):
-            n = min(_BLOCK_ROWS, count - start)
-            raw = np.fromfile(records, dtype=np.uint8, count=n * record_bytes, offset=start * record_bytes)
-            if raw.size != n * record_bytes:
-                raise CheckpointError(f"disk segment {records} of the checkpoint ends early")
-            block = torch.from_numpy(raw.reshape(n, record_bytes))[live[start : start + n]]
+    try:
+        for block in live_records(segments(shard_folder, entry), entry["record_bytes"], _BLOCK_ROWS):
             values = unpack(block, specs)
             keep = shard_map.shard_of(values["ids"]) == shard_index
             yield {name: array[keep] for name, array in values.items()}
+    except OSError as err:
+        raise CheckpointError(f"the checkpoint is truncated: {err.strerror or err}") from None
 
 
 def _folder(shard_folder: Path, entry: dict) -> Path:

@@ -117,13 +117,17 @@ class NoDisk:
     def remove(self, ids: torch.Tensor) -> None:
         pass
 
+    def saved_rows(self, ids: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """No row is on disk: ``({}, ids)``."""
+        return {}, ids
+
     def spill(self, block: dict[str, torch.Tensor], room: int) -> dict[str, torch.Tensor]:
         return block
 
     def expire(self, limit: int, dropped: Callable[[torch.Tensor], None]) -> int:
         return 0
 
-    def freeze(self) -> Optional[FrozenTier]:
+    def freeze(self, with_map: bool = True) -> Optional[FrozenTier]:
         return None
 
     def attach(self, segments: Iterable, adopt_map: Optional[Callable] = None) -> None:
@@ -396,6 +400,16 @@ class DiskPart:
         """Drops the rows of ``ids`` found on disk (a delta's row replaces them, or they were removed). The lock held."""
         self._tier.remove(ids)
 
+    def saved_rows(self, ids: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """``({field: values} of the ids (unique) on disk, the ids not on disk)``, read and left there: a handover's
+        round ships a changed row that was demoted since as it is on disk, not as a removal. The lock held."""
+        if not ids.numel() or not self._tier.rows:
+            return {}, ids
+        with self._work.timed():
+            slots, records = self._tier.find(ids)
+        hit = slots >= 0
+        return self._tier.unpack(take_records(records, hit)), ids[~hit]
+
     def expire(self, limit: int, dropped: Callable[[torch.Tensor], None]) -> int:
         """Drops the rows on disk whose access value is at or below ``limit`` (see :meth:`DiskTier.expire`)."""
         return self._tier.expire(limit, self.lock, dropped=dropped)
@@ -429,9 +443,9 @@ class DiskPart:
 
     # ---- checkpoints, and the end -------------------------------------------------------------------
 
-    def freeze(self) -> FrozenTier:
+    def freeze(self, with_map: bool = True) -> FrozenTier:
         """The disk tier at a checkpoint's point (:meth:`DiskTier.freeze`); the lock held."""
-        return self._tier.freeze()
+        return self._tier.freeze(with_map)
 
     def attach(self, segments: Iterable, adopt_map: Optional[Callable] = None) -> None:
         """Takes the disk segments of a checkpoint saved by this shard, and its id map (see :meth:`DiskTier.attach`)."""

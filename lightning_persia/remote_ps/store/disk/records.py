@@ -7,7 +7,7 @@ import errno
 import os
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -55,6 +55,35 @@ def live_slots(bits: torch.Tensor, rows: int) -> torch.Tensor:
     """The slots whose bit is set among the first ``rows`` of a segment's live bits."""
     flags = np.unpackbits(bits.numpy(), count=rows, bitorder="little").astype(bool)
     return torch.from_numpy(np.flatnonzero(flags))
+
+
+SegmentFiles = tuple[int, int, Path, Path, torch.Tensor]
+"""A sealed segment's ``(number, rows written, records file, ids file, live bits)``: a checkpoint's, or a tier's at a
+point (:meth:`FrozenTier.files`)."""
+
+
+def live_records(segments: Iterable[SegmentFiles], record_bytes: int, block_rows: int = 1 << 20) -> Iterator[torch.Tensor]:
+    """The records (uint8 ``[n, record_bytes]``) of the live slots of ``segments``, read a block of ``block_rows``
+    slots at a time; :class:`OSError` (ENODATA) where a records file ends before its rows."""
+    for _, count, records, _, bits in segments:
+        live = torch.zeros(count, dtype=torch.bool)
+        live[live_slots(bits, count)] = True
+        for start in range(0, count, block_rows):
+            n = min(block_rows, count - start)
+            raw = np.fromfile(records, dtype=np.uint8, count=n * record_bytes, offset=start * record_bytes)
+            if raw.size != n * record_bytes:
+                raise OSError(errno.ENODATA, f"disk segment {records} ends before its {count} records")
+            yield torch.from_numpy(raw.reshape(n, record_bytes))[live[start : start + n]]
+
+
+def live_ids(segments: Iterable[SegmentFiles]) -> Iterator[torch.Tensor]:
+    """The ids of the live slots of ``segments``, a segment at a time, read from their ids files (8 bytes a row,
+    not the records); :class:`OSError` (ENODATA) where an ids file ends before its rows."""
+    for _, count, _, ids, bits in segments:
+        stored = torch.from_numpy(np.fromfile(ids, dtype="<i8", count=count))
+        if stored.numel() != count:
+            raise OSError(errno.ENODATA, f"disk segment {ids} holds {stored.numel()} ids, not {count}")
+        yield stored[live_slots(bits, count)]
 
 
 def unpack(records: torch.Tensor, specs: dict[str, FieldSpec]) -> dict[str, torch.Tensor]:

@@ -34,7 +34,7 @@ from lightning_persia.remote_ps.store import native
 from lightning_persia.remote_ps.store.chunked_rows import FieldSpec
 from lightning_persia.remote_ps.store.disk import compaction
 from lightning_persia.remote_ps.store.disk.read_ahead import ReadAhead
-from lightning_persia.remote_ps.store.disk.records import (DISK_FIELDS, link, live_slots, packed_columns, pread_records,
+from lightning_persia.remote_ps.store.disk.records import (DISK_FIELDS, SegmentFiles, link, live_slots, packed_columns, pread_records,
                                                            record_ids, record_specs, take_records, unpack, write_all)
 from lightning_persia.remote_ps.store.disk.segment_mapping import MAPPED_BYTES, SegmentMapping
 from lightning_persia.remote_ps.store.errors import StoreError
@@ -64,13 +64,27 @@ class FrozenTier:
     lock: Optional[threading.Lock] = None  # the table's: held to copy a part of the map
     released: Optional[Callable[[], None]] = None  # tells the tier (its lock held): its segments may be deleted again
 
+    @property
+    def rows(self) -> int:
+        """Live rows at the point."""
+        return sum(int(np.bitwise_count(bits.numpy()).sum()) for bits in self.live)
+
+    def files(self) -> Iterator[SegmentFiles]:
+        """``(number, rows, records file, ids file, live bits)`` of each segment at the point: what a live move reads
+        its rows from (``records.live_records``), while this tier deletes none of them (until :meth:`release`)."""
+        for (segment, rows), live in zip(self.segments, self.live):
+            yield (segment, rows, *DiskTier.files_of(self.directory, segment), live)
+
     def release(self) -> None:
-        """Ends the map's save (done or abandoned), taking its table's lock."""
-        if self.id_map is not None:
-            with self.lock:
+        """Ends the map's save, if any, and the point's hold on the segments (done or abandoned), taking its table's
+        lock."""
+        if self.lock is None:
+            return
+        with self.lock:
+            if self.id_map is not None:
                 self.id_map.save_end()
-                if self.released is not None:
-                    self.released()
+            if self.released is not None:
+                self.released()
 
 
 class DiskTier:
@@ -480,15 +494,18 @@ class DiskTier:
 
     # ---- checkpoints -------------------------------------------------------------------------------------
 
-    def freeze(self) -> FrozenTier:
-        """The tier at this point (its table's lock held): the open segments are sealed, later rows go to new ones."""
+    def freeze(self, with_map: bool = True) -> FrozenTier:
+        """The tier at this point (its table's lock held): the open segments are sealed, later rows go to new ones.
+        ``with_map``: the id map is saved as at the point too (a checkpoint's; a live move reads the segments alone,
+        and a map save that no partition copy ends logs every removal until it ends)."""
         written = [(segment, rows) for segment, rows in enumerate(self._written) if self._fds[segment] >= 0 and rows]
         self._next = len(self._fds) << SEGMENT_SHIFT  # past every segment: no slot below it is written until the save ends
         self._next_moved = 0  # at a segment's start: compaction's next rows open one (past the point, while the save lasts)
-        self._map.save_begin(self._next)  # every slot written from now on is past the point
+        if with_map:
+            self._map.save_begin(self._next)  # every slot written from now on is past the point
         self._saves += 1
         return FrozenTier(self.directory, written, [self._live[segment][: (rows + 7) >> 3].clone() for segment, rows in written],
-                          self._map, self._lock, self._save_ended)
+                          self._map if with_map else None, self._lock, self._save_ended)
 
     def _save_ended(self) -> None:
         self._saves -= 1

@@ -408,7 +408,8 @@ def test_a_compaction_steps_holds_of_the_lock_count_as_the_tables_disk_work(tmp_
     assert table.stats()["worst_disk_work_of"] == "compaction" and table.stats()["worst_disk_work_cpu_s"] >= 100
 
 
-def test_a_segment_is_deleted_only_once_no_read_or_save_needs_it(tmp_path, small_segments):
+@pytest.mark.parametrize("with_map", [True, False], ids=["a save", "a live move's point"])
+def test_a_segment_is_deleted_only_once_no_read_or_save_needs_it(tmp_path, small_segments, with_map):
     lock = threading.Lock()
     tier = DiskTier(tmp_path / "tier", _specs(), lock)
     ids = torch.arange(2500) * 7 + 1
@@ -416,7 +417,10 @@ def test_a_segment_is_deleted_only_once_no_read_or_save_needs_it(tmp_path, small
     tier.take(ids[:1000])
     with lock:
         ahead = tier.begin_read(torch.arange(2), ids[1000:1002])  # a lookup's read under way
-        frozen = tier.freeze()  # and a save
+        frozen = tier.freeze(with_map)  # and a save, or a move's point (which reads the segments, not the map)
+    assert (frozen.id_map is not None) == with_map and frozen.rows == 1500
+    point = torch.cat([tier.unpack(block)["ids"] for block in disk_records.live_records(frozen.files(), tier.record_bytes, 700)])
+    assert torch.equal(point, ids[1000:]) and torch.equal(torch.cat(list(disk_records.live_ids(frozen.files()))), ids[1000:])
     assert tier.compact_step() == 24
     assert tier.compact_step() == 0 and "segment-000000.rows" in _segment_files(tmp_path)  # both still need it
     ahead.read()

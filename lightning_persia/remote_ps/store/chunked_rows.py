@@ -125,13 +125,63 @@ class _Records:
             yield chunk, positions[mine], valid[mine] & (self.chunk_rows - 1)
 
 
+class _NativeAccess:
+    """Gathers and scatters of a table's records as native loops over the chunks' addresses (``store/native/rows.c``)."""
+
+    def __init__(self, records: _Records) -> None:
+        self._records = records
+
+    def gather(self, field: "ChunkedField", rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return native_rows.gather(self._records.layout, field.offset, rows, out)
+
+    def scatter(self, field: "ChunkedField", rows: torch.Tensor, values: torch.Tensor) -> None:
+        native_rows.scatter(self._records.layout, field.offset, rows, values)
+
+    def fill(self, field: "ChunkedField", rows: torch.Tensor, value: int, add: bool) -> None:
+        native_rows.set_int32(self._records.layout, field.offset, rows, value, add)
+
+    def fields(self, rows: torch.Tensor, arrays: dict["ChunkedField", torch.Tensor], to_rows: bool) -> None:
+        native_rows.fields(self._records.layout, rows, {field.offset: array for field, array in arrays.items()}, to_rows)
+
+
+class _TensorAccess:
+    """The same as :class:`_NativeAccess` in tensor indexing of typed views of each chunk, for machines without the
+    native kernels (same results, slower)."""
+
+    def __init__(self, records: _Records) -> None:
+        self._records = records
+
+    def gather(self, field: "ChunkedField", rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        for chunk, positions, offsets in self._records.by_chunk(rows):
+            out[positions] = field.typed(field.raw(chunk, self._records.chunk_rows)[offsets].view(field.spec.dtype))
+        return out
+
+    def scatter(self, field: "ChunkedField", rows: torch.Tensor, values: torch.Tensor) -> None:
+        raw = values.contiguous().view(torch.uint8).view(values.shape[0], field.spec.row_bytes)
+        for chunk, positions, offsets in self._records.by_chunk(rows):
+            field.raw(chunk, self._records.chunk_rows)[offsets] = raw[positions]
+
+    def fill(self, field: "ChunkedField", rows: torch.Tensor, value: int, add: bool) -> None:
+        for chunk, _, offsets in self._records.by_chunk(rows):
+            view = field.chunk(chunk, self._records.chunk_rows)
+            view[offsets] = view[offsets] + value if add else value
+
+    def fields(self, rows: torch.Tensor, arrays: dict["ChunkedField", torch.Tensor], to_rows: bool) -> None:
+        for field, array in arrays.items():
+            if to_rows:
+                self.scatter(field, rows, array)
+            else:
+                self.gather(field, rows, array)
+
+
 class ChunkedField:
     """One field of a table's records, read and written as a tensor of its own dtype."""
 
-    def __init__(self, records: _Records, spec: FieldSpec, offset: int) -> None:
+    def __init__(self, records: _Records, spec: FieldSpec, offset: int, access: _NativeAccess | _TensorAccess) -> None:
         self.spec = spec
         self.offset = offset
         self._rows = records
+        self._access = access
 
     def chunk(self, index: int, rows: int) -> torch.Tensor:
         """The field of the first ``rows`` records of chunk ``index`` (a strided view).
@@ -139,49 +189,32 @@ class ChunkedField:
         Only for fields whose item size divides the record size (every field but the 8-byte id, whose records
         may be 4-byte aligned): :meth:`gather` reads any field.
         """
-        raw = self._raw(index, rows)
+        raw = self.raw(index, rows)
         if self._rows.record_bytes % self.spec.itemsize:
             raise ValueError(f"records of {self._rows.record_bytes} bytes hold no strided view of {self.spec.dtype}; use gather()")
-        return self._typed(raw.view(self.spec.dtype))
+        return self.typed(raw.view(self.spec.dtype))
 
-    def _take(self, index: int, rows: int, offsets: torch.Tensor) -> torch.Tensor:
-        """A copy of the field of records ``offsets`` among the first ``rows`` of chunk ``index``."""
-        return self._typed(self._raw(index, rows)[offsets].view(self.spec.dtype))
-
-    def _raw(self, index: int, rows: int) -> torch.Tensor:
+    def raw(self, index: int, rows: int) -> torch.Tensor:
+        """The bytes of the field in the first ``rows`` records of chunk ``index`` (``[rows, row_bytes]`` uint8)."""
         return self._rows.chunks[index][:rows, self.offset : self.offset + self.spec.row_bytes]
 
-    def _typed(self, view: torch.Tensor) -> torch.Tensor:
+    def typed(self, view: torch.Tensor) -> torch.Tensor:
+        """``view`` (``[rows, width]`` of the field's dtype) shaped as the field."""
         return view.squeeze(1) if self.spec.width is None else view
 
     def gather(self, rows: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The field of ``rows`` (int64; ``-1`` leaves that row of ``out`` as it is), shaped as the field."""
         if out is None:
             out = torch.empty(self.spec.shape(rows.numel()), dtype=self.spec.dtype)
-        if native.available():
-            return native_rows.gather(self._rows.layout, self.offset, rows, out)
-        for chunk, positions, offsets in self._rows.by_chunk(rows):
-            out[positions] = self._take(chunk, self._rows.chunk_rows, offsets)
-        return out
+        return self._access.gather(self, rows, out)
 
     def scatter(self, rows: torch.Tensor, values: torch.Tensor) -> None:
         """The field of row ``rows[i]`` becomes ``values[i]`` (``-1`` skipped)."""
-        values = values.to(self.spec.dtype)
-        if native.available():
-            native_rows.scatter(self._rows.layout, self.offset, rows, values)
-            return
-        raw = values.contiguous().view(torch.uint8).view(values.shape[0], self.spec.row_bytes)
-        for chunk, positions, offsets in self._rows.by_chunk(rows):
-            self._raw(chunk, self._rows.chunk_rows)[offsets] = raw[positions]
+        self._access.scatter(self, rows, values.to(self.spec.dtype))
 
     def fill(self, rows: torch.Tensor, value: int, add: bool = False) -> None:
         """An int32 field of ``rows`` (``-1`` skipped) becomes ``value``, or grows by it with ``add``."""
-        if native.available():
-            native_rows.set_int32(self._rows.layout, self.offset, rows, value, add)
-            return
-        for chunk, _, offsets in self._rows.by_chunk(rows):
-            view = self.chunk(chunk, self._rows.chunk_rows)
-            view[offsets] = view[offsets] + value if add else value
+        self._access.fill(self, rows, value, add)
 
 
 class ChunkedRows:
@@ -200,7 +233,9 @@ class ChunkedRows:
             offsets[name] = offset
             offset += spec.row_bytes
         self._records = _Records(max(_ALIGN, -(-offset // _ALIGN) * _ALIGN))
-        self.fields = {name: ChunkedField(self._records, fields[name], offsets[name]) for name in offsets}
+        # chosen once: every gather and scatter of the table then goes one way down, to the C loops or tensor ops
+        self._access = _NativeAccess(self._records) if native.available() else _TensorAccess(self._records)
+        self.fields = {name: ChunkedField(self._records, fields[name], offsets[name], self._access) for name in offsets}
 
     def __getitem__(self, name: str) -> ChunkedField:
         return self.fields[name]
@@ -248,21 +283,13 @@ class ChunkedRows:
 
     def gather_fields(self, rows: torch.Tensor, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``out[name]`` = field ``name`` of ``rows``, every field in one pass over the records; returns ``out``."""
-        if native.available():
-            native_rows.fields(self.layout, rows, {self.fields[name].offset: array for name, array in out.items()}, to_rows=False)
-            return out
-        for name, array in out.items():
-            self.fields[name].gather(rows, array)
+        self._access.fields(rows, {self.fields[name]: array for name, array in out.items()}, to_rows=False)
         return out
 
     def scatter_fields(self, rows: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
         """Field ``name`` of ``rows`` = ``values[name]``, every field in one pass over the records."""
-        values = {name: array.to(self.fields[name].spec.dtype) for name, array in values.items()}
-        if native.available():
-            native_rows.fields(self.layout, rows, {self.fields[name].offset: array for name, array in values.items()}, to_rows=True)
-            return
-        for name, array in values.items():
-            self.fields[name].scatter(rows, array)
+        self._access.fields(rows, {self.fields[name]: array.to(self.fields[name].spec.dtype) for name, array in values.items()},
+                            to_rows=True)
 
 
 def _populate(ranges: list[tuple[mmap.mmap, int, int]]) -> None:

@@ -9,6 +9,10 @@ from where the previous eviction stopped (a clock hand), a slice at a time, unti
 are found. An eviction of ``count`` rows so reads about ``count / BULK_FRACTION`` access values and removes
 ``count`` ids, whatever the table size: at most :data:`SLICE_ROWS` beyond what a request needs. (Taking 5% of
 the capacity at once held a 67M-row table's lock 1.3 to 1.5 s: every access value scanned, 3.3M ids removed.)
+
+:class:`MemoryLimit` is a table's part for it, with one entry point for the table (:meth:`MemoryLimit.victims`); a
+disk table's demoter asks it ahead, without the lock, for the threshold it then evicts by
+(:meth:`MemoryLimit.cold_estimate`).
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import contextlib
 import math
 from bisect import bisect_right
 from itertools import accumulate
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional, Protocol, Sequence
 
 import torch
 
@@ -34,6 +38,44 @@ _SAMPLE = 1 << 16
 _MARGIN = 1.25  # aim above count: a sample's quantile may fall short of it, and the sweep would read the whole table
 _SWEEP_ROWS = 1 << 18  # access values read per step of the sweep
 _STALE_READS = 4  # a sweep by an estimate made earlier reads at most this many times what a fresh one needs on average
+
+
+class MemoryLimit:
+    """Which rows of a table leave its memory when it is full: the sweep's clock hand and its samples' generators,
+    seeded by ``seed``; ``access``: the table's ``access`` field (rows an operation keeps are hidden in it)."""
+
+    def __init__(self, access: "AccessField", seed: int) -> None:
+        self._access = access
+        self._sample = torch.Generator().manual_seed(seed)
+        self._demotion_sample = torch.Generator().manual_seed(seed + 1)  # the demoter's, used without the lock
+        self._start = 0  # the row where the next eviction's sweep starts (select_victims)
+
+    def victims(self, in_use: Sequence[torch.Tensor], count: int, estimated: Optional[tuple[int, float]] = None,
+                keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Row numbers of ``count`` cold rows (fewer if fewer are live), none of ``keep``: ``in_use[c]`` is the access
+        value of the rows of chunk ``c`` allocated so far; ``estimated``: their threshold (:meth:`cold_estimate`), or
+        estimated now. The table's lock held."""
+        if not in_use:
+            return torch.empty(0, dtype=torch.int64)
+        with hidden(self._access, keep):
+            victims, self._start = select_victims(in_use, count, self._sample, self._start, estimated)
+        if keep is not None and keep.numel():
+            victims = victims[~torch.isin(victims, keep)]
+        return victims
+
+    def cold_estimate(self, in_use: Sequence[torch.Tensor], count: int) -> Optional[tuple[int, float]]:
+        """:func:`estimate` of ``count`` victims among ``in_use`` (read without the lock; only the demoter calls it)."""
+        return estimate(in_use, count, self._demotion_sample)
+
+
+class AccessField(Protocol):
+    """A table's ``access`` field as :func:`hidden` reads and writes it (:class:`~.chunked_rows.ChunkedField` is one)."""
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor: ...
+
+    def scatter(self, rows: torch.Tensor, values: torch.Tensor) -> None: ...
+
+    def fill(self, rows: torch.Tensor, value: int) -> None: ...
 
 
 def touch_value(policy: str, step: int) -> tuple[int, bool]:
@@ -135,7 +177,7 @@ def _threshold(access: Sequence[torch.Tensor], count: float, total: int, generat
 
 
 @contextlib.contextmanager
-def hidden(access, rows: Optional[torch.Tensor]) -> Iterator[None]:
+def hidden(access: AccessField, rows: Optional[torch.Tensor]) -> Iterator[None]:
     """Within the block, ``rows`` (of a table's ``access`` field) look the hottest, so that a selection passes over
     them; their access values come back after it. A selection that takes every row of a small table may still name
     them: the caller drops those."""

@@ -243,8 +243,6 @@ class Table(MemoryRows):
         ``journal`` hears of the ids each slice deleted: a replay that missed them would bring the rows back with
         their old values.
         """
-        if not self._ttl.enabled:
-            return 0
         with self.lock:
             limit = self._ttl.limit(now, self._step)
             size, step = self._size, min(EXPIRY_SLICE_ROWS, self._rows.chunk_rows)

@@ -27,6 +27,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from lightning_persia.ops.native.library import row_bytes
 from lightning_persia.remote_ps.store import native
 from lightning_persia.remote_ps.store.native import rows as native_rows
 
@@ -79,6 +80,9 @@ class _Records:
         self.chunks: list[torch.Tensor] = []  # uint8 [chunk_rows, record_bytes]
         self.maps: list[tuple[mmap.mmap, int]] = []  # each chunk's map and the chunk's address in it
         self.layout = native_rows.Chunks(torch.empty(0, dtype=torch.int64), self.shift, record_bytes)
+        # chosen once: every gather and scatter of the table then goes one way down, to the C loops or tensor ops
+        self._tensor_ops = None if native.available() else _TensorChunks(self)
+        self.access: native_rows.Chunks | _TensorChunks = self.layout if self._tensor_ops is None else self._tensor_ops
         self.populated = 0  # rows whose memory is committed (or being committed) ahead of the writes
         self.last_populate: Optional[Future] = None  # the latest commit asked (the populator runs them in order)
 
@@ -89,7 +93,8 @@ class _Records:
         self.chunks.append(memory.view(self.chunk_rows, self.record_bytes))
         self.maps.append((buffer, memory.data_ptr()))
         self.layout = native_rows.Chunks(torch.tensor([c.data_ptr() for c in self.chunks], dtype=torch.int64),
-                                    self.shift, self.record_bytes)
+                                         self.shift, self.record_bytes)
+        self.access = self.layout if self._tensor_ops is None else self._tensor_ops
 
     def populate_ahead(self, rows: int, limit: int) -> None:
         """Commits, in the background, the memory of the rows that follow the first ``rows``, up to ``limit`` rows
@@ -125,63 +130,48 @@ class _Records:
             yield chunk, positions[mine], valid[mine] & (self.chunk_rows - 1)
 
 
-class _NativeAccess:
-    """Gathers and scatters of a table's records as native loops over the chunks' addresses (``store/native/rows.c``)."""
+class _TensorChunks:
+    """The rows' fields read and written as :class:`~.native.rows.Chunks` does, in tensor indexing of each chunk's
+    bytes, for machines without the native kernels (same results, slower)."""
 
     def __init__(self, records: _Records) -> None:
         self._records = records
 
-    def gather(self, field: "ChunkedField", rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        return native_rows.gather(self._records.layout, field.offset, rows, out)
-
-    def scatter(self, field: "ChunkedField", rows: torch.Tensor, values: torch.Tensor) -> None:
-        native_rows.scatter(self._records.layout, field.offset, rows, values)
-
-    def fill(self, field: "ChunkedField", rows: torch.Tensor, value: int, add: bool) -> None:
-        native_rows.set_int32(self._records.layout, field.offset, rows, value, add)
-
-    def fields(self, rows: torch.Tensor, arrays: dict["ChunkedField", torch.Tensor], to_rows: bool) -> None:
-        native_rows.fields(self._records.layout, rows, {field.offset: array for field, array in arrays.items()}, to_rows)
-
-
-class _TensorAccess:
-    """The same as :class:`_NativeAccess` in tensor indexing of typed views of each chunk, for machines without the
-    native kernels (same results, slower)."""
-
-    def __init__(self, records: _Records) -> None:
-        self._records = records
-
-    def gather(self, field: "ChunkedField", rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def gather(self, offset: int, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         for chunk, positions, offsets in self._records.by_chunk(rows):
-            out[positions] = field.typed(field.raw(chunk, self._records.chunk_rows)[offsets].view(field.spec.dtype))
+            values = self._bytes(chunk, offset, row_bytes(out))[offsets]
+            out[positions] = values.view(out.dtype).reshape(-1, *out.shape[1:])
         return out
 
-    def scatter(self, field: "ChunkedField", rows: torch.Tensor, values: torch.Tensor) -> None:
-        raw = values.contiguous().view(torch.uint8).view(values.shape[0], field.spec.row_bytes)
+    def scatter(self, offset: int, rows: torch.Tensor, values: torch.Tensor) -> None:
+        raw = values.contiguous().view(torch.uint8).view(values.shape[0], row_bytes(values))
         for chunk, positions, offsets in self._records.by_chunk(rows):
-            field.raw(chunk, self._records.chunk_rows)[offsets] = raw[positions]
+            self._bytes(chunk, offset, raw.shape[1])[offsets] = raw[positions]
 
-    def fill(self, field: "ChunkedField", rows: torch.Tensor, value: int, add: bool) -> None:
+    def fields(self, rows: torch.Tensor, arrays: dict[int, torch.Tensor], to_rows: bool) -> None:
+        for offset, array in arrays.items():
+            if to_rows:
+                self.scatter(offset, rows, array)
+            else:
+                self.gather(offset, rows, array)
+
+    def set_int32(self, offset: int, rows: torch.Tensor, value: int, add: bool = False) -> None:
         for chunk, _, offsets in self._records.by_chunk(rows):
-            view = field.chunk(chunk, self._records.chunk_rows)
+            view = self._bytes(chunk, offset, 4).view(torch.int32).squeeze(1)
             view[offsets] = view[offsets] + value if add else value
 
-    def fields(self, rows: torch.Tensor, arrays: dict["ChunkedField", torch.Tensor], to_rows: bool) -> None:
-        for field, array in arrays.items():
-            if to_rows:
-                self.scatter(field, rows, array)
-            else:
-                self.gather(field, rows, array)
+    def _bytes(self, chunk: int, offset: int, width: int) -> torch.Tensor:
+        """The ``width`` bytes at ``offset`` of every record of ``chunk`` (a ``[rows, width]`` uint8 view)."""
+        return self._records.chunks[chunk][:, offset : offset + width]
 
 
 class ChunkedField:
     """One field of a table's records, read and written as a tensor of its own dtype."""
 
-    def __init__(self, records: _Records, spec: FieldSpec, offset: int, access: _NativeAccess | _TensorAccess) -> None:
+    def __init__(self, records: _Records, spec: FieldSpec, offset: int) -> None:
         self.spec = spec
         self.offset = offset
         self._rows = records
-        self._access = access
 
     def chunk(self, index: int, rows: int) -> torch.Tensor:
         """The field of the first ``rows`` records of chunk ``index`` (a strided view).
@@ -189,32 +179,25 @@ class ChunkedField:
         Only for fields whose item size divides the record size (every field but the 8-byte id, whose records
         may be 4-byte aligned): :meth:`gather` reads any field.
         """
-        raw = self.raw(index, rows)
+        raw = self._rows.chunks[index][:rows, self.offset : self.offset + self.spec.row_bytes]
         if self._rows.record_bytes % self.spec.itemsize:
             raise ValueError(f"records of {self._rows.record_bytes} bytes hold no strided view of {self.spec.dtype}; use gather()")
-        return self.typed(raw.view(self.spec.dtype))
-
-    def raw(self, index: int, rows: int) -> torch.Tensor:
-        """The bytes of the field in the first ``rows`` records of chunk ``index`` (``[rows, row_bytes]`` uint8)."""
-        return self._rows.chunks[index][:rows, self.offset : self.offset + self.spec.row_bytes]
-
-    def typed(self, view: torch.Tensor) -> torch.Tensor:
-        """``view`` (``[rows, width]`` of the field's dtype) shaped as the field."""
+        view = raw.view(self.spec.dtype)
         return view.squeeze(1) if self.spec.width is None else view
 
     def gather(self, rows: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The field of ``rows`` (int64; ``-1`` leaves that row of ``out`` as it is), shaped as the field."""
         if out is None:
             out = torch.empty(self.spec.shape(rows.numel()), dtype=self.spec.dtype)
-        return self._access.gather(self, rows, out)
+        return self._rows.access.gather(self.offset, rows, out)
 
     def scatter(self, rows: torch.Tensor, values: torch.Tensor) -> None:
         """The field of row ``rows[i]`` becomes ``values[i]`` (``-1`` skipped)."""
-        self._access.scatter(self, rows, values.to(self.spec.dtype))
+        self._rows.access.scatter(self.offset, rows, values.to(self.spec.dtype))
 
     def fill(self, rows: torch.Tensor, value: int, add: bool = False) -> None:
         """An int32 field of ``rows`` (``-1`` skipped) becomes ``value``, or grows by it with ``add``."""
-        self._access.fill(self, rows, value, add)
+        self._rows.access.set_int32(self.offset, rows, value, add)
 
 
 class ChunkedRows:
@@ -233,9 +216,7 @@ class ChunkedRows:
             offsets[name] = offset
             offset += spec.row_bytes
         self._records = _Records(max(_ALIGN, -(-offset // _ALIGN) * _ALIGN))
-        # chosen once: every gather and scatter of the table then goes one way down, to the C loops or tensor ops
-        self._access = _NativeAccess(self._records) if native.available() else _TensorAccess(self._records)
-        self.fields = {name: ChunkedField(self._records, fields[name], offsets[name], self._access) for name in offsets}
+        self.fields = {name: ChunkedField(self._records, fields[name], offsets[name]) for name in offsets}
 
     def __getitem__(self, name: str) -> ChunkedField:
         return self.fields[name]
@@ -283,13 +264,13 @@ class ChunkedRows:
 
     def gather_fields(self, rows: torch.Tensor, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``out[name]`` = field ``name`` of ``rows``, every field in one pass over the records; returns ``out``."""
-        self._access.fields(rows, {self.fields[name]: array for name, array in out.items()}, to_rows=False)
+        self._records.access.fields(rows, {self.fields[name].offset: array for name, array in out.items()}, to_rows=False)
         return out
 
     def scatter_fields(self, rows: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
         """Field ``name`` of ``rows`` = ``values[name]``, every field in one pass over the records."""
-        self._access.fields(rows, {self.fields[name]: array.to(self.fields[name].spec.dtype) for name, array in values.items()},
-                            to_rows=True)
+        self._records.access.fields(rows, {self.fields[name].offset: array.to(self.fields[name].spec.dtype)
+                                           for name, array in values.items()}, to_rows=True)
 
 
 def _populate(ranges: list[tuple[mmap.mmap, int, int]]) -> None:

@@ -14,7 +14,7 @@ from typing import ContextManager, Optional, Sequence
 import torch
 
 from lightning_persia.remote_ps.store import eviction
-from lightning_persia.remote_ps.store.admission import Admission
+from lightning_persia.remote_ps.store.admission import Admission, make_admission
 from lightning_persia.remote_ps.store.disk import part as disk_part
 from lightning_persia.remote_ps.store.disk.part import DiskPart, NoDisk
 from lightning_persia.remote_ps.store.disk.segment_mapping import MAPPED_BYTES
@@ -42,7 +42,7 @@ class Table(MemoryRows):
         ``promote_later``: a training lookup leaves the rows it read from disk to the shard's demoter
         (:meth:`DiskPart.promote_pending`) instead of bringing them into memory itself (``promotions.py``)."""
         super().__init__(config, seed)
-        self._admission = Admission(config, seed, self)
+        self._admission: Admission = make_admission(config, seed, self)
         self._ttl = TimeToLive(config)
         self._worst_held = WorstHeld()
         self._lock_waits = LockWaits()

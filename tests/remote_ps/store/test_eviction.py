@@ -89,12 +89,11 @@ def test_a_stale_estimate_sweeps_a_bounded_part_then_samples_anew(monkeypatch):
 
 
 @pytest.mark.parametrize("count", [1, 37, 500, 10_000])
-def test_the_kernels_take_the_cold_values_of_a_field_of_records_as_the_tensor_ops_do(native_kernels, monkeypatch, count):
+def test_the_kernels_take_the_cold_values_of_a_field_of_records_as_the_tensor_ops_do(native_kernels, count):
     records = torch.randint(-1, 50, (6_000, 13), dtype=torch.int32, generator=torch.Generator().manual_seed(5))
     values = records[:, 5]  # a field of 52-byte records: a strided view, as a table's access values are
-    in_c = eviction._cold_among(values, 20, count)
-    monkeypatch.setattr(native, "available", lambda: False)
-    with_tensors = eviction._cold_among(values, 20, count)
+    in_c = native_rows.select_at_most(values, 20, FREE, count)
+    with_tensors = eviction._cold_among(values, 20, FREE, count)
     assert torch.equal(in_c[0], with_tensors[0]) and in_c[1] == with_tensors[1]
     assert bool(((values[in_c[0]] <= 20) & (values[in_c[0]] != FREE)).all())
     assert in_c[1] == (values.numel() if in_c[0].numel() < count else int(in_c[0][-1]) + 1)

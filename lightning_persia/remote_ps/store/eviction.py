@@ -10,9 +10,9 @@ are found. An eviction of ``count`` rows so reads about ``count / BULK_FRACTION`
 ``count`` ids, whatever the table size: at most :data:`SLICE_ROWS` beyond what a request needs. (Taking 5% of
 the capacity at once held a 67M-row table's lock 1.3 to 1.5 s: every access value scanned, 3.3M ids removed.)
 
-:class:`MemoryLimit` is a table's part for it, with one entry point for the table (:meth:`MemoryLimit.victims`); a
+:class:`Eviction` is a table's part for it, with one entry point for the table (:meth:`Eviction.victims`); a
 disk table's demoter asks it ahead, without the lock, for the threshold it then evicts by
-(:meth:`MemoryLimit.cold_estimate`).
+(:meth:`Eviction.cold_estimate`).
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ _SWEEP_ROWS = 1 << 18  # access values read per step of the sweep
 _STALE_READS = 4  # a sweep by an estimate made earlier reads at most this many times what a fresh one needs on average
 
 
-class MemoryLimit:
+class Eviction:
     """Which rows of a table leave its memory when it is full: the sweep's clock hand and its samples' generators,
     seeded by ``seed``; ``access``: the table's ``access`` field (rows an operation keeps are hidden in it)."""
 

@@ -63,7 +63,7 @@ class MemoryRows:
         }
         self._rows = ChunkedRows({name: spec for name, spec in self.field_specs.items() if spec.row_bytes > 0})
         self._index = make_index(self._rows)
-        self._limit = eviction.MemoryLimit(self._rows["access"], seed)
+        self._eviction = eviction.Eviction(self._rows["access"], seed)
         self._size = 0  # rows allocated so far (live or free)
         self._live = 0
         self._free = FreeRows()
@@ -376,12 +376,12 @@ class MemoryRows:
 
     def cold_estimate(self, count: int) -> Optional[tuple[int, float]]:
         """The access value at or below which the ``count`` coldest rows lie, from a sample read without the lock
-        (:meth:`~.eviction.MemoryLimit.cold_estimate`): what a demotion selects by. One estimate serves several
+        (:meth:`~.eviction.Eviction.cold_estimate`): what a demotion selects by. One estimate serves several
         demotions: the coldest :data:`eviction.BULK_FRACTION` of the rows lie below it, and an access value only
         grows."""
         with self.lock:
             access = self._access_in_use()
-        return self._limit.cold_estimate(access, count)
+        return self._eviction.cold_estimate(access, count)
 
     def demote_coldest(self, count: int, estimated: Optional[tuple[int, float]]) -> None:
         """Evicts ``count`` of the coldest rows (those in memory at most), selected by ``estimated``: the disk part
@@ -425,7 +425,7 @@ class MemoryRows:
     def _evict(self, count: int, estimated: Optional[tuple[int, float]] = None, keep: Optional[torch.Tensor] = None) -> None:
         """Evicts (a disk table: demotes) ``count`` cold rows, none of ``keep``; ``estimated``: their threshold
         (:meth:`cold_estimate`)."""
-        victims = self._limit.victims(self._access_in_use(), count, estimated, keep)
+        victims = self._eviction.victims(self._access_in_use(), count, estimated, keep)
         gone = self._rows["ids"].gather(victims)
         # a disk table demotes: the rows are written to disk first (a failure changes nothing), and stay there, so
         # they are no removal (neither the journal's nor a serving delta's)

@@ -14,8 +14,9 @@ The first write to a page of fresh memory costs a fault, and a huge page's fault
 compact memory: tens to hundreds of milliseconds that an inserting request would spend holding its table's lock.
 So a table past its first chunk has the memory of the rows it will append next committed ahead of it, by a
 background thread (``MADV_POPULATE_WRITE``, which commits pages without changing what they hold).
-Gathers and scatters run as native loops over the chunks' addresses (``store/native/rows.c``) or, without them, as
-tensor indexing of typed views of each chunk.
+Gathers and scatters run as native loops over the chunks' addresses (``store/native/rows.c``, through
+:class:`~.native.rows.Chunks`) or, without them, as tensor indexing of each chunk's bytes; a table's rows choose one
+when they are made, so a field's read goes one way down.
 """
 from __future__ import annotations
 

@@ -1,7 +1,14 @@
-"""Which unseen ids a training lookup admits: a draw of ``admit_probability``, then ``admit_after`` sightings.
+"""What a lookup does with the ids that neither its table's memory nor its disk holds: a training lookup admits them
+(a draw of ``admit_probability``, then ``admit_after`` sightings), an evaluation one reads their initial rows.
 
-:class:`Admission` is a table's part for it, with one entry point (:meth:`Admission.admitted`). The sightings are
-counted without a row per id:
+:class:`Admission` is a table's part for it, with one entry point (:meth:`Admission.fill_missing`), which the table calls
+once per lookup. Which of two it is, :func:`make_admission` chooses once per table, like the id index: a
+:class:`DrawnAdmission` (tensor ops, for any table: its draws and sightings, its first rows from ``initializers.py``)
+or, where every unseen id is admitted with a Uniform first row and the index is native, a :class:`OnePassAdmission`
+(one native pass finds room, draws the rows, indexes them and fills the lookup's output), which leaves the lookups
+that pass cannot serve to a DrawnAdmission of its own. Either writes through its table's memory (:class:`NewRows`).
+
+The sightings are counted without a row per id:
 
 A counting filter (a count-min sketch with conservative update): one byte counters, each id hashed to
 :data:`_HASHES` of them; an id's count is the least of its counters, so it is never under-counted and over-counted
@@ -11,10 +18,15 @@ counters have been added (the count decays with the table's traffic, not with th
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
 
 from lightning_persia.ops.hashing import mix64, name_hash
-from lightning_persia.remote_ps.table_config import TableConfig
+from lightning_persia.remote_ps.store.initializers import initial_rows, table_key
+from lightning_persia.remote_ps.store.optimizers import SparseRule
+from lightning_persia.remote_ps.table_config import TableConfig, Uniform
 
 _HASHES = 2
 _SALTS = (0x3C6EF372FE94F82B, 0x1BD11BDAA9FC1A22)  # below 2**63: the salts are int64s
@@ -59,22 +71,117 @@ class CountingFilter:
         return self.width
 
 
-class Admission:
-    """A table's admission of unseen ids (``config.admit_probability``, ``config.admit_after``), its draws seeded by
-    ``seed`` and the table's name (so every shard and every replay draws alike)."""
+@dataclass(frozen=True)
+class FirstRows:
+    """What the native pass draws an admitted id's first record from: the table's generator key
+    (:func:`~.initializers.table_key`), the Uniform bounds, and one record's initial optimizer state (float32)."""
 
-    def __init__(self, config: TableConfig, seed: int) -> None:
+    key: int
+    uniform: tuple[float, float]
+    state: torch.Tensor
+
+
+class NewRows(Protocol):
+    """What admission asks of its table's memory (:class:`~.memory_rows.MemoryRows` is one); the lock held."""
+
+    rule: SparseRule
+
+    @property
+    def indexed_natively(self) -> bool: ...
+
+    @property
+    def saving(self) -> bool: ...
+
+    def admit_in_one_pass(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, missing: int, first: FirstRows) -> None: ...
+
+    def write_admitted(self, ids: torch.Tensor, initial: torch.Tensor) -> None: ...
+
+
+class Admission(Protocol):
+    """A table's admission of unseen ids (``config.admit_probability``, ``config.admit_after``), made by
+    :func:`make_admission`."""
+
+    def fill_missing(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, missing: int) -> None:
+        """The rows of ``out`` that neither the memory nor the disk held (``missing`` of them: -1 in ``rows``; -2: read
+        from disk and left there, already in ``out``): a training lookup admits their ids, an evaluation one reads
+        their initial rows. The lock held."""
+
+    def stats(self) -> dict[str, int]: ...
+
+
+def make_admission(config: TableConfig, seed: int, memory: NewRows) -> Admission:
+    """The admission of ``config``'s table over ``memory``, its draws seeded by ``seed`` and the table's name (so every
+    shard and every replay draws alike). The native pass admits every id it is given with a Uniform first row: a
+    draw, a sighting count or another initialiser takes the tensor ops."""
+    drawn = DrawnAdmission(config, seed, memory)
+    if not (memory.indexed_natively and isinstance(config.init, Uniform) and drawn.admits_all):
+        return drawn
+    first = FirstRows(table_key(seed, config.name), (config.init.low, config.init.high), memory.rule.initial_state(1).reshape(-1))
+    return OnePassAdmission(config, memory, first, drawn)
+
+
+class OnePassAdmission:
+    """Admission in one native pass (``jobs.c``'s ``lp_admit``): every unseen id admitted, its first row Uniform."""
+
+    def __init__(self, config: TableConfig, memory: NewRows, first: FirstRows, others: DrawnAdmission) -> None:
+        """``others``: the admission of the lookups the pass does not serve."""
+        self._capacity = config.capacity
+        self._memory = memory
+        self._first = first
+        self._others = others
+
+    def fill_missing(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, missing: int) -> None:
+        # An evaluation lookup admits nothing; a save keeps pre-images, which only the tensor ops write; more new ids
+        # than the table holds are cut to its capacity, which only the tensor ops do.
+        if train and missing <= self._capacity and not self._memory.saving:
+            self._memory.admit_in_one_pass(ids, rows, out, missing, self._first)
+        else:
+            self._others.fill_missing(ids, rows, out, train, missing)
+
+    def stats(self) -> dict[str, int]:
+        return self._others.stats()
+
+
+class DrawnAdmission:
+    """Admission in tensor ops: the draw, the sightings, the table's capacity; first rows from ``initializers.py``."""
+
+    def __init__(self, config: TableConfig, seed: int, memory: NewRows) -> None:
+        self._config = config
+        self._seed = seed
+        self._memory = memory
         self._probability = config.admit_probability
         self._after = config.admit_after
         self._draws = torch.Generator().manual_seed((seed ^ name_hash(config.name)) & ((1 << 63) - 1))
         self._sightings = CountingFilter() if config.admit_after > 1 else None
+        self._refused = 0  # unseen ids met in training that got no row (the draw, too few sightings, or no room)
 
     @property
     def admits_all(self) -> bool:
-        """Whether every unseen id is admitted (no draw, no sighting counted): a lookup may admit in one native pass."""
+        """Whether every unseen id is admitted (no draw, no sighting counted)."""
         return self._probability >= 1.0 and self._sightings is None
 
-    def admitted(self, ids: torch.Tensor) -> torch.Tensor:
+    def fill_missing(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, missing: int) -> None:
+        absent = rows == -1
+        unique, inverse = torch.unique(ids[absent], return_inverse=True)
+        config = self._config
+        initial = initial_rows(config.init, self._seed, config.name, unique, config.dim).to(out.dtype)
+        out[absent] = initial[inverse]
+        if not train:
+            return
+        keep = self._admitted(unique)
+        if not bool(keep.all()):
+            self._refused += int((~keep).sum())
+            unique, initial = unique[keep], initial[keep]
+        if unique.numel() > config.capacity:
+            self._refused += unique.numel() - config.capacity
+            unique, initial = unique[: config.capacity], initial[: config.capacity]
+        if unique.numel():
+            self._memory.write_admitted(unique, initial)
+
+    def stats(self) -> dict[str, int]:
+        return {"not_admitted": self._refused}
+
+    def _admitted(self, ids: torch.Tensor) -> torch.Tensor:
         """Which of ``ids`` (distinct, unseen) are admitted now (a bool mask); counts a sighting of those drawn."""
         keep = torch.ones(ids.numel(), dtype=torch.bool)
         if self._probability < 1.0:

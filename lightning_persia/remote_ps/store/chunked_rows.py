@@ -14,8 +14,9 @@ The first write to a page of fresh memory costs a fault, and a huge page's fault
 compact memory: tens to hundreds of milliseconds that an inserting request would spend holding its table's lock.
 So a table past its first chunk has the memory of the rows it will append next committed ahead of it, by a
 background thread (``MADV_POPULATE_WRITE``, which commits pages without changing what they hold).
-Gathers and scatters run as native loops over the chunks' addresses (``store/native/rows.c``) or, without them, as
-tensor indexing of typed views of each chunk.
+Gathers and scatters run as native loops over the chunks' addresses (``store/native/rows.c``, through
+:class:`~.native.rows.Chunks`) or, without them, as tensor indexing of each chunk's bytes; a table's rows choose one
+when they are made, so a field's read goes one way down.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from lightning_persia.ops.native.library import row_bytes
 from lightning_persia.remote_ps.store import native
 from lightning_persia.remote_ps.store.native import rows as native_rows
 
@@ -79,6 +81,9 @@ class _Records:
         self.chunks: list[torch.Tensor] = []  # uint8 [chunk_rows, record_bytes]
         self.maps: list[tuple[mmap.mmap, int]] = []  # each chunk's map and the chunk's address in it
         self.layout = native_rows.Chunks(torch.empty(0, dtype=torch.int64), self.shift, record_bytes)
+        # chosen once: every gather and scatter of the table then goes one way down, to the C loops or tensor ops
+        self._tensor_ops = None if native.available() else _TensorChunks(self)
+        self.access: native_rows.Chunks | _TensorChunks = self.layout if self._tensor_ops is None else self._tensor_ops
         self.populated = 0  # rows whose memory is committed (or being committed) ahead of the writes
         self.last_populate: Optional[Future] = None  # the latest commit asked (the populator runs them in order)
 
@@ -89,7 +94,8 @@ class _Records:
         self.chunks.append(memory.view(self.chunk_rows, self.record_bytes))
         self.maps.append((buffer, memory.data_ptr()))
         self.layout = native_rows.Chunks(torch.tensor([c.data_ptr() for c in self.chunks], dtype=torch.int64),
-                                    self.shift, self.record_bytes)
+                                         self.shift, self.record_bytes)
+        self.access = self.layout if self._tensor_ops is None else self._tensor_ops
 
     def populate_ahead(self, rows: int, limit: int) -> None:
         """Commits, in the background, the memory of the rows that follow the first ``rows``, up to ``limit`` rows
@@ -125,6 +131,41 @@ class _Records:
             yield chunk, positions[mine], valid[mine] & (self.chunk_rows - 1)
 
 
+class _TensorChunks:
+    """The rows' fields read and written as :class:`~.native.rows.Chunks` does, in tensor indexing of each chunk's
+    bytes, for machines without the native kernels (same results, slower)."""
+
+    def __init__(self, records: _Records) -> None:
+        self._records = records
+
+    def gather(self, offset: int, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        for chunk, positions, offsets in self._records.by_chunk(rows):
+            values = self._bytes(chunk, offset, row_bytes(out))[offsets]
+            out[positions] = values.view(out.dtype).reshape(-1, *out.shape[1:])
+        return out
+
+    def scatter(self, offset: int, rows: torch.Tensor, values: torch.Tensor) -> None:
+        raw = values.contiguous().view(torch.uint8).view(values.shape[0], row_bytes(values))
+        for chunk, positions, offsets in self._records.by_chunk(rows):
+            self._bytes(chunk, offset, raw.shape[1])[offsets] = raw[positions]
+
+    def fields(self, rows: torch.Tensor, arrays: dict[int, torch.Tensor], to_rows: bool) -> None:
+        for offset, array in arrays.items():
+            if to_rows:
+                self.scatter(offset, rows, array)
+            else:
+                self.gather(offset, rows, array)
+
+    def set_int32(self, offset: int, rows: torch.Tensor, value: int, add: bool = False) -> None:
+        for chunk, _, offsets in self._records.by_chunk(rows):
+            view = self._bytes(chunk, offset, 4).view(torch.int32).squeeze(1)
+            view[offsets] = view[offsets] + value if add else value
+
+    def _bytes(self, chunk: int, offset: int, width: int) -> torch.Tensor:
+        """The ``width`` bytes at ``offset`` of every record of ``chunk`` (a ``[rows, width]`` uint8 view)."""
+        return self._records.chunks[chunk][:, offset : offset + width]
+
+
 class ChunkedField:
     """One field of a table's records, read and written as a tensor of its own dtype."""
 
@@ -139,49 +180,25 @@ class ChunkedField:
         Only for fields whose item size divides the record size (every field but the 8-byte id, whose records
         may be 4-byte aligned): :meth:`gather` reads any field.
         """
-        raw = self._raw(index, rows)
+        raw = self._rows.chunks[index][:rows, self.offset : self.offset + self.spec.row_bytes]
         if self._rows.record_bytes % self.spec.itemsize:
             raise ValueError(f"records of {self._rows.record_bytes} bytes hold no strided view of {self.spec.dtype}; use gather()")
-        return self._typed(raw.view(self.spec.dtype))
-
-    def _take(self, index: int, rows: int, offsets: torch.Tensor) -> torch.Tensor:
-        """A copy of the field of records ``offsets`` among the first ``rows`` of chunk ``index``."""
-        return self._typed(self._raw(index, rows)[offsets].view(self.spec.dtype))
-
-    def _raw(self, index: int, rows: int) -> torch.Tensor:
-        return self._rows.chunks[index][:rows, self.offset : self.offset + self.spec.row_bytes]
-
-    def _typed(self, view: torch.Tensor) -> torch.Tensor:
+        view = raw.view(self.spec.dtype)
         return view.squeeze(1) if self.spec.width is None else view
 
     def gather(self, rows: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The field of ``rows`` (int64; ``-1`` leaves that row of ``out`` as it is), shaped as the field."""
         if out is None:
             out = torch.empty(self.spec.shape(rows.numel()), dtype=self.spec.dtype)
-        if native.available():
-            return native_rows.gather(self._rows.layout, self.offset, rows, out)
-        for chunk, positions, offsets in self._rows.by_chunk(rows):
-            out[positions] = self._take(chunk, self._rows.chunk_rows, offsets)
-        return out
+        return self._rows.access.gather(self.offset, rows, out)
 
     def scatter(self, rows: torch.Tensor, values: torch.Tensor) -> None:
         """The field of row ``rows[i]`` becomes ``values[i]`` (``-1`` skipped)."""
-        values = values.to(self.spec.dtype)
-        if native.available():
-            native_rows.scatter(self._rows.layout, self.offset, rows, values)
-            return
-        raw = values.contiguous().view(torch.uint8).view(values.shape[0], self.spec.row_bytes)
-        for chunk, positions, offsets in self._rows.by_chunk(rows):
-            self._raw(chunk, self._rows.chunk_rows)[offsets] = raw[positions]
+        self._rows.access.scatter(self.offset, rows, values.to(self.spec.dtype))
 
     def fill(self, rows: torch.Tensor, value: int, add: bool = False) -> None:
         """An int32 field of ``rows`` (``-1`` skipped) becomes ``value``, or grows by it with ``add``."""
-        if native.available():
-            native_rows.set_int32(self._rows.layout, self.offset, rows, value, add)
-            return
-        for chunk, _, offsets in self._rows.by_chunk(rows):
-            view = self.chunk(chunk, self._rows.chunk_rows)
-            view[offsets] = view[offsets] + value if add else value
+        self._rows.access.set_int32(self.offset, rows, value, add)
 
 
 class ChunkedRows:
@@ -248,21 +265,13 @@ class ChunkedRows:
 
     def gather_fields(self, rows: torch.Tensor, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``out[name]`` = field ``name`` of ``rows``, every field in one pass over the records; returns ``out``."""
-        if native.available():
-            native_rows.fields(self.layout, rows, {self.fields[name].offset: array for name, array in out.items()}, to_rows=False)
-            return out
-        for name, array in out.items():
-            self.fields[name].gather(rows, array)
+        self._records.access.fields(rows, {self.fields[name].offset: array for name, array in out.items()}, to_rows=False)
         return out
 
     def scatter_fields(self, rows: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
         """Field ``name`` of ``rows`` = ``values[name]``, every field in one pass over the records."""
-        values = {name: array.to(self.fields[name].spec.dtype) for name, array in values.items()}
-        if native.available():
-            native_rows.fields(self.layout, rows, {self.fields[name].offset: array for name, array in values.items()}, to_rows=True)
-            return
-        for name, array in values.items():
-            self.fields[name].scatter(rows, array)
+        self._records.access.fields(rows, {self.fields[name].offset: array.to(self.fields[name].spec.dtype)
+                                           for name, array in values.items()}, to_rows=True)
 
 
 def _populate(ranges: list[tuple[mmap.mmap, int, int]]) -> None:

@@ -9,6 +9,10 @@ from where the previous eviction stopped (a clock hand), a slice at a time, unti
 are found. An eviction of ``count`` rows so reads about ``count / BULK_FRACTION`` access values and removes
 ``count`` ids, whatever the table size: at most :data:`SLICE_ROWS` beyond what a request needs. (Taking 5% of
 the capacity at once held a 67M-row table's lock 1.3 to 1.5 s: every access value scanned, 3.3M ids removed.)
+
+:class:`Eviction` is a table's part for it, with one entry point for the table (:meth:`Eviction.victims`); a
+disk table's demoter asks it ahead, without the lock, for the threshold it then evicts by
+(:meth:`Eviction.cold_estimate`).
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import contextlib
 import math
 from bisect import bisect_right
 from itertools import accumulate
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional, Protocol, Sequence
 
 import torch
 
@@ -34,6 +38,44 @@ _SAMPLE = 1 << 16
 _MARGIN = 1.25  # aim above count: a sample's quantile may fall short of it, and the sweep would read the whole table
 _SWEEP_ROWS = 1 << 18  # access values read per step of the sweep
 _STALE_READS = 4  # a sweep by an estimate made earlier reads at most this many times what a fresh one needs on average
+
+
+class Eviction:
+    """Which rows of a table leave its memory when it is full: the sweep's clock hand and its samples' generators,
+    seeded by ``seed``; ``access``: the table's ``access`` field (rows an operation keeps are hidden in it)."""
+
+    def __init__(self, access: "AccessField", seed: int) -> None:
+        self._access = access
+        self._sample = torch.Generator().manual_seed(seed)
+        self._demotion_sample = torch.Generator().manual_seed(seed + 1)  # the demoter's, used without the lock
+        self._start = 0  # the row where the next eviction's sweep starts (select_victims)
+
+    def victims(self, in_use: Sequence[torch.Tensor], count: int, estimated: Optional[tuple[int, float]] = None,
+                keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Row numbers of ``count`` cold rows (fewer if fewer are live), none of ``keep``: ``in_use[c]`` is the access
+        value of the rows of chunk ``c`` allocated so far; ``estimated``: their threshold (:meth:`cold_estimate`), or
+        estimated now. The table's lock held."""
+        if not in_use:
+            return torch.empty(0, dtype=torch.int64)
+        with hidden(self._access, keep):
+            victims, self._start = select_victims(in_use, count, self._sample, self._start, estimated)
+        if keep is not None and keep.numel():
+            victims = victims[~torch.isin(victims, keep)]
+        return victims
+
+    def cold_estimate(self, in_use: Sequence[torch.Tensor], count: int) -> Optional[tuple[int, float]]:
+        """:func:`estimate` of ``count`` victims among ``in_use`` (read without the lock; only the demoter calls it)."""
+        return estimate(in_use, count, self._demotion_sample)
+
+
+class AccessField(Protocol):
+    """A table's ``access`` field as :func:`hidden` reads and writes it (:class:`~.chunked_rows.ChunkedField` is one)."""
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor: ...
+
+    def scatter(self, rows: torch.Tensor, values: torch.Tensor) -> None: ...
+
+    def fill(self, rows: torch.Tensor, value: int) -> None: ...
 
 
 def touch_value(policy: str, step: int) -> tuple[int, bool]:
@@ -92,12 +134,15 @@ def _sweep(access: Sequence[torch.Tensor], threshold: int, count: int, start: in
     """Up to ``count`` live rows at or below ``threshold``, read from row ``start`` on (wrapping, at most once
     around), reading at most ``reads`` values; and the row after the last one taken (or read)."""
     bounds = list(accumulate((a.numel() for a in access), initial=0))
+    # In C where it can (one pass that stops at the last one taken): the tensor ops read the whole slice three times,
+    # 1.0 ms of a 16,384-row demotion's 5.25 ms with the lock held (100M rows, 40M in memory).
+    cold_among = native_rows.select_at_most if native.available() else _cold_among
     found, taken, position, read = [], 0, start, 0
     while taken < count and read < reads:
         chunk = bisect_right(bounds, position) - 1
         offset = position - bounds[chunk]
         values = access[chunk][offset : offset + min(_SWEEP_ROWS, reads - read)]
-        hits, step = _cold_among(values, threshold, count - taken)
+        hits, step = cold_among(values, threshold, FREE, count - taken)
         found.append(hits + position)
         taken += hits.numel()
         read += step
@@ -105,14 +150,11 @@ def _sweep(access: Sequence[torch.Tensor], threshold: int, count: int, start: in
     return (torch.cat(found) if found else torch.empty(0, dtype=torch.int64)), position
 
 
-def _cold_among(values: torch.Tensor, threshold: int, count: int) -> tuple[torch.Tensor, int]:
-    """The positions of up to ``count`` live ``values`` at or below ``threshold``, in order, and how many values that
-    took: up to the last one taken (the next sweep starts right after it), or all of them where fewer were found.
-    In C where it can (one pass that stops at the last one taken): the tensor ops read the whole slice three times,
-    1.0 ms of a 16,384-row demotion's 5.25 ms with the lock held (100M rows, 40M in memory)."""
-    if native.available():
-        return native_rows.select_at_most(values, threshold, FREE, count)
-    hits = torch.nonzero((values <= threshold) & (values != FREE)).squeeze(1)[:count]
+def _cold_among(values: torch.Tensor, threshold: int, free_mark: int, count: int) -> tuple[torch.Tensor, int]:
+    """:func:`~.native.rows.select_at_most` in tensor ops: the positions of up to ``count`` values at or below
+    ``threshold`` and not ``free_mark``, in order, and how many values that took: up to the last one taken (the next
+    sweep starts right after it), or all of them where fewer were found."""
+    hits = torch.nonzero((values <= threshold) & (values != free_mark)).squeeze(1)[:count]
     return hits, values.numel() if hits.numel() < count else int(hits[-1]) + 1
 
 
@@ -135,7 +177,7 @@ def _threshold(access: Sequence[torch.Tensor], count: float, total: int, generat
 
 
 @contextlib.contextmanager
-def hidden(access, rows: Optional[torch.Tensor]) -> Iterator[None]:
+def hidden(access: AccessField, rows: Optional[torch.Tensor]) -> Iterator[None]:
     """Within the block, ``rows`` (of a table's ``access`` field) look the hottest, so that a selection passes over
     them; their access values come back after it. A selection that takes every row of a small table may still name
     them: the caller drops those."""

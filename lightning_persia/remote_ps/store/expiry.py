@@ -65,13 +65,11 @@ class TimeToLive:
         self._steps, self._seconds = config.ttl_steps, config.ttl_seconds
         self._clock = StepClock()
 
-    @property
-    def enabled(self) -> bool:
-        return self._steps is not None or self._seconds is not None
-
     def limit(self, now: float, step: int) -> Optional[int]:
         """A sweep at time ``now`` of a table at lookup ``step``: rows whose last access is at or below the returned
-        step have expired (None: none has). The table's lock held."""
+        step have expired (None: none has, or the table has no TTL). The table's lock held."""
+        if self._steps is None and self._seconds is None:
+            return None
         self._clock.record(now, step)
         return expiry_step(step, now, self._clock, self._steps, self._seconds)
 

@@ -13,8 +13,9 @@ snapshot *since* an earlier point holds only the rows changed after it, and the 
 write-ahead log (``table_journal.py``).
 
 A row that leaves a full memory is evicted, or, where the table has a disk part (``disk/part.py``), demoted to disk;
-the part brings rows back through :meth:`MemoryRows.place`. An id that neither holds enters by admission
-(:meth:`MemoryRows.admit_missing`: which ids, ``admission.py``; their first rows, ``initializers.py``).
+the part brings rows back through :meth:`MemoryRows.place`. An id that neither holds enters by the table's
+admission part (``admission.py``), which writes it through :meth:`MemoryRows.admit_in_one_pass` or
+:meth:`MemoryRows.write_admitted`.
 """
 from __future__ import annotations
 
@@ -25,20 +26,20 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from lightning_persia.remote_ps.store import eviction
-from lightning_persia.remote_ps.store.admission import Admission
+from lightning_persia.remote_ps.store.admission import FirstRows
 from lightning_persia.remote_ps.store.chunked_rows import ChunkedRows, FieldSpec
 from lightning_persia.remote_ps.store.disk.part import DiskPart, NoDisk
 from lightning_persia.remote_ps.store.errors import StoreError
 from lightning_persia.remote_ps.store.free_rows import FreeRows
 from lightning_persia.remote_ps.store.index import NativeIdIndex, make_index
-from lightning_persia.remote_ps.store.initializers import initial_rows, table_key
+from lightning_persia.remote_ps.store.initializers import initial_rows
 from lightning_persia.remote_ps.store.native import jobs as native
 from lightning_persia.remote_ps.store.optimizers import make_rule
 from lightning_persia.remote_ps.store.removal_log import RemovalLog
 from lightning_persia.remote_ps.store.table_journal import Journal, Recording
 from lightning_persia.remote_ps.store.table_snapshot import SAVED_FIELDS, Preimages, SnapshotPoint, TableSnapshot
 from lightning_persia.remote_ps.store.wal.changes import TableChange
-from lightning_persia.remote_ps.table_config import STORAGE_DTYPES, TableConfig, Uniform
+from lightning_persia.remote_ps.table_config import STORAGE_DTYPES, TableConfig
 
 
 class MemoryRows:
@@ -62,9 +63,7 @@ class MemoryRows:
         }
         self._rows = ChunkedRows({name: spec for name, spec in self.field_specs.items() if spec.row_bytes > 0})
         self._index = make_index(self._rows)
-        self._eviction_sample = torch.Generator().manual_seed(seed)
-        self._demotion_sample = torch.Generator().manual_seed(seed + 1)  # the demoter's, used without the lock
-        self._evict_from = 0  # the row where the next eviction's sweep starts (eviction.select_victims)
+        self._eviction = eviction.Eviction(self._rows["access"], seed)
         self._size = 0  # rows allocated so far (live or free)
         self._live = 0
         self._free = FreeRows()
@@ -73,13 +72,8 @@ class MemoryRows:
         self._preimages = Preimages(self._rows, self.field_specs, self.lock)
         self._recording: Optional[Recording] = None  # the changes of the journaled operation under way
         self._removals = RemovalLog(config.name)
-        self._counters = dict(lookups=0, lookup_rows=0, inserted=0, evicted=0, not_admitted=0, updates=0, update_rows=0,
+        self._counters = dict(lookups=0, lookup_rows=0, inserted=0, evicted=0, updates=0, update_rows=0,
                               dropped_update_rows=0, expired=0)
-        self._admission = Admission(config, seed)
-        # What admitting an id in one native pass needs (see _admits_natively): the generator's key, one record's
-        # initial optimizer state.
-        self._init_key = table_key(seed, config.name)
-        self._initial_state = self.rule.initial_state(1).reshape(-1)
         self._disk: DiskPart | NoDisk = NoDisk(self)  # where evicted rows go: nowhere, or to disk
 
     @property
@@ -268,25 +262,21 @@ class MemoryRows:
             self._step += 1
         return (self._rows["access"], *eviction.touch_value(self.config.eviction, self._step))
 
-    def admit_missing(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, left: int) -> None:
-        """The rows of ``out`` that neither the memory nor the disk held (``left`` of them: -1 in ``rows``): a training
-        lookup admits their ids (those :class:`Admission` lets in), an evaluation one reads their initial rows. The
-        lock held."""
-        if train and self._admits_natively(left):
-            self._admit_natively(ids, rows, out, left)
-        else:
-            absent = rows == -1  # -2: read from disk, left there (an evaluation lookup, or a promotion queued)
-            out[absent] = self._fill_missing(ids[absent], train)
+    # ---- what admission asks of the memory (Admission's NewRows) ---------------------------------------
 
-    def _admits_natively(self, missing: int) -> bool:
-        """Whether the ``missing`` ids of a training lookup are admitted in one native pass: every one of them is
-        admitted (no admission draw, room for all), no save keeps pre-images, and their first rows are Uniform
-        (the initialiser the pass draws; a Normal or Constant one takes the tensor path)."""
-        return (isinstance(self._index, NativeIdIndex) and isinstance(self.config.init, Uniform) and self._preimages.active is None
-                and self._admission.admits_all and missing <= self.config.capacity)
+    @property
+    def indexed_natively(self) -> bool:
+        """Whether the id index is the native one (which can admit ids in one pass)."""
+        return isinstance(self._index, NativeIdIndex)
 
-    def _admit_natively(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, missing: int) -> None:
-        """Admits the absent ids of a training lookup and fills their rows of ``out`` (``jobs.c``'s ``lp_admit``).
+    @property
+    def saving(self) -> bool:
+        """Whether a save is in progress (it keeps the pre-images of rows about to change)."""
+        return self._preimages.active is not None
+
+    def admit_in_one_pass(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, missing: int, first: FirstRows) -> None:
+        """Admits the absent ids of a training lookup and fills their rows of ``out`` (``jobs.c``'s ``lp_admit``), their
+        first records drawn from ``first``. No save may be in progress (the pass keeps no pre-image).
 
         Rows are taken for every absent occurrence (a client sends each id once; an id repeated in a request takes
         one row and hands the others back to the free list), except where rows must be evicted for them. Only the
@@ -301,12 +291,12 @@ class MemoryRows:
             weights=(weights.offset, weights.spec.dtype),
             access=(access.offset, eviction.first_access(self.config.eviction, self._step)),
             version=(version.offset, self._version),
-            state=self._initial_state,
+            state=first.state,
             state_offset=state.offset if state is not None else 0,
         )
         job: Optional[native.AdmitJob] = None
         try:
-            job = self._index.admit_job(ids.contiguous(), rows, out, fresh, fields, self._init_key, (self.config.init.low, self.config.init.high))
+            job = self._index.admit_job(ids.contiguous(), rows, out, fresh, fields, first.key, first.uniform)
             native.admit(job)
         finally:  # what was admitted stays (also when the index could not grow); the rest of `fresh` is freed
             used = job.used if job is not None else 0
@@ -319,23 +309,9 @@ class MemoryRows:
                 access.fill(unused, eviction.FREE)
                 self._free.push(unused)
 
-    def _fill_missing(self, ids: torch.Tensor, train: bool) -> torch.Tensor:
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        initial = initial_rows(self.config.init, self.seed, self.config.name, unique, self.config.dim).to(self.storage_dtype)
-        if train:
-            self._admit(unique, initial)
-        return initial[inverse]
-
-    def _admit(self, ids: torch.Tensor, initial: torch.Tensor) -> None:
-        keep = self._admission.admitted(ids)
-        if not bool(keep.all()):
-            self._counters["not_admitted"] += int((~keep).sum())
-            ids, initial = ids[keep], initial[keep]
-        if ids.numel() > self.config.capacity:
-            self._counters["not_admitted"] += ids.numel() - self.config.capacity
-            ids, initial = ids[: self.config.capacity], initial[: self.config.capacity]
-        if not ids.numel():
-            return
+    def write_admitted(self, ids: torch.Tensor, initial: torch.Tensor) -> None:
+        """Writes the rows of ``ids`` (unique, absent, admitted: at most the capacity), ``initial`` their weights in
+        the storage dtype, with a first access and the rule's initial state."""
         n = ids.numel()
         fields = {"weights": initial,
                   "access": torch.full((n,), eviction.first_access(self.config.eviction, self._step), dtype=torch.int32)}
@@ -406,11 +382,12 @@ class MemoryRows:
 
     def cold_estimate(self, count: int) -> Optional[tuple[int, float]]:
         """The access value at or below which the ``count`` coldest rows lie, from a sample read without the lock
-        (:func:`eviction.estimate`): what a demotion selects by. One estimate serves several demotions: the
-        coldest :data:`eviction.BULK_FRACTION` of the rows lie below it, and an access value only grows."""
+        (:meth:`~.eviction.Eviction.cold_estimate`): what a demotion selects by. One estimate serves several
+        demotions: the coldest :data:`eviction.BULK_FRACTION` of the rows lie below it, and an access value only
+        grows."""
         with self.lock:
             access = self._access_in_use()
-        return eviction.estimate(access, count, self._demotion_sample)
+        return self._eviction.cold_estimate(access, count)
 
     def demote_coldest(self, count: int, estimated: Optional[tuple[int, float]]) -> None:
         """Evicts ``count`` of the coldest rows (those in memory at most), selected by ``estimated``: the disk part
@@ -453,15 +430,8 @@ class MemoryRows:
 
     def _evict(self, count: int, estimated: Optional[tuple[int, float]] = None, keep: Optional[torch.Tensor] = None) -> None:
         """Evicts (a disk table: demotes) ``count`` cold rows, none of ``keep``; ``estimated``: their threshold
-        (:func:`eviction.estimate`)."""
-        access = self._rows["access"]
-        in_use = self._access_in_use()
-        victims = torch.empty(0, dtype=torch.int64)
-        if in_use:
-            with eviction.hidden(access, keep):
-                victims, self._evict_from = eviction.select_victims(in_use, count, self._eviction_sample, self._evict_from, estimated)
-            if keep is not None and keep.numel():
-                victims = victims[~torch.isin(victims, keep)]
+        (:meth:`cold_estimate`)."""
+        victims = self._eviction.victims(self._access_in_use(), count, estimated, keep)
         gone = self._rows["ids"].gather(victims)
         # a disk table demotes: the rows are written to disk first (a failure changes nothing), and stay there, so
         # they are no removal (neither the journal's nor a serving delta's)

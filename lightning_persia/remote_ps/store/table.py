@@ -14,6 +14,7 @@ from typing import ContextManager, Optional, Sequence
 import torch
 
 from lightning_persia.remote_ps.store import eviction
+from lightning_persia.remote_ps.store.admission import Admission, make_admission
 from lightning_persia.remote_ps.store.disk import part as disk_part
 from lightning_persia.remote_ps.store.disk.part import DiskPart, NoDisk
 from lightning_persia.remote_ps.store.disk.segment_mapping import MAPPED_BYTES
@@ -41,6 +42,7 @@ class Table(MemoryRows):
         ``promote_later``: a training lookup leaves the rows it read from disk to the shard's demoter
         (:meth:`DiskPart.promote_pending`) instead of bringing them into memory itself (``promotions.py``)."""
         super().__init__(config, seed)
+        self._admission: Admission = make_admission(config, seed, self)
         self._ttl = TimeToLive(config)
         self._worst_held = WorstHeld()
         self._lock_waits = LockWaits()
@@ -94,7 +96,7 @@ class Table(MemoryRows):
                     if missing is None:  # the memory held every id
                         continue
                     if missing:
-                        table.admit_missing(ids, found, out, train, missing)
+                        table._admission.fill_missing(ids, found, out, train, missing)
                     if train:
                         table._worst_held.record(locks.held)
             journal_changes(tables, journal, always=False)
@@ -227,6 +229,7 @@ class Table(MemoryRows):
                 bytes=self._size * self._rows.record_bytes + self._index.nbytes + self._disk.map_bytes,
                 storage=self.config.storage,
                 **self._disk.stats(),
+                **self._admission.stats(),
                 saving_preimage_rows=snapshot.preimage_rows if snapshot is not None else 0,
                 **self._worst_held.stats(),
             )
@@ -240,8 +243,6 @@ class Table(MemoryRows):
         ``journal`` hears of the ids each slice deleted: a replay that missed them would bring the rows back with
         their old values.
         """
-        if not self._ttl.enabled:
-            return 0
         with self.lock:
             limit = self._ttl.limit(now, self._step)
             size, step = self._size, min(EXPIRY_SLICE_ROWS, self._rows.chunk_rows)

@@ -5,6 +5,7 @@ import torch
 from lightning_persia.remote_ps.store import native
 from lightning_persia.remote_ps.store.native import rows as native_rows
 from lightning_persia.remote_ps.store import eviction
+from lightning_persia.remote_ps.store.chunked_rows import ChunkedRows, FieldSpec
 from lightning_persia.remote_ps.store.eviction import FREE, select_victims
 
 
@@ -89,12 +90,11 @@ def test_a_stale_estimate_sweeps_a_bounded_part_then_samples_anew(monkeypatch):
 
 
 @pytest.mark.parametrize("count", [1, 37, 500, 10_000])
-def test_the_kernels_take_the_cold_values_of_a_field_of_records_as_the_tensor_ops_do(native_kernels, monkeypatch, count):
+def test_the_kernels_take_the_cold_values_of_a_field_of_records_as_the_tensor_ops_do(native_kernels, count):
     records = torch.randint(-1, 50, (6_000, 13), dtype=torch.int32, generator=torch.Generator().manual_seed(5))
     values = records[:, 5]  # a field of 52-byte records: a strided view, as a table's access values are
-    in_c = eviction._cold_among(values, 20, count)
-    monkeypatch.setattr(native, "available", lambda: False)
-    with_tensors = eviction._cold_among(values, 20, count)
+    in_c = native_rows.select_at_most(values, 20, FREE, count)
+    with_tensors = eviction._cold_among(values, 20, FREE, count)
     assert torch.equal(in_c[0], with_tensors[0]) and in_c[1] == with_tensors[1]
     assert bool(((values[in_c[0]] <= 20) & (values[in_c[0]] != FREE)).all())
     assert in_c[1] == (values.numel() if in_c[0].numel() < count else int(in_c[0][-1]) + 1)
@@ -115,3 +115,19 @@ def test_the_victims_are_the_same_with_the_kernels_and_without(native_kernels, m
     monkeypatch.setattr(native, "available", lambda: False)
     with_tensors = select_victims(access, 5_000, torch.Generator().manual_seed(4), 123_456)
     assert torch.equal(in_c[0], with_tensors[0]) and in_c[1] == with_tensors[1]
+
+
+def test_the_eviction_part_passes_over_the_rows_kept_and_sweeps_on_from_where_it_stopped(store_kernels):
+    rows = ChunkedRows({"access": FieldSpec(torch.int32)})
+    rows.reserve(200_000)  # more rows than a sample: the victims are swept for, from the clock hand on
+    access = rows["access"]
+    access.scatter(torch.arange(200_000), torch.arange(200_000, dtype=torch.int32) % 1000)
+    in_use = [access.chunk(c, rows.chunk_rows) for c in range(rows.num_chunks)]
+    part = eviction.Eviction(access, seed=0)
+    keep = torch.arange(0, 200_000, 1000)  # rows of access value 0, the coldest
+    first = part.victims(in_use, 500, keep=keep)
+    assert first.numel() == 500 and not bool(torch.isin(first, keep).any())
+    assert torch.equal(access.gather(keep), torch.zeros(keep.numel(), dtype=torch.int32))  # unhidden after it
+    second = part.victims(in_use, 500)
+    assert int(second.min()) > int(first.max())  # the second sweep starts where the first stopped
+    assert part.victims([], 10).numel() == 0  # a table with no row allocated has no victim

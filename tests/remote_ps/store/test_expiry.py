@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from lightning_persia.remote_ps.store.expiry import StepClock, expiry_step
+from lightning_persia.remote_ps.store.expiry import StepClock, TimeToLive, expiry_step
 from lightning_persia.remote_ps.store.shard_store import ShardStore
 from lightning_persia.remote_ps.store.table import Table
 from lightning_persia.remote_ps.table_config import ConfigError, TableConfig
@@ -66,3 +66,11 @@ def test_a_ttl_needs_lru_access_values():
         TableConfig("t", DIM, ttl_steps=3, eviction="lfu")
     with pytest.raises(ConfigError, match="ttl_steps must be a positive number"):
         TableConfig("t", DIM, ttl_steps=0)
+
+
+def test_a_table_without_a_ttl_expires_nothing_and_its_part_gives_no_limit():
+    config = TableConfig("t", 4)
+    assert TimeToLive(config).limit(now=1e9, step=10**6) is None
+    table = Table(config, seed=0)
+    table.lookup(torch.arange(10), train=True)
+    assert table.expire(now=1e9) == 0 and table.stats()["rows"] == 10

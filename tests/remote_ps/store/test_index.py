@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from lightning_persia.remote_ps.store import native
-from lightning_persia.remote_ps.store.native import rows as native_rows
 from lightning_persia.remote_ps.store.native.id_index import Index
 from lightning_persia.remote_ps.store import index as index_module
 from lightning_persia.remote_ps.store import chunked_rows
@@ -82,11 +81,11 @@ def test_wrong_buffers_are_refused_before_any_c_code_runs(native_kernels, monkey
     with pytest.raises(ValueError, match="row 5000 is past the 2048 rows"):
         index.insert(torch.arange(2), torch.tensor([0, 5000]), chunks)
     with pytest.raises(ValueError, match="row 2048 is past"):
-        native_rows.gather(chunks, 0, torch.tensor([2048]), torch.empty(1, dtype=torch.int64))
+        chunks.gather(0, torch.tensor([2048]), torch.empty(1, dtype=torch.int64))
     with pytest.raises(ValueError, match="contiguous CPU tensor of 2 rows"):
-        native_rows.scatter(chunks, 0, torch.tensor([0, 1]), torch.zeros(3, dtype=torch.int64))
+        chunks.scatter(0, torch.tensor([0, 1]), torch.zeros(3, dtype=torch.int64))
     with pytest.raises(ValueError, match="16 bytes at offset 0 does not fit in records of 8 bytes"):
-        native_rows.gather(chunks, 0, torch.tensor([1]), torch.empty(1, 2, dtype=torch.int64))
+        chunks.gather(0, torch.tensor([1]), torch.empty(1, 2, dtype=torch.int64))
     with pytest.raises(ValueError, match="does not fit"):
         index.find(torch.arange(2), chunks, touch=(6, 1, False))
 

@@ -175,9 +175,9 @@ def test_a_training_lookup_admits_new_ids_natively_as_the_tensor_path_does(nativ
     (state and version: the updates that follow agree) and counters as the tensor path, across chunk boundaries, with
     ids repeated in a request (one row each). (With eviction the two paths may pick other victims among rows of equal
     access values, as rows are numbered in another order: see the eviction tests, which run this pass.)"""
-    fallback = Table._fill_missing
+    write_admitted = Table.write_admitted
     tensor_admissions = []
-    monkeypatch.setattr(Table, "_fill_missing", lambda self, ids, train: tensor_admissions.append(train) or fallback(self, ids, train))
+    monkeypatch.setattr(Table, "write_admitted", lambda self, ids, initial: tensor_admissions.append(ids) or write_admitted(self, ids, initial))
     native_store = ShardStore(0, 1, seed=3)
     native_rows = _admitting_steps(native_store, torch.Generator().manual_seed(0))
     assert tensor_admissions == []  # every admission above ran natively
@@ -185,7 +185,7 @@ def test_a_training_lookup_admits_new_ids_natively_as_the_tensor_path_does(nativ
     monkeypatch.setattr(chunked_rows.native, "available", lambda: False)
     tensor_store = ShardStore(0, 1, seed=3)
     tensor_rows = _admitting_steps(tensor_store, torch.Generator().manual_seed(0))
-    assert tensor_admissions and all(tensor_admissions)
+    assert tensor_admissions
     # The first lookups admit only: bit for bit. Later ones read rows the rules changed (the native rules and the
     # tensor ones agree to float32 rounding, which may flip the last bit of an fp16 row).
     def close(config: TableConfig) -> dict:
@@ -252,7 +252,7 @@ def test_an_admission_cut_short_keeps_what_it_admitted_and_frees_the_other_rows(
 ], ids=["normal-init", "admission-draw", "more-new-ids-than-capacity"])
 def test_tables_the_native_pass_does_not_cover_admit_in_tensor_ops(native_kernels, config, monkeypatch):
     native_admissions = []
-    monkeypatch.setattr(Table, "_admit_natively", lambda *args: native_admissions.append(args))
+    monkeypatch.setattr(Table, "admit_in_one_pass", lambda *args: native_admissions.append(args))
     store = ShardStore(0, 1, seed=1)
     store.configure(config)
     rows = store.lookup("t", torch.arange(20), train=True)

@@ -29,7 +29,8 @@ native.LIBRARY.declare(SIGNATURES)
 
 @dataclass(frozen=True)
 class Chunks:
-    """Rows kept as records of ``stride`` bytes in chunks of ``2**shift`` records (``addresses``: the chunks')."""
+    """Rows kept as records of ``stride`` bytes in chunks of ``2**shift`` records (``addresses``: the chunks'), and
+    the C loops that read and write their fields."""
 
     addresses: torch.Tensor
     shift: int
@@ -64,41 +65,37 @@ class Chunks:
             raise ValueError(f"row {int(rows.max())} is past the {self.capacity} rows of the chunks")
         return rows
 
+    def gather(self, offset: int, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out[i]`` = the field at byte ``offset`` of the record of row ``rows[i]`` (``out[i]``'s size; ``rows[i] < 0``
+        leaves it as it is). Returns ``out``."""
+        rows = self.check_rows(rows, out, offset)
+        native.LIBRARY.require().lp_gather(*self.layout(), offset, row_bytes(out), rows.data_ptr(), rows.numel(), out.data_ptr())
+        return out
 
-def gather(chunks: Chunks, offset: int, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out[i]`` = the field at byte ``offset`` of the record of row ``rows[i]`` (``out[i]``'s size; ``rows[i] < 0``
-    leaves it as it is). Returns ``out``."""
-    rows = chunks.check_rows(rows, out, offset)
-    native.LIBRARY.require().lp_gather(*chunks.layout(), offset, row_bytes(out), rows.data_ptr(), rows.numel(), out.data_ptr())
-    return out
+    def scatter(self, offset: int, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """The field at byte ``offset`` of the record of row ``rows[i]`` becomes ``values[i]``; ``rows[i] < 0`` is skipped."""
+        values = values.contiguous()
+        rows = self.check_rows(rows, values, offset)
+        native.LIBRARY.require().lp_scatter(*self.layout(), offset, row_bytes(values), rows.data_ptr(), rows.numel(),
+                                            values.data_ptr())
 
+    def fields(self, rows: torch.Tensor, arrays: dict[int, torch.Tensor], to_rows: bool) -> None:
+        """Several fields of ``rows`` in one pass over their records: ``arrays[offset]`` is the ``[n, ...]`` array of the
+        field at byte ``offset``; ``to_rows`` writes the arrays into the rows, else the rows into the arrays."""
+        arrays = {offset: array if array.is_contiguous() else array.contiguous() for offset, array in arrays.items()}
+        for offset, array in arrays.items():
+            rows = self.check_rows(rows, array, offset)
+        count = len(arrays)
+        offsets = (ctypes.c_int64 * count)(*arrays)
+        widths = (ctypes.c_int64 * count)(*(row_bytes(a) for a in arrays.values()))
+        pointers = (ctypes.c_int64 * count)(*(a.data_ptr() for a in arrays.values()))
+        native.LIBRARY.require().lp_fields(*self.layout(), rows.data_ptr(), rows.numel(), count, offsets, widths, pointers,
+                                           int(to_rows))
 
-def scatter(chunks: Chunks, offset: int, rows: torch.Tensor, values: torch.Tensor) -> None:
-    """The field at byte ``offset`` of the record of row ``rows[i]`` becomes ``values[i]``; ``rows[i] < 0`` is skipped."""
-    values = values.contiguous()
-    rows = chunks.check_rows(rows, values, offset)
-    native.LIBRARY.require().lp_scatter(*chunks.layout(), offset, row_bytes(values), rows.data_ptr(), rows.numel(),
-                                        values.data_ptr())
-
-
-def fields(chunks: Chunks, rows: torch.Tensor, arrays: dict[int, torch.Tensor], to_rows: bool) -> None:
-    """Several fields of ``rows`` in one pass over their records: ``arrays[offset]`` is the ``[n, ...]`` array of the
-    field at byte ``offset``; ``to_rows`` writes the arrays into the rows, else the rows into the arrays."""
-    arrays = {offset: array if array.is_contiguous() else array.contiguous() for offset, array in arrays.items()}
-    for offset, array in arrays.items():
-        rows = chunks.check_rows(rows, array, offset)
-    count = len(arrays)
-    offsets = (ctypes.c_int64 * count)(*arrays)
-    widths = (ctypes.c_int64 * count)(*(row_bytes(a) for a in arrays.values()))
-    pointers = (ctypes.c_int64 * count)(*(a.data_ptr() for a in arrays.values()))
-    native.LIBRARY.require().lp_fields(*chunks.layout(), rows.data_ptr(), rows.numel(), count, offsets, widths, pointers,
-                                       int(to_rows))
-
-
-def set_int32(chunks: Chunks, offset: int, rows: torch.Tensor, value: int, add: bool = False) -> None:
-    """The int32 field at byte ``offset`` of ``rows`` (``< 0``: skipped) becomes ``value``, or grows by it with ``add``."""
-    rows = chunks.check_rows(rows, None, offset, 4)
-    native.LIBRARY.require().lp_set_i32(*chunks.layout(), offset, rows.data_ptr(), rows.numel(), value, int(add))
+    def set_int32(self, offset: int, rows: torch.Tensor, value: int, add: bool = False) -> None:
+        """The int32 field at byte ``offset`` of ``rows`` (``< 0``: skipped) becomes ``value``, or grows by it with ``add``."""
+        rows = self.check_rows(rows, None, offset, 4)
+        native.LIBRARY.require().lp_set_i32(*self.layout(), offset, rows.data_ptr(), rows.numel(), value, int(add))
 
 
 def select_at_most(values: torch.Tensor, threshold: int, free_mark: int, count: int) -> tuple[torch.Tensor, int]:

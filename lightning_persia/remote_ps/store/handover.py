@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 import torch
 
-from lightning_persia.ops.shard_map import ShardMap
+from lightning_persia.ops.shard_map import SLOTS, ShardMap
 from lightning_persia.remote_ps.store.errors import InvalidRequestError
 from lightning_persia.read_write_lock import ReadWriteLock
 from lightning_persia.remote_ps.store.progress import Progress
@@ -66,19 +66,20 @@ class SlotHandover:
                                           "change the shard count through a checkpoint (save, restart with the new count, load)")
             for table in tables:
                 held.enter_context(table.lock)
-            snapshots = [table.begin_snapshot(0) for table in tables]
-            self._outgoing = OutgoingSlots(self.shard_index, self._shard_map, to_map, snapshots, addresses)
-        return self._handover_rows(self._outgoing, snapshots)
+            outgoing = OutgoingSlots(self.shard_index, self._shard_map, to_map, addresses)
+            snapshots = [table.begin_snapshot(0, only=outgoing.covers) for table in tables]
+            outgoing.hold(snapshots)
+            self._outgoing = outgoing
+        return self._handover_rows(outgoing, snapshots)
 
     def _handover_rows(self, outgoing: OutgoingSlots, snapshots: list[TableSnapshot]) -> Iterator[tuple[TableConfig, int, dict[str, torch.Tensor]]]:
         for snapshot in snapshots:
             yield snapshot.config, snapshot.step, {}  # the table, even with no row to move
-            job = self.progress.begin("hand-over", snapshot.config.name, snapshot.rows)  # rows of the point read
-            for chunk in snapshot.chunks():
-                keep = outgoing.covers(chunk["ids"])
-                job.advance(int(keep.numel()))
-                if bool(keep.any()):
-                    rows = {name: values[keep] for name, values in chunk.items()}
+            # about the moving rows of the point (ids hash evenly over the slots): the snapshot reads those alone
+            job = self.progress.begin("hand-over", snapshot.config.name, snapshot.rows * len(outgoing.slots) // SLOTS)
+            for rows in snapshot.chunks():  # the moving slots' rows alone (the snapshot's ``only``)
+                job.advance(int(rows["ids"].numel()))
+                if rows["ids"].numel():
                     self.moves.handed(rows)
                     yield snapshot.config, snapshot.step, rows
             job.finish()
@@ -260,11 +261,11 @@ class SlotHandover:
 
     def _drop_foreign_rows(self, table: Table) -> None:
         """Removes (and logs the removal of) the rows of ``table`` its map gives other shards."""
+        shard_map, shard = self._shard_map, self.shard_index
         with table.lock:
-            snapshot = table.begin_snapshot(0)
+            snapshot = table.begin_snapshot(0, only=lambda ids: shard_map.shard_of(ids) != shard)
         try:
-            foreign = [chunk["ids"][self._shard_map.shard_of(chunk["ids"]) != self.shard_index].clone()
-                       for chunk in snapshot.chunks()]
+            foreign = [chunk["ids"].clone() for chunk in snapshot.chunks()]
         finally:
             snapshot.close()
         ids = torch.cat(foreign) if foreign else torch.empty(0, dtype=torch.int64)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -176,19 +176,20 @@ class MemoryRows:
 
     # ---- checkpoints -------------------------------------------------------------------------------
 
-    def begin_snapshot(self, since: int = 0) -> TableSnapshot:
+    def begin_snapshot(self, since: int = 0, only: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> TableSnapshot:
         """Takes the table's consistent point for a checkpoint; call it holding :attr:`lock`.
 
         The rows are then read chunk by chunk with :meth:`TableSnapshot.chunks`, while the table keeps serving.
         ``since`` (the :attr:`TableSnapshot.point` of an earlier snapshot) keeps only what changed after it: the
         rows written since, and the ids evicted since (:attr:`TableSnapshot.removed`). Raises :class:`StoreError`
-        when the evictions since then are no longer remembered (then only a full snapshot is possible).
+        when the evictions since then are no longer remembered (then only a full snapshot is possible). ``only``:
+        the rows the snapshot holds, by a mask of their ids (default: every row; the removed ids are not filtered).
         """
         if self._preimages.active is not None:
             raise StoreError(f"table {self.config.name!r} is already being saved")
         removed = self._removals.since(since) if since else torch.empty(0, dtype=torch.int64)
         state = SnapshotPoint(point=self._version, since=since, size=self._size, live=self._live, step=self._step,
-                              removed=removed, disk=self._disk.freeze() if not since else None)
+                              removed=removed, disk=self._disk.freeze() if not since else None, only=only)
         self._preimages.begin(state)
         self._version += 1
         return TableSnapshot(self.config, self.field_specs, state, self._preimages, self._disk.record_bytes)

@@ -1,7 +1,8 @@
 """Changing the number of parameter-server shards while training runs: slots move to their new owners live.
 
-:func:`rescale` coordinates one move from the cluster's map to :meth:`ShardMap.resized` of the new shard count (the
-steps and why nothing is lost or applied twice: ``remote_ps/store/slot_moves.py``):
+:func:`rescale` coordinates a move from the cluster's map to :meth:`ShardMap.resized` of the new shard count, in waves
+through the maps of :meth:`ShardMap.waves` (:class:`ScaleSettings`). Each wave is a whole move of its own (the steps
+and why nothing is lost or applied twice: ``remote_ps/store/slot_moves.py``):
 
 1. every shard that gives slots away (a *source*) takes a consistent point; its rows of those slots at the point
    go, page by page, to every shard that takes slots (a *taker*), which keeps the part the new map gives it;
@@ -10,7 +11,8 @@ steps and why nothing is lost or applied twice: ``remote_ps/store/slot_moves.py`
    adopt the new map, then the sources (which drop the rows handed over), then the other shards;
 4. trainers whose requests reach a source with the old map hear that it moved, fetch it and route again.
 
-The pause a trainer can notice is step 3: one round of the changes of about one training step.
+The pause a trainer can notice is step 3: one round of the wave's changes. Waves keep it short: a wave's rounds
+carry only its slots' changes, so they shrink where a third of all slots at once would not.
 
 The move goes through when its first taker adopts the new map (``remote_ps/move_settling.py``). A failure before that
 gives the move up on every shard (the old map stays; the takers drop what they took); one after it finishes the move

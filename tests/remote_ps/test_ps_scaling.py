@@ -84,6 +84,13 @@ def test_shards_added_and_drained_while_a_client_trains_lose_and_repeat_nothing(
         admin.close()
 
 
+@pytest.mark.parametrize("bad", [{"wave_rows": 0}, {"copy_share": 0.0}, {"copy_share": 1.5}, {"max_rounds": -1},
+                                 {"settle_rows": -1}])
+def test_scale_settings_refuse_values_that_cannot_pace_a_move(bad):
+    with pytest.raises(ValueError, match=f"scale settings need .*{next(iter(bad))}="):
+        ScaleSettings(**bad)
+
+
 def test_rescale_refuses_addresses_that_reorder_the_shards():
     with LocalShards(2, overrides=["seed=5"]) as shards:
         with PSClient(shards.addresses) as admin:

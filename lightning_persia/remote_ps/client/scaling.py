@@ -195,7 +195,8 @@ def _move(admin: ShardAdmin, current: ShardMap, to_map: ShardMap, addresses: Seq
                 if page.done:
                     break
         on_step("changes")
-        for wave.rounds in range(1, settings.max_rounds + 1):
+        while wave.rounds < settings.max_rounds:
+            wave.rounds += 1
             written = 0
             for shard in sources:
                 written += _forward(admin, admin.handover(shard, Step.CHANGES), takers, to_map)

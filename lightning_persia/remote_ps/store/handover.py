@@ -77,9 +77,11 @@ class SlotHandover:
             yield snapshot.config, snapshot.step, {}  # the table, even with no row to move
             # about the moving rows of the point (ids hash evenly over the slots): the snapshot reads those alone
             job = self.progress.begin("hand-over", snapshot.config.name, snapshot.rows * len(outgoing.slots) // SLOTS)
-            for rows in snapshot.chunks():  # the moving slots' rows alone (the snapshot's ``only``)
-                job.advance(int(rows["ids"].numel()))
-                if rows["ids"].numel():
+            for chunk in snapshot.chunks():  # the moving slots' rows alone (the snapshot's ``only``)
+                job.advance(int(chunk["ids"].numel()))
+                if chunk["ids"].numel():
+                    # a copy: a page gathers several blocks, and the snapshot reuses a chunk's buffers two chunks on
+                    rows = {name: values.clone() for name, values in chunk.items()}
                     self.moves.handed(rows)
                     yield snapshot.config, snapshot.step, rows
             job.finish()

@@ -88,17 +88,24 @@ def _stores(n: int, tables=TABLES) -> list[ShardStore]:
     return stores
 
 
-def _move(stores: list[ShardStore], to_map: ShardMap, between):
+def _move(stores: list[ShardStore], to_map: ShardMap, between, page_blocks: int = 1):
     """The steps of a handover from every store that gives slots away, calling ``between()`` (requests) between
-    them; returns nothing, asserts the rows moved."""
+    them; the rows go over ``page_blocks`` blocks at a time (as a shard's pages gather them). Returns nothing,
+    asserts the rows moved."""
     live = stores[0].shard_map  # shard 0 is never a new one
     sources = [s for s in stores if any(o == s.shard_index != n for o, n in zip(live.owners, to_map.owners))]
     targets = [s for s in stores if s not in sources]
     for source in sources:
+        page = []
         for config, step, rows in source.begin_handover(to_map):
-            for target in targets:
-                target.take_changes([config], [Change([TableChange(config.name, step, rows=rows)])], to_map)
+            page.append(Change([TableChange(config.name, step, rows=rows)]))
+            if len(page) == page_blocks:
+                for target in targets:
+                    target.take_changes(list(TABLES), page, to_map)
+                page = []
             between()
+        for target in targets:
+            target.take_changes(list(TABLES), page, to_map)
     for fenced in (False, True):
         for _ in range(2):
             for source in sources:
@@ -116,10 +123,15 @@ def _move(stores: list[ShardStore], to_map: ShardMap, between):
         source.finish_handover()
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_handovers_2_3_2_under_requests_keep_every_row_bit_for_bit(seed):
+# in one move, rows in one chunk a table; and in waves of 300 slots, rows in several chunks of 1,024 going over three
+# blocks a page (a block's buffers are reused two chunks on: a page must hold copies)
+@pytest.mark.parametrize("seed, many_chunks", [*((seed, False) for seed in range(6)), (0, True), (1, True)])
+def test_handovers_2_3_2_under_requests_keep_every_row_bit_for_bit(seed, many_chunks, request):
     rng = random.Random(seed)
-    universe = torch.arange(0, 900) * 7919 - 3000
+    universe = torch.arange(0, 16_000 if many_chunks else 900) * 7919 - 3000
+    wave_slots, page_blocks = (300, 3) if many_chunks else (4096, 1)
+    if many_chunks:
+        request.getfixturevalue("small_chunks")
     model = _stores(1)[0]
     cluster = Cluster(_stores(2))
     retry = []  # updates refused while their slots moved: the client sends them again
@@ -157,14 +169,17 @@ def test_handovers_2_3_2_under_requests_keep_every_row_bit_for_bit(seed):
             assert cluster.update(table, ids, grads) is None
             model.update_many([(table, ids, grads)])
 
+    if many_chunks:  # over three chunks of rows per table and shard
+        for table in ("user", "item"):
+            assert torch.equal(cluster.lookup(table, universe, train=True), model.lookup_many([(table, universe)], True)[0])
     requests(40)
-    three = cluster.map.resized(3)
     cluster.stores.append(ShardStore(2, 3, seed=7))  # a new shard: no request reaches it before it adopts the map
-    _move(cluster.stores, three, lambda: requests(rng.randint(0, 6)))
+    for wave in cluster.stores[0].shard_map.waves(3, wave_slots):
+        _move(cluster.stores, wave, lambda: requests(rng.randint(0, 6)), page_blocks)
     flush_retries()
     requests(40)
-    two = three.resized(2)
-    _move(cluster.stores, two, lambda: requests(rng.randint(0, 6)))
+    for wave in cluster.stores[0].shard_map.waves(2, wave_slots):
+        _move(cluster.stores, wave, lambda: requests(rng.randint(0, 6)), page_blocks)
     flush_retries()
     requests(20)
     for table in ("user", "item"):

@@ -32,8 +32,8 @@ class SnapshotPoint:
     step: int
     removed: torch.Tensor  # ids evicted after `since`, up to the point
     disk: Optional[FrozenTier] = None  # a disk table's segments at the point (a full snapshot's)
-    # the rows kept, by their ids (a bool mask); None: all. A move of a few slots reads and keeps pre-images of their
-    # rows alone: at 20M rows, a full copy of every row per wave cost the trainer more than the wave's rows did
+    # the rows kept, by their ids (a bool mask); None: all. A move of a few slots copies, and keeps pre-images of,
+    # their rows alone: a wave of a fortieth of the slots would otherwise copy every row of its source
     only: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
     next_chunk: int = 0  # chunks below it are copied: their rows need no pre-image
     preimages: dict[int, list[dict[str, torch.Tensor]]] = field(default_factory=dict)

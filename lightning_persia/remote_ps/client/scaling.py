@@ -51,7 +51,8 @@ class ScaleSettings:
     move through a map of its own (a cluster with fewer rows moves in one). A wave's fenced last round carries only its
     slots' changes, and its rounds converge when its share of the trainers' writes ships faster than it is made: at
     20M rows, a client writing 1.8M rows/s and a copy of 250k rows/s, a third of the slots at once never converged
-    (fenced 1.9 to 3.8 s), 14 waves of 102 slots each do."""
+    (fenced 1.9 to 3.8 s); 14 waves of 102 slots each do (a grow: 27 rounds in all, 1.1M changed rows against 4.7M,
+    and the longest step 0.7 s over the median against 1.8 s)."""
     copy_share: float = 0.5
     """Share of the coordinator's time spent moving: after each unfenced page, and after each wave's end, it waits
     for the time since x ``(1 / copy_share - 1)``, leaving the trainers the CPU the move would take (1: no wait; the

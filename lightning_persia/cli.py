@@ -26,6 +26,7 @@ from typing import Callable, Optional, Sequence
 
 def _ps_parser() -> argparse.ArgumentParser:
     from lightning_persia.remote_ps.protocol import AUTH_METADATA_KEY, LISTENING_PREFIX, TOKEN_ENV
+    from lightning_persia.remote_ps.client.scaling import ScaleSettings
 
     parser = argparse.ArgumentParser(prog="lightning-persia ps", description="Parameter-server shards.")
     sub = parser.add_subparsers(dest="ps_command", required=True, metavar="{serve,scale}")
@@ -90,6 +91,9 @@ def _ps_parser() -> argparse.ArgumentParser:
                        "current ones in order, then the new ones (growing), or the first M of them (draining the rest)")
     scale.add_argument("--token", default=os.environ.get(TOKEN_ENV), help=f"the shards' token (default: ${TOKEN_ENV})")
     scale.add_argument("--tls-root-cert", help="PEM CA of the shards' certificates (enables TLS)")
+    for setting in dataclasses.fields(ScaleSettings):  # the move's pacing (docs/elastic.md, *What it costs*)
+        scale.add_argument(f"--{setting.name.replace('_', '-')}", type=type(setting.default), default=setting.default,
+                           help=f"ScaleSettings.{setting.name} (default: %(default)s)")
     scale.add_argument("--json", action="store_true", help="print the move's report as one JSON object on the last line")
     scale.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
@@ -357,16 +361,21 @@ COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
 def _ps_scale(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s persia-ps-scale %(levelname)s %(message)s")
     from lightning_persia.remote_ps.client import PSClient, PSError, RetryPolicy
-    from lightning_persia.remote_ps.client.scaling import rescale, wait_drained
+    from lightning_persia.remote_ps.client.scaling import ScaleSettings, rescale, wait_drained
 
     current, target = _addresses(args.addresses), _addresses(args.to)
+    try:
+        settings = ScaleSettings(**{setting.name: getattr(args, setting.name) for setting in dataclasses.fields(ScaleSettings)})
+    except ValueError as err:
+        print(f"lightning-persia ps scale: error: {err}", file=sys.stderr, flush=True)
+        return 2
     # a shard killed during the move is restarted by its supervisor and replays its log: the move's calls wait for
     # it (a taker's restart then costs the move nothing) rather than give the move up after a few seconds
     retry = RetryPolicy(retry_for_s=60)
     try:
         with PSClient(current, token=args.token, tls_root_cert=args.tls_root_cert, retry=retry) as admin:
             admin.wait_healthy(60)
-            report = rescale(admin, target)
+            report = rescale(admin, target, settings)
             if len(target) < len(current):
                 wait_drained(admin, list(range(len(target), len(current))))
     except PSError as err:

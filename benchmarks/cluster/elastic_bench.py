@@ -32,7 +32,7 @@ import torch
 
 from benchmarks.cluster import elastic_soak
 from lightning_persia.remote_ps.client import PSClient
-from lightning_persia.remote_ps.client.scaling import rescale_apart
+from lightning_persia.remote_ps.client.scaling import ScaleSettings, rescale_apart
 from lightning_persia.remote_ps.launcher import LocalShards
 from lightning_persia.remote_ps.table_config import SGD, Constant, TableConfig
 
@@ -78,17 +78,19 @@ def _window(trainer: Trainer, start: float, end: float) -> list[float]:
     return [seconds for finished, seconds in trainer.steps if start <= finished <= end]
 
 
-def _move(trainer: Trainer, current: list[str], addresses: list[str], steady_s: float, batch: int) -> dict:
+def _move(trainer: Trainer, current: list[str], addresses: list[str], steady_s: float, batch: int,
+          settings: ScaleSettings) -> dict:
     result: dict = {}
 
     def move() -> None:  # the coordinator in a process of its own, as `ps scale` runs it
-        result["report"] = rescale_apart(current, addresses)
+        result["report"] = rescale_apart(current, addresses, settings)
 
     start, end = trainer.run_while(threading.Thread(target=move))
     during = _window(trainer, start, end)
     report = result["report"]
     return {"from": report.from_shards, "to": report.to_shards, "seconds": report.seconds, "fenced_s": report.fenced_seconds,
             "rows_moved": report.rows_moved, "changed_rows": report.changed_rows, "rounds": report.rounds,
+            "waves": report.waves, "paced_s": report.paced_seconds,
             "steps_during": len(during), "max_step_s": max(during), "max_extra_step_s": max(during) - steady_s,
             "throughput_ratio_during": (len(during) * batch / (end - start)) / (batch / steady_s),
             "move_rows_per_s": report.rows_moved / max(report.seconds, 1e-9)}
@@ -106,6 +108,9 @@ def main() -> None:
     parser.add_argument("--storage", choices=("memory", "disk"), default="memory", help="the table's storage")
     parser.add_argument("--memory-rows", type=int, default=0,
                         help="--storage disk: rows a shard keeps in memory (its capacity; default: an eighth of --rows)")
+    parser.add_argument("--wave-rows", type=int, default=ScaleSettings.wave_rows, help="rows a wave of a move carries")
+    parser.add_argument("--copy-share", type=float, default=ScaleSettings.copy_share,
+                        help="share of the coordinator's time spent copying while unfenced")
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     args = parser.parse_args()
     if args.kill_soak:
@@ -131,10 +136,11 @@ def main() -> None:
         for _ in range(args.steady_steps):
             trainer.step()
         steady = statistics.median(seconds for _, seconds in trainer.steps[-args.steady_steps:])
-        grow = _move(trainer, shards.addresses[:2], shards.grow(3), steady, args.batch)
+        settings = ScaleSettings(wave_rows=args.wave_rows, copy_share=args.copy_share)
+        grow = _move(trainer, shards.addresses[:2], shards.grow(3), steady, args.batch, settings)
         for _ in range(5):
             trainer.step()
-        shrink = _move(trainer, shards.addresses, shards.addresses[:2], steady, args.batch)
+        shrink = _move(trainer, shards.addresses, shards.addresses[:2], steady, args.batch, settings)
         shards.shrink(2)
         for _ in range(5):
             trainer.step()
@@ -147,7 +153,8 @@ def main() -> None:
     ideal = args.rows / 3
     summary = {
         "rows": args.rows, "batch": args.batch, "dim": args.dim, "storage": args.storage,
-        "memory_rows": config.capacity if args.storage == "disk" else None, "fill_s": fill_s, "steady_step_s": steady,
+        "memory_rows": config.capacity if args.storage == "disk" else None, "wave_rows": args.wave_rows,
+        "copy_share": args.copy_share, "fill_s": fill_s, "steady_step_s": steady,
         "grow": grow, "shrink": shrink,
         "max_extra_step_s": max(grow["max_extra_step_s"], shrink["max_extra_step_s"]),
         "throughput_ratio_during": min(grow["throughput_ratio_during"], shrink["throughput_ratio_during"]),
@@ -159,7 +166,8 @@ def main() -> None:
     for name in ("grow", "shrink"):
         move = summary[name]
         print(f"{move['from']} -> {move['to']} shards: {move['rows_moved']:,} rows in {move['seconds']:.1f} s "
-              f"({move['move_rows_per_s']:,.0f} rows/s), {move['rounds']} rounds, fenced {move['fenced_s'] * 1e3:.0f} ms; "
+              f"({move['move_rows_per_s']:,.0f} rows/s), {move['waves']} waves, {move['rounds']} rounds, "
+              f"{move['changed_rows']:,} changed rows, paced {move['paced_s']:.1f} s, longest fenced {move['fenced_s'] * 1e3:.0f} ms; "
               f"steps during: {move['steps_during']}, longest {move['max_step_s']:.2f} s (steady {steady:.2f} s), "
               f"throughput {move['throughput_ratio_during']:.2f}x")
     print(f"rows moved / ideal: {summary['rows_moved_ratio']:.3f}; 100M rows would take "

@@ -114,6 +114,35 @@ class ShardMap:
                 held[shard].append(slot)
         return ShardMap(tuple(owners), self.version + 1)
 
+    def waves(self, num_shards: int, wave_slots: int) -> list["ShardMap"]:
+        """The maps a move to :meth:`resized` ``(num_shards)`` passes through when each step moves at most
+        ``wave_slots`` slots: consecutive versions after this one, the last with ``resized``'s owners (empty when
+        nothing moves). Together they move exactly ``resized``'s slots, each once.
+
+        Each map is a complete move of its own, so a step's fenced cut-over carries only its slots' changes. The
+        steps take one source's slots at a time (a source reads its rows once per step it gives slots in). A new
+        shard gets its first slot in the first step, and a drained shard keeps one until the last: every map but the
+        last spans the larger of the two shard counts. ``wave_slots`` below the number of shards added or drained
+        makes the first or last steps span fewer.
+        """
+        if wave_slots < 1:
+            raise ValueError(f"wave_slots must be >= 1, got {wave_slots}")
+        final = self.resized(num_shards)
+        moving = self.moves(final)
+        by_source = lambda slot: (moving[slot][0], slot)  # noqa: E731
+        first = [min((s for s, (_, now) in moving.items() if now == shard), key=by_source)
+                 for shard in range(self.num_shards, num_shards)]
+        last = [max(s for s, (was, _) in moving.items() if was == shard) for shard in reversed(range(num_shards, self.num_shards))]
+        rest = sorted(set(moving) - set(first) - set(last), key=by_source)
+        order = first + rest + last
+        owners = list(self.owners)
+        maps = []
+        for start in range(0, len(order), wave_slots):
+            for slot in order[start:start + wave_slots]:
+                owners[slot] = final.owners[slot]
+            maps.append(ShardMap(tuple(owners), self.version + len(maps) + 1))
+        return maps
+
     def to_dict(self) -> dict:
         """A plain form for checkpoints' manifests and the wire (see :meth:`from_dict`)."""
         return {"version": self.version, "owners": list(self.owners)}

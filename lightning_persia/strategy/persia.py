@@ -557,7 +557,8 @@ class PersiaStrategy(DDPStrategy):
 
 def _report_scaled(moving: "Future[ScaleReport]") -> None:
     if moving.exception() is not None:
-        log.warning("PersiaStrategy: rescaling the embedded shards failed, they stay on their map: %s", moving.exception())
+        log.warning("PersiaStrategy: rescaling the embedded shards failed, they stay on the map of the last wave that "
+                    "went through: %s", moving.exception())
     else:
         _report_scale(moving.result())
 
@@ -565,7 +566,8 @@ def _report_scaled(moving: "Future[ScaleReport]") -> None:
 def _report_scale(report: ScaleReport) -> None:
     rank_zero_info(f"PersiaStrategy: {report.from_shards} -> {report.to_shards} shards (shard map version "
                    f"{report.map_version}): {report.slots_moved} slots, {report.rows_moved} rows moved in "
-                   f"{report.seconds:.1f} s; requests for them waited {report.fenced_seconds * 1e3:.0f} ms")
+                   f"{report.seconds:.1f} s in {report.waves} waves; requests for a wave's slots waited "
+                   f"{report.fenced_seconds * 1e3:.0f} ms at most")
 
 
 def _report_wait(wait: ShardWait) -> None:

@@ -64,3 +64,38 @@ def test_first_foreign_agrees_with_shard_of_on_a_resized_map():
     for shard in range(3):
         assert shard_map.first_foreign(ids[owners == shard], shard) == -1
         assert shard_map.first_foreign(ids, shard) == int(torch.nonzero(owners != shard)[0, 0])
+
+
+@pytest.mark.parametrize("start, end, wave_slots", [(2, 3, 100), (3, 2, 100), (2, 6, 3), (6, 2, 2), (4, 5, 4096), (3, 3, 10)])
+def test_waves_move_resized_slots_each_once_in_steps_of_at_most_wave_slots(start, end, wave_slots):
+    before = ShardMap.uniform(start).resized(start)  # version 1 (no slot moves): the waves count on from it
+    waves = before.waves(end, wave_slots)
+    target = before.resized(end)
+    if not before.moves(target):
+        assert waves == []
+        return
+    assert waves[-1].owners == target.owners
+    assert [m.version for m in waves] == list(range(before.version + 1, before.version + 1 + len(waves)))
+    moved = 0
+    for was, now in zip([before, *waves], waves):
+        step = was.moves(now)
+        assert 0 < len(step) <= wave_slots
+        assert all(now.owners[slot] == target.owners[slot] for slot in step)  # each slot moves once, to its end owner
+        moved += len(step)
+    assert moved == len(before.moves(target))
+    bigger = max(start, end)
+    if wave_slots >= abs(end - start):  # every map but the last spans the larger shard count
+        assert all(m.num_shards == bigger for m in waves[:-1])
+
+
+def test_a_grow_in_waves_starts_the_new_shard_with_few_slots_and_takes_one_source_at_a_time():
+    waves = ShardMap.uniform(2).waves(3, 200)
+    assert len(waves) == 7  # 1365 slots in steps of 200
+    assert len(waves[0].slots_of(2)) == 200
+    sources = [{was for was, _ in before.moves(after).values()} for before, after in zip([ShardMap.uniform(2), *waves], waves)]
+    assert sum(len(s) == 1 for s in sources) >= len(waves) - 1  # only the step where one source's slots end has two
+
+
+def test_waves_refuse_an_empty_step():
+    with pytest.raises(ValueError, match="wave_slots must be >= 1"):
+        ShardMap.uniform(2).waves(3, 0)

@@ -11,9 +11,10 @@ import threading
 import pytest
 import torch
 
+from lightning_persia.ops.shard_map import ShardMap
 from lightning_persia.remote_ps.client import PSClient, RetryPolicy
 from lightning_persia.remote_ps.client.errors import PSError
-from lightning_persia.remote_ps.client.scaling import rescale
+from lightning_persia.remote_ps.client.scaling import ScaleSettings, rescale
 from lightning_persia.remote_ps.launcher import LocalShards
 from lightning_persia.remote_ps.store import ShardStore
 from lightning_persia.remote_ps.table_config import SGD, Adam, TableConfig
@@ -76,6 +77,13 @@ from lightning_persia.remote_ps.client import PSClient
 from lightning_persia.remote_ps.client import scaling
 
 stop_at, current, to = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(",")
+settings = scaling.ScaleSettings(wave_rows=int(sys.argv[4])) if len(sys.argv) > 4 else scaling.ScaleSettings()
+seen = []
+
+def at(step):  # stop_at: a step ("rows"), or its n-th time ("wave 2")
+    seen.append(step)
+    if stop_at in (step, f"{step} {seen.count(step)}"):
+        stop()
 
 def stop():
     print("STOPPED", flush=True)
@@ -90,14 +98,14 @@ if stop_at == "a rows page":  # after the first page of rows reached the taker, 
         return rows
     scaling._forward = forward_once
 with PSClient(current) as admin:
-    scaling.rescale(admin, to, on_step=lambda step: step == stop_at and stop())
+    scaling.rescale(admin, to, settings, on_step=at)
 print("DONE", flush=True)
 """
 
 
-def kill_coordinator_at(step: str, current, to) -> None:
+def kill_coordinator_at(step: str, current, to, wave_rows: int = ScaleSettings.wave_rows) -> None:
     """Runs ``ps scale``'s coordinator in a process of its own and SIGKILLs it at ``step``."""
-    process = subprocess.Popen([sys.executable, "-c", COORDINATOR, step, ",".join(current), ",".join(to)],
+    process = subprocess.Popen([sys.executable, "-c", COORDINATOR, step, ",".join(current), ",".join(to), str(wave_rows)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = process.stdout.readline()
@@ -142,6 +150,35 @@ def test_a_coordinator_killed_after_the_fence_rolls_back_on_its_own(tmp_path):
             assert settled(admin, range(2)) == {"finished": 0, "rolled_back": 2}
             acked.check(2)
             assert rescale(admin, grown).map_version == 1  # the move again, to the same map: it goes through now
+        acked.train(3)
+        acked.check(3)
+        acked.close()
+
+
+def test_a_coordinator_killed_between_waves_leaves_the_waves_done_and_a_rerun_moves_the_rest(tmp_path):
+    """Waves of about 100 rows: the coordinator dies once the first wave went through. The cluster serves under that
+    wave's map (nothing is fenced or under way), and the next `ps scale` goes on from it to the even map of 3 shards."""
+    waves = ScaleSettings(wave_rows=100)
+    with logged_shards(tmp_path) as shards:
+        acked = Acknowledged(shards.addresses)
+        acked.train(3)
+        grown = shards.grow(3)
+        kill_coordinator_at("wave 2", shards.addresses[:2], grown, waves.wave_rows)
+        acked.train(3)  # routed by the first wave's map
+        with PSClient(grown, retry=RetryPolicy(timeout_s=30)) as admin:
+            assert versions(admin, range(3)) == [1, 1, 1]
+            first = admin.shard_map_of(2)[0]
+            moving = len(ShardMap.uniform(2).moves(ShardMap.uniform(2).resized(3)))
+            assert 0 < len(first.slots_of(2)) < moving
+            acked.check(3)
+            report = rescale(admin, grown, waves)
+            assert report.waves > 1 and report.map_version == 1 + report.waves
+            assert len(first.slots_of(2)) + report.slots_moved == moving  # the rest only
+            final = admin.shard_map_of(0)[0]
+            assert set(first.slots_of(2)) <= set(final.slots_of(2))  # no slot moved twice: all went to shard 2
+            assert all(now in (was, 2) for was, now in zip(ShardMap.uniform(2).owners, final.owners))
+            assert {len(final.slots_of(s)) for s in range(3)} <= {4096 // 3, 4096 // 3 + 1}  # even
+            assert settled(admin, range(3)) == {"finished": 0, "rolled_back": 0}  # the kill left nothing under way
         acked.train(3)
         acked.check(3)
         acked.close()

@@ -95,6 +95,12 @@ def test_argument_errors(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("setting", [["--copy-share", "0"], ["--wave-rows", "0"], ["--max-rounds", "-1"]])
+def test_ps_scale_refuses_bad_settings_before_it_calls_a_shard(setting, capsys):
+    assert cli.main(["ps", "scale", "--addresses", "127.0.0.1:1", "--to", "127.0.0.1:1,127.0.0.1:2", *setting]) == 2
+    assert "scale settings need wave_rows >= 1, 0 < copy_share <= 1" in capsys.readouterr().err
+
+
 def test_bad_config_is_reported_without_starting(tmp_path, capsys):
     path = tmp_path / "ps.yaml"
     path.write_text("tables:\n  t: {dim: 0}\n")

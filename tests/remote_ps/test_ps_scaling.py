@@ -7,7 +7,7 @@ import torch
 
 from lightning_persia.remote_ps.client import PSClient, RetryPolicy
 from lightning_persia.remote_ps.client.errors import PSError
-from lightning_persia.remote_ps.client.scaling import rescale, wait_drained
+from lightning_persia.remote_ps.client.scaling import ScaleSettings, rescale, wait_drained
 from lightning_persia.remote_ps.launcher import LocalShards
 from lightning_persia.remote_ps.store import ShardStore
 from lightning_persia.remote_ps.table_config import Adam, Adagrad, TableConfig
@@ -46,7 +46,10 @@ class Trainer(threading.Thread):
             threading.Event().wait(0.01)
 
 
-def test_shards_added_and_drained_while_a_client_trains_lose_and_repeat_nothing():
+# one wave (the cluster's rows are far fewer than wave_rows), and waves of about 1,000 rows (about 5 slots at a time:
+# the trainer's requests cross several map versions in each direction), paced
+@pytest.mark.parametrize("settings, waves", [(ScaleSettings(), 1), (ScaleSettings(wave_rows=1000, copy_share=0.5), 4)])
+def test_shards_added_and_drained_while_a_client_trains_lose_and_repeat_nothing(settings, waves):
     with LocalShards(2, overrides=["seed=5"]) as shards:
         client, admin = PSClient(shards.addresses), PSClient(shards.addresses)
         client.wait_healthy(60)
@@ -57,16 +60,18 @@ def test_shards_added_and_drained_while_a_client_trains_lose_and_repeat_nothing(
         trainer = Trainer(client, model)
         trainer.start()
         trainer.wait_for(5)
-        grown = rescale(admin, shards.grow(3))
+        grown = rescale(admin, shards.grow(3), settings)
         during = trainer.step
         trainer.wait_for(during + 10)
-        shrunk = rescale(admin, shards.addresses[:2])
+        shrunk = rescale(admin, shards.addresses[:2], settings)
         wait_drained(admin, [2])
         shards.shrink(2)
         trainer.stop_at = trainer.step + 10
         trainer.join(300)
         assert trainer.error is None, repr(trainer.error)
-        assert client.shard_map.version == 2 and client.num_shards == 2
+        assert grown.waves >= waves and shrunk.waves >= waves
+        assert grown.map_version == grown.waves and shrunk.map_version == grown.waves + shrunk.waves
+        assert client.shard_map.version == shrunk.map_version and client.num_shards == 2
         for config in TABLES:
             found = client.lookup({config.name: UNIVERSE}, train=False, wire_dtype="fp32")[config.name]
             assert torch.equal(found, model.lookup(config.name, UNIVERSE, train=False)), config.name
@@ -77,6 +82,13 @@ def test_shards_added_and_drained_while_a_client_trains_lose_and_repeat_nothing(
         assert 0 < grown.rows_moved < 0.45 * sum(model.stats()[t.name]["rows"] for t in TABLES) and total > 0
         client.close()
         admin.close()
+
+
+@pytest.mark.parametrize("bad", [{"wave_rows": 0}, {"copy_share": 0.0}, {"copy_share": 1.5}, {"max_rounds": -1},
+                                 {"settle_rows": -1}])
+def test_scale_settings_refuse_values_that_cannot_pace_a_move(bad):
+    with pytest.raises(ValueError, match=f"scale settings need .*{next(iter(bad))}="):
+        ScaleSettings(**bad)
 
 
 def test_rescale_refuses_addresses_that_reorder_the_shards():

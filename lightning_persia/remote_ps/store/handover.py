@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 import torch
 
-from lightning_persia.ops.shard_map import ShardMap
+from lightning_persia.ops.shard_map import SLOTS, ShardMap
 from lightning_persia.remote_ps.store.errors import InvalidRequestError
 from lightning_persia.read_write_lock import ReadWriteLock
 from lightning_persia.remote_ps.store.progress import Progress
@@ -64,19 +64,23 @@ class SlotHandover:
             tables = [self._tables[name] for name in sorted(self._tables)]
             for table in tables:
                 held.enter_context(table.lock)
-            snapshots = [table.begin_snapshot(0, disk_map=False) for table in tables]
-            self._outgoing = OutgoingSlots(self.shard_index, self._shard_map, to_map, snapshots, addresses)
-        return self._handover_rows(self._outgoing, snapshots)
+            outgoing = OutgoingSlots(self.shard_index, self._shard_map, to_map, addresses)
+            snapshots = [table.begin_snapshot(0, disk_map=False, only=outgoing.covers) for table in tables]
+            outgoing.hold(snapshots)
+            self._outgoing = outgoing
+        return self._handover_rows(outgoing, snapshots)
 
     def _handover_rows(self, outgoing: OutgoingSlots, snapshots: list[TableSnapshot]) -> Iterator[tuple[TableConfig, int, dict[str, torch.Tensor]]]:
         for snapshot in snapshots:
             yield snapshot.config, snapshot.step, {}  # the table, even with no row to move
-            job = self.progress.begin("hand-over", snapshot.config.name, snapshot.rows + snapshot.disk_rows)  # rows of the point read
-            for chunk in itertools.chain(snapshot.chunks(), snapshot.disk_chunks()):  # memory's, then disk's
-                keep = outgoing.covers(chunk["ids"])
-                job.advance(int(keep.numel()))
-                if bool(keep.any()):
-                    rows = {name: values[keep] for name, values in chunk.items()}
+            # about the moving rows of the point (ids hash evenly over the slots): the memory's alone are read
+            moving = (snapshot.rows + snapshot.disk_rows) * len(outgoing.slots) // SLOTS
+            job = self.progress.begin("hand-over", snapshot.config.name, moving)
+            for chunk in itertools.chain(snapshot.chunks(), _moving(snapshot.disk_chunks(), outgoing)):  # memory's, then disk's
+                job.advance(int(chunk["ids"].numel()))
+                if chunk["ids"].numel():
+                    # a copy: a page gathers several blocks, and the snapshot reuses a chunk's buffers two chunks on
+                    rows = {name: values.clone() for name, values in chunk.items()}
                     self.moves.handed(rows)
                     yield snapshot.config, snapshot.step, rows
             job.finish()
@@ -268,16 +272,25 @@ class SlotHandover:
 
     def _drop_foreign_rows(self, table: Table) -> None:
         """Removes (and logs the removal of) the rows of ``table`` its map gives other shards, in memory and on disk."""
+        shard_map, shard = self._shard_map, self.shard_index
+        foreign_of = lambda ids: shard_map.shard_of(ids) != shard  # noqa: E731
         with table.lock:
-            snapshot = table.begin_snapshot(0, disk_map=False)
+            snapshot = table.begin_snapshot(0, disk_map=False, only=foreign_of)
         try:
-            foreign = [ids[self._shard_map.shard_of(ids) != self.shard_index].clone()
-                       for ids in itertools.chain((chunk["ids"] for chunk in snapshot.chunks()), snapshot.disk_ids())]
+            foreign = [chunk["ids"].clone() for chunk in snapshot.chunks()]
+            foreign += [ids[foreign_of(ids)] for ids in snapshot.disk_ids()]
         finally:
             snapshot.close()
         ids = torch.cat(foreign) if foreign else torch.empty(0, dtype=torch.int64)
         for piece in ids.split(_DROPPED_A_RECORD):  # the table's requests run between the pieces
             self._record([TableChange(table.config.name, 0, removed=piece)])
+
+
+def _moving(chunks: Iterator[dict[str, torch.Tensor]], outgoing: OutgoingSlots) -> Iterator[dict[str, torch.Tensor]]:
+    """The moving slots' rows of a point's disk chunks (the snapshot's ``only`` filters its memory's rows alone)."""
+    for chunk in chunks:
+        keep = outgoing.covers(chunk["ids"])
+        yield {name: values[keep] for name, values in chunk.items()}
 
 
 _DROPPED_A_RECORD = 1 << 16

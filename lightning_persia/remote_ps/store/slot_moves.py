@@ -53,8 +53,7 @@ class OutgoingSlots:
     change: a trainer rewrites its hot rows many times a round, and rounds must shrink for the fence to be short.
     """
 
-    def __init__(self, shard_index: int, current: ShardMap, to_map: ShardMap, snapshots: Sequence["TableSnapshot"] = (),
-                 addresses: Sequence[str] = ()) -> None:
+    def __init__(self, shard_index: int, current: ShardMap, to_map: ShardMap, addresses: Sequence[str] = ()) -> None:
         self.from_map = current
         self.to_map = to_map
         self.addresses = tuple(addresses)  # of to_map's shards, where the coordinator said: whom to ask without it
@@ -67,7 +66,7 @@ class OutgoingSlots:
         self.settled = threading.Event()  # set once the handover finished or was given up
         self._dirty: dict[str, list[torch.Tensor]] = {}  # table -> ids changed since the last round was taken
         self._lock = threading.Lock()
-        self._snapshots = list(snapshots)  # the tables at the move's point, until its rows are read or it ends
+        self._snapshots: list["TableSnapshot"] = []  # the tables at the move's point, until its rows are read or it ends
 
     @property
     def takers(self) -> list[int]:
@@ -83,6 +82,11 @@ class OutgoingSlots:
     def fence_record(self) -> dict:
         """What the write-ahead log's FENCE record keeps of the move: enough to settle it after a restart."""
         return {"to_map": self.to_map.to_dict(), "addresses": list(self.addresses)}
+
+    def hold(self, snapshots: Sequence["TableSnapshot"]) -> None:
+        """Keeps the tables' snapshots at the move's point (taken with ``only=``:meth:`covers`) until :meth:`release`."""
+        with self._lock:
+            self._snapshots = list(snapshots)
 
     def release(self) -> None:
         """Ends the move's snapshots, once (their rows were read, or the move finished or was given up)."""

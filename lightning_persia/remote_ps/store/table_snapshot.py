@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -37,6 +37,9 @@ class SnapshotPoint:
     step: int
     removed: torch.Tensor  # ids evicted after `since`, up to the point
     disk: Optional[FrozenTier] = None  # a disk table's segments at the point (a full snapshot's)
+    # the rows kept, by their ids (a bool mask); None: all. A move of a few slots copies, and keeps pre-images of,
+    # their rows alone: a wave of a fortieth of the slots would otherwise copy every row of its source
+    only: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
     next_chunk: int = 0  # chunks below it are copied: their rows need no pre-image
     preimages: dict[int, list[dict[str, torch.Tensor]]] = field(default_factory=dict)
     preimage_rows: int = 0
@@ -73,6 +76,8 @@ class Preimages:
             versions = self._rows["version"].gather(rows)
             unchanged = versions <= state.point
             rows = rows[unchanged & (versions > state.since) if state.since else unchanged]
+        if rows.numel() and state.only is not None:
+            rows = rows[state.only(self._rows["ids"].gather(rows))]
         if not rows.numel():
             return
         rows, _ = torch.sort(rows)
@@ -114,6 +119,8 @@ class Preimages:
         if state.since:
             keep &= version > state.since
         rows = torch.nonzero(keep).squeeze(1) + (chunk << self._rows.shift)
+        if state.only is not None:
+            rows = rows[state.only(self._rows["ids"].gather(rows))]
         copied = self._rows.gather_fields(rows, {name: out[: rows.numel()] for name, out in buffers.items()})
         pieces = state.preimages.pop(chunk, [])
         for piece in pieces:

@@ -210,8 +210,10 @@ def _rows_by_id(chunks) -> dict[int, tuple]:
     return out
 
 
+@pytest.mark.parametrize("only", [None, "odd ids"])  # a move's snapshot: the moving slots' rows alone
 @pytest.mark.parametrize("origin", ["inserted", "loaded"])
-def test_a_streamed_snapshot_holds_the_rows_of_its_point_while_the_table_changes(small_chunks, store_kernels, origin):
+def test_a_streamed_snapshot_holds_the_rows_of_its_point_while_the_table_changes(small_chunks, store_kernels, origin, only):
+    kept = (lambda ids: ids % 2 == 1) if only else None
     config = TableConfig("t", 4, optimizer=Adagrad(lr=0.5, rowwise=True), capacity=5000, init=Uniform(-1, 1))
     table = Table(config, seed=1)
     ids = torch.arange(5000) * 3 + 1  # five chunks of 1,024 rows
@@ -223,7 +225,7 @@ def test_a_streamed_snapshot_holds_the_rows_of_its_point_while_the_table_changes
     table.update(ids[::2], torch.ones(2500, 4))
     at_point = table.lookup(ids, train=False)
     with table.lock:
-        snapshot = table.begin_snapshot()
+        snapshot = table.begin_snapshot(only=kept)
     chunks = ({name: values.clone() for name, values in chunk.items()} for chunk in snapshot.chunks())  # reused buffers
     saved = [next(chunks)]  # chunk 0 is written; the others are not yet
     grads = torch.randn(5000, 4, generator=torch.Generator().manual_seed(3))
@@ -233,8 +235,9 @@ def test_a_streamed_snapshot_holds_the_rows_of_its_point_while_the_table_changes
     saved += list(chunks)
     snapshot.close()
     rows = _rows_by_id(saved)
-    assert sorted(rows) == ids.tolist() and snapshot.rows == 5000
-    torch.testing.assert_close(torch.stack([rows[i][0] for i in ids.tolist()]), at_point, rtol=0, atol=0)
+    wanted = torch.ones(5000, dtype=torch.bool) if kept is None else kept(ids)
+    assert sorted(rows) == ids[wanted].tolist() and snapshot.rows == 5000 and 2000 < int(wanted.sum()) <= 5000
+    torch.testing.assert_close(torch.stack([rows[i][0] for i in ids[wanted].tolist()]), at_point[wanted], rtol=0, atol=0)
     # the table itself kept every change made during the save
     assert table.stats()["evicted"] >= 800 and table.stats()["saving_preimage_rows"] == 0
     assert not torch.equal(table.lookup(ids[-5:], train=False), at_point[-5:])

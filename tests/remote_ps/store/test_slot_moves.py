@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lightning_persia.ops.shard_map import ShardMap
+from lightning_persia.ops.shard_map import SLOTS, ShardMap
 from lightning_persia.remote_ps.store import ShardStore
 from lightning_persia.remote_ps.store.errors import InvalidRequestError
 from lightning_persia.remote_ps.store.slot_moves import MapMovedError, SlotsMovingError
@@ -92,17 +92,25 @@ def _stores(n: int, tables=TABLES) -> list[ShardStore]:
     return stores
 
 
-def _move(stores: list[ShardStore], to_map: ShardMap, between):
+def _move(stores: list[ShardStore], to_map: ShardMap, between, page_blocks: int = 1):
     """The steps of a handover from every store that gives slots away, calling ``between()`` (requests) between
-    them; returns nothing, asserts the rows moved."""
+    them; the rows go over ``page_blocks`` blocks at a time (as a shard's pages gather them). Returns nothing,
+    asserts the rows moved."""
     live = stores[0].shard_map  # shard 0 is never a new one
     sources = [s for s in stores if any(o == s.shard_index != n for o, n in zip(live.owners, to_map.owners))]
     targets = [s for s in stores if s not in sources]
     for source in sources:
+        page, configs = [], {}
         for config, step, rows in source.begin_handover(to_map):
-            for target in targets:
-                target.take_changes([config], [Change([TableChange(config.name, step, rows=rows)])], to_map)
+            configs[config.name] = config
+            page.append(Change([TableChange(config.name, step, rows=rows)]))
+            if len(page) == page_blocks:
+                for target in targets:
+                    target.take_changes(list(configs.values()), page, to_map)
+                page = []
             between()
+        for target in targets:
+            target.take_changes(list(configs.values()), page, to_map)
     for fenced in (False, True):
         for _ in range(2):
             for source in sources:
@@ -169,26 +177,33 @@ class Traffic:
             self.model.update_many([(table, ids, grads)])
 
 
-def _moves_2_3_2(traffic: Traffic, new_shard: ShardStore) -> None:
-    """Requests, a move to 3 shards (``new_shard`` the third), requests, a move back to 2, requests."""
+def _moves_2_3_2(traffic: Traffic, new_shard: ShardStore, wave_slots: int = SLOTS, page_blocks: int = 1) -> None:
+    """Requests, a move to 3 shards (``new_shard`` the third), requests, a move back to 2, requests; each move in
+    waves of ``wave_slots`` slots."""
     cluster = traffic.cluster
     traffic(40)
-    three = cluster.map.resized(3)
     cluster.stores.append(new_shard)  # a new shard: no request reaches it before it adopts the map
-    _move(cluster.stores, three, traffic.between)
-    traffic.flush_retries()
-    traffic(40)
-    _move(cluster.stores, three.resized(2), traffic.between)
-    traffic.flush_retries()
-    traffic(20)
+    for size in (3, 2):
+        for wave in cluster.stores[0].shard_map.waves(size, wave_slots):
+            _move(cluster.stores, wave, traffic.between, page_blocks)
+        traffic.flush_retries()
+        traffic(40 if size == 3 else 20)
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_handovers_2_3_2_under_requests_keep_every_row_bit_for_bit(seed):
-    universe = torch.arange(0, 900) * 7919 - 3000
+# in one move, rows in one chunk a table; and in waves of 300 slots, rows in several chunks of 1,024 going over three
+# blocks a page (a block's buffers are reused two chunks on: a page must hold copies)
+@pytest.mark.parametrize("seed, many_chunks", [*((seed, False) for seed in range(6)), (0, True), (1, True)])
+def test_handovers_2_3_2_under_requests_keep_every_row_bit_for_bit(seed, many_chunks, request):
+    universe = torch.arange(0, 16_000 if many_chunks else 900) * 7919 - 3000
+    wave_slots, page_blocks = (300, 3) if many_chunks else (SLOTS, 1)
+    if many_chunks:
+        request.getfixturevalue("small_chunks")
     model = _stores(1)[0]
     cluster = Cluster(_stores(2))
-    _moves_2_3_2(Traffic(seed, cluster, model, universe), ShardStore(2, 3, seed=7))
+    if many_chunks:  # over three chunks of rows per table and shard
+        for table in ("user", "item"):
+            assert torch.equal(cluster.lookup(table, universe, train=True), model.lookup_many([(table, universe)], True)[0])
+    _moves_2_3_2(Traffic(seed, cluster, model, universe), ShardStore(2, 3, seed=7), wave_slots, page_blocks)
     for table in ("user", "item"):
         assert torch.equal(_rows(cluster, table, universe), _rows(model, table, universe)), f"seed {seed}, table {table}"
         held = [store.stats()[table]["rows"] for store in cluster.stores]
@@ -217,12 +232,13 @@ def _saved(tmp_path, stores: list[ShardStore], name: str, fields=COMPARED) -> di
 def test_disk_tables_move_2_3_2_under_requests_with_every_row_and_its_optimizer_state(tmp_path, seed):
     """Most rows on disk (a memory budget of 40 rows a shard for 900 ids): the rows at the point come from both
     tiers, rows changed during the copy are shipped whether they were demoted or promoted since, and what the
-    stores hold at the end (values and optimizer state) is what one store that never moved holds."""
+    stores hold at the end (values and optimizer state) is what one store that never moved holds. The last seed moves
+    in waves of 500 slots."""
     universe = torch.arange(0, 900) * 7919 - 3000
     model = _stores(1)[0]
     cluster = Cluster(_disk_stores(tmp_path, 2))
     new_shard = ShardStore(2, 3, seed=7, disk_dir=str(tmp_path / "tiers"), demotion_interval_s=None)
-    _moves_2_3_2(Traffic(seed, cluster, model, universe, max_ids=40), new_shard)
+    _moves_2_3_2(Traffic(seed, cluster, model, universe, max_ids=40), new_shard, wave_slots=500 if seed == 2 else SLOTS)
     for table in ("user", "item"):
         assert torch.equal(_rows(cluster, table, universe), _rows(model, table, universe)), f"seed {seed}, table {table}"
         stats = [store.stats()[table] for store in cluster.stores]

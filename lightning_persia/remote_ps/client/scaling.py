@@ -53,11 +53,12 @@ class ScaleSettings:
     20M rows, a client writing 1.8M rows/s and a copy of 250k rows/s, a third of the slots at once never converged
     (fenced 1.9 to 3.8 s); 14 waves of 102 slots each do (a grow: 27 rounds in all, 1.1M changed rows against 4.7M,
     and the longest step 0.7 s over the median against 1.8 s)."""
-    copy_share: float = 0.5
+    copy_share: float = 0.35
     """Share of the coordinator's time spent moving: after each unfenced page, and after each wave's end, it waits
     for the time since x ``(1 / copy_share - 1)``, leaving the trainers the CPU the move would take (1: no wait; the
-    fenced last round never waits). At 2M rows under load 4, 0.5 against 1 raised samples/s during a grow from
-    0.40x to 0.68x of the steady rate, for a move 1.6 times as long."""
+    fenced last round never waits). At 20M rows on a quiet 2-core machine, samples/s during a grow and a drain were
+    0.33x and 0.39x of the steady rate at 1, 0.69x and 0.64x at 0.5, 0.68x to 0.83x and 0.74x to 0.78x at 0.35, and
+    no better at 0.25; the grow took 32, 65, 104 and 142 s."""
     max_rounds: int = 8
     """Rounds of changes per wave before the fence, at most."""
     settle_rows: int = 50_000

@@ -19,7 +19,8 @@ import torch
 from lightning_persia.remote_ps.store import eviction
 from lightning_persia.remote_ps.store.chunked_rows import ChunkedRows, FieldSpec
 from lightning_persia.remote_ps.store.disk.records import live_ids, live_records, record_specs, unpack
-from lightning_persia.remote_ps.store.disk.tier import DiskTierError, FrozenTier
+from lightning_persia.remote_ps.store.disk.frozen_tier import FrozenTier
+from lightning_persia.remote_ps.store.disk.tier import DiskTierError
 from lightning_persia.remote_ps.table_config import TableConfig
 
 SAVED_FIELDS = ("ids", "weights", "state", "access")

@@ -29,7 +29,7 @@ from lightning_persia.ops.shard_map import ShardMap
 from lightning_persia.remote_ps.store.chunked_rows import FieldSpec
 from lightning_persia.remote_ps.store.disk import id_map_file
 from lightning_persia.remote_ps.store.disk.records import link, live_records, unpack
-from lightning_persia.remote_ps.store.disk.tier import DiskTier, FrozenTier
+from lightning_persia.remote_ps.store.disk.frozen_tier import FrozenTier, segment_files
 from lightning_persia.remote_ps.store.errors import CheckpointError
 from lightning_persia.remote_ps.store.native.disk_map import DiskMap
 
@@ -42,7 +42,7 @@ def write(frozen: FrozenTier, folder: Path, record_bytes: int) -> dict:
     folder.mkdir()
     segments = []
     for (segment, rows), live in zip(frozen.segments, frozen.live):
-        for path in DiskTier.files_of(frozen.directory, segment):
+        for path in segment_files(frozen.directory, segment):
             link(path, folder / path.name)
         segments.append([segment, rows])
     bits = torch.cat(frozen.live).numpy() if frozen.live else np.zeros(0, dtype=np.uint8)
@@ -69,7 +69,7 @@ def verify(shard_folder: Path, entry: dict) -> None:
         if not path.is_file() or path.stat().st_size != entry["idmap"]["bytes"]:
             raise CheckpointError(f"checkpoint file {path} (the disk tier's id map) is missing or truncated")
     for segment, rows in entry["segments"]:
-        records, ids = DiskTier.files_of(folder, segment)
+        records, ids = segment_files(folder, segment)
         for path, size in ((records, rows * entry["record_bytes"]), (ids, rows * 8)):
             if not path.is_file():
                 raise CheckpointError(f"disk segment {path} of the checkpoint is missing")
@@ -83,7 +83,7 @@ def segments(shard_folder: Path, entry: dict) -> Iterator[tuple[int, int, Path, 
     bits = torch.from_numpy(np.fromfile(folder / entry["live"]["file"], dtype=np.uint8))
     start = 0
     for segment, rows in entry["segments"]:
-        records, ids = DiskTier.files_of(folder, segment)
+        records, ids = segment_files(folder, segment)
         yield segment, rows, records, ids, bits[start : start + ((rows + 7) >> 3)]
         start += (rows + 7) >> 3
 

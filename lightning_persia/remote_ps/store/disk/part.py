@@ -26,7 +26,8 @@ from lightning_persia.remote_ps.store.disk.demoter import SLICE_ROWS
 from lightning_persia.remote_ps.store.disk.promotions import PendingPromotion, PendingPromotions
 from lightning_persia.remote_ps.store.disk.read_ahead import ReadAhead
 from lightning_persia.remote_ps.store.disk.records import take_records
-from lightning_persia.remote_ps.store.disk.tier import DiskTier, FrozenTier
+from lightning_persia.remote_ps.store.disk.frozen_tier import FrozenTier
+from lightning_persia.remote_ps.store.disk.tier import DiskTier
 from lightning_persia.remote_ps.store.errors import InvalidRequestError, StoreError
 from lightning_persia.remote_ps.store.thread_clock import DiskOperation, DiskWork, HeldLocks
 from lightning_persia.remote_ps.table_config import TableConfig

@@ -23,7 +23,6 @@ import contextlib
 import errno
 import os
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ContextManager, Iterator, Optional
 
@@ -33,8 +32,9 @@ import torch
 from lightning_persia.remote_ps.store import native
 from lightning_persia.remote_ps.store.chunked_rows import FieldSpec
 from lightning_persia.remote_ps.store.disk import compaction
+from lightning_persia.remote_ps.store.disk.frozen_tier import FrozenTier, segment_files
 from lightning_persia.remote_ps.store.disk.read_ahead import ReadAhead
-from lightning_persia.remote_ps.store.disk.records import (DISK_FIELDS, SegmentFiles, link, live_slots, packed_columns, pread_records,
+from lightning_persia.remote_ps.store.disk.records import (DISK_FIELDS, link, live_slots, packed_columns, pread_records,
                                                            record_ids, record_specs, take_records, unpack, write_all)
 from lightning_persia.remote_ps.store.disk.segment_mapping import MAPPED_BYTES, SegmentMapping
 from lightning_persia.remote_ps.store.errors import StoreError
@@ -50,41 +50,6 @@ MAX_SEGMENTS = ((1 << 32) - 2) >> SEGMENT_SHIFT  # at once: slots are 32-bit in 
 
 class DiskTierError(StoreError):
     """The disk tier could not write or read: a full disk, a missing, short or damaged segment."""
-
-
-@dataclass(frozen=True)
-class FrozenTier:
-    """The tier at a checkpoint's point: its segments (each ``(number, rows written)``, never written again) and
-    which of their slots held live rows then."""
-
-    directory: Path
-    segments: list[tuple[int, int]]
-    live: list[torch.Tensor]  # one per segment: a bit per written slot (uint8, little-endian bit order)
-    id_map: Optional[DiskMap] = None  # the tier's map, being saved as at the point (DiskMap.save_begin)
-    lock: Optional[threading.Lock] = None  # the table's: held to copy a part of the map
-    released: Optional[Callable[[], None]] = None  # tells the tier (its lock held): its segments may be deleted again
-
-    @property
-    def rows(self) -> int:
-        """Live rows at the point."""
-        return sum(int(np.bitwise_count(bits.numpy()).sum()) for bits in self.live)
-
-    def files(self) -> Iterator[SegmentFiles]:
-        """``(number, rows, records file, ids file, live bits)`` of each segment at the point: what a live move reads
-        its rows from (``records.live_records``), while this tier deletes none of them (until :meth:`release`)."""
-        for (segment, rows), live in zip(self.segments, self.live):
-            yield (segment, rows, *DiskTier.files_of(self.directory, segment), live)
-
-    def release(self) -> None:
-        """Ends the map's save, if any, and the point's hold on the segments (done or abandoned), taking its table's
-        lock."""
-        if self.lock is None:
-            return
-        with self.lock:
-            if self.id_map is not None:
-                self.id_map.save_end()
-            if self.released is not None:
-                self.released()
 
 
 class DiskTier:
@@ -224,12 +189,8 @@ class DiskTier:
             self._live_counts = torch.cat([self._live_counts, torch.zeros(more, dtype=torch.int64)])
 
     def _path(self, segment: int, kind: str) -> Path:
-        return self.directory / f"segment-{segment:06d}.{kind}"
-
-    @staticmethod
-    def files_of(directory: Path, segment: int) -> tuple[Path, Path]:
-        """The records' file and the ids' file of ``segment`` in a tier's (or a checkpoint's) ``directory``."""
-        return directory / f"segment-{segment:06d}.rows", directory / f"segment-{segment:06d}.ids"
+        records, ids = segment_files(self.directory, segment)
+        return records if kind == "rows" else ids
 
     # ---- reads -------------------------------------------------------------------------------------------
 

@@ -13,7 +13,8 @@ from lightning_persia.remote_ps.store import ShardStore
 from tests.remote_ps.checkpoint_rows import COMPARED, saved_rows
 from tests.remote_ps.test_ps_scaling import TABLES, UNIVERSE, Trainer
 
-pytestmark = pytest.mark.usefixtures("disk_tier_kernels")
+# processes for a minute or more: CI's scenario step; make test moves disk tables in process (store/test_slot_moves.py)
+pytestmark = [pytest.mark.usefixtures("disk_tier_kernels"), pytest.mark.scenario]
 
 DISK_TABLES = [replace(config, capacity=600, storage="disk") for config in TABLES]
 """A memory budget of 600 rows a shard for 5,000 ids: most rows on disk (a request's 400 ids fit)."""
@@ -112,7 +113,6 @@ def test_a_source_and_a_taker_restarted_from_their_logs_after_a_move_hold_what_t
             _assert_same_rows(client, model, tmp_path, "restarted")
 
 
-@pytest.mark.scenario  # CI's scenario step: make test keeps its margin under 12 minutes
 def test_a_taker_killed_after_it_took_disk_rows_comes_back_from_its_log_and_the_move_goes_through(tmp_path):
     """The taker dies after the rows and before the last changes (it took rows into its memory and disk): it replays
     them from its log, the coordinator's calls wait for it, and the move goes through with every row."""

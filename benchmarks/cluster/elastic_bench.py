@@ -108,7 +108,8 @@ def main() -> None:
     parser.add_argument("--storage", choices=("memory", "disk"), default="memory", help="the table's storage")
     parser.add_argument("--memory-rows", type=int, default=0,
                         help="--storage disk: rows a shard keeps in memory (its capacity; default: an eighth of --rows)")
-    parser.add_argument("--wave-rows", type=int, default=ScaleSettings.wave_rows, help="rows a wave of a move carries")
+    parser.add_argument("--wave-rows", type=int, help=f"rows a wave of a move carries (default {ScaleSettings.wave_rows:,}; "
+                        "with --kill-soak, each kill lands in the first, second or third wave)")
     parser.add_argument("--copy-share", type=float, default=ScaleSettings.copy_share,
                         help="share of the coordinator's time spent copying while unfenced")
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
@@ -136,7 +137,7 @@ def main() -> None:
         for _ in range(args.steady_steps):
             trainer.step()
         steady = statistics.median(seconds for _, seconds in trainer.steps[-args.steady_steps:])
-        settings = ScaleSettings(wave_rows=args.wave_rows, copy_share=args.copy_share)
+        settings = ScaleSettings(wave_rows=args.wave_rows or ScaleSettings.wave_rows, copy_share=args.copy_share)
         grow = _move(trainer, shards.addresses[:2], shards.grow(3), steady, args.batch, settings)
         for _ in range(5):
             trainer.step()
@@ -153,7 +154,7 @@ def main() -> None:
     ideal = args.rows / 3
     summary = {
         "rows": args.rows, "batch": args.batch, "dim": args.dim, "storage": args.storage,
-        "memory_rows": config.capacity if args.storage == "disk" else None, "wave_rows": args.wave_rows,
+        "memory_rows": config.capacity if args.storage == "disk" else None, "wave_rows": settings.wave_rows,
         "copy_share": args.copy_share, "fill_s": fill_s, "steady_step_s": steady,
         "grow": grow, "shrink": shrink,
         "max_extra_step_s": max(grow["max_extra_step_s"], shrink["max_extra_step_s"]),
@@ -177,8 +178,10 @@ def main() -> None:
 
 
 def _kill_soak(args: argparse.Namespace) -> None:
-    report = elastic_soak.soak(args.kill_soak, rows=args.rows, batch=args.batch, dim=args.dim, seed=args.seed)
-    summary = {"rows": args.rows, "batch": args.batch, "dim": args.dim, "seed": args.seed, **elastic_soak.summary(report),
+    report = elastic_soak.soak(args.kill_soak, rows=args.rows, batch=args.batch, dim=args.dim, seed=args.seed,
+                               wave_rows=args.wave_rows)
+    summary = {"rows": args.rows, "batch": args.batch, "dim": args.dim, "seed": args.seed, "wave_rows": args.wave_rows,
+               **elastic_soak.summary(report),
                "load": os.getloadavg()[0]}
     print(f"{summary['moves']} moves, {summary['kills']} kills ({summary['steps']} training steps, {summary['soak_s']:.0f} s): "
           f"{summary['rollbacks']} moves ended on the old map, {summary['attempts_rolled_back']} killed attempts given up "

@@ -20,7 +20,6 @@ turn, while a client trains; in each, one process dies by SIGKILL at a step of t
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import signal
@@ -35,7 +34,7 @@ from typing import Optional
 import torch
 
 from lightning_persia.remote_ps.client import PSClient, RetryPolicy
-from lightning_persia.remote_ps.client.scaling import wait_drained
+from lightning_persia.remote_ps.client.scaling import ScaleSettings, wait_drained
 from lightning_persia.remote_ps.launcher import LocalShards
 from lightning_persia.remote_ps.server import wal_directory
 from lightning_persia.remote_ps.store import ShardStore
@@ -51,7 +50,7 @@ COORDINATOR = """
 import json, sys
 from dataclasses import asdict
 from lightning_persia.remote_ps.client import PSClient, RetryPolicy
-from lightning_persia.remote_ps.client.scaling import rescale
+from lightning_persia.remote_ps.client.scaling import ScaleSettings, rescale
 
 def step(name):
     print("STEP", name, flush=True)
@@ -59,7 +58,7 @@ def step(name):
         sys.exit(3)
 
 with PSClient(sys.argv[1].split(","), retry=RetryPolicy(timeout_s=30, retry_for_s=60)) as admin:
-    report = rescale(admin, sys.argv[2].split(","), on_step=step)
+    report = rescale(admin, sys.argv[2].split(","), ScaleSettings(wave_rows=int(sys.argv[3])), on_step=step)
 print("REPORT", json.dumps(asdict(report)), flush=True)
 """
 
@@ -82,6 +81,7 @@ class Move:
     to_shards: int
     victim: str
     step: str
+    wave: int = 1  # the step of which wave the kill lands at
     killed: bool = False
     attempts: int = 1
     attempt_rolled_back: bool = False
@@ -120,14 +120,13 @@ class MainTrainer(threading.Thread):
             while not self.stopping.is_set():
                 ids = torch.randint(0, self.rows, (self.batch,), generator=self._generator).unique()
                 grads = torch.randn(ids.numel(), self.dim, generator=self._generator)
-                found = self.client.lookup({"counts": ids, "weights": ids}, train=True, wire_dtype="fp32")
+                self.client.lookup({"counts": ids, "weights": ids}, train=True, wire_dtype="fp32")
                 self.model.lookup("weights", ids, train=True)
                 self.client.update({"counts": (ids, -torch.ones(ids.numel(), self.dim)), "weights": (ids, grads)},
                                    wire_dtype="fp32")
                 self.model.update("weights", ids, grads)
                 self.counts[ids] += 1
                 self.steps += 1
-                del found
         except BaseException as err:  # noqa: BLE001 - the soak reports it
             self.error = err
 
@@ -169,15 +168,18 @@ class SideTrainer:
             self._process = None
 
 
-def _coordinate(current: list[str], addresses: list[str], kill_at: Optional[str], kill) -> tuple[bool, Optional[dict]]:
-    """Runs a coordinator; at ``kill_at`` calls ``kill(process)`` (which may kill the coordinator). Returns whether it
-    was killed there, and its report (None when it failed or died)."""
-    process = subprocess.Popen([sys.executable, "-c", COORDINATOR, ",".join(current), ",".join(addresses)],
+def _coordinate(current: list[str], addresses: list[str], kill_at: Optional[str], kill, wave_rows: int,
+                wave: int = 1) -> tuple[bool, Optional[dict]]:
+    """Runs a coordinator moving in waves of ``wave_rows`` rows; at step ``kill_at`` of its ``wave``-th wave calls
+    ``kill(process)`` (which may kill the coordinator). Returns whether it was killed there, and its report (None
+    when it failed or died)."""
+    process = subprocess.Popen([sys.executable, "-c", COORDINATOR, ",".join(current), ",".join(addresses), str(wave_rows)],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    killed, report = False, None
+    killed, report, seen = False, None, 0
     for line in process.stdout:
         if line.startswith("STEP "):
-            if line.split(" ", 1)[1].strip() == kill_at and not killed:
+            seen += line.split(" ", 1)[1].strip() == kill_at
+            if seen == wave and not killed:
                 killed = True
                 kill(process)
             if process.poll() is None:
@@ -192,7 +194,9 @@ def _coordinate(current: list[str], addresses: list[str], kill_at: Optional[str]
     return killed, report if process.returncode == 0 else None
 
 
-def soak(moves: int, *, rows: int, batch: int, dim: int, seed: int) -> SoakReport:
+def soak(moves: int, *, rows: int, batch: int, dim: int, seed: int, wave_rows: Optional[int] = None) -> SoakReport:
+    """``wave_rows``: moves in waves of so many rows, each kill at a step of the first, second or third wave (drawn);
+    None: the default waves (one at the soak's sizes), each kill in the first."""
     draw = random.Random(seed)
     victims = [VICTIMS[i % len(VICTIMS)] for i in range(moves)]  # each victim in turn, shuffled
     draw.shuffle(victims)
@@ -221,6 +225,8 @@ def soak(moves: int, *, rows: int, batch: int, dim: int, seed: int) -> SoakRepor
             for number in range(moves):
                 to_shards = 3 if shards.num_shards == 2 else 2
                 move = Move(to_shards, victims[number], draw.choice(STEPS))
+                if wave_rows is not None:
+                    move.wave = draw.randint(1, 3)
                 started = time.monotonic()
                 current = list(shards.addresses)
                 if to_shards == 3:
@@ -241,10 +247,11 @@ def soak(moves: int, *, rows: int, batch: int, dim: int, seed: int) -> SoakRepor
                         shard = draw.choice(sources if move.victim == "source" else takers)
                         shards.processes[shard].send_signal(signal.SIGKILL)
 
-                move.killed, done = _coordinate(current, addresses, move.step, kill)
+                waves = ScaleSettings.wave_rows if wave_rows is None else wave_rows
+                move.killed, done = _coordinate(current, addresses, move.step, kill, waves, move.wave)
                 report.kills += move.killed
                 while done is None:  # failed or killed: `ps scale` again (its calls wait for a restarted shard)
-                    _, done = _coordinate(current, addresses, None, kill)
+                    _, done = _coordinate(current, addresses, None, kill, waves)
                     move.attempts += 1
                     if move.attempts == 2:
                         move.attempt_rolled_back = done is not None and done["slots_moved"] > 0

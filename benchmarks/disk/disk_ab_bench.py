@@ -94,6 +94,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"disk_ab_bench: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; {rows:,} rows a table "
           f"({memory_rows:,} of a disk table's in memory); {args.baseline} ({evictions[_BASELINE]}) against this checkout "
           f"({evictions[_CHANGED]})", flush=True)
+    Path(args.disk_dir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="disk-ab-", dir=args.disk_dir))
     shards: dict[str, Shards] = {}
     try:

@@ -47,8 +47,8 @@ class Trainer(threading.Thread):
 
 
 # one wave (the cluster's rows are far fewer than wave_rows), and waves of about 1,000 rows (about 5 slots at a time:
-# the trainer's requests cross several map versions in each direction), paced
-@pytest.mark.parametrize("settings, waves", [(ScaleSettings(), 1), (ScaleSettings(wave_rows=1000, copy_share=0.5), 4)])
+# the trainer's requests cross several map versions in each direction), paced from the start
+@pytest.mark.parametrize("settings, waves", [(ScaleSettings(), 1), (ScaleSettings(wave_rows=1000, copy_share=0.5, unpaced_s=0), 4)])
 def test_shards_added_and_drained_while_a_client_trains_lose_and_repeat_nothing(settings, waves):
     with LocalShards(2, overrides=["seed=5"]) as shards:
         client, admin = PSClient(shards.addresses), PSClient(shards.addresses)
@@ -70,6 +70,8 @@ def test_shards_added_and_drained_while_a_client_trains_lose_and_repeat_nothing(
         trainer.join(300)
         assert trainer.error is None, repr(trainer.error)
         assert grown.waves >= waves and shrunk.waves >= waves
+        if not settings.unpaced_s:
+            assert grown.paced_seconds > 0 and shrunk.paced_seconds > 0
         assert grown.map_version == grown.waves and shrunk.map_version == grown.waves + shrunk.waves
         assert client.shard_map.version == shrunk.map_version and client.num_shards == 2
         for config in TABLES:
@@ -85,7 +87,7 @@ def test_shards_added_and_drained_while_a_client_trains_lose_and_repeat_nothing(
 
 
 @pytest.mark.parametrize("bad", [{"wave_rows": 0}, {"copy_share": 0.0}, {"copy_share": 1.5}, {"max_rounds": -1},
-                                 {"settle_rows": -1}])
+                                 {"settle_rows": -1}, {"unpaced_s": -1.0}])
 def test_scale_settings_refuse_values_that_cannot_pace_a_move(bad):
     with pytest.raises(ValueError, match=f"scale settings need .*{next(iter(bad))}="):
         ScaleSettings(**bad)

@@ -76,11 +76,12 @@ class SlotHandover:
             # about the moving rows of the point (ids hash evenly over the slots): the memory's alone are read
             moving = (snapshot.rows + snapshot.disk_rows) * len(outgoing.slots) // SLOTS
             job = self.progress.begin("hand-over", snapshot.config.name, moving)
-            for chunk in itertools.chain(snapshot.chunks(), _moving(snapshot.disk_chunks(), outgoing)):  # memory's, then disk's
-                job.advance(int(chunk["ids"].numel()))
-                if chunk["ids"].numel():
-                    # a copy: a page gathers several blocks, and the snapshot reuses a chunk's buffers two chunks on
-                    rows = {name: values.clone() for name, values in chunk.items()}
+            # memory's rows copied (a page gathers several blocks, and the snapshot reuses a chunk's buffers two chunks
+            # on), then disk's (read into tensors of their own)
+            memory = ({name: values.clone() for name, values in chunk.items()} for chunk in snapshot.chunks())
+            for rows in itertools.chain(memory, _moving(snapshot.disk_chunks(), outgoing)):
+                job.advance(int(rows["ids"].numel()))
+                if rows["ids"].numel():
                     self.moves.handed(rows)
                     yield snapshot.config, snapshot.step, rows
             job.finish()

@@ -166,7 +166,7 @@ class TableSnapshot:
 
     def disk_chunks(self) -> Iterator[dict[str, torch.Tensor]]:
         """``{field: rows}`` (the fields of :meth:`chunks`) of the rows on disk at the point, a block at a time: read
-        from the segments the point sealed, which the tier keeps until :meth:`close`, while the table serves. None
+        from the segments the point sealed, which the tier keeps until :meth:`close`, while the table serves. Nothing
         for a memory table."""
         if self.disk is None:
             return

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import grpc
+import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
@@ -228,6 +229,30 @@ def handover_page(configs: Sequence[TableConfig], changes: Sequence[Change], don
         tables_json=[json.dumps(config.to_dict()) for config in configs],
         records=[b"".join(bytes(piece) for piece in records.encode_change(change)) for change in changes],
         done=done, rows=rows)
+
+
+def sightings_page(blocks: Sequence[tuple[str, torch.Tensor, torch.Tensor]], done: bool) -> persia_pb2.HandoverPage:
+    """A page of the moving slots' sighting counters: ``(table, slots, counters [len(slots), per slot])`` blocks."""
+    return persia_pb2.HandoverPage(done=done, sightings=[
+        persia_pb2.SlotSightings(table=name, slots=slots.to(torch.int16).numpy().astype("<i2").tobytes(),
+                                 counters=counters.contiguous().numpy().tobytes())
+        for name, slots, counters in blocks])
+
+
+def sightings_contents(message: persia_pb2.HandoverPage) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """The ``(table, slots, counters)`` blocks of a page; refuses a block whose counters are not whole slots'."""
+    blocks = []
+    for block in message.sightings:
+        if len(block.slots) % 2:
+            raise invalid(f"the sightings of table {block.table!r} name slots as int16: {len(block.slots)} bytes is not "
+                          "a whole number of them")
+        slots = torch.from_numpy(np.frombuffer(block.slots, dtype="<i2").astype(np.int64))
+        if not slots.numel() or not block.counters or len(block.counters) % slots.numel():
+            raise invalid(f"the sightings of table {block.table!r}: {len(block.counters)} counters do not split evenly "
+                          f"over {slots.numel()} slots")
+        counters = torch.frombuffer(bytearray(block.counters), dtype=torch.uint8).reshape(slots.numel(), -1)
+        blocks.append((block.table, slots, counters))
+    return blocks
 
 
 def handover_contents(message: persia_pb2.HandoverPage) -> tuple[list[TableConfig], list[Change]]:

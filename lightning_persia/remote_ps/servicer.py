@@ -115,6 +115,7 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         self.started_at = time.time()
         self.restored_from: Optional[str] = None
         self._handover_rows: Optional[Iterator] = None  # the rows of the handover under way still to give
+        self._handover_sightings: Optional[Iterator] = None  # its sightings still to give, once fenced
 
     def add_to_server(self, server: grpc.Server) -> None:
         """Registers every RPC of the service, like the generated ``add_ParameterServerServicer_to_server``,
@@ -280,6 +281,7 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         if step == persia_pb2.HandoverStep.BEGIN:
             shard_map, addresses = self._map_and_addresses(request.map)
             self._handover_rows = self.store.begin_handover(shard_map, addresses)
+            self._handover_sightings = None
             return persia_pb2.HandoverPage()
         if step == persia_pb2.HandoverStep.ROWS:
             return self._next_rows()
@@ -287,6 +289,8 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
             page = messages.handover_page(*self.store.handover_changes())
             page.applied_json, page.source = json.dumps(self.dedup.applied()), self.store.shard_index
             return page
+        if step == persia_pb2.HandoverStep.SIGHTINGS:
+            return self._next_sightings()
         if step == persia_pb2.HandoverStep.FENCE:
             self.store.fence_handover()
         elif step == persia_pb2.HandoverStep.FINISH:
@@ -305,6 +309,8 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         configs, changes = messages.handover_contents(request.page)
         to_map = self._map_of(request.to_map)
         self.store.take_changes(configs, changes, to_map)
+        for name, slots, counters in messages.sightings_contents(request.page):
+            self.store.take_sightings(name, slots, counters, to_map)
         for client, seqs in (json.loads(request.page.applied_json) if request.page.applied_json else {}).items():
             self.dedup.remember(f"{client}@{request.page.source}", seqs)
         if request.adopt:
@@ -340,6 +346,18 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
                 return messages.handover_page(list(configs.values()), changes)
         self._handover_rows = None
         return messages.handover_page(list(configs.values()), changes, done=True)
+
+    def _next_sightings(self) -> persia_pb2.HandoverPage:
+        if self._handover_sightings is None:
+            self._handover_sightings = self.store.handover_sightings()
+        blocks, size = [], 0
+        for block in self._handover_sightings:
+            blocks.append(block)
+            size += block[2].numel()
+            if size >= min(HANDOVER_PAGE_BYTES, self.max_message_bytes // 4):
+                return messages.sightings_page(blocks, done=False)
+        self._handover_sightings = None
+        return messages.sightings_page(blocks, done=True)
 
     @staticmethod
     def _map_of(message: persia_pb2.ShardMapMessage) -> ShardMap:

@@ -5,6 +5,7 @@ import threading
 import pytest
 import torch
 
+from lightning_persia.ops.shard_map import ShardMap
 from lightning_persia.remote_ps.client import PSClient, RetryPolicy
 from lightning_persia.remote_ps.client.errors import PSError
 from lightning_persia.remote_ps.client.scaling import ScaleSettings, rescale, wait_drained
@@ -157,6 +158,23 @@ def test_ps_scale_on_the_command_line_grows_and_drains(capsys):
             assert torch.equal(client.lookup({"user": UNIVERSE}, train=False, wire_dtype="fp32")["user"], before)
             assert main(["ps", "scale", "--addresses", grown[0], "--to", f"{grown[1]},{grown[0]}"]) == 1
             assert "must start with the cluster's" in capsys.readouterr().err
+
+
+def test_sightings_of_ids_not_admitted_yet_move_with_their_slots():
+    """A table that admits an id at its third sighting: ids seen twice before a grow are admitted at their first
+    sighting on their new shard. Each source's sightings (683 slots of 4 KB) fill more than a page of 2 MB (a quarter
+    of the messages' limit): they come in two pages."""
+    config = TableConfig("seen", 4, admit_after=3)
+    with LocalShards(2, overrides=["seed=5", "max_message_mb=8"]) as shards, PSClient(shards.addresses) as client:
+        client.wait_healthy(60)
+        client.configure([config])
+        for _ in range(2):
+            client.lookup({"seen": UNIVERSE}, train=True)
+        assert sum(entry["tables"]["seen"]["rows"] for entry in client.stats()) == 0
+        rescale(client, shards.grow(3))
+        moved = UNIVERSE[ShardMap.uniform(2).resized(3).shard_of(UNIVERSE) == 2]
+        client.lookup({"seen": moved}, train=True)
+        assert client.shard_stats(2)["tables"]["seen"]["rows"] == moved.numel() > 0
 
 
 def test_a_shard_started_with_join_past_the_shard_count_takes_slots_from_a_running_cluster():

@@ -7,8 +7,9 @@ and why nothing is lost or applied twice: ``remote_ps/store/slot_moves.py``):
 1. every shard that gives slots away (a *source*) takes a consistent point; its rows of those slots at the point
    go, page by page, to every shard that takes slots (a *taker*), which keeps the part the new map gives it;
 2. rounds of the changes made since, while the sources keep serving, until a round is small;
-3. the sources fence the moving slots (a request for them waits and retries), the last changes go over, the takers
-   adopt the new map, then the sources (which drop the rows handed over), then the other shards;
+3. the sources fence the moving slots (a request for them waits and retries), the last changes go over with the
+   slots' sightings of ids not admitted yet (``store/admission.py``), the takers adopt the new map, then the sources
+   (which drop the rows handed over), then the other shards;
 4. trainers whose requests reach a source with the old map hear that it moved, fetch it and route again.
 
 The pause a trainer can notice is step 3: one round of the wave's changes. Waves keep it short: a wave's rounds
@@ -221,6 +222,12 @@ def _move(admin: ShardAdmin, current: ShardMap, to_map: ShardMap, addresses: Seq
         fenced = time.monotonic()
         on_step("last changes")
         wave.changed += sum(_forward(admin, admin.handover(shard, Step.CHANGES), takers, to_map) for shard in sources)
+        for shard in sources:  # the sightings of ids not admitted yet, which the sources count no more once fenced
+            done = False
+            while not done:
+                page = admin.handover(shard, Step.SIGHTINGS)
+                _forward(admin, page, takers, to_map)
+                done = page.done
         on_step("adopt")
         adopting = True
         admin.take_over(takers[0], persia_pb2.HandoverPage(), to_map, adopt=True, addresses=addresses)
@@ -294,7 +301,7 @@ def _tell(admin: ShardAdmin, shards: Sequence[int], call: Callable[[int], object
 
 def _forward(admin: ShardAdmin, page: persia_pb2.HandoverPage, takers: Sequence[int], to_map) -> int:
     """Hands ``page`` to every taker (each keeps its part); returns the rows it holds."""
-    if page.records or page.tables_json:
+    if page.records or page.tables_json or page.sightings:
         for shard in takers:
             admin.take_over(shard, page, to_map)
     return page.rows

@@ -188,6 +188,7 @@ class HandoverStep(_message.Message):
         FINISH: _ClassVar[HandoverStep.Step]
         ABORT: _ClassVar[HandoverStep.Step]
         SETTLE: _ClassVar[HandoverStep.Step]
+        SIGHTINGS: _ClassVar[HandoverStep.Step]
     STEP_UNSPECIFIED: HandoverStep.Step
     BEGIN: HandoverStep.Step
     ROWS: HandoverStep.Step
@@ -196,14 +197,25 @@ class HandoverStep(_message.Message):
     FINISH: HandoverStep.Step
     ABORT: HandoverStep.Step
     SETTLE: HandoverStep.Step
+    SIGHTINGS: HandoverStep.Step
     STEP_FIELD_NUMBER: _ClassVar[int]
     MAP_FIELD_NUMBER: _ClassVar[int]
     step: HandoverStep.Step
     map: ShardMapMessage
     def __init__(self, step: _Optional[_Union[HandoverStep.Step, str]] = ..., map: _Optional[_Union[ShardMapMessage, _Mapping]] = ...) -> None: ...
 
+class SlotSightings(_message.Message):
+    __slots__ = ("table", "slots", "counters")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    slots: bytes
+    counters: bytes
+    def __init__(self, table: _Optional[str] = ..., slots: _Optional[bytes] = ..., counters: _Optional[bytes] = ...) -> None: ...
+
 class HandoverPage(_message.Message):
-    __slots__ = ("tables_json", "records", "done", "rows", "applied_json", "source", "map_version")
+    __slots__ = ("tables_json", "records", "done", "rows", "applied_json", "source", "map_version", "sightings")
     TABLES_JSON_FIELD_NUMBER: _ClassVar[int]
     RECORDS_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +223,7 @@ class HandoverPage(_message.Message):
     APPLIED_JSON_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     MAP_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SIGHTINGS_FIELD_NUMBER: _ClassVar[int]
     tables_json: _containers.RepeatedScalarFieldContainer[str]
     records: _containers.RepeatedScalarFieldContainer[bytes]
     done: bool
@@ -218,7 +231,8 @@ class HandoverPage(_message.Message):
     applied_json: str
     source: int
     map_version: int
-    def __init__(self, tables_json: _Optional[_Iterable[str]] = ..., records: _Optional[_Iterable[bytes]] = ..., done: _Optional[bool] = ..., rows: _Optional[int] = ..., applied_json: _Optional[str] = ..., source: _Optional[int] = ..., map_version: _Optional[int] = ...) -> None: ...
+    sightings: _containers.RepeatedCompositeFieldContainer[SlotSightings]
+    def __init__(self, tables_json: _Optional[_Iterable[str]] = ..., records: _Optional[_Iterable[bytes]] = ..., done: _Optional[bool] = ..., rows: _Optional[int] = ..., applied_json: _Optional[str] = ..., source: _Optional[int] = ..., map_version: _Optional[int] = ..., sightings: _Optional[_Iterable[_Union[SlotSightings, _Mapping]]] = ...) -> None: ...
 
 class TakeOverRequest(_message.Message):
     __slots__ = ("page", "to_map", "adopt")

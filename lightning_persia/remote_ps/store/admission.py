@@ -15,15 +15,20 @@ A counting filter (a count-min sketch with conservative update): one byte counte
 only where every one of its counters is shared with more frequent ids. ``width`` bytes serve any number of ids. So
 that old sightings do not pile up into admissions, every counter is halved each time as many sightings as there are
 counters have been added (the count decays with the table's traffic, not with the clock).
+
+The counters are split by routing slot (``ops/shard_map.py``): an id's counters lie in its slot's ``width / SLOTS``
+of them. The slots a shard hands over take their counters along (:meth:`CountingFilter.counters`, merged on the new
+owner by :meth:`CountingFilter.merge`), so an id's sightings move with its rows, and no other id's count changes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Optional, Protocol
 
 import torch
 
-from lightning_persia.ops.hashing import mix64, name_hash
+from lightning_persia.ops.hashing import mix64, name_hash, slot_of
+from lightning_persia.ops.shard_map import SLOTS
 from lightning_persia.remote_ps.store.initializers import initial_rows, table_key
 from lightning_persia.remote_ps.store.optimizers import SparseRule
 from lightning_persia.remote_ps.table_config import TableConfig, Uniform
@@ -31,11 +36,12 @@ from lightning_persia.remote_ps.table_config import TableConfig, Uniform
 _HASHES = 2
 _SALTS = (0x3C6EF372FE94F82B, 0x1BD11BDAA9FC1A22)  # below 2**63: the salts are int64s
 DEFAULT_WIDTH = 1 << 24
-"""Counters of a table's filter (16 MB): ~1% of ids over-counted while ~2M distinct ids are being counted at once."""
+"""Counters of a table's filter (16 MB, 4,096 a slot): ~1% of ids over-counted while ~2M distinct ids are being counted
+at once."""
 
 
 class CountingFilter:
-    """Approximate sighting counts of ids, in ``width`` one-byte counters.
+    """Approximate sighting counts of ids, in ``width`` one-byte counters (a multiple of :data:`SLOTS`).
 
     Example::
 
@@ -45,9 +51,11 @@ class CountingFilter:
     """
 
     def __init__(self, width: int = DEFAULT_WIDTH) -> None:
-        if width < 1:
-            raise ValueError(f"a counting filter needs at least one counter, got {width}")
+        if width < SLOTS or width % SLOTS:
+            raise ValueError(f"a counting filter's width must be a positive multiple of the {SLOTS} routing slots "
+                             f"(its counters are split by slot), got {width}")
         self.width = width
+        self._per_slot = width // SLOTS
         self._counters = torch.zeros(width, dtype=torch.uint8)
         self._added = 0
 
@@ -55,7 +63,8 @@ class CountingFilter:
         """Counts one sighting of each of ``ids`` (distinct); returns each one's count so far, this one included."""
         if not ids.numel():
             return torch.zeros(0, dtype=torch.int32)
-        cells = [mix64(ids ^ salt).remainder(self.width) for salt in _SALTS[:_HASHES]]
+        first = slot_of(ids, SLOTS) * self._per_slot
+        cells = [first + mix64(ids ^ salt).remainder(self._per_slot) for salt in _SALTS[:_HASHES]]
         counts = torch.stack([self._counters[c] for c in cells]).amin(0).to(torch.int32) + 1
         counts.clamp_(max=255)
         for c in cells:  # conservative update: a counter rises only to the count of the id that reads it
@@ -65,6 +74,32 @@ class CountingFilter:
             self._counters >>= 1
             self._added = 0
         return counts
+
+    def counters(self, slots: torch.Tensor) -> torch.Tensor:
+        """A copy of the counters of ``slots`` (int64), ``[len(slots), width / SLOTS]``: every id of those slots
+        reads only these."""
+        return self._counters.view(SLOTS, self._per_slot)[slots]
+
+    def merge(self, slots: torch.Tensor, counters: torch.Tensor) -> None:
+        """Takes the sightings another shard's filter counted for the ids of ``slots`` (its :meth:`counters` of them):
+        each counter becomes the larger of the two. An id of those slots then counts at least the sightings the other
+        filter gave it (at least its own, where this shard saw none of its slot's ids: one that takes the slots over);
+        it is over-counted no more than a plain count-min sketch of both shards' sightings would over-count it, and
+        the other slots' ids not at all. The halving clock stays this filter's."""
+        if counters.dtype != torch.uint8 or counters.shape != (slots.numel(), self._per_slot):
+            raise ValueError(f"the counters of {slots.numel()} slots are uint8 [{slots.numel()}, {self._per_slot}], "
+                             f"got {counters.dtype} {list(counters.shape)}")
+        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= SLOTS):
+            raise ValueError(f"slots are in 0..{SLOTS - 1}, got {int(slots.min())}..{int(slots.max())}")
+        if torch.unique(slots).numel() != slots.numel():
+            raise ValueError("the counters of a slot are merged once: the slots repeat")
+        regions = self._counters.view(SLOTS, self._per_slot)
+        regions[slots] = torch.maximum(regions[slots], counters)
+
+    @property
+    def per_slot(self) -> int:
+        """Counters each slot's ids hash into."""
+        return self._per_slot
 
     @property
     def nbytes(self) -> int:
@@ -106,6 +141,14 @@ class Admission(Protocol):
         from disk and left there, already in ``out``): a training lookup admits their ids, an evaluation one reads
         their initial rows. The lock held."""
 
+    def sightings(self, slots: torch.Tensor) -> Optional[torch.Tensor]:
+        """The sighting counters of ``slots`` (:meth:`CountingFilter.counters`), or None where no sighting is counted.
+        The lock held."""
+
+    def merge_sightings(self, slots: torch.Tensor, counters: torch.Tensor) -> None:
+        """Takes another shard's :meth:`sightings` of ``slots`` (:meth:`CountingFilter.merge`); a table that counts
+        none ignores them. The lock held."""
+
     def stats(self) -> dict[str, int]: ...
 
 
@@ -137,6 +180,12 @@ class OnePassAdmission:
             self._memory.admit_in_one_pass(ids, rows, out, missing, self._first)
         else:
             self._others.fill_missing(ids, rows, out, train, missing)
+
+    def sightings(self, slots: torch.Tensor) -> Optional[torch.Tensor]:
+        return self._others.sightings(slots)
+
+    def merge_sightings(self, slots: torch.Tensor, counters: torch.Tensor) -> None:
+        self._others.merge_sightings(slots, counters)
 
     def stats(self) -> dict[str, int]:
         return self._others.stats()
@@ -177,6 +226,13 @@ class DrawnAdmission:
             unique, initial = unique[: config.capacity], initial[: config.capacity]
         if unique.numel():
             self._memory.write_admitted(unique, initial)
+
+    def sightings(self, slots: torch.Tensor) -> Optional[torch.Tensor]:
+        return self._sightings.counters(slots) if self._sightings is not None else None
+
+    def merge_sightings(self, slots: torch.Tensor, counters: torch.Tensor) -> None:
+        if self._sightings is not None:
+            self._sightings.merge(slots, counters)
 
     def stats(self) -> dict[str, int]:
         return {"not_admitted": self._refused}

@@ -134,6 +134,23 @@ class SlotHandover:
                 self.log.wait(self.log.record_fence(outgoing.fence_record()))
             outgoing.fenced = True
 
+    def handover_sightings(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+        """Once fenced: ``(table, slots, counters)`` blocks of the moving slots' admission counters (sightings of ids not
+        admitted yet, ``admission.py``), for each table that counts them. The shard counts no sighting of those slots'
+        ids after the fence (it refuses them), so the counts move whole; :meth:`take_sightings` merges them."""
+        outgoing = self._handing_over()
+        if not outgoing.fenced:
+            raise InvalidRequestError("a handover's sightings move once fenced: the shard still counts them until then")
+        return self._sightings_of(torch.tensor(sorted(outgoing.slots), dtype=torch.int64))
+
+    def _sightings_of(self, slots: torch.Tensor) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+        for table in self._listed_tables():
+            for block in slots.split(_SIGHTING_SLOTS_A_BLOCK):
+                counters = table.sightings(block)
+                if counters is None:
+                    break
+                yield table.config.name, block, counters
+
     def finish_handover(self, addresses: Sequence[str] = ()) -> None:
         """Adopts the handover's map (the new owners adopted it first) and drops the rows handed over. ``addresses``:
         of the map's shards (default: those the handover began with)."""
@@ -207,6 +224,18 @@ class SlotHandover:
             for split in pieces:  # a disk table's rows, a memory budget at a time (see _in_pieces)
                 for piece in split:
                     self._record([piece])
+
+    def take_sightings(self, name: str, slots: torch.Tensor, counters: torch.Tensor, to_map: ShardMap) -> None:
+        """Merges the admission counters of ``slots`` that another shard handed over (:meth:`handover_sightings`)
+        into table ``name``'s, for the slots ``to_map`` gives this shard."""
+        self._check_not_given_up(to_map)
+        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= SLOTS):
+            raise InvalidRequestError(f"sightings of table {name!r} name slots outside 0..{SLOTS - 1}")
+        mine = to_map.table[slots] == self.shard_index
+        try:
+            self._table(name).merge_sightings(slots[mine], counters[mine])
+        except ValueError as err:
+            raise InvalidRequestError(f"the sightings of table {name!r} handed over do not fit its filter: {err}") from None
 
     def adopt_map(self, shard_map: ShardMap, addresses: Sequence[str] = ()) -> None:
         """Makes ``shard_map``, whose shards listen at ``addresses``, this shard's (a newer version; the same one
@@ -293,6 +322,9 @@ def _moving(chunks: Iterator[dict[str, torch.Tensor]], outgoing: OutgoingSlots) 
         keep = outgoing.covers(chunk["ids"])
         yield {name: values[keep] for name, values in chunk.items()}
 
+
+_SIGHTING_SLOTS_A_BLOCK = 1024
+"""Slots whose admission counters travel together: 4 MB of them at the default filter's 4,096 a slot."""
 
 _DROPPED_A_RECORD = 1 << 16
 """Rows a handover's drop removes with the table's lock held, in one logged removal: a disk table's drop reads each

@@ -234,6 +234,18 @@ class Table(MemoryRows):
                 **self._worst_held.stats(),
             )
 
+    # ---- sightings of ids not admitted yet, moving with their slots (admission.py) ------------------------
+
+    def sightings(self, slots: torch.Tensor) -> Optional[torch.Tensor]:
+        """The admission filter's counters of ``slots``, or None where the table counts no sighting."""
+        with self.lock:
+            return self._admission.sightings(slots)
+
+    def merge_sightings(self, slots: torch.Tensor, counters: torch.Tensor) -> None:
+        """Takes another shard's :meth:`sightings` of ``slots`` (the larger count of each counter)."""
+        with self.lock:
+            self._admission.merge_sightings(slots, counters)
+
     # ---- time to live ------------------------------------------------------------------------------
 
     def expire(self, now: float, journal: Optional[Journal] = None) -> int:

@@ -16,6 +16,7 @@ from lightning_persia.remote_ps.client import PSClient, RetryPolicy
 from lightning_persia.remote_ps.client.errors import PSError
 from lightning_persia.remote_ps.client.scaling import ScaleSettings, rescale
 from lightning_persia.remote_ps.launcher import LocalShards
+from lightning_persia.remote_ps.protocol import persia_pb2
 from lightning_persia.remote_ps.store import ShardStore
 from lightning_persia.remote_ps.table_config import SGD, Adam, TableConfig
 
@@ -272,6 +273,27 @@ def test_a_source_killed_after_the_fence_comes_back_fenced_and_rolls_the_move_ba
             acked.train(3)
             assert versions(admin, range(3)) == [0, 0, 0]
             acked.check(2)
+            assert rescale(admin, grown).map_version == 1
+        acked.train(3)
+        acked.check(3)
+        acked.close()
+
+
+def test_a_taker_restarted_after_a_source_gave_the_move_up_still_refuses_a_late_adoption(tmp_path):
+    """A source settling a move without its coordinator asks the first taker (ABORT with the map), which from then on
+    never adopts that map. The refusal is in the taker's log: killed and restarted, it still refuses the adoption a
+    coordinator slower than handover_deadline_s would ask for. A rerun (SETTLE first) goes through."""
+    with logged_shards(tmp_path) as shards:
+        acked = Acknowledged(shards.addresses)
+        acked.train(3)
+        grown = shards.grow(3)
+        three = ShardMap.uniform(2).resized(3)
+        with PSClient(grown, retry=RetryPolicy(timeout_s=30, retry_for_s=60)) as admin:
+            assert admin.handover(2, persia_pb2.HandoverStep.ABORT, three).map_version == 0
+            os.kill(shards.processes[2].pid, signal.SIGKILL)
+            with pytest.raises(PSError, match="rolled back on this shard"):  # once restarted (the call retries)
+                admin.take_over(2, persia_pb2.HandoverPage(), three, adopt=True, addresses=grown)
+            assert versions(admin, range(3)) == [0, 0, 0]
             assert rescale(admin, grown).map_version == 1
         acked.train(3)
         acked.check(3)

@@ -172,13 +172,16 @@ class SlotHandover:
         rows taken over for slots this shard's map does not give it (a handover to it that was given up).
 
         With ``to_map``, the move to it rolls back here for good unless this shard adopted it already (then nothing
-        changes): this shard never adopts it, nor takes rows for it, later. Returns this shard's map version after
-        the call: ``>= to_map.version`` says the move had gone through here."""
+        changes): this shard never adopts it, nor takes rows for it, later, restarted from its log or not. Returns
+        this shard's map version after the call: ``>= to_map.version`` says the move had gone through here."""
         with self._gate.writing():
             if to_map is not None:
                 if self._shard_map.version >= to_map.version:
                     return self._shard_map.version
-                self._given_up_version = max(self._given_up_version, to_map.version)
+                if to_map.version > self._given_up_version:
+                    self._given_up_version = to_map.version
+                    if self.log is not None:  # in the log before the answer that promises it
+                        self.log.wait(self.log.record_given_up(to_map.version))
             outgoing, self._outgoing = self._outgoing, None
             if outgoing is not None and outgoing.fenced and self.log is not None:
                 self.log.wait(self.log.record_fence(None))
@@ -204,6 +207,15 @@ class SlotHandover:
             return
         self._outgoing = OutgoingSlots(self.shard_index, self._shard_map, to_map, addresses=fence.get("addresses", ()))
         self._outgoing.fenced = self._outgoing.replayed = True
+
+    def replay_given_up(self, version: int) -> None:
+        """Makes the log's GIVEN_UP (the refusal of a move given up, or ``0``) this shard's again."""
+        self._given_up_version = version
+
+    @property
+    def given_up_version(self) -> int:
+        """The newest map version a move to this shard was given up from, which it never adopts (0: none)."""
+        return self._given_up_version
 
     def take_changes(self, configs: Sequence[TableConfig], changes: Sequence[Change], to_map: ShardMap) -> None:
         """Applies, in order, the part ``to_map`` gives this shard of the rows (:meth:`begin_handover`'s blocks, as
@@ -251,6 +263,8 @@ class SlotHandover:
     def forget_given_up(self) -> None:
         """Lets a move this shard rolled back from be run again (a new coordinator starts, the old one is gone)."""
         with self._gate.writing():
+            if self._given_up_version and self.log is not None:
+                self.log.wait(self.log.record_given_up(0))
             self._given_up_version = 0
 
     def _check_not_given_up(self, to_map: ShardMap) -> None:

@@ -14,7 +14,10 @@ A record is one of:
 - ``MAP``: the shard map this shard adopted (slots moved to or from it, ``store/slot_moves.py``);
 - ``FENCE``: this shard fenced the slots it hands over under a new map (``{"to_map", "addresses"}``), or (``null``)
   gave that move up: a shard restarted while fenced comes back fenced, and settles the move before serving those
-  slots (``store/slot_moves.py``).
+  slots (``store/slot_moves.py``);
+- ``GIVEN_UP``: the newest map version a move to this shard was given up from (``ABORT`` with that map, which it had
+  not adopted), or ``0`` once that is forgotten (a new coordinator starts over): a restarted shard still never adopts
+  that map, nor takes rows for it. Every segment's ``OPEN`` repeats the one in force, as it does the ``FENCE``.
 
 Bytes: ``kind (u8) | meta length (u32) | meta (JSON) | tensors``; the meta lists each tensor's dtype and shape.
 """
@@ -28,7 +31,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-OPEN, CONFIGURE, CHANGE, MAP, FENCE = 1, 2, 3, 4, 5
+OPEN, CONFIGURE, CHANGE, MAP, FENCE, GIVEN_UP = 1, 2, 3, 4, 5, 6
 _PREFIX = struct.Struct("<BI")
 _DTYPES = {"int64": torch.int64, "int32": torch.int32, "float32": torch.float32, "float16": torch.float16}
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
@@ -124,6 +127,7 @@ class Opening:
     base: Optional[str] = None  # the checkpoint the segment's records follow, where a save or load began it
     shard_map: Optional[dict] = None  # ShardMap.to_dict() in force when the segment began (older logs: none)
     fence: Optional[dict] = None  # the FENCE in force when the segment began, if any
+    given_up: int = 0  # the GIVEN_UP in force when the segment began (older logs: none)
 
     def encode(self) -> list[bytes | memoryview]:
         return encode(OPEN, self.__dict__)

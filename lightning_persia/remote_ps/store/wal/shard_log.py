@@ -51,8 +51,13 @@ class ReplayTarget(Protocol):
 
     def replay_fence(self, fence: Optional[dict]) -> None: ...
 
+    def replay_given_up(self, version: int) -> None: ...
+
     @property
     def fence(self) -> Optional[dict]: ...
+
+    @property
+    def given_up_version(self) -> int: ...
 
     @property
     def shard_map(self) -> ShardMap: ...
@@ -103,9 +108,10 @@ class ShardLog:
 
     def __init__(self, wal: WriteAheadLog, incarnation: str, accepted: list[str], applied: dict[str, deque], window: int,
                  report: ReplayReport, max_clients: int = 4096, fence: Optional[dict] = None,
-                 addresses: Sequence[str] = ()) -> None:
+                 addresses: Sequence[str] = (), given_up: int = 0) -> None:
         self.wal = wal
         self._fence = fence  # the FENCE in force: every segment's OPEN repeats it, so a save's rotation keeps it
+        self._given_up = given_up  # the GIVEN_UP in force, repeated likewise
         self._addresses = tuple(addresses)  # where the map's shards listen: every OPEN repeats them with the map
         self.incarnation = incarnation
         self.accepted = frozenset(accepted)
@@ -155,6 +161,12 @@ class ShardLog:
         self._fence = fence
         return self.wal.append(records.encode(records.FENCE, {"fence": fence}))
 
+    def record_given_up(self, version: int) -> int:
+        """Queues the newest map version a move to this shard was given up from (``0``: forgotten); called where no
+        request runs, like :meth:`record_map`."""
+        self._given_up = version
+        return self.wal.append(records.encode(records.GIVEN_UP, {"version": version}))
+
     def record_configure(self, table: dict) -> int:
         """Queues a table's creation (call it holding the lock under which the table appears); its ticket."""
         return self.wal.append(records.encode(records.CONFIGURE, {"table": table}))
@@ -182,7 +194,7 @@ class ShardLog:
 
     def _opening(self, base: Optional[str], shard_map: ShardMap) -> records.Opening:
         return records.Opening(self.incarnation, sorted(self.accepted), boot_id(), self.durability, self.applied_seqs(), base,
-                               map_value(shard_map, self._addresses), self._fence)
+                               map_value(shard_map, self._addresses), self._fence, self._given_up)
 
 
 def open_shard_log(store: ReplayTarget, directory: str, durability: str, incarnation: str, restore_from: Optional[str],
@@ -218,11 +230,12 @@ def open_shard_log(store: ReplayTarget, directory: str, durability: str, incarna
     accepted.add(incarnation)
     opening = records.Opening(incarnation, sorted(accepted), boot_id(), durability,
                               {client: list(seqs) for client, seqs in applied.items()}, report.checkpoint,
-                              map_value(store.shard_map, store.map_addresses), store.fence)
+                              map_value(store.shard_map, store.map_addresses), store.fence, store.given_up_version)
     wal = WriteAheadLog(path, durability, opening.encode())
     if not report.replayed:  # a fresh log: it follows what was just loaded, and the old segments go
         wal.set_base(wal.segment, report.checkpoint)
-    return ShardLog(wal, incarnation, sorted(accepted), applied, window, report, fence=store.fence, addresses=store.map_addresses)
+    return ShardLog(wal, incarnation, sorted(accepted), applied, window, report, fence=store.fence, addresses=store.map_addresses,
+                    given_up=store.given_up_version)
 
 
 def map_value(shard_map: ShardMap, addresses: Sequence[str]) -> dict:
@@ -346,8 +359,11 @@ def _replay_segments(store: ReplayTarget, path: Path, base: Optional[dict], segm
                     if opening.shard_map is not None:
                         _replay_map(store, opening.shard_map)
                     store.replay_fence(opening.fence)
+                    store.replay_given_up(opening.given_up)
                 elif kind == records.FENCE:
                     store.replay_fence(meta["fence"])
+                elif kind == records.GIVEN_UP:
+                    store.replay_given_up(int(meta["version"]))
                 elif kind == records.CONFIGURE:
                     store.replay_configure(meta["table"])
                 elif kind == records.MAP:

@@ -9,8 +9,9 @@ turn, while a client trains; in each, one process dies by SIGKILL at a step of t
   shard's restart: a killed taker is waited for.
 - A move whose coordinator failed or died is run again once the shards answer, as an operator (or a Kubernetes Job's
   restart) runs ``ps scale`` again. That run first settles the move left under way: finished if it had gone through,
-  given up otherwise (``remote_ps/move_settling.py``). ``attempts_rolled_back`` counts the killed attempts that the
-  run after them found given up (it moved the slots again); ``rollbacks`` counts the moves that ended on the old map.
+  given up otherwise (``remote_ps/move_settling.py``). ``attempts_rolled_back`` counts the killed attempts whose
+  killed wave was given up: the run after them started from the map before that wave (the waves before it stay done,
+  and the run moves the rest either way); ``rollbacks`` counts the moves that ended on the old map.
 - The main client trains two tables: ``counts`` (SGD, lr 1, every gradient -1, rows from 0: a row's value is the
   updates it got) and ``weights`` (Adam), whose every acknowledged update is replayed on one store that never moved:
   an unscaled run of the same steps. ``lost_updates``: acknowledged updates missing from ``counts`` (and from the
@@ -194,6 +195,13 @@ def _coordinate(current: list[str], addresses: list[str], kill_at: Optional[str]
     return killed, report if process.returncode == 0 else None
 
 
+def killed_wave_given_up(rerun: dict, version: int, wave: int) -> bool:
+    """Whether the ``wave``-th wave of a move from map ``version``, whose coordinator run was killed, was given up: the
+    run after it (``rerun``, a ``ScaleReport`` as a dict) began from the map before that wave, not from the wave's own.
+    Its waves are the next versions of the map it began from; it moves the remaining waves either way."""
+    return rerun["map_version"] - rerun["waves"] < version + wave
+
+
 def soak(moves: int, *, rows: int, batch: int, dim: int, seed: int, wave_rows: Optional[int] = None) -> SoakReport:
     """``wave_rows``: moves in waves of so many rows, each kill at a step of the first, second or third wave (drawn);
     None: the default waves (one at the soak's sizes), each kill in the first."""
@@ -201,6 +209,7 @@ def soak(moves: int, *, rows: int, batch: int, dim: int, seed: int, wave_rows: O
     victims = [VICTIMS[i % len(VICTIMS)] for i in range(moves)]  # each victim in turn, shuffled
     draw.shuffle(victims)
     report = SoakReport()
+    version = 0  # the cluster's map version between moves (each wave adopts the next)
     wal = tempfile.mkdtemp(prefix="elastic-soak-wal-")
     began = time.monotonic()
     tables = [TableConfig("counts", dim, optimizer=SGD(lr=1.0), init=Constant(0.0)),
@@ -253,11 +262,13 @@ def soak(moves: int, *, rows: int, batch: int, dim: int, seed: int, wave_rows: O
                 while done is None:  # failed or killed: `ps scale` again (its calls wait for a restarted shard)
                     _, done = _coordinate(current, addresses, None, kill, waves)
                     move.attempts += 1
-                    if move.attempts == 2:
-                        move.attempt_rolled_back = done is not None and done["slots_moved"] > 0
+                    if move.attempts == 2 and done is not None:
+                        move.attempt_rolled_back = killed_wave_given_up(done, version, move.wave)
                     if move.attempts > 4:
                         break
                 side.stop()
+                if done is not None:
+                    version = done["map_version"]
                 with PSClient(addresses) as admin:
                     versions = {admin.shard_map_of(s)[0].num_shards for s in range(to_shards)}
                     move.ended_on_new_map = done is not None and versions == {to_shards}

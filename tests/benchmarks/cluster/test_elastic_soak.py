@@ -16,6 +16,15 @@ def test_the_summary_carries_the_issues_fields_and_each_kill():
     assert summary["kill_points"][0]["victim"] == "taker" and summary["kill_points"][0]["step"] == "fence"
 
 
+@pytest.mark.parametrize("rerun, given_up", [
+    ({"map_version": 9, "waves": 7}, True),   # began from version 2, the map before the killed third wave (3): it moved it again
+    ({"map_version": 9, "waves": 6}, False),  # began from version 3: the killed wave had gone through
+    ({"map_version": 3, "waves": 0}, False),  # the killed wave was the last, and it had gone through: nothing left
+])
+def test_a_killed_wave_counts_as_given_up_only_when_the_next_run_began_before_it(rerun, given_up):
+    assert elastic_soak.killed_wave_given_up(rerun, version=0, wave=3) is given_up
+
+
 @pytest.mark.scenario
 def test_a_short_kill_soak_loses_nothing_and_ends_every_move_on_its_new_map():
     report = elastic_soak.soak(4, rows=20_000, batch=1024, dim=8, seed=1)

@@ -7,10 +7,11 @@ stack. The calls are counted from where the work enters the store: an RPC method
 ``jobs.find_many`` -> ``lp_find_many`` is 6 calls. A path "enters a file twice" where its frames leave a file and
 come back to it later.
 
-The workload runs in process, on three shards: a memory table at capacity (eviction), a disk table whose requests
-make their own room (no demoter: demotions and promotions in the request), and a disk table under a memory limit
-with a demoter (queued promotions, demotions, mapping, compaction off the request path). Each sees training and
-evaluation lookups of one and of two tables, and updates, many times its memory budget of distinct ids.
+The workload runs in process, on one shard after the other (:data:`SCENARIOS`): a memory table at capacity
+(eviction), a disk table under a memory limit with a demoter, as a shard process runs it (queued promotions,
+demotions, mapping, compaction off the request path), and a disk table whose requests make their own room (no
+demoter: demotions and promotions in the request). Each sees training and evaluation lookups of one and of two
+tables, and updates, many times its memory budget of distinct ids.
 
     PYTHONPATH=$PWD .venv/bin/python -m tools.kernel_depths            # a table, a kernel a row
     PYTHONPATH=$PWD .venv/bin/python -m tools.kernel_depths --paths    # and the deepest path of each
@@ -81,10 +82,12 @@ def entered_twice(path: list[str]) -> set[str]:
 
 
 class Recorder:
-    """Wraps every kernel of the store's library; :attr:`calls` maps ``(entry, kernel)`` to :class:`KernelCalls`."""
+    """Wraps every kernel of the store's library; :attr:`calls` maps ``(scenario, entry, kernel)`` to
+    :class:`KernelCalls`, ``scenario`` being what :attr:`scenario` says while the call runs."""
 
     def __init__(self) -> None:
-        self.calls: dict[tuple[str, str], KernelCalls] = collections.defaultdict(KernelCalls)
+        self.calls: dict[tuple[str, str, str], KernelCalls] = collections.defaultdict(KernelCalls)
+        self.scenario = ""
         self.unattributed: collections.Counter = collections.Counter()
         self._lock = threading.Lock()
         library = native.LIBRARY.require()
@@ -118,7 +121,7 @@ class Recorder:
             if entry is None:
                 self.unattributed[kernel] += 1
                 return
-            self.calls[entry, kernel].add(list(reversed(path[:entry_depth])))
+            self.calls[self.scenario, entry, kernel].add(list(reversed(path[:entry_depth])))
 
 
 class _Context:
@@ -184,32 +187,41 @@ def drive(shard: Shard, rounds: int, batch: int, distinct: int, generator: torch
     shard.update({"a": torch.arange(batch)})  # rows demoted long ago: an update brings them back first
 
 
+SCENARIOS = ("memory", "disk", "disk, no demoter")
+"""A memory table at capacity (its expirer running); a disk table as a shard process serves it (a demoter under a
+memory limit: promotions queued, room kept ahead); a disk table whose requests make their own room and promote what
+they read (``ShardStore(demotion_interval_s=None)``, as in-process users may run it)."""
+
+
 def measure(rounds: int, batch: int, capacity: int, folder: str) -> Recorder:
     recorder = Recorder()
     generator = torch.Generator().manual_seed(0)
-    distinct = 8 * capacity
-    memory = Shard(ShardStore(0, 1, seed=1, expiry_interval_s=0.05), _tables("memory", capacity, ttl=True, admit_after=2))
-    drive(memory, rounds, batch, distinct, generator)
-    by_request = Shard(ShardStore(0, 1, seed=2, disk_dir=f"{folder}/requests", demotion_interval_s=None),
-                       _tables("disk", capacity, ttl=False))
-    drive(by_request, rounds, batch, distinct, generator)
-    limited = ShardStore(0, 1, seed=3, disk_dir=f"{folder}/demoter", demotion_interval_s=0.005,
-                         memory_limit_bytes=int(resident_bytes() * 1.5), expiry_interval_s=0.05)
-    demoted = Shard(limited, _tables("disk", capacity, ttl=True))
-    drive(demoted, rounds, batch, distinct, generator)
-    time.sleep(0.5)  # the demoter's and the expirer's passes over what the requests left
-    for store in (memory.store, by_request.store, limited):
+    for number, scenario in enumerate(SCENARIOS):
+        recorder.scenario = scenario
+        if scenario == "memory":
+            store = ShardStore(0, 1, seed=number, expiry_interval_s=0.05)
+        elif scenario == "disk":
+            store = ShardStore(0, 1, seed=number, disk_dir=f"{folder}/{number}", demotion_interval_s=0.005,
+                               memory_limit_bytes=int(resident_bytes() * 1.5), expiry_interval_s=0.05)
+        else:
+            store = ShardStore(0, 1, seed=number, disk_dir=f"{folder}/{number}", demotion_interval_s=None)
+        shard = Shard(store, _tables("memory" if scenario == "memory" else "disk", capacity, ttl=scenario != "disk, no demoter",
+                                     admit_after=2 if scenario == "memory" else 1))
+        drive(shard, rounds, batch, 8 * capacity, generator)
+        time.sleep(0.5)  # the background passes over what the requests left
         store.clear()
-    stop_all()
+        stop_all()  # this scenario's passes end before the next one's begin
     return recorder
 
 
 def report(recorder: Recorder) -> list[dict]:
-    """A row a kernel and entry: its calls, the deepest and the median depth, the files its paths enter twice, and its
-    deepest path."""
+    """A row a scenario, kernel and entry: its calls, the deepest and the median depth, the files its paths enter
+    twice, and its deepest path."""
     rows_out = []
-    for (entry, kernel), calls in sorted(recorder.calls.items(), key=lambda item: (item[0][1], item[0][0])):
-        rows_out.append(dict(kernel=kernel, entry=entry, calls=len(calls.depths), deepest=max(calls.depths),
+    order = {scenario: number for number, scenario in enumerate(SCENARIOS)}
+    for (scenario, entry, kernel), calls in sorted(recorder.calls.items(),
+                                                   key=lambda item: (order[item[0][0]], item[0][2], item[0][1])):
+        rows_out.append(dict(scenario=scenario, kernel=kernel, entry=entry, calls=len(calls.depths), deepest=max(calls.depths),
                              typical=int(statistics.median(calls.depths)), entered_twice=sorted(calls.twice),
                              path=calls.deepest))
     return rows_out
@@ -235,16 +247,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.json:
         print(json.dumps(dict(kernels=found, unattributed=dict(recorder.unattributed)), indent=1))
     else:
-        print(f"{'kernel':<20} {'entry':<22} {'calls':>7} {'deepest':>7} {'typical':>7}  files entered twice")
+        print(f"{'scenario':<17} {'kernel':<18} {'entry':<18} {'calls':>6} {'deepest':>7} {'typical':>7}  files entered twice")
         for row in found:
-            print(f"{row['kernel']:<20} {row['entry']:<22} {row['calls']:>7} {row['deepest']:>7} {row['typical']:>7}  "
-                  f"{', '.join(row['entered_twice']) or '-'}")
+            print(f"{row['scenario']:<17} {row['kernel']:<18} {row['entry'].removeprefix('PSServicer.'):<18} {row['calls']:>6} "
+                  f"{row['deepest']:>7} {row['typical']:>7}  {', '.join(row['entered_twice']) or '-'}")
             if args.paths:
                 print("    " + " -> ".join(row["path"]))
-        deepest = {}
-        for row in found:
-            deepest[row["kernel"]] = max(deepest.get(row["kernel"], 0), row["deepest"])
-        print("deepest a kernel: " + ", ".join(f"{k} {d}" for k, d in sorted(deepest.items(), key=lambda kv: kv[1])))
+        for scenario in SCENARIOS:
+            deepest = {}
+            for row in found:
+                if row["scenario"] == scenario:
+                    deepest[row["kernel"]] = max(deepest.get(row["kernel"], 0), row["deepest"])
+            print(f"deepest a kernel, {scenario}: " + ", ".join(f"{k} {d}" for k, d in sorted(deepest.items(), key=lambda kv: kv[1])))
         if recorder.unattributed:
             print("not from the servicer or a pass (setup): " + ", ".join(f"{k} x{n}" for k, n in sorted(recorder.unattributed.items())))
     over = [row for row in found if args.limit is not None and row["deepest"] > args.limit]

@@ -167,8 +167,8 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
             return self.store.update_many([(item.name, item.ids, item.grads) for item in items],
                                           client=request.client_id, seq=request.seq, map_version=request.map_version)
 
-        rows, duplicate = self._past_handover(
-            lambda: self.dedup.run(request.client_id, request.seq, apply, digest=messages.update_digest(request)))
+        rows, duplicate = self._past_handover(self.dedup.run, request.client_id, request.seq, apply,
+                                              digest=messages.update_digest(request))
         self._count("update_duplicates" if duplicate else "update_rows", 1 if duplicate else rows)
         return persia_pb2.UpdateResponse(rows_applied=rows, duplicate=duplicate, map_version=self.store.shard_map.version)
 

@@ -19,8 +19,12 @@ _C_TYPES = {"int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32, "double": ctyp
 
 
 def _text(path: Path) -> str:
-    """The C file without comments."""
-    return re.sub(r"//[^\n]*", "", re.sub(r"/\*.*?\*/", "", path.read_text(), flags=re.S))
+    """The C file without comments, its object-like macros (``#define NAME body``, continued by backslashes) expanded:
+    a struct may begin with fields its file declares once for several."""
+    text = re.sub(r"//[^\n]*", "", re.sub(r"/\*.*?\*/", "", path.read_text(), flags=re.S))
+    for name, body in re.findall(r"^#define[ \t]+(\w+)[ \t]+((?:[^\n]*\\\n)*[^\n]*)", text, flags=re.M):
+        text = re.sub(rf"\b{name}\b", lambda _: body.replace("\\\n", " "), text)
+    return text
 
 
 def _ctype(declaration: str):

@@ -29,6 +29,7 @@ from lightning_persia.remote_ps.store import eviction
 from lightning_persia.remote_ps.store.admission import FirstRows
 from lightning_persia.remote_ps.store.chunked_rows import ChunkedRows, FieldSpec
 from lightning_persia.remote_ps.store.disk.part import DiskPart, NoDisk
+from lightning_persia.remote_ps.store.disk.records import DISK_FIELDS
 from lightning_persia.remote_ps.store.errors import StoreError
 from lightning_persia.remote_ps.store.free_rows import FreeRows
 from lightning_persia.remote_ps.store.index import NativeIdIndex, make_index
@@ -391,11 +392,6 @@ class MemoryRows:
             access = self._access_in_use()
         return self._eviction.cold_estimate(access, count)
 
-    def demote_coldest(self, count: int, estimated: Optional[tuple[int, float]]) -> None:
-        """Evicts ``count`` of the coldest rows (those in memory at most), selected by ``estimated``: the disk part
-        keeps them (:meth:`DiskPart.demote`). The lock held."""
-        self._evict(min(count, self._live), estimated)
-
     def close(self) -> None:
         """Deletes the table's disk tier, if any (a table replaced or dropped; a checkpoint keeps the files it linked)."""
         self._disk.close()
@@ -415,7 +411,7 @@ class MemoryRows:
         catches up."""
         room = self.config.capacity - self._live
         if n > room:  # a disk table's demoter keeps room ahead (demoter.py): demote what this request needs, no more
-            self._evict(self._disk.evict_count(n - room), keep=keep)
+            self.evict_coldest(self._disk.evict_count(n - room), keep=keep)
 
         reused = self._free.take(n)
         appended = n - reused.numel()
@@ -430,14 +426,19 @@ class MemoryRows:
         return [access.chunk(c, min(self._rows.chunk_rows, self._size - (c << self._rows.shift)))
                 for c in range((self._size + self._rows.chunk_rows - 1) >> self._rows.shift)]
 
-    def _evict(self, count: int, estimated: Optional[tuple[int, float]] = None, keep: Optional[torch.Tensor] = None) -> None:
-        """Evicts (a disk table: demotes) ``count`` cold rows, none of ``keep``; ``estimated``: their threshold
-        (:meth:`cold_estimate`)."""
+    def evict_coldest(self, count: int, estimated: Optional[tuple[int, float]] = None, keep: Optional[torch.Tensor] = None) -> None:
+        """Evicts ``count`` cold rows, none of ``keep``: a disk table's part keeps them on disk (demoted; it calls this
+        between requests, :meth:`DiskPart.demote`). ``estimated``: their threshold (:meth:`cold_estimate`). The lock
+        held."""
         victims = self._eviction.victims(self._access_in_use(), count, estimated, keep)
         gone = self._rows["ids"].gather(victims)
         # a disk table demotes: the rows are written to disk first (a failure changes nothing), and stay there, so
         # they are no removal (neither the journal's nor a serving delta's)
-        demoted = self._disk.keep_evicted(gone, lambda fields: self._rows.gather_fields(victims, fields))
+        demoted = bool(self._disk.record_bytes)
+        if demoted:
+            fields = {name: torch.empty(self.field_specs[name].shape(victims.numel()), dtype=self.field_specs[name].dtype)
+                      for name in DISK_FIELDS[1:] if name in self._rows.fields}
+            self._disk.keep_evicted(gone, self._rows.gather_fields(victims, fields))
         self._preserve(victims)
         if not demoted:
             self._removed(gone)

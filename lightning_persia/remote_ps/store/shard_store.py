@@ -171,27 +171,24 @@ class ShardStore(SlotHandover):
         seq)``, from which a restarted shard rebuilds its exactly-once memory. ``map_version``: as for
         :meth:`lookup_many`.
         """
-        with self._gate.reading():
-            return self._update_many(requests, client, seq, map_version)
-
-    def _update_many(self, requests: Sequence[tuple[str, torch.Tensor, torch.Tensor]], client: str, seq: int,
-                     map_version: Optional[int]) -> int:
         names = [name for name, _, _ in requests]
         if len(set(names)) != len(names):
             raise InvalidRequestError(f"a table appears more than once in one update: {names}")
-        tables = [self._table(name) for name in names]
-        for table, (name, ids, grads) in zip(tables, requests):
-            self._check_ids(name, ids, map_version)
-            expected = (ids.numel(), table.config.dim)
-            if grads.dtype != torch.float32 or tuple(grads.shape) != expected:
-                raise InvalidRequestError(f"table {name!r}: gradients must be float32 of shape {expected}, got {grads.dtype} {tuple(grads.shape)}")
-            if not bool(torch.isfinite(grads).all()):
-                raise InvalidRequestError(f"table {name!r}: gradients contain NaN or infinity")
-        tickets: list[int] = []
-        applied = Table.update_together([(table, ids, grads) for table, (_, ids, grads) in zip(tables, requests)],
-                                        self._journal(client, seq, tickets))
-        self._wait_logged(tickets)
-        return applied
+        with self._gate.reading():
+            tables = [self._table(name) for name in names]
+            for table, (name, ids, grads) in zip(tables, requests):
+                self._check_ids(name, ids, map_version)
+                expected = (ids.numel(), table.config.dim)
+                if grads.dtype != torch.float32 or tuple(grads.shape) != expected:
+                    raise InvalidRequestError(f"table {name!r}: gradients must be float32 of shape {expected}, got "
+                                              f"{grads.dtype} {tuple(grads.shape)}")
+                if not bool(torch.isfinite(grads).all()):
+                    raise InvalidRequestError(f"table {name!r}: gradients contain NaN or infinity")
+            tickets: list[int] = []
+            applied = Table.update_together([(table, ids, grads) for table, (_, ids, grads) in zip(tables, requests)],
+                                            self._journal(client, seq, tickets))
+            self._wait_logged(tickets)
+            return applied
 
     def _journal(self, client: str, seq: int, tickets: list[int]) -> Optional[Journal]:
         """What an operation tells its changes: the write-ahead log, and a handover's collection while one runs (both

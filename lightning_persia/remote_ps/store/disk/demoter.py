@@ -6,7 +6,7 @@ table's lock held: a lookup that inserted 131,072 new ids into a full 100M-row t
 more than its budget less half of :data:`HEADROOM_FRACTION`, down to the budget less all of it, :data:`SLICE_ROWS` at a
 time, the table's lock held for one slice only. A request then finds free rows, and demotes only when the rows
 it brings in exceed the headroom left (the budget is a hard limit: it demotes what it needs, no more): a slice at
-most with its lock held, more a slice at a time between its two holds of the lock (``DiskPart.make_room``).
+most with its lock held, more a slice at a time between its two holds of the lock (``DiskPart.demote``).
 
 Before demoting, it promotes the rows training lookups read from disk and queued for it (``promotions.py``): the
 lookup answered with them, and bringing them into memory is left to this thread, :data:`SLICE_ROWS` with the lock held.
@@ -68,7 +68,7 @@ class Demoter(TablePass):
                     if not part.promote_pending(SLICE_ROWS):
                         break
                     time.sleep(0)
-                target = demotion_target(part.config.capacity, part.memory_rows)
+                target = demotion_target(part.config.capacity, part.memory.memory_rows)
                 slices = 0
                 while target > 0 and not self.stopping:
                     if slices % _SLICES_AN_ESTIMATE == 0:  # the rows requests touched meanwhile left the cold ones

@@ -55,7 +55,8 @@ class Memory(Protocol):
     def place(self, ids: torch.Tensor, values: dict[str, torch.Tensor], step: Optional[int],
               keep: Optional[torch.Tensor]) -> torch.Tensor: ...
 
-    def demote_coldest(self, count: int, estimated: Optional[tuple[int, float]]) -> None: ...
+    def evict_coldest(self, count: int, estimated: Optional[tuple[int, float]] = None,
+                      keep: Optional[torch.Tensor] = None) -> None: ...
 
     def cold_estimate(self, count: int) -> Optional[tuple[int, float]]: ...
 
@@ -76,13 +77,8 @@ class NoDisk:
     map_bytes = 0
 
     def __init__(self, memory: Memory) -> None:
-        self._memory = memory
+        self.memory = memory
         self._config = memory.config
-
-    @property
-    def memory_inserted(self) -> int:
-        """Ids the table's memory took in so far (the lock held)."""
-        return self._memory.inserted
 
     def check_request(self, n: int) -> None:
         """A memory table takes a request of any size: it evicts what does not fit."""
@@ -101,8 +97,8 @@ class NoDisk:
                inserted: int) -> None:
         """Back under the lock that another table's lookup let go: the misses probed again where the memory took in
         ids meanwhile (``inserted``: its count when the lock was let go)."""
-        if self._memory.inserted != inserted:
-            self._memory.find_again(ids, torch.nonzero(rows < 0).squeeze(1), rows, out, train)
+        if self.memory.inserted != inserted:
+            self.memory.find_again(ids, torch.nonzero(rows < 0).squeeze(1), rows, out, train)
 
     def fill(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, missing: int,
              gap: Optional[Gap]) -> int:
@@ -110,10 +106,6 @@ class NoDisk:
 
     def promote_absent(self, ids: torch.Tensor) -> None:
         pass
-
-    def keep_evicted(self, ids: torch.Tensor, values: Callable[[dict], dict]) -> bool:
-        """An evicted row is not kept: the table removes it (and a serving delta names it)."""
-        return False
 
     def remove(self, ids: torch.Tensor) -> None:
         pass
@@ -156,31 +148,18 @@ class DiskPart:
 
     def __init__(self, memory: Memory, directory: str, field_specs: dict[str, FieldSpec], mapped_bytes: int,
                  promote_later: bool) -> None:
-        self._memory = memory
+        self.memory = memory
         self.config = memory.config
         self.lock = memory.lock
         self._tier = DiskTier(directory, field_specs, memory.lock, mapped_bytes)
+        self.record_bytes = self._tier.record_bytes  # of a record on disk: a table's memory demotes where it is not 0
         self._pending = PendingPromotions() if promote_later else None
         self._work = DiskWork()
         self._counters = dict(demoted=0, promoted=0)
 
     @property
-    def record_bytes(self) -> int:
-        return self._tier.record_bytes
-
-    @property
     def map_bytes(self) -> int:
         return self._tier.map_bytes
-
-    @property
-    def memory_rows(self) -> int:
-        """Rows in its table's memory now (read without the lock: a moment's value)."""
-        return self._memory.memory_rows
-
-    @property
-    def memory_inserted(self) -> int:
-        """Ids the table's memory took in so far (the lock held)."""
-        return self._memory.inserted
 
     def check_request(self, n: int) -> None:
         """A training request must fit in the table's memory budget: every row it touches comes into memory."""
@@ -214,9 +193,9 @@ class DiskPart:
 
     def _room_to_make(self, rows: torch.Tensor) -> int:
         """The rows a training lookup that found ``rows`` demotes between its two holds of the lock
-        (:meth:`make_room`): of those it may bring into memory (one per id it missed), the ones beyond the free rows
+        (:meth:`demote`): of those it may bring into memory (one per id it missed), the ones beyond the free rows
         now, where they are more than a slice; else 0 (up to a slice is demoted with the lock held)."""
-        free = self.config.capacity - self._memory.memory_rows
+        free = self.config.capacity - self.memory.memory_rows
         if free + SLICE_ROWS >= rows.numel():  # the usual case, the demoter's headroom free: no count
             return 0
         short = int((rows < 0).sum()) - free
@@ -236,14 +215,14 @@ class DiskPart:
         on disk, never both; else every miss. Raises :class:`StoreError` where the table was dropped meanwhile."""
         if self._tier.closed:
             raise StoreError(f"table {self.config.name!r} was dropped during the lookup")
-        if self._memory.inserted == inserted:
+        if self.memory.inserted == inserted:
             return
         ahead = gap.ahead if gap is not None else None
         if ahead is None or ahead.records is None:
             positions = torch.nonzero(rows < 0).squeeze(1)
         else:
             positions = ahead.positions[~self._tier.still_holds(ahead.ids, ahead.slots, ahead.records)]
-        self._memory.find_again(ids, positions, rows, out, train)
+        self.memory.find_again(ids, positions, rows, out, train)
 
     def fill(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, missing: int,
              gap: Optional[Gap]) -> int:
@@ -287,7 +266,7 @@ class DiskPart:
             first = torch.empty(ids.numel(), dtype=torch.int64).scatter_(0, inverse, torch.arange(inverse.numel()))
             slots, records = slots[first], take_records(records, first)
         if self._pending is not None and self._pending.has_room(ids.numel()):
-            self._pending.add(PendingPromotion(ids, slots, records, self._memory.step, self._tier.generation))
+            self._pending.add(PendingPromotion(ids, slots, records, self.memory.step, self._tier.generation))
             rows[where] = -2
             return
         if first is not None:
@@ -319,7 +298,7 @@ class DiskPart:
         """Brings the rows of ``ids`` (unique) that are on disk into memory (an update applies to them). The lock held."""
         if not self._tier.rows:
             return
-        found = self._memory.find_rows(ids)
+        found = self.memory.find_rows(ids)
         absent = torch.unique(ids[found < 0])
         if not absent.numel():
             return
@@ -334,60 +313,51 @@ class DiskPart:
         """Moves rows read from disk (``ids`` unique, at ``slots``) into memory; returns their rows. ``step``: the
         lookup step that read them (LRU; the table's step now by default); ``keep``: rows the operation under way
         goes on to write, which the room made for these must not demote. The lock held."""
-        rows = self._memory.place(ids, values, step, keep)  # may demote colder rows: written to disk first
+        rows = self.memory.place(ids, values, step, keep)  # may demote colder rows: written to disk first
         self._tier.forget(ids, slots)
         self._counters["promoted"] += ids.numel()
         return rows
 
-    def keep_evicted(self, ids: torch.Tensor, values: Callable[[dict], dict]) -> bool:
-        """Writes the rows of ``ids`` being evicted to disk (demoted), ``values(fields)`` filling their ``fields``,
-        before anything else changes: a failure raises with the rows where they were. Returns True: the rows stay
-        (on disk), so they are no removal. The lock held."""
+    def keep_evicted(self, ids: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
+        """Writes the rows of ``ids`` being evicted to disk (demoted), ``values`` their fields of a record but the id,
+        before anything else changes: a failure raises with the rows where they were. The rows stay (on disk), so
+        they are no removal. (A memory table's :class:`NoDisk`, whose ``record_bytes`` are 0, keeps none: the table
+        removes them.) The lock held."""
         if not ids.numel():
-            return True
+            return
         with self._work.timed(demoting=True):
-            kept = {name: torch.empty(spec.shape(ids.numel()), dtype=spec.dtype)
-                    for name, spec in self._tier.specs.items() if name != "ids"}
-            self._tier.write({"ids": ids, **values(kept)})
+            self._tier.write({"ids": ids, **values})
         self._counters["demoted"] += ids.numel()
-        return True
 
-    def demote(self, count: int, estimated: Optional[tuple[int, float]] = None) -> int:
-        """Moves ``count`` of the coldest rows of the table's memory to disk (the shard's demoter calls it between
-        requests); returns how many moved (0: closed). Selects them by ``estimated`` (:meth:`cold_estimate`; made now
-        if None), holding the lock to choose and move the rows."""
+    def demote(self, count: int, estimated: Optional[tuple[int, float]] = None, of: str = "demotion") -> int:
+        """Moves ``count`` of the coldest rows of the table's memory to disk; returns how many moved (0: closed).
+        Selects them by ``estimated`` (:meth:`cold_estimate`; made now if None). The shard's demoter calls it between
+        requests, a slice at a time; a lookup whose rows the demoter left no room for, between its two holds of the
+        lock. Its disk work counts as an operation ``of`` that kind (:class:`DiskWork`).
+
+        :data:`SLICE_ROWS` at a time, the lock taken for each slice and let go between: one request demoting all it
+        needs with the lock held kept every other request of the table waiting for all of it (a lookup that
+        inserted 131,072 ids held a billion-row table's lock for 0.378 s of demoting so)."""
         if count <= 0:
             return 0
         if estimated is None:
-            estimated = self.cold_estimate(count)
-        return self._demote(count, estimated, "demotion")
+            estimated = self.memory.cold_estimate(count)
+        moved = 0
+        while moved < count:
+            with self.lock, self._work.operation(of):
+                if self._tier.closed:
+                    return moved
+                before = self._counters["demoted"]
+                self.memory.evict_coldest(min(count - moved, SLICE_ROWS, self.memory.memory_rows), estimated)
+                step = self._counters["demoted"] - before
+            if not step:
+                return moved
+            moved += step
+        return moved
 
     def cold_estimate(self, count: int) -> Optional[tuple[int, float]]:
         """The access value at or below which the ``count`` coldest rows in memory lie (the table's estimate)."""
-        return self._memory.cold_estimate(count)
-
-    def _demote(self, count: int, estimated: Optional[tuple[int, float]], of: str) -> int:
-        """:meth:`demote`, its disk work counted as an operation ``of`` that kind (:class:`DiskWork`)."""
-        with self.lock, self._work.operation(of):
-            if self._tier.closed:
-                return 0
-            before = self._counters["demoted"]
-            self._memory.demote_coldest(count, estimated)
-            return self._counters["demoted"] - before
-
-    def make_room(self, shortfall: int) -> None:
-        """Demotes ``shortfall`` rows for a request (none if 0), :data:`SLICE_ROWS` at a time, the lock taken for each
-        slice and let go between: the demoter fell behind the rows requests bring in, and one request demoting them
-        all with the lock held kept every other request of the table waiting for all of it (a lookup that inserted
-        131,072 ids held a billion-row table's lock for 0.378 s of demoting so)."""
-        if shortfall <= 0:
-            return
-        estimated = self.cold_estimate(shortfall)
-        while shortfall > 0:
-            moved = self._demote(min(shortfall, SLICE_ROWS), estimated, "a lookup's demotion, a slice")
-            if not moved:
-                return
-            shortfall -= moved
+        return self.memory.cold_estimate(count)
 
     def spill(self, block: dict[str, torch.Tensor], room: int) -> dict[str, torch.Tensor]:
         """The rows of a loaded block that fit in ``room`` rows of memory; the others are written to disk."""
@@ -479,7 +449,7 @@ def look_up(parts: Sequence[Part], ids: Sequence[torch.Tensor], rows: Sequence[t
     """The rest of a lookup of one or more tables once their memory was probed, every table's lock held (``locks``):
     for each table, its part, the ``ids`` it was asked, the ``rows`` its memory probe found (-1 where it missed) and
     its ``outs``. The records of the misses that are on disk are read with the locks let go, and the room a training
-    lookup needs is made meanwhile (:meth:`DiskPart.make_room`); the locks taken again, each table probes its memory
+    lookup needs is made meanwhile (:meth:`DiskPart.demote`); the locks taken again, each table probes its memory
     again where it changed meanwhile (:meth:`DiskPart.rejoin`), then fills its misses from disk (a training lookup
     brings those rows into memory: :meth:`DiskPart.fill`).
 
@@ -494,7 +464,9 @@ def look_up(parts: Sequence[Part], ids: Sequence[torch.Tensor], rows: Sequence[t
         _end_reads(parts, gaps)
         raise
     if any(gaps):
-        inserted = [part.memory_inserted for part in parts]
+        inserted = []  # each memory's count of ids taken in, before the locks are let go
+        for part in parts:
+            inserted.append(part.memory.inserted)
         try:
             with locks.let_go():
                 for gap in gaps:
@@ -502,7 +474,7 @@ def look_up(parts: Sequence[Part], ids: Sequence[torch.Tensor], rows: Sequence[t
                         gap.ahead.read()
                 for part, gap in zip(parts, gaps):
                     if gap is not None:
-                        part.make_room(gap.shortfall)
+                        part.demote(gap.shortfall, of="a lookup's demotion, a slice")
         finally:  # the locks taken again: every read ends, also when one failed, before any table's rejoin may fail
             _end_reads(parts, gaps)
         for part, wanted, found, out, gap, before in zip(parts, ids, rows, outs, gaps, inserted):

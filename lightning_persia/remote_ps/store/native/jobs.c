@@ -6,13 +6,18 @@
  * A training step asks a shard for every table of the model at once; one call per table would cost more in
  * dispatch than in work. The caller holds the lock of every table of the jobs. */
 
+/* The fields every job begins with (jobs.py's _HEAD): a table's index and rows (store.h), the job's ids and a row
+ * for each (what `rows` holds on the way in and out is each job's own). */
+#define JOB_HEAD           \
+    void *index;           \
+    const int64_t *chunks; \
+    int64_t shift, stride; \
+    const int64_t *ids;    \
+    int64_t n;             \
+    int64_t *rows;
+
 typedef struct {
-    void *index;
-    const int64_t *chunks;
-    int64_t shift, stride;
-    const int64_t *ids;
-    int64_t n;
-    int64_t *rows;           /* out: the row of each id, -1 when absent */
+    JOB_HEAD                 /* rows, out: the row of each id, -1 when absent */
     int64_t offset, width;   /* the field copied to out (width 0: none) */
     char *out;
     int64_t touch_offset;    /* < 0: no touch */
@@ -56,12 +61,8 @@ static inline uint16_t f32_to_half(float f) {
 enum { RULE_SGD = 0, RULE_ADAGRAD = 1, RULE_ROWWISE_ADAGRAD = 2 };
 
 typedef struct {
-    void *index;
-    const int64_t *chunks;
-    int64_t shift, stride;
-    const int64_t *ids;      /* strictly increasing (unique), else nothing is applied and not_unique is set */
-    int64_t n;
-    int64_t *rows;           /* scratch of n rows */
+    JOB_HEAD                 /* ids strictly increasing (unique), else nothing is applied and not_unique is set;
+                                rows: scratch */
     const float *grads;      /* [n, dim] */
     int64_t dim;
     int64_t weights_offset, state_offset, version_offset;
@@ -171,13 +172,8 @@ void lp_update_many(update_job_t *jobs, int64_t count) {
  * admitted once: the second occurrence finds the row of the first. */
 
 typedef struct {
-    void *index;
-    const int64_t *chunks;
-    int64_t shift, stride;
-    const int64_t *ids;
-    int64_t n;
-    int64_t *rows;             /* in: the find's rows (-1: absent; -2: read from disk, left there, not admitted);
-                                  out: the rows admitted filled in */
+    JOB_HEAD                   /* rows, in: the find's rows (-1: absent; -2: read from disk, left there, not
+                                  admitted); out: the rows admitted filled in */
     char *out;                 /* [n, weights width]: the lookup's output, filled at the absent ids */
     int64_t dim, weights_offset;
     int32_t weights_half, access_value;

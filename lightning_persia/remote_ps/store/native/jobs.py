@@ -26,22 +26,24 @@ RULES = {"SGD": 0, "Adagrad": 1, "RowwiseAdagrad": 2}
 """The sparse rules :func:`update_many` runs in C (``remote_ps/store/optimizers.py`` names; Adam runs in torch)."""
 
 
+_HEAD = [("index", _P), ("chunks", _P), ("shift", _I64), ("stride", _I64), ("ids", _P), ("n", _I64), ("rows", _P)]
+"""The fields every job begins with (``jobs.c``'s ``JOB_HEAD``): a table's index and rows, the job's ids, a row each."""
+
+
 class FindJob(ctypes.Structure):
     """One table's part of :func:`find_many` (``jobs.c``'s ``find_job_t``)."""
 
-    _fields_ = [("index", _P), ("chunks", _P), ("shift", _I64), ("stride", _I64), ("ids", _P), ("n", _I64), ("rows", _P),
-                ("offset", _I64), ("width", _I64), ("out", _P), ("touch_offset", _I64), ("value", _I32),
-                ("add", _I32), ("missing", _I64)]
+    _fields_ = _HEAD + [("offset", _I64), ("width", _I64), ("out", _P), ("touch_offset", _I64), ("value", _I32),
+                        ("add", _I32), ("missing", _I64)]
 
 
 class UpdateJob(ctypes.Structure):
     """One table's part of :func:`update_many` (``jobs.c``'s ``update_job_t``)."""
 
-    _fields_ = [("index", _P), ("chunks", _P), ("shift", _I64), ("stride", _I64), ("ids", _P), ("n", _I64), ("rows", _P),
-                ("grads", _P), ("dim", _I64), ("weights_offset", _I64), ("state_offset", _I64), ("version_offset", _I64),
-                ("weights_half", _I32), ("rule", _I32), ("version", _I32),
-                ("bounded", _I32), ("lr", ctypes.c_float), ("eps", ctypes.c_float), ("weight_decay", ctypes.c_float),
-                ("bound", ctypes.c_float), ("applied", _I64), ("absent", _I64), ("not_unique", _I32)]
+    _fields_ = _HEAD + [("grads", _P), ("dim", _I64), ("weights_offset", _I64), ("state_offset", _I64),
+                        ("version_offset", _I64), ("weights_half", _I32), ("rule", _I32), ("version", _I32),
+                        ("bounded", _I32), ("lr", ctypes.c_float), ("eps", ctypes.c_float), ("weight_decay", ctypes.c_float),
+                        ("bound", ctypes.c_float), ("applied", _I64), ("absent", _I64), ("not_unique", _I32)]
 
 
 @dataclass(frozen=True)
@@ -59,12 +61,11 @@ class AdmitFields:
 class AdmitJob(ctypes.Structure):
     """One table's :func:`admit` call (``jobs.c``'s ``admit_job_t``); keeps the tensors it points at alive."""
 
-    _fields_ = [("index", _P), ("chunks", _P), ("shift", _I64), ("stride", _I64), ("ids", _P), ("n", _I64), ("rows", _P),
-                ("out", _P), ("dim", _I64), ("weights_offset", _I64), ("weights_half", _I32),
-                ("access_value", _I32), ("access_offset", _I64), ("version_offset", _I64),
-                ("version", _I32), ("pad", _I32), ("state_offset", _I64), ("state_bytes", _I64),
-                ("state", _P), ("init_key", _I64), ("low", ctypes.c_double), ("high", ctypes.c_double), ("fresh", _P),
-                ("fresh_count", _I64), ("used", _I64)]
+    _fields_ = _HEAD + [("out", _P), ("dim", _I64), ("weights_offset", _I64), ("weights_half", _I32),
+                        ("access_value", _I32), ("access_offset", _I64), ("version_offset", _I64),
+                        ("version", _I32), ("pad", _I32), ("state_offset", _I64), ("state_bytes", _I64),
+                        ("state", _P), ("init_key", _I64), ("low", ctypes.c_double), ("high", ctypes.c_double),
+                        ("fresh", _P), ("fresh_count", _I64), ("used", _I64)]
 
     def __init__(self, *values, _keep: tuple = ()) -> None:
         super().__init__(*values)

@@ -144,14 +144,24 @@ def test_a_pass_demotes_in_short_slices_each_few_by_one_estimate(tmp_path, monke
 
 
 def _lock_free_demotions(table, monkeypatch):
-    """Records each demotion's count, and that the table's lock was free when it began (the request let it go)."""
-    real_demote, calls = table.disk._demote, []
+    """Records each slice a request's demotion evicts with the table's lock taken: its count, whether the lock was
+    held when the demotion began (False: the request let it go), and the kind of operation."""
+    real_demote, real_evict, calls, open_demotion = table.disk.demote, table.evict_coldest, [], []
 
-    def demote(count, estimated, of):
-        calls.append((count, table.lock.locked(), of))
-        return real_demote(count, estimated, of)
+    def demote(count, estimated=None, of="demotion"):
+        open_demotion.append((table.lock.locked(), of))
+        try:
+            return real_demote(count, estimated, of)
+        finally:
+            open_demotion.pop()
 
-    monkeypatch.setattr(table.disk, "_demote", demote)
+    def evict_coldest(count, estimated=None, keep=None):
+        if open_demotion:
+            calls.append((count, *open_demotion[-1]))
+        return real_evict(count, estimated, keep)
+
+    monkeypatch.setattr(table.disk, "demote", demote)
+    monkeypatch.setattr(table, "evict_coldest", evict_coldest)
     return calls
 
 
@@ -186,15 +196,15 @@ def test_ids_another_request_brings_in_while_room_is_made_are_not_admitted_twice
     table = _table(tmp_path)
     table.lookup(torch.arange(CAPACITY), train=True)
     fresh = torch.arange(CAPACITY, CAPACITY + 300)
-    real_demote, others = table.disk._demote, []
+    real_demote, others = table.disk.demote, []
 
-    def demote(count, estimated, of):
+    def demote(count, estimated=None, of="demotion"):
         if not others:  # another request, between the first request's two holds of the lock: admits and trains 10
             others.append(table.lookup(fresh[:10], train=True))
             table.update(fresh[:10], torch.ones(10, DIM))
         return real_demote(count, estimated, of)
 
-    monkeypatch.setattr(table.disk, "_demote", demote)
+    monkeypatch.setattr(table.disk, "demote", demote)
     got = table.lookup(fresh, train=True)
     assert table.stats()["inserted"] == CAPACITY + 300  # each of the 300 admitted once
     trained = table.lookup(fresh[:10], train=False)

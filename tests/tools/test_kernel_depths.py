@@ -1,0 +1,32 @@
+"""The kernel-depth tool: what it counts as a path, and a short run of it."""
+import json
+
+import pytest
+
+from lightning_persia.remote_ps.store import native
+from tools import kernel_depths
+
+
+def test_a_file_left_and_entered_again_is_named():
+    path = ["servicer.py:Update", "servicer.py:_past_handover", "exactly_once.py:run", "servicer.py:apply",
+            "shard_store.py:update_many"]
+    assert kernel_depths.entered_twice(path) == {"servicer.py"}
+    assert kernel_depths.entered_twice(path[:3]) == set()
+
+
+@pytest.mark.skipif(not native.available(), reason="needs the store's native kernels")
+def test_a_short_run_counts_each_kernel_from_its_entry(capsys):
+    assert kernel_depths.main(["--rounds", "3", "--batch", "256", "--capacity", "512", "--json"]) == 0
+    rows = {(row["scenario"], row["kernel"], row["entry"]): row for row in json.loads(capsys.readouterr().out)["kernels"]}
+    probe = rows["memory", "lp_find_many", "PSServicer.Lookup"]  # two tables' probes in one native call
+    assert probe["path"][0] == "remote_ps/servicer.py:Lookup" and probe["path"][-1] == "remote_ps/store/native/jobs.py:find_many"
+    assert probe["deepest"] == len(probe["path"]) >= probe["typical"]
+    assert ("memory", "lp_update_many", "PSServicer.Update") in rows
+    assert {scenario for scenario, _, _ in rows} == set(kernel_depths.SCENARIOS)
+    assert any(entry == "Demoter.run_once" for scenario, _, entry in rows if scenario == "disk")
+    assert not any(entry == "Demoter.run_once" for scenario, _, entry in rows if scenario == "disk, no demoter")
+
+
+@pytest.mark.skipif(not native.available(), reason="needs the store's native kernels")
+def test_a_limit_below_the_deepest_path_fails(capsys):
+    assert kernel_depths.main(["--rounds", "1", "--batch", "64", "--capacity", "256", "--limit", "3"]) == 1

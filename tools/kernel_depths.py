@@ -90,6 +90,7 @@ class Recorder:
         self.scenario = ""
         self.unattributed: collections.Counter = collections.Counter()
         self._lock = threading.Lock()
+        self._recording = threading.local()
         library = native.LIBRARY.require()
         for module in _BINDINGS:
             for name in module.SIGNATURES:
@@ -98,7 +99,14 @@ class Recorder:
     def _wrapped(self, name: str, kernel: Callable) -> Callable:
         @functools.wraps(kernel)
         def call(*args):
-            self._record(name, sys._getframe(1))
+            # A finalizer that frees a native object can run inside _record (the garbage collector picks the
+            # moment): that call is the collector's, not a path's, and recording it would take the lock twice.
+            if not getattr(self._recording, "on", False):
+                self._recording.on = True
+                try:
+                    self._record(name, sys._getframe(1))
+                finally:
+                    self._recording.on = False
             return kernel(*args)
         return call
 

@@ -490,12 +490,11 @@ class PersiaStrategy(DDPStrategy):
         which a change of map in the middle of a step would split differently on each rank: with more than one rank,
         change the shard count through a checkpoint instead.
         """
-        if self._cluster is None or self.client is None:
+        if not self.ps.embedded or self.client is None:
             raise RuntimeError("scale_shards grows or drains the embedded shards, which this strategy did not start "
                                "(ps.addresses is set): scale that cluster with `lightning-persia ps scale`")
-        if self.world_size > 1:
-            raise RuntimeError(f"scale_shards with {self.world_size} ranks: the ranks push one merged update each step, which a "
-                               "map changing mid-step would split differently on each; save, restart on the new shard count, load")
+        if self._cluster is None:  # another rank: rank 0 started the shards and runs the move
+            return None
         if not wait:
             moving = self._cluster.start_rescale(num_shards, token=self.ps.token)
             moving.add_done_callback(_report_scaled)

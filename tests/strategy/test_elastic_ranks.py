@@ -1,14 +1,19 @@
 """Shards added and drained while 2 ranks fit (DDP on gloo, each a process of run_toy.py): at staleness 0 the run ends
-with exactly the weights of a 2-rank run that never scaled, whether the move runs in the callback or in the background,
-with embedding workers or without."""
+with exactly the weights of a 2-rank run that never scaled, whether the move runs in the callback, in the background,
+or in an operator's `lightning-persia ps scale`, with embedding workers or without."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from lightning_persia.remote_ps.launcher import LocalShards
+from lightning_persia.remote_ps.protocol import ADDRESSES_ENV
 
 SCRIPT = Path(__file__).with_name("run_toy.py")
 COMMON = ("--devices", "2", "--shards", "2", "--steps", "24", "--staleness", "0")
@@ -59,3 +64,39 @@ def test_two_ranks_scaling_2_3_2_at_staleness_zero_end_with_the_weights_of_a_run
         for name, value in never_scaled[rank]["dense"].items():
             assert torch.equal(scaled[rank]["dense"][name], value), (rank, name)
         assert scaled[rank]["losses"] == never_scaled[rank]["losses"]
+
+
+@pytest.mark.scenario
+@pytest.mark.parametrize("workers", [True, False], ids=["workers", "no-workers"])
+def test_two_ranks_train_on_while_an_operator_grows_and_drains_their_cluster_with_ps_scale(tmp_path, never_scaled, workers):
+    from lightning_persia.cli import main
+
+    with LocalShards(2, overrides=["seed=0"]) as shards:  # the seed of the embedded shards of the run that never scaled
+        grown = shards.grow(3)  # started before the ranks: a shard takes seconds to start on a loaded machine
+        first = ",".join(grown[:2])
+        env = {**os.environ, ADDRESSES_ENV: first}
+        # --slow-after: each step after the second takes half a second more, which leaves the operator time to act
+        ranks = subprocess.Popen([sys.executable, str(SCRIPT), "--out", str(tmp_path), *COMMON, "--slow-after", "2",
+                                  *(() if workers else ("--no-workers",))], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 240
+            while not (tmp_path / "started").exists():
+                assert ranks.poll() is None and time.monotonic() < deadline, ranks.communicate(timeout=30)[0][-3000:]
+                time.sleep(0.2)
+            assert main(["ps", "scale", "--addresses", first, "--to", ",".join(grown)]) == 0
+            assert main(["ps", "scale", "--addresses", ",".join(grown), "--to", first]) == 0
+            assert ranks.poll() is None, "the ranks ended their training before both moves were done"
+            shards.shrink(2)
+            output, _ = ranks.communicate(timeout=300)
+        finally:
+            if ranks.poll() is None:
+                ranks.kill()
+                ranks.wait()
+        assert ranks.returncode == 0, output[-3000:]
+    scaled = {rank: torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)}
+    for table, rows in never_scaled[0]["tables"].items():
+        assert torch.equal(scaled[0]["tables"][table], rows), table
+    for rank in (0, 1):
+        for name, value in never_scaled[rank]["dense"].items():
+            assert torch.equal(scaled[rank]["dense"][name], value), (rank, name)

@@ -23,7 +23,7 @@ import lightning as L
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from toy import INIT, NUM_IDS, ToyRecommender, loader, make_batches  # noqa: E402
+from toy import INIT, NUM_IDS, Scale, ToyRecommender, loader, make_batches  # noqa: E402
 
 from lightning_persia import SGD, Adagrad, EmbeddingWorkerSettings, MetricsEndpoint, PersiaStrategy, PSSettings  # noqa: E402
 
@@ -39,35 +39,6 @@ class _Record(L.Callback):
             if trainer.is_global_zero:
                 open(os.path.join(self.out, "started"), "w").close()
             time.sleep(0.5)
-
-
-class _Scale(L.Callback):
-    """Scales the embedded shards after the given steps, called on every rank as a Lightning callback is; a move in
-    the background is waited for before the next one and at the end of fit."""
-
-    def __init__(self, plan: dict[int, int], wait: bool) -> None:
-        self.plan, self.wait, self.reports, self._moving = plan, wait, [], None
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        if trainer.global_step in self.plan:
-            self._settle()
-            outcome = trainer.strategy.scale_shards(self.plan[trainer.global_step], wait=self.wait)
-            if self.wait:
-                self._keep(outcome)
-            else:
-                self._moving = outcome
-
-    def on_train_end(self, trainer, module):
-        self._settle()
-
-    def _settle(self) -> None:
-        if self._moving is not None:
-            self._keep(self._moving.result(timeout=300))
-            self._moving = None
-
-    def _keep(self, report) -> None:
-        if report is not None:  # rank 0 ran the move; the other ranks get None
-            self.reports.append((report.from_shards, report.to_shards, report.map_version, report.rows_moved))
 
 
 def main() -> None:
@@ -103,10 +74,11 @@ def main() -> None:
         ps=PSSettings(num_local_shards=args.shards, timeout_s=30.0), staleness=args.staleness,
         embedding_optimizer=Adagrad(lr=0.1, rowwise=True) if args.adagrad else SGD(lr=0.1),
         embedding_init=INIT, wire_dtype="fp32", data_parallel_max_rows=args.data_parallel_max_rows,
-        merge_rank_gradients=not args.no_merge, embedding_workers=EmbeddingWorkerSettings(count=0) if args.no_workers else None, metrics=MetricsEndpoint(port=args.metrics_port) if args.metrics_port is not None else None,
+        merge_rank_gradients=not args.no_merge, embedding_workers=EmbeddingWorkerSettings(count=0) if args.no_workers else None,
+        metrics=MetricsEndpoint(port=args.metrics_port) if args.metrics_port is not None else None,
     )
     record = _Record(args.out, args.slow_after)
-    scale = _Scale({int(step): int(shards) for step, shards in (item.split(":") for item in args.scale.split(",") if item)},
+    scale = Scale({int(step): int(shards) for step, shards in (item.split(":") for item in args.scale.split(",") if item)},
                    wait=not args.scale_in_background)
     callbacks: list[L.Callback] = [record, scale]
     if args.checkpoint_every:
@@ -120,7 +92,7 @@ def main() -> None:
     )
     trainer.fit(model, loader(batches), ckpt_path=args.resume)
     state = {"dense": {k: v.clone() for k, v in model.state_dict().items()}, "losses": record.losses, "batches": record.batches,
-             "scale_reports": scale.reports}
+             "scale_reports": [(r.from_shards, r.to_shards, r.map_version, r.rows_moved) for r in scale.reports]}
     if trainer.is_global_zero:
         remote = [t.name for t in model.ebc.remote_tables]
         state["tables"] = strategy.client.lookup({name: torch.arange(NUM_IDS) for name in remote}, train=False, wire_dtype="fp32")

@@ -74,7 +74,7 @@ def serve(connection: Connection, spec: WorkerSpec) -> None:
         client.describe(list(spec.dims))  # learns the tables' dims, which size messages and decode rows
         client.incarnations = list(spec.incarnations)
     except BaseException as error:  # noqa: BLE001 - told to the trainer, which raises it naming this worker
-        connection.send((FAILED, _portable(error)))
+        connection.send((FAILED, portable_error(error)))
         return
     pid, address, expected = spec.trainer
     trainer_pid = pid if pid and process_memory.readable(pid, address, expected) else None
@@ -123,7 +123,7 @@ class _Worker:
                 else:
                     raise ValueError(f"unknown request {kind!r}")
             except BaseException as error:  # noqa: BLE001 - the request's future in the trainer raises it
-                self._reply(FAILED, request, _portable(error))
+                self._reply(FAILED, request, portable_error(error))
 
     def _dedup(self, request: int, tables: tuple[str, ...], counts: tuple[int, ...], ids: BufferRef, unique: BufferRef,
                inverse: BufferRef, incarnations: Optional[tuple]) -> None:
@@ -191,7 +191,7 @@ class _Worker:
             if f.cancelled():
                 self._reply(FAILED, request, CancelledError("the call was cancelled: the worker's client closed"))
             elif error is not None:
-                self._reply(FAILED, request, _portable(error))
+                self._reply(FAILED, request, portable_error(error))
             else:
                 self._reply(DONE, request, None)
 
@@ -206,7 +206,7 @@ class _Worker:
                 pass
 
 
-def _portable(error: BaseException) -> BaseException:
+def portable_error(error: BaseException) -> BaseException:
     """``error`` as the trainer can unpickle it: itself when it survives pickling (the client's errors do), else a
     RuntimeError with its type and message."""
     try:

@@ -6,23 +6,22 @@ same thing; for Adagrad and Adam it is not (the second step is taken with the st
 the model would depend on the number of ranks. And a rank's acknowledgement would cover its own update only,
 so a lookup of the next batch could miss another rank's part of the previous one, even at staleness 0.
 
-:class:`RankMerge` makes every rank push the same update: after the backward (where DDP all-reduces the dense
-gradients) the ranks all-gather their embedding gradients, and each sums them into the same
-update (unique ids, summed rows). Every rank then sends that update under one shared sender id with
-the same sequence numbers, so the shards' exactly-once de-duplication (``remote_ps/exactly_once.py``) applies
-it once, and answers every rank only after it is applied. So:
+:class:`RankMerge` makes the ranks push one update: after the backward (where DDP all-reduces the dense
+gradients) the ranks all-gather their embedding gradients and each sums them into the same update (unique ids,
+summed rows). Rank 0 pushes it under one sender id, and tells every other rank its outcome (a broadcast, in step
+order) once the shards have applied it. So:
 
 - N ranks train the tables like one rank on the global batch, the way DDP trains the dense weights (and the
   way TorchRec's sharded tables, which reduce gradients before the optimizer, behave);
-- an acknowledged update is the whole step's update, and the staleness window counts steps of the job, not
-  of one rank.
+- an acknowledged update is the whole step's update on every rank, and the staleness window counts steps of
+  the job, not of one rank;
+- the update is routed by one rank's shard map. Ranks that each sent a copy under the shared sender would route
+  it by the map each had heard of, and while the shards are scaled (``docs/elastic.md``) two maps split it into
+  different messages under the same sequence numbers, which the shards refuse as conflicting duplicates.
 
-The cost: two all-gathers of the embedding gradients per step (sizes, then the bytes), and every rank uploads
-the merged update (its duplicates are answered without being decoded; the shards' ``update_duplicates``
-counter counts them). Both run on a thread of their own with a gloo group of their own, so the trainer goes on
-to the optimizer step and the next forward as it does without merging. A copy that arrives while the first
-is being applied holds a shard handler thread until then: give the shards more ``server_threads`` than there
-are ranks. Copies that differ (they never should) are refused with FAILED_PRECONDITION, not dropped.
+The cost: two all-gathers of the embedding gradients per step (sizes, then the bytes), and a broadcast of each
+push's outcome from rank 0. They run on threads of their own with gloo groups of their own, so the trainer goes
+on to the optimizer step and the next forward as it does without merging.
 """
 from __future__ import annotations
 
@@ -30,7 +29,8 @@ import atexit
 import logging
 import queue
 import threading
-from concurrent.futures import Future
+import time
+from concurrent.futures import CancelledError, Future
 from datetime import timedelta
 from typing import Callable, Optional
 
@@ -40,6 +40,7 @@ from torch.profiler import record_function
 
 from lightning_persia.embedding.phases import MERGE
 from lightning_persia.embedding.context import SparseUpdate
+from lightning_persia.embedding.embedding_worker import portable_error
 from lightning_persia.ops.dedup import unique_by_table
 from lightning_persia.ops.keyed_ids import KeyedIds, RowLayout
 
@@ -47,18 +48,18 @@ log = logging.getLogger(__name__)
 
 
 class RankMerge:
-    """Sums the ranks' embedding gradients of each step into one update that every rank pushes as ``sender``.
+    """Sums the ranks' embedding gradients of each step into one update that rank 0 pushes as ``sender``.
 
-    Every rank submits one update (or None) per step, in the same order (as DDP's backward does). Needs an
-    initialised default process group; creates a gloo group of its own (a collective: every rank constructs it
-    together).
+    Every rank submits one update (or None) per step, in the same order (as DDP's backward does), and hears the
+    outcome of rank 0's push of the merged update. Needs an initialised default process group; creates two gloo
+    groups of its own (collectives: every rank constructs the merge together).
 
     Example::
 
         merge = RankMerge(sender="job-42-merged", dims={"user": 16, "item": 16})
         future = merge.submit(update, lambda merged: client.update_sharded_async(client.shard(merged.keyed), merged.grads,
                                                                                   merged.dims, sender=merge.sender))
-        future.result()   # this step's merged update is applied on every shard
+        future.result()   # this step's merged update is applied on every shard (``push`` runs on rank 0 only)
     """
 
     def __init__(self, sender: str, dims: dict[str, int], timeout: Optional[timedelta] = None) -> None:
@@ -72,16 +73,23 @@ class RankMerge:
         self._index = {name: i for i, name in enumerate(self._tables)}
         # The ranks meet here once a step, so the timeout bounds how far apart they may drift (as DDP's does).
         self._group = dist.new_group(backend="gloo", timeout=timeout)
+        # Rank 0's outcomes go on a group of their own: their broadcast waits for a push while the next step gathers.
+        self._outcomes = dist.new_group(backend="gloo", timeout=timeout)
         self._world = dist.get_world_size()
+        self._pushes = dist.get_rank() == 0
         self._queue: queue.Queue = queue.Queue()
+        self._pushed: queue.Queue = queue.Queue()  # (rank 0's push, or None on the other ranks; the step's future)
         self._thread = threading.Thread(target=self._run, name="persia-rank-merge", daemon=True)
+        self._answers = threading.Thread(target=self._answer, name="persia-rank-merge-outcomes", daemon=True)
         self._thread.start()
+        self._answers.start()
         # The strategy leaves its merge open after fit (it stays set up for a later test()): the merge is then
-        # closed before the interpreter finalizes, while its thread may still finish a step (see close()).
+        # closed before the interpreter finalizes, while its threads may still finish a step (see close()).
         atexit.register(self.close)
 
     def submit(self, update: Optional[SparseUpdate], push: Callable[[SparseUpdate], "Future[None]"]) -> "Future[None]":
-        """Merges ``update`` with the other ranks' of the same step, then ``push(merged)``; returns push's outcome."""
+        """Merges ``update`` with the other ranks' of the same step; rank 0 then calls ``push(merged)``. Returns the
+        outcome of that push, on every rank."""
         if update is not None:
             unknown = sorted(set(update.keyed.tables) - set(self.dims))
             if unknown:
@@ -97,25 +105,28 @@ class RankMerge:
         return done
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Lets the merge thread end after the steps submitted so far, waiting up to ``timeout_s`` for it (not
-        longer: another rank may be gone), then destroys the merge's process group.
+        """Lets the merge threads end after the steps submitted so far, waiting up to ``timeout_s`` for them (not
+        longer: another rank may be gone), then destroys the merge's process groups.
 
         Runs at interpreter exit if not called before. A daemon thread inside a collective or a torch op when
         the interpreter finalizes is ended by ``pthread_exit`` as it takes the GIL back, and that unwinding
         through torch's C++ frames aborts the process (``terminate called without an active exception``).
         """
         atexit.unregister(self.close)
-        self._queue.put(None)
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():  # still inside a collective: its group must outlive it
-            log.warning("RankMerge: the merge thread did not end within %.0f s of close(); another rank is gone or "
-                        "out of step", timeout_s)
-            return
+        self._queue.put(None)  # the merge thread passes it on to the outcomes' thread when it ends
+        deadline = time.monotonic() + timeout_s
+        for thread in (self._thread, self._answers):
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():  # still inside a collective: its group must outlive it
+                log.warning("RankMerge: the thread %s did not end within %.0f s of close(); another rank is gone or "
+                            "out of step", thread.name, timeout_s)
+                return
         if dist.is_initialized():
-            try:
-                dist.destroy_process_group(self._group)
-            except ValueError:  # already gone: destroying the default group destroys every group
-                pass
+            for group in (self._group, self._outcomes):
+                try:
+                    dist.destroy_process_group(group)
+                except ValueError:  # already gone: destroying the default group destroys every group
+                    pass
 
     def _run(self) -> None:
         failure: Optional[BaseException] = None
@@ -134,12 +145,49 @@ class RankMerge:
             try:
                 with record_function(MERGE):
                     merged = merge_updates(parts)
-                if merged is not None:
-                    _chain(push(merged), done)
-                else:
-                    done.set_result(None)
-            except BaseException as error:  # noqa: BLE001 - handed to the step's future
+            except BaseException as error:  # noqa: BLE001 - the same parts fail the same way on every rank
                 done.set_exception(error)
+                continue
+            if merged is None:  # the same on every rank: no push, no outcome to hear
+                done.set_result(None)
+            else:
+                self._pushed.put((_started(push, merged) if self._pushes else None, done))
+        self._pushed.put(None)
+
+    def _answer(self) -> None:
+        """Hands every rank the outcome of rank 0's push of each step, in step order."""
+        failure: Optional[BaseException] = None
+        while (item := self._pushed.get()) is not None:
+            pushed, done = item
+            if failure is not None:  # a failed broadcast leaves the ranks out of step: every later one fails too
+                done.set_exception(failure)
+                continue
+            try:
+                error = self._outcome(pushed)
+            except BaseException as broken:  # noqa: BLE001 - handed to the step's future
+                failure = broken
+                done.set_exception(broken)
+                continue
+            if error is None:
+                done.set_result(None)
+            else:
+                done.set_exception(error)
+
+    def _outcome(self, pushed: Optional["Future[None]"]) -> Optional[BaseException]:
+        """The error of rank 0's push (``pushed`` there, None elsewhere), or None once the shards applied it."""
+        error: Optional[BaseException] = None
+        if pushed is not None:
+            try:
+                error = pushed.exception()
+            except CancelledError as cancelled:  # the client closed with the update in flight
+                error = cancelled
+        failed = torch.tensor([error is not None], dtype=torch.int64)
+        dist.broadcast(failed, src=0, group=self._outcomes)
+        if not failed.item():
+            return None
+        told = [portable_error(error) if error is not None else None]
+        dist.broadcast_object_list(told, src=0, group=self._outcomes)
+        return error if pushed is not None else told[0]
 
     def _gather(self, update: Optional[SparseUpdate]) -> list[SparseUpdate]:
         """Every rank's update (its tables as the indices of :attr:`_tables`, their counts, ids and gradients)."""
@@ -175,15 +223,14 @@ class RankMerge:
         return tables, RowLayout(header[num : num + len(indices)].tolist(), [self.dims[t] for t in tables])
 
 
-def _chain(source: "Future[None]", target: "Future[None]") -> None:
-    def forward(f: Future) -> None:
-        error = f.exception()
-        if error is None:
-            target.set_result(f.result())
-        else:
-            target.set_exception(error)
-
-    source.add_done_callback(forward)
+def _started(push: Callable[[SparseUpdate], "Future[None]"], merged: SparseUpdate) -> "Future[None]":
+    """``push(merged)``, or a future holding the error it raised."""
+    try:
+        return push(merged)
+    except BaseException as error:  # noqa: BLE001 - the step's outcome, told to every rank
+        failed: Future = Future()
+        failed.set_exception(error)
+        return failed
 
 
 def merge_updates(parts: list[Optional[SparseUpdate]]) -> Optional[SparseUpdate]:

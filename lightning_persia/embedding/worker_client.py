@@ -269,8 +269,8 @@ class EmbeddingWorkers:
         if grads.dim() != 1 or grads.numel() != numel or not grads.is_floating_point():
             raise ValueError(f"grads must be a flat float tensor of {numel} values (counts {list(keyed.counts)} x dims "
                              f"{list(dims)}), got {grads.dtype} {tuple(grads.shape)}")
-        # Updates under a shared sender (the ranks' merged update) carry sequence numbers that must match across ranks:
-        # they all go through worker 0, numbered here in the same order on every rank.
+        # Updates under a given sender (rank 0's push of the ranks' merged update) all go through worker 0, numbered
+        # here in the order they are pushed.
         token = ids.token if sender is None else None
         worker = self._workers[ids.worker if token is not None and ids.worker is not None else 0]
         values = grads.detach()

@@ -46,8 +46,8 @@ class PSConfig:
     max_message_mb: int = 512
     """Largest gRPC message the shard sends or receives."""
     server_threads: int = 8
-    """gRPC handler threads (concurrent requests). Keep it above the number of trainer ranks: each rank sends
-    its copy of a merged update, and a copy that arrives during the first one's apply waits in a thread."""
+    """gRPC handler threads (concurrent requests). Keep it above the number of trainer ranks: their lookups of a
+    step arrive together, and a request waits for a free thread."""
     torch_threads: int = 1
     """Intra-op threads of torch in the shard (0: torch's default, a thread per core). A shard runs its
     requests side by side on ``server_threads`` and its hot loops are native code, so intra-op threads only

@@ -11,8 +11,8 @@ per client, a bounded window of the sequence numbers it applied:
 - a seq older than every seq the window still remembers cannot be told apart from an applied one, and is
   refused with :class:`StaleSequenceError` rather than risk applying it twice;
 - with a ``digest`` of the content, a duplicate whose digest differs from the first attempt's is refused with
-  :class:`ConflictingDuplicateError`: senders that share a client id (ranks pushing one merged update) must
-  send the same bytes, and a divergence is an error, not a silent choice of one version.
+  :class:`ConflictingDuplicateError`: senders that share a client id (an embedding worker started in place of a dead one
+  resends its updates) must send the same bytes, and a divergence is an error, not a silent choice of one version.
 
 Memory is bounded by ``window`` seqs per client and ``max_clients`` clients (least recently seen dropped).
 """

@@ -202,7 +202,7 @@ class ShardCollector:
             background.add_metric([thread], seconds)
         yield background
         yield CounterMetricFamily("persia_ps_update_duplicates", "Updates answered without applying them again "
-                                  "(a retry, or another rank's copy of a merged update).", value=servicer.dedup.duplicates)
+                                  "(a retry, or an update re-routed after a move that the slots' old owner had applied).", value=servicer.dedup.duplicates)
         shard_log = servicer.store.log
         if shard_log is not None:
             figures = shard_log.wal.stats

@@ -161,7 +161,7 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
             raise invalid("update seq must be >= 1")
 
         def apply() -> int:
-            # Decoded here, not before: a duplicate (a retry, or the same merged update from another rank)
+            # Decoded here, not before: a duplicate (a retry, or an update re-routed after a move)
             # is answered without decoding its gradients again.
             items = self._decoder.tables(request, with_grads=True)
             return self.store.update_many([(item.name, item.ids, item.grads) for item in items],

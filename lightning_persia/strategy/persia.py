@@ -479,23 +479,26 @@ class PersiaStrategy(DDPStrategy):
 
     # ---- the shards ------------------------------------------------------------------------------------
 
-    def scale_shards(self, num_shards: int, *, wait: bool = True) -> "ScaleReport | Future[ScaleReport]":
+    def scale_shards(self, num_shards: int, *, wait: bool = True) -> "ScaleReport | Future[ScaleReport] | None":
         """Grows or drains the embedded parameter server to ``num_shards`` shards while training runs: slots move to
-        their new owners live, and the trainer routes by the new map (``docs/elastic.md``). ``wait=False`` returns a
+        their new owners live, and the trainers route by the new map (``docs/elastic.md``). ``wait=False`` returns a
         ``Future`` at once and training goes on during the move (requests follow the new map as the shards answer
         with it); ``wait=True`` returns the move's report when it is done.
 
-        Call it from the one rank (a callback's ``on_train_batch_end``, say). A cluster given by address is scaled by
-        whoever runs it (``lightning-persia ps scale``). Several ranks push one merged update under a shared sender,
-        which a change of map in the middle of a step would split differently on each rank: with more than one rank,
-        change the shard count through a checkpoint instead.
+        With several ranks, call it on every rank (as Lightning runs a callback's ``on_train_batch_end``), or on
+        rank 0 alone: rank 0 started the shards and runs the move; the other ranks return None at once, and follow
+        the new map as the shards answer with it. Rank 0 alone pushes the ranks' merged update of each step
+        (``embedding/rank_merge.py``), so every step's update is routed by one map. With ``wait=True`` the other
+        ranks wait for rank 0 in their next step's collectives, which fail after the strategy's ``timeout`` (30
+        minutes by default): a longer move needs ``wait=False``.
+
+        A cluster given by address is scaled by whoever runs it (``lightning-persia ps scale``).
         """
-        if self._cluster is None or self.client is None:
+        if not self.ps.embedded or self.client is None:
             raise RuntimeError("scale_shards grows or drains the embedded shards, which this strategy did not start "
                                "(ps.addresses is set): scale that cluster with `lightning-persia ps scale`")
-        if self.world_size > 1:
-            raise RuntimeError(f"scale_shards with {self.world_size} ranks: the ranks push one merged update each step, which a "
-                               "map changing mid-step would split differently on each; save, restart on the new shard count, load")
+        if self._cluster is None:  # not rank 0: its shards are rank 0's to move
+            return None
         if not wait:
             moving = self._cluster.start_rescale(num_shards, token=self.ps.token)
             moving.add_done_callback(_report_scaled)

@@ -1,6 +1,7 @@
-"""RankMerge: the ranks' embedding gradients summed into one update, identical on every rank."""
+"""RankMerge: the ranks' embedding gradients summed into one update, identical on every rank, which rank 0 pushes."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -142,6 +143,57 @@ def test_ranks_that_exit_while_merging_end_cleanly_and_a_lone_step_does_not_hold
         assert process.returncode == 0, err[-2000:]
 
 
+# Two ranks merge three steps: rank 0 alone pushes, and every rank hears its push's outcome, its errors included
+# (a client's error arrives as itself, so that every rank's recovery sees the same failure).
+_RANK_ZERO_PUSHES = textwrap.dedent(
+    """\
+    import json, sys, torch, torch.distributed as dist, grpc
+    from concurrent.futures import Future
+    from lightning_persia.embedding.context import SparseUpdate
+    from lightning_persia.embedding.rank_merge import RankMerge
+    from lightning_persia.ops.keyed_ids import KeyedIds
+    from lightning_persia.remote_ps.client.errors import PSRequestError
+    rank, init, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    merge = RankMerge("two-merged", {"t": 2})
+    pushed = []
+    class Unpicklable(Exception):
+        def __init__(self, a, b):
+            super().__init__(f"{a} {b}")
+    outcomes = [Future(), Future()]
+    outcomes[0].set_result(None)
+    outcomes[1].set_exception(PSRequestError(2, "ps-2:5000", grpc.StatusCode.FAILED_PRECONDITION, "refused"))
+    def push(merged):
+        pushed.append(merged.keyed.ids.tolist())
+        if len(pushed) == 3:
+            raise Unpicklable(1, 2)
+        return outcomes[len(pushed) - 1]
+    ids = torch.tensor([rank, 5])
+    update = SparseUpdate(KeyedIds(("t",), (2,), ids), torch.ones(4), (2,))
+    heard = []
+    for step in range(3):
+        error = merge.submit(update, push).exception(60)
+        heard.append(None if error is None else [type(error).__name__, str(error)])
+    merge.close()
+    json.dump({"pushed": pushed, "heard": heard}, open(out, "w"))
+    """
+)
+
+
+def test_rank_zero_pushes_the_merged_update_and_every_rank_hears_its_outcome(tmp_path):
+    outs = [tmp_path / f"rank{rank}.json" for rank in (0, 1)]
+    processes = [subprocess.Popen([sys.executable, "-c", _RANK_ZERO_PUSHES, str(rank), f"file://{tmp_path / 'pg'}", str(outs[rank])],
+                                  stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    for process in processes:
+        _, err = process.communicate(timeout=120)
+        assert process.returncode == 0, err[-2000:]
+    zero, one = (json.loads(out.read_text()) for out in outs)
+    assert zero["pushed"] == [[0, 1, 5]] * 3 and one["pushed"] == []
+    refused = ["PSRequestError", "shard 2 at ps-2:5000 answered FAILED_PRECONDITION: refused"]
+    assert zero["heard"] == [None, refused, ["Unpicklable", "1 2"]]
+    assert one["heard"] == [None, refused, ["RuntimeError", "Unpicklable: 1 2"]]
+
+
 def test_close_ends_the_thread_and_destroys_the_merge_group(one_process_group, monkeypatch, tmp_path):
     groups = []
 
@@ -152,15 +204,16 @@ def test_close_ends_the_thread_and_destroys_the_merge_group(one_process_group, m
     create = dist.new_group
     monkeypatch.setattr(dist, "new_group", new_group)
     def merge_threads() -> int:
-        return sum(t.name == "persia-rank-merge" for t in threading.enumerate())
+        return sum(t.name.startswith("persia-rank-merge") for t in threading.enumerate())
 
     merge = RankMerge("job-merged", {"t": 2})
     running = merge_threads()
-    assert dist.get_rank(groups[0]) == 0
+    assert [dist.get_rank(group) for group in groups] == [0, 0]  # the gathers' and the outcomes'
     merge.close()
-    assert merge_threads() == running - 1
-    with pytest.raises(ValueError, match="not registered"):
-        dist.get_rank(groups[0])
+    assert merge_threads() == running - 2
+    for group in groups:
+        with pytest.raises(ValueError, match="not registered"):
+            dist.get_rank(group)
     merge.close()  # a second close changes nothing
     late, later = RankMerge("job-merged", {"t": 2}), RankMerge("job-merged", {"t": 2})
     dist.destroy_process_group()  # and every group with it: closing a merge afterwards is no error

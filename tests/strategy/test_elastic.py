@@ -7,36 +7,9 @@ import pytest
 import torch
 
 from lightning_persia import SGD, PersiaStrategy
-from toy import INIT, NUM_IDS, ToyRecommender, loader, make_batches
+from toy import INIT, NUM_IDS, Scale, ToyRecommender, loader, make_batches
 
 STEPS = 24
-
-
-class Scale(L.Callback):
-    """Scales the embedded shards after the given steps: ``{step: shard count}``; ``wait=False``: training goes on
-    during each move (a move waits for the one before it, and fit's end for the last)."""
-
-    def __init__(self, plan: dict[int, int], wait: bool = True) -> None:
-        self.plan, self.wait = plan, wait
-        self.reports = []
-        self._moving = None
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step in self.plan:
-            self._settle()
-            outcome = trainer.strategy.scale_shards(self.plan[trainer.global_step], wait=self.wait)
-            if self.wait:
-                self.reports.append(outcome)
-            else:
-                self._moving = outcome
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        self._settle()
-
-    def _settle(self) -> None:
-        if self._moving is not None:
-            self.reports.append(self._moving.result(timeout=300))
-            self._moving = None
 
 
 def _fit(staleness: int, plan: dict[int, int], wait: bool = True):

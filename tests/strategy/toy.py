@@ -73,3 +73,35 @@ class ToyRecommender(L.LightningModule):
 
 def loader(batches: list[dict]) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(batches, batch_size=None, shuffle=False)
+
+
+class Scale(L.Callback):
+    """Scales the embedded shards after the given steps: ``{step: shard count}``, called on every rank as a Lightning
+    callback is. ``wait=False``: training goes on during each move (a move waits for the one before it, and fit's end
+    for the last). :attr:`reports` holds the moves' reports (rank 0's: the other ranks get None and keep none)."""
+
+    def __init__(self, plan: dict[int, int], wait: bool = True) -> None:
+        self.plan, self.wait = plan, wait
+        self.reports = []
+        self._moving = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step in self.plan:
+            self._settle()
+            outcome = trainer.strategy.scale_shards(self.plan[trainer.global_step], wait=self.wait)
+            if self.wait:
+                self._keep(outcome)
+            else:
+                self._moving = outcome
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._settle()
+
+    def _settle(self) -> None:
+        if self._moving is not None:
+            self._keep(self._moving.result(timeout=300))
+            self._moving = None
+
+    def _keep(self, report) -> None:
+        if report is not None:
+            self.reports.append(report)

@@ -209,8 +209,8 @@ class PSClient(ShardAdmin):
         Ids need not be unique (gradients of duplicates are summed on the shard). Every message carries
         ``sender`` (default: this client's id) and the sender's next sequence number, and is resent with the
         same number on retry. Clients that send the very same updates in the same order under one shared
-        ``sender`` make each shard apply every update once, and each of them hears back only after it is
-        applied (how ranks push one merged gradient, see ``embedding/rank_merge.py``).
+        ``sender``, routed by the same shard map, make each shard apply every update once, and each of them
+        hears back only after it is applied.
 
         ``seq_base``: the caller numbers the sender's updates itself (the ``n``-th one takes ``n *
         SEQS_PER_UPDATE``), so that another client (an embedding worker started in place of one that died) can

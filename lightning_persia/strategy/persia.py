@@ -485,13 +485,10 @@ class PersiaStrategy(DDPStrategy):
         ``Future`` at once and training goes on during the move (requests follow the new map as the shards answer
         with it); ``wait=True`` returns the move's report when it is done.
 
-        With several ranks, call it on every rank (as Lightning runs a callback's ``on_train_batch_end``), or on
-        rank 0 alone: rank 0 started the shards and runs the move; the other ranks return None at once, and follow
-        the new map as the shards answer with it. Rank 0 alone pushes the ranks' merged update of each step
-        (``embedding/rank_merge.py``), so every step's update is routed by one map. With ``wait=True`` the other
-        ranks wait for rank 0 in their next step's collectives, which fail after the strategy's ``timeout`` (30
-        minutes by default): a longer move needs ``wait=False``.
-
+        With several ranks, call it on every rank (as a callback runs) or on rank 0 alone: rank 0 runs the move,
+        the others return None and follow the new map as the shards answer with it (rank 0 alone pushes the merged
+        update, so each step's update is routed by one map). With ``wait=True`` the other ranks wait for rank 0 in
+        the next step's collectives, which fail after the strategy's ``timeout``: a longer move needs ``wait=False``.
         A cluster given by address is scaled by whoever runs it (``lightning-persia ps scale``).
         """
         if not self.ps.embedded or self.client is None:

@@ -279,6 +279,7 @@ def test_a_source_killed_after_the_fence_comes_back_fenced_and_rolls_the_move_ba
         acked.close()
 
 
+@pytest.mark.scenario  # shard processes killed and restarted: CI's scenario step; tests/remote_ps/store/test_given_up_moves.py keeps the log's record in make test
 def test_a_taker_restarted_after_a_source_gave_the_move_up_still_refuses_a_late_adoption(tmp_path):
     """A source settling a move without its coordinator asks the first taker (ABORT with the map), which from then on
     never adopts that map. The refusal is in the taker's log: killed and restarted, it still refuses the adoption a

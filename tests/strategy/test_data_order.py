@@ -124,7 +124,7 @@ def test_one_process_keeps_a_shuffling_loader_s_own_order_and_every_evaluation_o
     assert remote.seen == local.seen
 
 
-@pytest.mark.parametrize("staleness", [0, 4])
+@pytest.mark.parametrize("staleness", [0, pytest.param(4, marks=pytest.mark.scenario)])  # the second: CI's scenario step
 def test_a_stateful_loader_checkpointed_mid_epoch_resumes_at_the_first_batch_not_trained(tmp_path, staleness):
     strategy = _strategy(staleness)
     checkpoints = tmp_path / "ckpt"

@@ -36,6 +36,7 @@ def _assert_moved_2_3_2(ranks: dict) -> None:
         assert torch.equal(value, ranks[1]["dense"][name]), f"dense weight {name} differs between the ranks"
 
 
+@pytest.mark.scenario  # 2 processes through two moves: CI's scenario step; tests/embedding/test_rank_merge.py keeps rank 0's push in make test
 def test_two_ranks_train_through_a_grow_and_a_drain_without_embedding_workers(tmp_path):
     # Without workers each rank's client numbers its updates per shard: ranks that each pushed the merged update
     # routed it by the map each had heard of, and the shards refused the second copy as a conflicting duplicate.

@@ -102,7 +102,7 @@ def _move(trainer: Trainer, current: list[str], addresses: list[str], steady_s: 
     during = _window(trainer, start, end)
     report = result["report"]
     # a grow's slots come from the shards there were, a drain's from those it stops
-    giving = range(report.to_shards) if report.to_shards > report.from_shards else range(report.to_shards, report.from_shards)
+    giving = range(report.from_shards) if report.to_shards > report.from_shards else range(report.to_shards, report.from_shards)
     shard_cpu = [after - before for before, after in zip(shards_before, shards_after)]
     return {"from": report.from_shards, "to": report.to_shards, "seconds": report.seconds, "fenced_s": report.fenced_seconds,
             "rows_moved": report.rows_moved, "changed_rows": report.changed_rows, "rounds": report.rounds,

@@ -78,22 +78,47 @@ def _window(trainer: Trainer, start: float, end: float) -> list[float]:
     return [seconds for finished, seconds in trainer.steps if start <= finished <= end]
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds process ``pid`` has spent (Linux's ``/proc/<pid>/stat``)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _move(trainer: Trainer, current: list[str], addresses: list[str], steady_s: float, batch: int,
-          settings: ScaleSettings) -> dict:
+          settings: ScaleSettings, shard_pids: list[int], serving_cpu_s: float) -> dict:
+    """One move while the trainer steps; with the CPU seconds each shard (``shard_pids``, by index), the coordinator
+    and this process (the trainer and its client) spent during it: on a machine others load too, CPU seconds say what
+    a move costs where wall-clock ratios vary with the load. ``serving_cpu_s``: the shards' CPU seconds a step took
+    before the moves; the shards' CPU beyond that many a step during the move is the move's (``move_shard_cpu_s``)."""
     result: dict = {}
 
     def move() -> None:  # the coordinator in a process of its own, as `ps scale` runs it
         result["report"] = rescale_apart(current, addresses, settings)
 
+    shards_before, own_before = [_cpu_seconds(pid) for pid in shard_pids], os.times()
     start, end = trainer.run_while(threading.Thread(target=move))
+    shards_after, own_after = [_cpu_seconds(pid) for pid in shard_pids], os.times()
     during = _window(trainer, start, end)
     report = result["report"]
+    # a grow's slots come from the shards there were, a drain's from those it stops
+    giving = range(report.from_shards) if report.to_shards > report.from_shards else range(report.to_shards, report.from_shards)
+    shard_cpu = [after - before for before, after in zip(shards_before, shards_after)]
     return {"from": report.from_shards, "to": report.to_shards, "seconds": report.seconds, "fenced_s": report.fenced_seconds,
             "rows_moved": report.rows_moved, "changed_rows": report.changed_rows, "rounds": report.rounds,
             "waves": report.waves, "paced_s": report.paced_seconds,
             "steps_during": len(during), "max_step_s": max(during), "max_extra_step_s": max(during) - steady_s,
             "throughput_ratio_during": (len(during) * batch / (end - start)) / (batch / steady_s),
-            "move_rows_per_s": report.rows_moved / max(report.seconds, 1e-9)}
+            # the trainer's time lost to the move, and the part of it in steps over 3x the steady one (each such
+            # step waited on a fenced wave, or was sent again to a new owner)
+            "lost_s": (end - start) - len(during) * steady_s,
+            "stalled_s": sum(seconds - steady_s for seconds in during if seconds > 3 * steady_s),
+            "move_rows_per_s": report.rows_moved / max(report.seconds, 1e-9),
+            "shard_cpu_s": shard_cpu, "giving_cpu_s": sum(shard_cpu[shard] for shard in giving),
+            "move_shard_cpu_s": sum(shard_cpu) - len(during) * serving_cpu_s,
+            "coordinator_cpu_s": own_after.children_user + own_after.children_system - own_before.children_user - own_before.children_system,
+            "trainer_cpu_s": own_after.user + own_after.system - own_before.user - own_before.system,
+            "load_at_end": os.getloadavg()[0]}
 
 
 def main() -> None:
@@ -134,14 +159,19 @@ def main() -> None:
         client.configure([config])
         fill_s = _fill(client, args.rows, fill_chunk)
         trainer = Trainer(client, args.rows, args.batch, args.dim)
+        serving_before = [_cpu_seconds(process.pid) for process in shards.processes]
         for _ in range(args.steady_steps):
             trainer.step()
+        serving_cpu_s = sum(_cpu_seconds(process.pid) - before for process, before
+                            in zip(shards.processes, serving_before)) / args.steady_steps
         steady = statistics.median(seconds for _, seconds in trainer.steps[-args.steady_steps:])
         settings = ScaleSettings(wave_rows=args.wave_rows or ScaleSettings.wave_rows, copy_share=args.copy_share)
-        grow = _move(trainer, shards.addresses[:2], shards.grow(3), steady, args.batch, settings)
+        grow = _move(trainer, shards.addresses[:2], shards.grow(3), steady, args.batch, settings,
+                     [process.pid for process in shards.processes], serving_cpu_s)
         for _ in range(5):
             trainer.step()
-        shrink = _move(trainer, shards.addresses, shards.addresses[:2], steady, args.batch, settings)
+        shrink = _move(trainer, shards.addresses, shards.addresses[:2], steady, args.batch, settings,
+                       [process.pid for process in shards.processes], serving_cpu_s)
         shards.shrink(2)
         for _ in range(5):
             trainer.step()
@@ -155,7 +185,7 @@ def main() -> None:
     summary = {
         "rows": args.rows, "batch": args.batch, "dim": args.dim, "storage": args.storage,
         "memory_rows": config.capacity if args.storage == "disk" else None, "wave_rows": settings.wave_rows,
-        "copy_share": args.copy_share, "fill_s": fill_s, "steady_step_s": steady,
+        "copy_share": args.copy_share, "fill_s": fill_s, "steady_step_s": steady, "serving_cpu_s_per_step": serving_cpu_s,
         "grow": grow, "shrink": shrink,
         "max_extra_step_s": max(grow["max_extra_step_s"], shrink["max_extra_step_s"]),
         "throughput_ratio_during": min(grow["throughput_ratio_during"], shrink["throughput_ratio_during"]),
@@ -170,7 +200,11 @@ def main() -> None:
               f"({move['move_rows_per_s']:,.0f} rows/s), {move['waves']} waves, {move['rounds']} rounds, "
               f"{move['changed_rows']:,} changed rows, paced {move['paced_s']:.1f} s, longest fenced {move['fenced_s'] * 1e3:.0f} ms; "
               f"steps during: {move['steps_during']}, longest {move['max_step_s']:.2f} s (steady {steady:.2f} s), "
-              f"throughput {move['throughput_ratio_during']:.2f}x")
+              f"throughput {move['throughput_ratio_during']:.2f}x, lost {move['lost_s']:.1f} s of which "
+              f"{move['stalled_s']:.1f} s in steps over 3x steady; CPU: the move's in the shards {move['move_shard_cpu_s']:.1f} s, "
+              f"giving shards {move['giving_cpu_s']:.1f} s "
+              f"(every shard {', '.join(f'{s:.1f}' for s in move['shard_cpu_s'])}), coordinator "
+              f"{move['coordinator_cpu_s']:.1f} s, trainer {move['trainer_cpu_s']:.1f} s")
     print(f"rows moved / ideal: {summary['rows_moved_ratio']:.3f}; 100M rows would take "
           f"{summary['seconds_per_100M_rows']:.0f} s; rows differing from the updates sent: {lost}")
     if args.json:

@@ -270,6 +270,9 @@ def soak(moves: int, *, rows: int, batch: int, dim: int, seed: int, wave_rows: O
                 if done is not None:
                     version = done["map_version"]
                 with PSClient(addresses) as admin:
+                    # a shard killed after its part of the move (a taker at FINISH) may still be restarting once the
+                    # coordinator is done
+                    admin.wait_healthy(120)
                     versions = {admin.shard_map_of(s)[0].num_shards for s in range(to_shards)}
                     move.ended_on_new_map = done is not None and versions == {to_shards}
                     if to_shards == 2:

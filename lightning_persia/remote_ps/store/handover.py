@@ -38,6 +38,7 @@ class SlotHandover:
     _outgoing: Optional[OutgoingSlots]
     _map_changed: threading.Condition
     _given_up_version: int  # the newest map version a move to this shard rolled back from: never adopted since
+    _swept: bool  # no row of a slot its map gives another shard is here (False after a restart or a take)
     _lock: threading.Lock
     _save_lock: threading.Lock
     _tables: dict[str, Table]
@@ -83,8 +84,10 @@ class SlotHandover:
                 job.advance(int(rows["ids"].numel()))
                 if rows["ids"].numel():
                     self.moves.handed(rows)
+                    outgoing.note_handed(snapshot.config.name, rows["ids"])
                     yield snapshot.config, snapshot.step, rows
             job.finish()
+        outgoing.point_read()
         outgoing.release()  # the tables stop keeping pre-images for the point as soon as its rows are read
 
     @property
@@ -121,6 +124,7 @@ class SlotHandover:
             with table.lock:
                 rows, absent = table.saved_rows_locked(ids)
                 self.moves.handed(rows)
+                outgoing.note_handed(name, rows["ids"])
                 changes.append(Change([TableChange(name, table.step, removed=absent, rows=rows)]))
         return [table.config for table in self._listed_tables()], changes
 
@@ -153,7 +157,12 @@ class SlotHandover:
 
     def finish_handover(self, addresses: Sequence[str] = ()) -> None:
         """Adopts the handover's map (the new owners adopted it first) and drops the rows handed over. ``addresses``:
-        of the map's shards (default: those the handover began with)."""
+        of the map's shards (default: those the handover began with).
+
+        The rows dropped are the ones the handover remembers handing over (:meth:`OutgoingSlots.handed_ids`): a wave
+        of a fortieth of the slots then reads no other row. Where it does not know them (a restart), or where rows
+        taken from other shards may have been left for slots this shard does not own (a move to it given up, and
+        not rolled back here), every row's slot is read instead, as :meth:`abort_handover` does."""
         with self._gate.writing():
             outgoing = self._handing_over()
             if not outgoing.fenced:
@@ -163,9 +172,15 @@ class SlotHandover:
         self.moves.finished += 1
         outgoing.release()
         outgoing.settled.set()
+        handed = outgoing.handed_ids() if self._swept else None
         with self._save_lock:
+            if handed is None:
+                self._sweep_foreign_rows()
+                return
             for table in self._listed_tables():
-                self._drop_foreign_rows(table)
+                ids = handed.get(table.config.name)
+                if ids is not None:
+                    self._drop_rows(table, ids)
 
     def abort_handover(self, to_map: Optional[ShardMap] = None) -> int:
         """Gives up the handover under way, if any (the slots stay this shard's, served as before), and drops the
@@ -191,8 +206,7 @@ class SlotHandover:
             outgoing.release()  # the rows may never have been read: the point's snapshots end here
             outgoing.settled.set()
         with self._save_lock:
-            for table in self._listed_tables():
-                self._drop_foreign_rows(table)
+            self._sweep_foreign_rows()
         return version
 
     def replay_fence(self, fence: Optional[dict]) -> None:
@@ -225,17 +239,22 @@ class SlotHandover:
         for config in configs:
             self.configure(config)
         mine = lambda ids: to_map.shard_of(ids) == self.shard_index  # noqa: E731
-        for change in changes:
-            parts = [part_of(part, mine) for part in change.tables]
-            for part in parts:
-                self.moves.taken(part.rows)
-            pieces = [_in_pieces(part, self._table(part.name).config) for part in parts]
-            if all(len(split) == 1 for split in pieces):
-                self._record(parts)
-                continue
-            for split in pieces:  # a disk table's rows, a memory budget at a time (see _in_pieces)
-                for piece in split:
-                    self._record([piece])
+        try:
+            for change in changes:
+                parts = [part_of(part, mine) for part in change.tables]
+                for part in parts:
+                    self.moves.taken(part.rows)
+                pieces = [_in_pieces(part, self._table(part.name).config) for part in parts]
+                if all(len(split) == 1 for split in pieces):
+                    self._record(parts)
+                    continue
+                for split in pieces:  # a disk table's rows, a memory budget at a time (see _in_pieces)
+                    for piece in split:
+                        self._record([piece])
+        finally:
+            # rows for slots this shard owns only once it adopts to_map: if the move is given up without this shard
+            # hearing it, they stay until a sweep (after the rows are in, so that a sweep begun since sees them)
+            self._swept = False
 
     def take_sightings(self, name: str, slots: torch.Tensor, counters: torch.Tensor, to_map: ShardMap) -> None:
         """Merges the admission counters of ``slots`` that another shard handed over (:meth:`handover_sightings`)
@@ -314,8 +333,16 @@ class SlotHandover:
                     journal(list(changes))
             self._wait_logged(tickets)
 
+    def _sweep_foreign_rows(self) -> None:
+        """Removes (and logs the removal of) the rows of every table that its map gives other shards; the save lock
+        held."""
+        self._swept = True  # before the tables' points: rows a take adds after them clear it again
+        for table in self._listed_tables():
+            self._drop_foreign_rows(table)
+
     def _drop_foreign_rows(self, table: Table) -> None:
-        """Removes (and logs the removal of) the rows of ``table`` its map gives other shards, in memory and on disk."""
+        """Removes (and logs the removal of) the rows of ``table`` its map gives other shards, in memory and on disk:
+        finds them by reading every row's id (the memory's, and the disk's ids files) and its slot."""
         shard_map, shard = self._shard_map, self.shard_index
         foreign_of = lambda ids: shard_map.shard_of(ids) != shard  # noqa: E731
         with table.lock:
@@ -325,7 +352,10 @@ class SlotHandover:
             foreign += [ids[foreign_of(ids)] for ids in snapshot.disk_ids()]
         finally:
             snapshot.close()
-        ids = torch.cat(foreign) if foreign else torch.empty(0, dtype=torch.int64)
+        self._drop_rows(table, torch.cat(foreign) if foreign else torch.empty(0, dtype=torch.int64))
+
+    def _drop_rows(self, table: Table, ids: torch.Tensor) -> None:
+        """Removes (and logs the removal of) the rows of ``ids`` (each once) of ``table``, those present."""
         for piece in ids.split(_DROPPED_A_RECORD):  # the table's requests run between the pieces
             self._record([TableChange(table.config.name, 0, removed=piece)])
 

@@ -98,6 +98,7 @@ class ShardStore(SlotHandover):
         self._map_changed = threading.Condition()  # requests routed by a map this shard has not adopted yet wait on it
         self.moves = MoveTally()  #: what this shard's live moves carried (read by the metrics)
         self._given_up_version = 0
+        self._swept = False  # rows of others' slots may be here (a log's replay): the first handover's end sweeps them
         self._expirer = Expirer(self._tables_with_ttl, expiry_interval_s, journal=lambda: self._journal("", 0, []),
                                 guard=self._gate.reading)
         budget = MappedBudget(memory_limit_bytes) if memory_limit_bytes is not None else None

@@ -8,8 +8,9 @@ rounds of the rows changed since, in the write-ahead log's record format (which 
 2. the rows of the moving slots at the point go to T, which writes them (``take_changes``); then, in rounds while S
    keeps serving, each row changed since the last round as it is now (or its removal);
 3. S fences the slots: requests for their ids wait, and hear "moving, retry" (:class:`SlotsMovingError`) after a
-   while; the last round goes to T; T, then S, adopt the new map. S drops the rows it handed over; its clients hear
-   the map moved (:class:`MapMovedError`) and send those ids to T.
+   while; the last round goes to T; T, then S, adopt the new map. S drops the rows it handed over (the ids it
+   remembers sending, :meth:`OutgoingSlots.handed_ids`); its clients hear the map moved (:class:`MapMovedError`) and
+   send those ids to T.
 
 Every ownership change (the point, the fence, the adoption) holds the store's routing gate (a
 :class:`~lightning_persia.read_write_lock.ReadWriteLock`) for writing, after the requests in flight: a request checks its
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -65,6 +66,8 @@ class OutgoingSlots:
         self.replayed = False  # read back from the log by a restarted shard: which rows changed since the last round is lost
         self.settled = threading.Event()  # set once the handover finished or was given up
         self._dirty: dict[str, list[torch.Tensor]] = {}  # table -> ids changed since the last round was taken
+        self._handed: dict[str, list[torch.Tensor]] = {}  # table -> ids of the rows handed over (the point's, the rounds')
+        self._handed_all = False  # every row of the point was read (and noted in _handed)
         self._lock = threading.Lock()
         self._snapshots: list["TableSnapshot"] = []  # the tables at the move's point, until its rows are read or it ends
 
@@ -114,6 +117,30 @@ class OutgoingSlots:
         with self._lock:
             taken, self._dirty = self._dirty, {}
         return {name: torch.cat(ids).unique() for name, ids in taken.items()}
+
+    def note_handed(self, name: str, ids: torch.Tensor) -> None:
+        """``ids`` of table ``name`` were handed over (rows of the point, or of a round)."""
+        if ids.numel():
+            with self._lock:
+                self._handed.setdefault(name, []).append(ids)
+
+    def point_read(self) -> None:
+        """Every row of the move's point was handed over (:meth:`note_handed`)."""
+        self._handed_all = True
+
+    def handed_ids(self) -> Optional[dict[str, torch.Tensor]]:
+        """Per table, the ids (each once, sorted) of every row of the moving slots this shard may hold: those of the
+        point and of the rounds handed over, and those changed since the last round (a move settled without its
+        coordinator may not have taken it). Once fenced, no request adds to them, so dropping these drops every row
+        the move gave away, without reading the tables' ids again. None when not known: the point's rows were not all
+        read, or the move was read back from the log after a restart (the rows are then found by their slots)."""
+        if not self._handed_all or self.replayed:
+            return None
+        with self._lock:
+            lists = {name: list(ids) for name, ids in self._handed.items()}
+            for name, ids in self._dirty.items():
+                lists.setdefault(name, []).extend(ids)
+        return {name: torch.cat(ids).unique() for name, ids in lists.items()}
 
 
 @dataclass

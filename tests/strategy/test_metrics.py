@@ -42,6 +42,7 @@ def _samples(text: str) -> dict[tuple[str, frozenset], float]:
     return {(s.name, frozenset(s.labels.items())): s.value for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+@pytest.mark.scenario  # half a minute of processes or more: CI's scenario step (`make scenarios`), not `make test`
 def test_each_rank_serves_its_embedding_and_ps_call_figures_on_its_own_port(tmp_path):
     port = _two_free_ports()
     result = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--devices", "2", "--shards", "2",

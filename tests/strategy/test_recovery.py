@@ -187,6 +187,7 @@ def test_killed_shard_without_a_checkpoint_fails_clearly_and_stops_the_shards():
     assert strategy.client is None and strategy._cluster is None
 
 
+@pytest.mark.scenario  # half a minute of processes or more: CI's scenario step (`make scenarios`), not `make test`
 def test_slow_shard_keeps_the_staleness_bound_and_a_timeout_names_its_cause(tmp_path):
     slow = tmp_path / "slow.yaml"
     slow.write_text("fault_delay_s: 0.05\n")
@@ -309,6 +310,7 @@ def test_a_shard_killed_in_a_checkpoint_save_rolls_back_and_the_save_completes(t
         strategy.close()
 
 
+@pytest.mark.scenario  # half a minute of processes or more: CI's scenario step (`make scenarios`), not `make test`
 def test_a_shard_killed_in_the_middle_of_a_forward_rolls_back_at_the_next_batch(tmp_path):
     """The forward's own lookup fails (the step's ids differ from its prefetched ones): the step runs on stand-in
     rows, and the next batch's check rolls every rank back, undoing it."""

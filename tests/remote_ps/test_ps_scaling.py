@@ -104,7 +104,6 @@ def test_rescale_refuses_addresses_that_reorder_the_shards():
 def test_an_update_a_drained_shard_applied_but_never_answered_is_not_applied_again():
     """The re-sent update of a shard that is gone goes to the slots' new owners as "<client>@<shard>" with its seq; the
     exactly-once memory they took over answers it as a duplicate when the drained shard had applied it."""
-    from lightning_persia.ops import wire
     from lightning_persia.ops.keyed_ids import KeyedIds, RowLayout
     from lightning_persia.remote_ps.protocol import WIRE_DTYPE_ENUMS
 

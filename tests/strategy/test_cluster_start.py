@@ -7,7 +7,6 @@ import time
 
 import lightning as L
 import pytest
-import torch
 
 from lightning_persia import PersiaStrategy, PSSettings
 from lightning_persia.remote_ps.client import PSClient, PSError, ShardUnavailableError

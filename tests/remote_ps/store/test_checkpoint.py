@@ -96,7 +96,7 @@ def test_a_store_refuses_ids_its_map_gives_another_shard_naming_the_map_version(
     store = ShardStore(0, 3, shard_map=RESIZED)
     store.configure(TableConfig("a", 4))
     foreign = IDS[RESIZED.shard_of(IDS) == 2][:1]
-    with pytest.raises(shard_store.InvalidRequestError, match=f"belongs to shard 2, not to this shard 0 of 3 \\(shard map version 1\\)"):
+    with pytest.raises(shard_store.InvalidRequestError, match="belongs to shard 2, not to this shard 0 of 3 \\(shard map version 1\\)"):
         store.lookup("a", foreign, train=True)
     with pytest.raises(ValueError, match="a shard map of 3 shards for a cluster of 2"):
         ShardStore(0, 2, shard_map=RESIZED)

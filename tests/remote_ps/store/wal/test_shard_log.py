@@ -1,8 +1,7 @@
 """A shard restarted on its write-ahead log holds exactly the rows it acknowledged, past its last checkpoint."""
 import pytest
-import torch
 
-from lightning_persia.remote_ps.store import ShardStore, checkpoint
+from lightning_persia.remote_ps.store import ShardStore
 from lightning_persia.remote_ps.store.wal import open_shard_log
 from lightning_persia.remote_ps.store.wal.log import segment_numbers, segment_path
 from lightning_persia.remote_ps.table_config import Adagrad, Normal, TableConfig

@@ -14,7 +14,7 @@ from lightning_persia.remote_ps.store.errors import CheckpointError
 from lightning_persia.remote_ps.store.wal import open_shard_log
 from lightning_persia.remote_ps.store.wal.log import segment_numbers, segment_path
 from lightning_persia.remote_ps.store.wal.records import HEADER
-from lightning_persia.remote_ps.table_config import SGD, Adagrad, Constant, TableConfig
+from lightning_persia.remote_ps.table_config import SGD, Constant, TableConfig
 
 from shard_log_helpers import assert_same, contents, train
 

@@ -14,7 +14,7 @@ def test_a_file_left_and_entered_again_is_named():
     assert kernel_depths.entered_twice(path[:3]) == set()
 
 
-@pytest.mark.skipif(not native.available(), reason="needs the store's native kernels")
+@pytest.mark.skipif(not native.available(), reason="it counts calls into the store's native kernels, which a checkout without a C compiler does not build (make native)")
 def test_a_short_run_counts_each_kernel_from_its_entry(capsys):
     assert kernel_depths.main(["--rounds", "3", "--batch", "256", "--capacity", "512", "--json"]) == 0
     rows = {(row["scenario"], row["kernel"], row["entry"]): row for row in json.loads(capsys.readouterr().out)["kernels"]}
@@ -27,6 +27,6 @@ def test_a_short_run_counts_each_kernel_from_its_entry(capsys):
     assert not any(entry == "Demoter.run_once" for scenario, _, entry in rows if scenario == "disk, no demoter")
 
 
-@pytest.mark.skipif(not native.available(), reason="needs the store's native kernels")
+@pytest.mark.skipif(not native.available(), reason="it counts calls into the store's native kernels, which a checkout without a C compiler does not build (make native)")
 def test_a_limit_below_the_deepest_path_fails(capsys):
     assert kernel_depths.main(["--rounds", "1", "--batch", "64", "--capacity", "256", "--limit", "3"]) == 1

@@ -76,8 +76,8 @@ class CountingFilter:
         return counts
 
     def counters(self, slots: torch.Tensor) -> torch.Tensor:
-        """A copy of the counters of ``slots`` (int64), ``[len(slots), width / SLOTS]``: every id of those slots
-        reads only these."""
+        """A copy of the counters of ``slots`` (``slots`` int64; uint8 ``[len(slots), width / SLOTS]``): every id of
+        those slots reads only these."""
         return self._counters.view(SLOTS, self._per_slot)[slots]
 
     def merge(self, slots: torch.Tensor, counters: torch.Tensor) -> None:
@@ -95,11 +95,6 @@ class CountingFilter:
             raise ValueError("the counters of a slot are merged once: the slots repeat")
         regions = self._counters.view(SLOTS, self._per_slot)
         regions[slots] = torch.maximum(regions[slots], counters)
-
-    @property
-    def per_slot(self) -> int:
-        """Counters each slot's ids hash into."""
-        return self._per_slot
 
     @property
     def nbytes(self) -> int:

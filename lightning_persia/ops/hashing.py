@@ -10,6 +10,9 @@ import hashlib
 
 import torch
 
+from lightning_persia.ops import native
+from lightning_persia.ops.native import ids as native_ids
+
 
 _MASK64 = (1 << 64) - 1
 
@@ -51,7 +54,12 @@ def mix64_int(x: int) -> int:
 
 def slot_of(ids: torch.Tensor, slots: int) -> torch.Tensor:
     """Routing slot in ``[0, slots)`` of each id (``slots`` a power of two); stable across processes, machines and
-    restarts. Which shard owns a slot is the shard map's business (``ops/shard_map.py``)."""
+    restarts. Which shard owns a slot is the shard map's business (``ops/shard_map.py``).
+
+    A 1-D int64 CPU tensor goes through the native kernel when it is built (same result): the tensor operations
+    take 55 ns an id, and a move's point reads the slot of every row of a table."""
+    if ids.dtype == torch.int64 and ids.dim() == 1 and ids.device.type == "cpu" and native.available():
+        return native_ids.slot_of(ids, slots)
     return mix64(ids ^ _SHARD_SALT) & (slots - 1)
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lightning_persia.ops import native
+from lightning_persia.ops.hashing import _SHARD_SALT, mix64, slot_of
 from lightning_persia.ops.shard_map import ShardMap, shard_of
 from lightning_persia.ops.native import ids as native_ids
 from lightning_persia.ops.native._source import library_name, sources
@@ -87,6 +88,7 @@ def test_a_build_without_a_compiler_installs_without_the_library_and_the_tensor_
     ids = torch.arange(-100, 100)
     expected = int(torch.nonzero(shard_of(ids, 3) != 1)[0, 0])
     assert ShardMap.uniform(3).first_foreign(ids, 1) == expected  # the tensor path answers instead
+    assert torch.equal(slot_of(ids, 4096), mix64(ids ^ _SHARD_SALT) & 4095)
 
 
 def test_a_library_built_from_another_version_of_the_sources_is_not_loaded(tmp_path):
@@ -124,6 +126,24 @@ def test_first_foreign_matches_the_maps_owners(native_kernels, shard_map):
 def test_first_foreign_refuses_a_table_that_is_not_a_power_of_two(native_kernels):
     with pytest.raises(ValueError, match="power-of-two number of slots, got 3"):
         native_ids.first_foreign(torch.arange(4), torch.zeros(3, dtype=torch.int64), 0)
+
+
+@pytest.mark.parametrize("slots", [1, 2, 4096, 1 << 20])
+def test_slot_of_in_c_equals_the_tensor_hash(native_kernels, slots):
+    ids = torch.cat([torch.arange(-500, 500), torch.tensor([(1 << 63) - 1, -(1 << 63)]),
+                     torch.randint(-(1 << 62), 1 << 62, (10_000,), generator=torch.Generator().manual_seed(slots))])
+    expected = mix64(ids ^ _SHARD_SALT) & (slots - 1)
+    assert torch.equal(native_ids.slot_of(ids, slots), expected)
+    assert torch.equal(slot_of(ids, slots), expected)  # the hash's own entry point takes the kernel
+    assert torch.equal(slot_of(ids.view(2, -1), slots), expected.view(2, -1))  # the tensor path keeps other shapes
+    assert native_ids.slot_of(ids[:0], slots).numel() == 0
+
+
+def test_slot_of_refuses_a_slot_count_that_is_not_a_power_of_two(native_kernels):
+    with pytest.raises(ValueError, match="slots must be a power of two, got 3"):
+        native_ids.slot_of(torch.arange(4), 3)
+    with pytest.raises(ValueError, match="ids must be a 1-D torch.int64 CPU tensor"):
+        native_ids.slot_of(torch.arange(4, dtype=torch.int32), 4)
 
 
 @pytest.mark.parametrize("low,high", [(-1.0, 1.0), (-0.0123, 0.0123), (0.2, 7.7)])

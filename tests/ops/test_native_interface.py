@@ -26,6 +26,7 @@ def test_the_parser_reads_what_it_compares():
     functions = c_functions(FOLDER / "ids.c")
     assert functions == {
         "lp_first_foreign": ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64], ctypes.c_int64),
+        "lp_slot_of": ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p], None),
         "lp_unique_by_table": ([ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 3, ctypes.c_int64),
     }
     assert c_structs(FOLDER / "ids.c") == {}  # seen_t is the C code's own: no function takes it

@@ -1,4 +1,4 @@
-/* The trainer's kernels over a batch's ids: each table's unique ids, and the first id another shard owns.
+/* Kernels over ids: each table's unique ids, the first id another shard owns, and each id's routing slot.
  *
  * Called through ctypes on the buffers of CPU tensors (see ids.py). The hash is hash.h's, which the store's kernels
  * (remote_ps/store/native) hash with too.
@@ -18,6 +18,13 @@ int64_t lp_first_foreign(const int64_t *ids, int64_t n, const int64_t *owners, i
     for (int64_t i = 0; i < n; ++i)
         if (owners[mix64((uint64_t)ids[i] ^ SHARD_SALT) & mask] != shard) return i;
     return -1;
+}
+
+/* Each id's routing slot, ops/hashing.py's slot_of (`slots` a power of two), into out. A move's point finds its
+ * slots' rows by the slot of every row of a table: 10M ids a wave take 0.55 s of CPU as tensor operations. */
+void lp_slot_of(const int64_t *ids, int64_t n, int64_t slots, int64_t *out) {
+    const uint64_t mask = (uint64_t)slots - 1;
+    for (int64_t i = 0; i < n; ++i) out[i] = (int64_t)(mix64((uint64_t)ids[i] ^ SHARD_SALT) & mask);
 }
 
 /* ---- a batch's ids deduplicated, table by table (the trainer's planning of a lookup) -----------------------

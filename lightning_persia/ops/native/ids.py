@@ -1,4 +1,5 @@
-"""Bindings of ``ids.c``: a batch's ids deduplicated table by table, and the first id another shard owns."""
+"""Bindings of ``ids.c``: a batch's ids deduplicated table by table, the first id another shard owns, and each id's
+routing slot."""
 from __future__ import annotations
 
 import ctypes
@@ -13,6 +14,7 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 SIGNATURES = {
     "lp_first_foreign": ([_P, _I64, _P, _I64, _I64], _I64),
+    "lp_slot_of": ([_P, _I64, _I64, _P], None),
     "lp_unique_by_table": ([_P, _P, _I64, _P, _P, _P], _I64),
 }
 """Argument and result types of every function of ``ids.c`` (tests/ops/test_native_interface.py checks them)."""
@@ -28,6 +30,16 @@ def first_foreign(ids: torch.Tensor, owners: torch.Tensor, shard: int) -> int:
     if owners.numel() & (owners.numel() - 1) or not owners.numel():
         raise ValueError(f"owners must name the owner of a power-of-two number of slots, got {owners.numel()}")
     return native.LIBRARY.require().lp_first_foreign(ids.data_ptr(), ids.numel(), owners.data_ptr(), owners.numel(), shard)
+
+
+def slot_of(ids: torch.Tensor, slots: int) -> torch.Tensor:
+    """Each id's routing slot in ``[0, slots)`` (``slots`` a power of two): ``lightning_persia.ops.hashing.slot_of``."""
+    ids = check(ids, torch.int64, "ids").contiguous()
+    if slots < 1 or slots & (slots - 1):
+        raise ValueError(f"slots must be a power of two, got {slots}")
+    out = torch.empty_like(ids)
+    native.LIBRARY.require().lp_slot_of(ids.data_ptr(), ids.numel(), slots, out.data_ptr())
+    return out
 
 
 def unique_by_table(ids: torch.Tensor, counts: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

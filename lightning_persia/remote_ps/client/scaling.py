@@ -208,15 +208,15 @@ def _move(admin: ShardAdmin, current: ShardMap, to_map: ShardMap, addresses: Seq
         on_step("changes")
         while wave.rounds < settings.max_rounds:
             wave.rounds += 1
-            written = 0
-            for shard in sources:
-                written += _forward(admin, admin.handover(shard, Step.CHANGES), takers, to_map)
-                pacer.page_done()
+            written = sum(_forward(admin, admin.handover(shard, Step.CHANGES), takers, to_map) for shard in sources)
             wave.changed += written
-            if written < settings.settle_rows:
+            if written < settings.settle_rows or wave.rounds == settings.max_rounds:
                 break
+            pacer.page_done()
+        # no wait between the last unfenced round and the fence: the fenced round carries what the trainers change
+        # meanwhile, and a wait of (1 / copy_share - 1) times the round would nearly triple it. The last round and
+        # the fence are paced once the wave is done.
         on_step("fence")
-        pacer.restart()  # the fence's steps never wait; their time is paced once the wave is done
         for shard in sources:
             admin.handover(shard, Step.FENCE)
         fenced = time.monotonic()

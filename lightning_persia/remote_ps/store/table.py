@@ -77,8 +77,7 @@ class Table(MemoryRows):
         """Rows of ``ids`` as ``[n, dim]`` of ``dtype``; training lookups admit unseen ids.
 
         ``journal`` hears of the ids the lookup admitted or evicted, if any (see :data:`Journal`). A disk table reads
-        the records of the ids its memory lacks without the lock (:func:`~.disk.part.look_up`), then takes it again to
-        finish (:meth:`_from_disk`)."""
+        the records of the ids its memory lacks without the lock, then takes it again to finish (:meth:`_from_disk`)."""
         return Table.lookup_together([(self, ids)], train, dtype, journal)[0]
 
     @staticmethod
@@ -148,7 +147,9 @@ class Table(MemoryRows):
             _end_reads(parts, gaps)
             raise
         if any(gaps):
-            inserted = [table.inserted for table, _ in requests]  # each memory's ids taken in, before the locks go
+            inserted = []  # each memory's count of ids taken in, before the locks are let go
+            for table, _ in requests:
+                inserted.append(table.inserted)
             try:
                 with locks.let_go():
                     for gap in gaps:

@@ -164,6 +164,8 @@ class DiskPart:
         self.lock = memory.lock
         self._tier = DiskTier(directory, field_specs, memory.lock, mapped_bytes)
         self.record_bytes = self._tier.record_bytes  # of a record on disk: a table's memory demotes where it is not 0
+        self.promotes_later = promote_later
+        """Whether a training lookup leaves the rows it read from disk to the demoter (:meth:`take_pending`)."""
         self._pending = PendingPromotions() if promote_later else None
         self._work = DiskWork()
         self._counters = dict(demoted=0, promoted=0)
@@ -182,10 +184,6 @@ class DiskPart:
         """Whether the tier was deleted (the table dropped)."""
         return self._tier.closed
 
-    @property
-    def promotes_later(self) -> bool:
-        """Whether a training lookup leaves the rows it read from disk to the demoter (:meth:`take_pending`)."""
-        return self._pending is not None
 
     def check_request(self, n: int) -> None:
         """A training request must fit in the table's memory budget: every row it touches comes into memory."""

@@ -96,9 +96,10 @@ class Recorder:
             for name in module.SIGNATURES:
                 setattr(library, name, self._wrapped(name, getattr(library, name)))
 
-    def wait_for_pass(self, scenario: str, entry: Optional[str], timeout_s: float = 30.0) -> None:
+    def wait_for_pass(self, scenario: str, entry: Optional[str], timeout_s: float = 5.0) -> None:
         """Lets the background passes go over what the requests left: half a second, and until a pass of ``entry``
-        called a kernel in ``scenario`` (a loaded machine may not schedule the pass's thread for a while)."""
+        called a kernel in ``scenario``, for at most ``timeout_s`` (a loaded machine may not schedule the pass's thread
+        for a while; a short run may leave it nothing to do)."""
         time.sleep(0.5)
         deadline = time.monotonic() + timeout_s
         while entry is not None and time.monotonic() < deadline:

@@ -25,7 +25,6 @@ import torch
 
 from benchmarks.ps.scale_bench import stored_id, unique_batch, zipf_indices
 from lightning_persia.remote_ps.store.disk.demoter import Demoter
-from lightning_persia.remote_ps.store.disk.part import DiskPart
 from lightning_persia.remote_ps.store.table import Table
 from lightning_persia.remote_ps.table_config import Adagrad, TableConfig
 
@@ -34,28 +33,28 @@ _RECORD_AND_ID_BYTES = 56  # this script's table (dim 16, fp16, row-wise Adagrad
 
 
 class _ProfiledDemotions:
-    """A disk table's part as its demoter sees it: the demoter's calls (the promotions its lookups queued, the
-    estimates of the cold threshold, made without the lock, and the demotions) are profiled and timed while
-    ``profiling`` is set; the others go to the ``part`` as they are."""
+    """A disk table as its demoter sees it: the demoter's calls (the promotions its lookups queued, the estimates of
+    the cold threshold, made without the lock, and the demotions) are profiled and timed while ``profiling`` is set;
+    the others go to the ``table`` as they are."""
 
     profiling = False
     profile = cProfile.Profile()
     spent_s = 0.0
 
-    def __init__(self, part: DiskPart) -> None:
-        self._part = part
+    def __init__(self, table: Table) -> None:
+        self._table = table
 
     def __getattr__(self, name: str):
-        return getattr(self._part, name)
+        return getattr(self._table, name)
 
     def cold_estimate(self, count: int):
-        return self._profiled(self._part.cold_estimate, count)
+        return self._profiled(self._table.cold_estimate, count)
 
     def demote(self, count: int, estimated=None) -> int:
-        return self._profiled(self._part.demote, count, estimated)
+        return self._profiled(self._table.demote, count, estimated)
 
     def promote_pending(self, limit: int) -> int:
-        return self._profiled(self._part.promote_pending, limit)
+        return self._profiled(self._table.promote_pending, limit)
 
     def _profiled(self, call, *args):
         if not self.profiling:
@@ -147,7 +146,7 @@ def main(argv=None) -> int:
         config = TableConfig("disk", 16, optimizer=optimizer, storage_dtype="fp16", capacity=memory_rows, storage="disk",
                              eviction=args.eviction)
         disk = Table(config, seed=0, disk_dir=folder, promote_later=not args.promote_at_once)
-        profiled = _ProfiledDemotions(disk.disk)
+        profiled = _ProfiledDemotions(disk)
         demoter = Demoter(lambda: [profiled])
         demoter.start()
         try:

@@ -18,9 +18,11 @@ Memory is bounded by ``window`` seqs per client and ``max_clients`` clients (lea
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
-from typing import Callable, Generic, Optional, Tuple, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, Iterator, Optional, TypeVar
 
 T = TypeVar("T")
 
@@ -53,7 +55,7 @@ class _Client:
 
 
 class UpdateDeduplicator:
-    """Runs each ``(client_id, seq)`` through ``apply`` at most once (see the module docstring)."""
+    """Lets each ``(client_id, seq)`` be applied at most once (:meth:`once`; see the module docstring)."""
 
     def __init__(self, window: int = 4096, max_clients: int = 4096) -> None:
         if window < 1 or max_clients < 1:
@@ -80,11 +82,13 @@ class UpdateDeduplicator:
         with self._lock:
             return {client_id: list(client.applied) for client_id, client in self._clients.items() if client.applied}
 
-    def run(self, client_id: str, seq: int, apply: Callable[[], T], digest: Optional[int] = None) -> Tuple[T, bool]:
-        """``(result, duplicate)``: ``apply()``'s result, or the first attempt's result and ``True``.
+    @contextlib.contextmanager
+    def once(self, client_id: str, seq: int, digest: Optional[int] = None) -> Iterator["Attempt"]:
+        """The attempt of ``(client_id, seq)``: where :attr:`Attempt.duplicate` is False, the block applies the update
+        and sets :attr:`Attempt.result`; else the result is the first attempt's, and the block applies nothing.
 
-        ``digest`` (optional) identifies the content; a duplicate must carry the first attempt's.
-        """
+        ``digest`` (optional) identifies the content; a duplicate must carry the first attempt's. A block that raises
+        leaves the seq unapplied (a retry applies it)."""
         while True:
             with self._lock:
                 client = self._clients.get(client_id)
@@ -98,7 +102,8 @@ class UpdateDeduplicator:
                     result, first_digest = client.applied[seq]
                     _check_same(client_id, seq, first_digest, digest)
                     self.duplicates += 1
-                    return result, True
+                    yield Attempt(True, result)
+                    return
                 pending = client.pending.get(seq)
                 if pending is not None:
                     _check_same(client_id, seq, pending.digest, digest)
@@ -116,10 +121,12 @@ class UpdateDeduplicator:
             if pending.ok:
                 with self._lock:
                     self.duplicates += 1
-                return pending.result, True  # type: ignore[return-value]
+                yield Attempt(True, pending.result)
+                return
 
+        attempt = Attempt(False)
         try:
-            result = apply()
+            yield attempt
         except BaseException:
             with self._lock:
                 client.pending.pop(seq, None)
@@ -127,13 +134,21 @@ class UpdateDeduplicator:
             raise
         with self._lock:
             client.pending.pop(seq, None)
-            client.applied[seq] = (result, digest)
+            client.applied[seq] = (attempt.result, digest)
             while len(client.applied) > self.window:
                 dropped, _ = client.applied.popitem(last=False)
                 client.floor = max(client.floor, dropped)
-        pending.ok, pending.result = True, result
+        pending.ok, pending.result = True, attempt.result
         pending.done.set()
-        return result, False
+
+
+@dataclass
+class Attempt:
+    """One delivery of an update (:meth:`UpdateDeduplicator.once`): a ``duplicate`` answers with the first attempt's
+    ``result``; the first attempt sets it."""
+
+    duplicate: bool
+    result: Any = None
 
 
 def _check_same(client_id: str, seq: int, first: Optional[int], again: Optional[int]) -> None:

@@ -160,17 +160,21 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         if request.seq < 1:
             raise invalid("update seq must be >= 1")
 
-        def apply() -> int:
-            # Decoded here, not before: a duplicate (a retry, or an update re-routed after a move)
-            # is answered without decoding its gradients again.
-            items = self._decoder.tables(request, with_grads=True)
-            return self.store.update_many([(item.name, item.ids, item.grads) for item in items],
-                                          client=request.client_id, seq=request.seq, map_version=request.map_version)
-
-        rows, duplicate = self._past_handover(self.dedup.run, request.client_id, request.seq, apply,
-                                              digest=messages.update_digest(request))
+        rows, duplicate = self._past_handover(self._update_once, request, messages.update_digest(request))
         self._count("update_duplicates" if duplicate else "update_rows", 1 if duplicate else rows)
         return persia_pb2.UpdateResponse(rows_applied=rows, duplicate=duplicate, map_version=self.store.shard_map.version)
+
+    def _update_once(self, request: persia_pb2.UpdateRequest, digest: int) -> tuple[int, bool]:
+        """``(rows applied, duplicate)``: the update of ``request`` applied unless its ``(client_id, seq)`` was."""
+        with self.dedup.once(request.client_id, request.seq, digest) as attempt:
+            if not attempt.duplicate:
+                # Decoded here, not before: a duplicate (a retry, or an update re-routed after a move)
+                # is answered without decoding its gradients again.
+                items = self._decoder.tables(request, with_grads=True)
+                attempt.result = self.store.update_many([(item.name, item.ids, item.grads) for item in items],
+                                                        client=request.client_id, seq=request.seq,
+                                                        map_version=request.map_version)
+        return attempt.result, attempt.duplicate
 
     # ---- tables --------------------------------------------------------------------------------------
 

@@ -8,6 +8,14 @@ import pytest
 from lightning_persia.remote_ps.exactly_once import ConflictingDuplicateError, StaleSequenceError, UpdateDeduplicator
 
 
+def run(dedup: UpdateDeduplicator, client_id: str, seq: int, apply, digest=None) -> tuple[int, bool]:
+    """``apply()`` within :meth:`UpdateDeduplicator.once`, as the servicer runs an update: ``(result, duplicate)``."""
+    with dedup.once(client_id, seq, digest) as attempt:
+        if not attempt.duplicate:
+            attempt.result = apply()
+    return attempt.result, attempt.duplicate
+
+
 class Counter:
     def __init__(self, fail_first: int = 0) -> None:
         self.calls = 0
@@ -22,9 +30,9 @@ class Counter:
 
 def test_second_delivery_is_a_duplicate_with_the_first_result():
     dedup, apply = UpdateDeduplicator(), Counter()
-    assert dedup.run("a", 1, apply) == (10, False)
-    assert dedup.run("a", 1, apply) == (10, True)
-    assert dedup.run("b", 1, apply) == (20, False)  # seqs are per client
+    assert run(dedup, "a", 1, apply) == (10, False)
+    assert run(dedup, "a", 1, apply) == (10, True)
+    assert run(dedup, "b", 1, apply) == (20, False)  # seqs are per client
     assert apply.calls == 2 and dedup.duplicates == 1
 
 
@@ -40,11 +48,11 @@ def test_retry_during_the_first_apply_waits_for_it():
         return 7
 
     first = []
-    thread = threading.Thread(target=lambda: first.append(dedup.run("a", 5, slow)))
+    thread = threading.Thread(target=lambda: first.append(run(dedup, "a", 5, slow)))
     thread.start()
     started.wait(10)
     second = []
-    waiter = threading.Thread(target=lambda: second.append(dedup.run("a", 5, slow)))
+    waiter = threading.Thread(target=lambda: second.append(run(dedup, "a", 5, slow)))
     waiter.start()
     waiter.join(0.2)
     assert waiter.is_alive()  # blocked on the first attempt
@@ -57,9 +65,9 @@ def test_retry_during_the_first_apply_waits_for_it():
 def test_failed_apply_can_be_retried():
     dedup, apply = UpdateDeduplicator(), Counter(fail_first=1)
     with pytest.raises(RuntimeError, match="apply failed"):
-        dedup.run("a", 1, apply)
-    assert dedup.run("a", 1, apply) == (20, False)
-    assert dedup.run("a", 1, apply) == (20, True)
+        run(dedup, "a", 1, apply)
+    assert run(dedup, "a", 1, apply) == (20, False)
+    assert run(dedup, "a", 1, apply) == (20, True)
 
 
 def test_waiter_reapplies_when_the_first_attempt_fails():
@@ -76,10 +84,10 @@ def test_waiter_reapplies_when_the_first_attempt_fails():
         return 3
 
     errors, results = [], []
-    first = threading.Thread(target=lambda: errors.append(pytest.raises(RuntimeError, dedup.run, "a", 1, flaky)))
+    first = threading.Thread(target=lambda: errors.append(pytest.raises(RuntimeError, run, dedup, "a", 1, flaky)))
     first.start()
     started.wait(10)
-    second = threading.Thread(target=lambda: results.append(dedup.run("a", 1, flaky)))
+    second = threading.Thread(target=lambda: results.append(run(dedup, "a", 1, flaky)))
     second.start()
     second.join(0.2)
     release.set()
@@ -91,27 +99,27 @@ def test_waiter_reapplies_when_the_first_attempt_fails():
 def test_window_is_bounded_and_older_seqs_are_refused():
     dedup, apply = UpdateDeduplicator(window=3), Counter()
     for seq in range(1, 6):
-        dedup.run("a", seq, apply)
-    assert dedup.run("a", 5, apply)[1] is True
+        run(dedup, "a", seq, apply)
+    assert run(dedup, "a", 5, apply)[1] is True
     with pytest.raises(StaleSequenceError, match="seq 2 of client 'a' is older than the de-duplication window"):
-        dedup.run("a", 2, apply)
-    assert dedup.run("a", 6, apply) == (60, False)
+        run(dedup, "a", 2, apply)
+    assert run(dedup, "a", 6, apply) == (60, False)
     assert apply.calls == 6
 
 
 def test_least_recently_seen_clients_are_forgotten():
     dedup, apply = UpdateDeduplicator(max_clients=2), Counter()
     for client in ("a", "b", "c"):
-        dedup.run(client, 1, apply)
-    assert dedup.run("c", 1, apply)[1] is True
-    assert dedup.run("a", 1, apply)[1] is False  # "a" was dropped to keep two clients
+        run(dedup, client, 1, apply)
+    assert run(dedup, "c", 1, apply)[1] is True
+    assert run(dedup, "a", 1, apply)[1] is False  # "a" was dropped to keep two clients
 
 
 def test_a_duplicate_with_other_content_is_refused_not_dropped():
     dedup, apply = UpdateDeduplicator(), Counter()
-    assert dedup.run("shared", 1, apply, digest=111) == (10, False)
-    assert dedup.run("shared", 1, apply, digest=111) == (10, True)  # the same bytes again: a duplicate
+    assert run(dedup, "shared", 1, apply, digest=111) == (10, False)
+    assert run(dedup, "shared", 1, apply, digest=111) == (10, True)  # the same bytes again: a duplicate
     with pytest.raises(ConflictingDuplicateError, match="seq 1 of client 'shared'.*other content"):
-        dedup.run("shared", 1, apply, digest=222)
-    assert dedup.run("shared", 1, apply) == (10, True)  # no digest: nothing to compare
+        run(dedup, "shared", 1, apply, digest=222)
+    assert run(dedup, "shared", 1, apply) == (10, True)  # no digest: nothing to compare
     assert apply.calls == 1

@@ -9,7 +9,7 @@ from tools import kernel_depths
 
 def test_a_file_left_and_entered_again_is_named():
     path = ["servicer.py:Update", "servicer.py:_past_handover", "exactly_once.py:run", "servicer.py:apply",
-            "shard_store.py:update_many"]
+            "shard_store.py:update_many"]  # the shape Update had when the servicer handed a closure to the deduplicator
     assert kernel_depths.entered_twice(path) == {"servicer.py"}
     assert kernel_depths.entered_twice(path[:3]) == set()
 
@@ -25,6 +25,10 @@ def test_a_short_run_counts_each_kernel_from_its_entry(capsys):
     assert {scenario for scenario, _, _ in rows} == set(kernel_depths.SCENARIOS)
     assert any(entry == "Demoter.run_once" for scenario, _, entry in rows if scenario == "disk")
     assert not any(entry == "Demoter.run_once" for scenario, _, entry in rows if scenario == "disk, no demoter")
+    # the table orchestrates its parts: no path goes down into a file, out of it and back (a part calling back into
+    # the memory that calls the part again); the deepest, a request's promotion demoting to disk, is 13 calls
+    assert [row["path"] for row in rows.values() if row["entered_twice"]] == []
+    assert max(row["deepest"] for row in rows.values()) <= 13
 
 
 @pytest.mark.skipif(not native.available(), reason="it counts calls into the store's native kernels, which a checkout without a C compiler does not build (make native)")

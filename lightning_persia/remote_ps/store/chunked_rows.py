@@ -218,25 +218,14 @@ class ChunkedRows:
             offset += spec.row_bytes
         self._records = _Records(max(_ALIGN, -(-offset // _ALIGN) * _ALIGN))
         self.fields = {name: ChunkedField(self._records, fields[name], offsets[name]) for name in offsets}
+        self.record_bytes = self._records.record_bytes
+        self.shift = self._records.shift
+        self.chunk_rows = self._records.chunk_rows
+        self.chunks = self._records.chunks  # the records' own list, which reserve() appends to
 
     def __getitem__(self, name: str) -> ChunkedField:
         return self.fields[name]
 
-    @property
-    def record_bytes(self) -> int:
-        return self._records.record_bytes
-
-    @property
-    def shift(self) -> int:
-        return self._records.shift
-
-    @property
-    def chunk_rows(self) -> int:
-        return self._records.chunk_rows
-
-    @property
-    def chunks(self) -> list[torch.Tensor]:
-        return self._records.chunks
 
     @property
     def layout(self) -> native_rows.Chunks:

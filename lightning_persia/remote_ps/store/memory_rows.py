@@ -12,9 +12,12 @@ snapshot *since* an earlier point holds only the rows changed after it, and the 
 (``removal_log.py``): a delta for serving. What a journaled operation changed is collected for the shard's
 write-ahead log (``table_journal.py``).
 
-A row that leaves a full memory is evicted, or, where the table has a disk part (``disk/part.py``), demoted to disk;
-the part brings rows back through :meth:`MemoryRows.place`. An id that neither holds enters by the table's
-admission part (``admission.py``), which writes it through :meth:`MemoryRows.admit_in_one_pass` or
+**The memory limit.** Rows are taken only from free ones (:meth:`MemoryRows._take_rows` evicts nothing): whoever
+brings rows in makes room first, through the limit's one entry point, :meth:`MemoryRows.evict_coldest` (the rows
+to evict: :meth:`MemoryRows.rows_to_evict`). It selects the coldest rows (``eviction.py``), hands them to the disk
+part to keep where the table has one (``disk/part.py``: demoted to disk), else removes them, and frees their rows.
+The table brings rows back from disk through :meth:`MemoryRows.place`; an id that neither tier holds enters by the
+table's admission part (``admission.py``), which writes it through :meth:`MemoryRows.admit_in_one_pass` or
 :meth:`MemoryRows.write_admitted`.
 """
 from __future__ import annotations
@@ -145,7 +148,8 @@ class MemoryRows:
         fresh = torch.nonzero(~present).squeeze(1)
         positions = found.clone()
         if fresh.numel():
-            new_rows = self._take_rows(fresh.numel(), keep=found[present])
+            self.evict_coldest(self.rows_to_evict(fresh.numel()), keep=found[present])
+            new_rows = self._take_rows(fresh.numel())
             positions[fresh] = new_rows
             self._rows["ids"].scatter(new_rows, ids[fresh])
         for name in SAVED_FIELDS[1:]:
@@ -287,6 +291,7 @@ class MemoryRows:
         """
         if missing > self.config.capacity - self._live:  # rows evicted for them: exactly one per new id, none more
             missing = int(torch.unique(ids[rows == -1]).numel())
+        self.evict_coldest(self.rows_to_evict(missing))
         fresh = self._take_rows(missing)
         weights, access, version = self._rows["weights"], self._rows["access"], self._rows["version"]
         state = self._rows.fields.get("state")
@@ -320,6 +325,7 @@ class MemoryRows:
                   "access": torch.full((n,), eviction.first_access(self.config.eviction, self._step), dtype=torch.int32)}
         if "state" in self._rows.fields:
             fields["state"] = self.rule.initial_state(n)
+        self.evict_coldest(self.rows_to_evict(n))
         self._write_new(ids, fields)
         if self._recording is not None:
             self._recording.admitted(ids, fields["access"])
@@ -358,25 +364,23 @@ class MemoryRows:
         rows[positions[hit]] = found[hit]
         out[positions[hit]] = again[hit]
 
-    def place(self, ids: torch.Tensor, values: dict[str, torch.Tensor], step: Optional[int] = None,
-              keep: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Writes rows read from disk (``ids`` unique and absent from memory, their ``values`` by field) into memory;
-        returns their rows. ``step``: the lookup step that read them (LRU; the table's step now by default);
-        ``keep``: rows the operation under way goes on to write, which the room made for these must not demote. The
-        lock held."""
+    def place(self, ids: torch.Tensor, values: dict[str, torch.Tensor], step: Optional[int] = None) -> torch.Tensor:
+        """Writes rows read from disk (``ids`` unique and absent from memory, their ``values`` by field) into free
+        rows (the caller made room: :meth:`evict_coldest`); returns their rows. ``step``: the lookup step that read
+        them (LRU; the table's step now by default). The lock held."""
         n = ids.numel()
         fields = {"weights": values["weights"],
                   "access": (torch.full((n,), self._step if step is None else step, dtype=torch.int32)
                              if self.config.eviction == "lru" else values["access"] + 1)}
         if "state" in self._rows.fields:
             fields["state"] = values["state"]
-        return self._write_new(ids, fields, keep)
+        return self._write_new(ids, fields)
 
-    def _write_new(self, ids: torch.Tensor, fields: dict[str, torch.Tensor], keep: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Writes the rows of ``ids`` (unique, absent) into free rows (cold ones evicted for them, none of ``keep``),
-        ``fields`` their values and this version theirs, in one pass; indexes them and returns their rows."""
+    def _write_new(self, ids: torch.Tensor, fields: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Writes the rows of ``ids`` (unique, absent) into free rows, ``fields`` their values and this version
+        theirs, in one pass; indexes them and returns their rows."""
         n = ids.numel()
-        rows = self._take_rows(n, keep)  # may demote colder rows: written to disk before anything else changes
+        rows = self._take_rows(n)
         self._preserve(rows)
         self._rows.scatter_fields(rows, {"ids": ids, **fields, "version": torch.full((n,), self._version, dtype=torch.int32)})
         self._index.insert(ids, rows)
@@ -403,16 +407,16 @@ class MemoryRows:
 
     # ---- internals ---------------------------------------------------------------------------------
 
-    def _take_rows(self, n: int, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``n`` free rows, cold ones evicted (a disk table: demoted) where the table is full, none of ``keep``: the
-        rows the operation under way goes on to write. A demoted row it then wrote into would leave its id with the
-        old value on disk and the new one in a row another id may take: a replay that made room so lost 632 of 5,000
-        rows. Where only rows of ``keep`` are cold enough, the table holds more than its capacity until the demoter
-        catches up."""
+    def rows_to_evict(self, n: int) -> int:
+        """How many rows :meth:`evict_coldest` must free before ``n`` more rows are taken: 0 where they fit in the
+        table's capacity; else a bulk of them, or, for a disk table (whose demoter keeps room ahead, ``demoter.py``),
+        what they need, no more (:meth:`DiskPart.evict_count`)."""
         room = self.config.capacity - self._live
-        if n > room:  # a disk table's demoter keeps room ahead (demoter.py): demote what this request needs, no more
-            self.evict_coldest(self._disk.evict_count(n - room), keep=keep)
+        return self._disk.evict_count(n - room) if n > room else 0
 
+    def _take_rows(self, n: int) -> torch.Tensor:
+        """``n`` free rows (reused, else appended): nothing is evicted here; the caller made room first
+        (:meth:`evict_coldest`), or the table holds more than its capacity until the demoter catches up."""
         reused = self._free.take(n)
         appended = n - reused.numel()
         self._rows.reserve(self._size + appended, ahead_limit=self.config.capacity)
@@ -426,10 +430,17 @@ class MemoryRows:
         return [access.chunk(c, min(self._rows.chunk_rows, self._size - (c << self._rows.shift)))
                 for c in range((self._size + self._rows.chunk_rows - 1) >> self._rows.shift)]
 
-    def evict_coldest(self, count: int, estimated: Optional[tuple[int, float]] = None, keep: Optional[torch.Tensor] = None) -> None:
-        """Evicts ``count`` cold rows, none of ``keep``: a disk table's part keeps them on disk (demoted; it calls this
-        between requests, :meth:`DiskPart.demote`). ``estimated``: their threshold (:meth:`cold_estimate`). The lock
-        held."""
+    def evict_coldest(self, count: int, estimated: Optional[tuple[int, float]] = None, keep: Optional[torch.Tensor] = None) -> int:
+        """The memory limit's one entry point: evicts ``count`` cold rows (none where ``count`` <= 0), none of ``keep``:
+        the rows the operation under way goes on to write (an evicted row it then wrote into would leave its id with
+        the old value on disk and the new one in a row another id may take: a replay that made room so lost 632 of
+        5,000 rows). A disk table's part keeps them on disk (demoted). ``estimated``: their threshold
+        (:meth:`cold_estimate`). Returns how many rows it evicted. The lock held.
+
+        A request calls it before it takes rows for what it brings in (:meth:`rows_to_evict` of them); a disk table's
+        demoter, between requests (:meth:`~.table.Table.demote`)."""
+        if count <= 0:
+            return 0
         victims = self._eviction.victims(self._access_in_use(), count, estimated, keep)
         gone = self._rows["ids"].gather(victims)
         # a disk table demotes: the rows are written to disk first (a failure changes nothing), and stay there, so
@@ -444,6 +455,7 @@ class MemoryRows:
             self._removed(gone)
         self._free_rows(victims, gone)
         self._counters["evicted"] += victims.numel()
+        return victims.numel()
 
 
 def journal_changes(tables: Sequence[MemoryRows], journal: Optional[Journal], always: bool) -> None:

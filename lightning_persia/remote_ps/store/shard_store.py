@@ -102,7 +102,7 @@ class ShardStore(SlotHandover):
         self._expirer = Expirer(self._tables_with_ttl, expiry_interval_s, journal=lambda: self._journal("", 0, []),
                                 guard=self._gate.reading)
         budget = MappedBudget(memory_limit_bytes) if memory_limit_bytes is not None else None
-        self._demoter = Demoter(self._disk_parts, demotion_interval_s, budget) if demotion_interval_s is not None else None
+        self._demoter = Demoter(self._disk_tables, demotion_interval_s, budget) if demotion_interval_s is not None else None
         self.log: Optional[ShardLog] = None  # set once the shard restored itself (wal/shard_log.py)
 
     def configure(self, config: TableConfig) -> TableConfig:
@@ -437,9 +437,9 @@ class ShardStore(SlotHandover):
         with self._lock:
             return [t for t in self._tables.values() if t.config.ttl_steps is not None or t.config.ttl_seconds is not None]
 
-    def _disk_parts(self) -> list[DiskPart]:
+    def _disk_tables(self) -> list[Table]:
         with self._lock:
-            return [t.disk for t in self._tables.values() if isinstance(t.disk, DiskPart)]
+            return [t for t in self._tables.values() if isinstance(t.disk, DiskPart)]
 
     def _new_table(self, config: TableConfig) -> Table:
         if (config.ttl_steps is not None or config.ttl_seconds is not None) and not self._expirer.started:

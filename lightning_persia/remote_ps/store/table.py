@@ -4,19 +4,28 @@ The table keeps its rows in memory (:class:`~.memory_rows.MemoryRows`: ids, rows
 statistics and change versions, and the ids admitted into them) and the lock. What it does beyond them is a part
 with one entry point, called without asking which kind the table has: its disk part (``disk/part.py``: the rows its
 memory does not hold, or none), to which it hands its lock; its admission of unseen ids (``admission.py``); its time
-to live (``expiry.py``). A lookup probes the memory, hands the misses and the lock to the disk part in one call
-(which may let the lock go while it reads), then admits what neither holds.
+to live (``expiry.py``); its memory limit (``MemoryRows.evict_coldest``, choosing by ``eviction.py``).
+
+The table orchestrates its parts, each called once a step, so that a request goes down one pass: a lookup probes
+the memory, asks the disk part what to read for the misses, lets the lock go while it reads (and makes the room a
+large lookup needs meanwhile, :meth:`Table.demote`), takes the lock again and has the part fill the misses; the rows
+the part read for memory come back to the table (a :class:`~.disk.part.Promotion`), which makes room through the
+memory limit (colder rows demoted: handed to the disk part to keep), places them in free rows and tells the part
+they moved; then it admits what neither tier holds. An update promotes its absent rows so first. A disk table's
+demoter asks the table for its queued promotions and demotions (:meth:`Table.promote_pending`,
+:meth:`Table.demote`), the lock held for a slice at a time.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import ContextManager, Optional, Sequence
 
 import torch
 
 from lightning_persia.remote_ps.store import eviction
 from lightning_persia.remote_ps.store.admission import Admission, make_admission
-from lightning_persia.remote_ps.store.disk import part as disk_part
-from lightning_persia.remote_ps.store.disk.part import DiskPart, NoDisk
+from lightning_persia.remote_ps.store.disk.demoter import SLICE_ROWS as DEMOTION_SLICE_ROWS
+from lightning_persia.remote_ps.store.disk.part import DiskPart, Gap, NoDisk, Promotion
 from lightning_persia.remote_ps.store.disk.segment_mapping import MAPPED_BYTES
 from lightning_persia.remote_ps.store.errors import StoreError
 from lightning_persia.remote_ps.store.expiry import SLICE_ROWS as EXPIRY_SLICE_ROWS, TimeToLive
@@ -40,7 +49,7 @@ class Table(MemoryRows):
         """``disk_dir``: the folder of the table's disk tier, for a table of ``storage="disk"`` (created; its own);
         ``disk_mapped_bytes``: of its records, how many bytes the shard keeps mapped at most (``segment_mapping.py``);
         ``promote_later``: a training lookup leaves the rows it read from disk to the shard's demoter
-        (:meth:`DiskPart.promote_pending`) instead of bringing them into memory itself (``promotions.py``)."""
+        (:meth:`promote_pending`) instead of bringing them into memory itself (``promotions.py``)."""
         super().__init__(config, seed)
         self._admission: Admission = make_admission(config, seed, self)
         self._ttl = TimeToLive(config)
@@ -68,8 +77,7 @@ class Table(MemoryRows):
         """Rows of ``ids`` as ``[n, dim]`` of ``dtype``; training lookups admit unseen ids.
 
         ``journal`` hears of the ids the lookup admitted or evicted, if any (see :data:`Journal`). A disk table reads
-        the records of the ids its memory lacks without the lock (:func:`~.disk.part.look_up`), then takes it again to
-        finish."""
+        the records of the ids its memory lacks without the lock, then takes it again to finish (:meth:`_from_disk`)."""
         return Table.lookup_together([(self, ids)], train, dtype, journal)[0]
 
     @staticmethod
@@ -81,15 +89,17 @@ class Table(MemoryRows):
         if len(tables) > 1 and (len({id(t) for t in tables}) < len(tables)
                                 or not all(isinstance(t._index, NativeIdIndex) for t in tables)):
             return [Table.lookup_together([request], train, dtype, journal)[0] for request in requests]
-        parts = [table._disk for table in tables]
-        for part, (_, ids) in zip(parts if train else (), requests):
-            part.check_request(ids.numel())
+        for table, ids in requests if train else ():
+            table._disk.check_request(ids.numel())
         outs = [torch.empty(ids.numel(), table.config.dim, dtype=table.storage_dtype) for table, ids in requests]
         with _all_locked(tables, sum(out.shape[0] for out in outs), train) as locks:
             rows = Table._probe(requests, outs, train)
-            left, disk_work = disk_part.look_up(parts, [ids for _, ids in requests], rows, outs, train, locks)
+            left, promotions, disk_work = Table._from_disk(requests, rows, outs, train, locks)
             with disk_work:
-                for (table, ids), found, out, missing in zip(requests, rows, outs, left):
+                for (table, ids), found, out, missing, promotion in zip(requests, rows, outs, left, promotions):
+                    if promotion is not None:  # rows the disk part read for memory
+                        promoted = table._promote(promotion)
+                        found[promotion.where] = promoted if promotion.inverse is None else promoted[promotion.inverse]
                     table._start_recording(journal if train else None)
                     table._counters["lookups"] += 1
                     table._counters["lookup_rows"] += ids.numel()
@@ -114,6 +124,127 @@ class Table(MemoryRows):
         native.find_many([table._index.find_job(ids, found, (table._rows["weights"], out), touch)
                           for (table, ids), found, out, touch in zip(requests, rows, outs, touches)])
         return rows
+
+    @staticmethod
+    def _from_disk(requests: Sequence[tuple["Table", torch.Tensor]], rows: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
+                   train: bool, locks: HeldLocks) -> tuple[list[Optional[int]], list[Optional[Promotion]], ContextManager]:
+        """The rest of a lookup of one or more tables once their memory was probed (``rows``: -1 where it missed),
+        every table's lock held (``locks``). The records of the misses that are on disk are read with the locks let
+        go (:meth:`DiskPart.gap`), and the room a training lookup needs is made meanwhile (:meth:`demote`); the locks
+        taken again, each table's part probes its memory again where it changed meanwhile (:meth:`DiskPart.rejoin`),
+        then fills its misses from disk (:meth:`DiskPart.fill`).
+
+        Returns, for each table, the ids still missing (-1 in its ``rows``; None: its memory held every id) and the
+        rows its part read for memory (a training lookup's :class:`Promotion`, else None), and the parts' disk
+        operations of the lookup, still open: the caller brings those rows in and admits the missing ids within them
+        (what that demotes is the lookup's disk work), then closes them."""
+        parts = [table._disk for table, _ in requests]
+        gaps: list[Optional[Gap]] = []
+        try:
+            for part, (_, wanted), found in zip(parts, requests, rows):
+                gaps.append(part.gap(wanted, found, train))
+        except BaseException:  # the reads the others began end before the error goes on up
+            _end_reads(parts, gaps)
+            raise
+        if any(gaps):
+            inserted = []  # each memory's count of ids taken in, before the locks are let go
+            for table, _ in requests:
+                inserted.append(table.inserted)
+            try:
+                with locks.let_go():
+                    for gap in gaps:
+                        if gap is not None and gap.ahead is not None:
+                            gap.ahead.read()
+                    for (table, _), gap in zip(requests, gaps):
+                        if gap is not None:
+                            table.demote(gap.shortfall, of="a lookup's demotion, a slice")
+            finally:  # the locks taken again: every read ends, also when one failed, before any table's rejoin may fail
+                _end_reads(parts, gaps)
+            for part, (_, wanted), found, out, gap, before in zip(parts, requests, rows, outs, gaps, inserted):
+                part.rejoin(wanted, found, out, train, gap, before)  # every table's, before any changes a row
+        operations = None  # made for the first miss: a lookup its memory answered whole opens none
+        left: list[Optional[int]] = []
+        promotions: list[Optional[Promotion]] = []
+        try:
+            for part, (_, wanted), found, out, gap in zip(parts, requests, rows, outs, gaps):
+                missing = int((found < 0).sum())
+                if not missing:
+                    left.append(None)
+                    promotions.append(None)
+                    continue
+                if operations is None:
+                    operations = contextlib.ExitStack()
+                operations.enter_context(part.operation("lookup"))
+                still, promotion = part.fill(wanted, found, out, train, missing, gap)
+                left.append(still)
+                promotions.append(promotion)
+        except BaseException:
+            if operations is not None:
+                operations.close()
+            raise
+        return left, promotions, operations if operations is not None else _NONE_OPEN
+
+    # ---- rows between the tiers ----------------------------------------------------------------------
+
+    def _promote(self, promotion: Promotion) -> torch.Tensor:
+        """Brings the rows of ``promotion`` (read from disk) into memory; returns their rows. Room is made first
+        through the memory limit (:meth:`evict_coldest`: colder rows demoted, none of ``promotion.keep``), the rows
+        placed in free rows, then dropped from disk. Timed as disk work. The lock held."""
+        with self._disk.timed():
+            self.evict_coldest(self.rows_to_evict(promotion.ids.numel()), keep=promotion.keep)
+            rows = self.place(promotion.ids, promotion.values, promotion.step)
+            self._disk.promoted(promotion)
+        return rows
+
+    def _promote_absent(self, ids: torch.Tensor) -> None:
+        """Brings the rows of ``ids`` (unique) that are on disk into memory (an update applies to them), none of the
+        rows of the others demoted for them. The lock held."""
+        if not self._disk.rows:
+            return
+        found = self.find_rows(ids)
+        absent = torch.unique(ids[found < 0])
+        if not absent.numel():
+            return
+        with self._disk.operation("update"), self._disk.timed():
+            promotion = self._disk.read(absent, keep=found[found >= 0])
+            if promotion is not None:
+                self._promote(promotion)
+
+    def promote_pending(self, limit: int) -> int:
+        """Promotes the oldest batch of rows that training lookups read from disk and left to the demoter (at most
+        ``limit`` rows of it; :meth:`DiskPart.take_pending`); returns how many were taken from the queue. The shard's
+        demoter calls it between requests, the lock held for one call."""
+        if not self._disk.promotes_later:
+            return 0
+        with self.lock, self._disk.operation("promotion"), self._disk.timed():
+            taken, promotion = self._disk.take_pending(limit)
+            if promotion is not None:
+                self._promote(promotion)
+            return taken
+
+    def demote(self, count: int, estimated: Optional[tuple[int, float]] = None, of: str = "demotion") -> int:
+        """Moves ``count`` of the coldest rows of a disk table's memory to disk; returns how many moved (0: closed).
+        Selects them by ``estimated`` (:meth:`cold_estimate`; made now if None). The shard's demoter calls it between
+        requests, a slice at a time; a lookup whose rows the demoter left no room for, between its two holds of the
+        lock. Its disk work counts as an operation ``of`` that kind (:class:`DiskWork`).
+
+        :data:`~.disk.demoter.SLICE_ROWS` at a time, the lock taken for each slice and let go between: one request
+        demoting all it needs with the lock held kept every other request of the table waiting for all of it (a
+        lookup that inserted 131,072 ids held a billion-row table's lock for 0.378 s of demoting so)."""
+        if count <= 0:
+            return 0
+        if estimated is None:
+            estimated = self.cold_estimate(count)
+        moved = 0
+        while moved < count:
+            with self.lock, self._disk.operation(of):
+                if self._disk.closed:
+                    return moved
+                step = self.evict_coldest(min(count - moved, DEMOTION_SLICE_ROWS, self._live), estimated)
+            if not step:
+                return moved
+            moved += step
+        return moved
 
     # ---- updates -----------------------------------------------------------------------------------
 
@@ -146,7 +277,7 @@ class Table(MemoryRows):
         applied = 0
         with _all_locked(tables):
             for table, ids, _ in requests:
-                table._disk.promote_absent(ids)
+                table._promote_absent(ids)
                 table._start_recording(journal)
             jobs = {}  # position -> (job, and the tensors whose memory it points at: alive until the call is done)
             for i in native_ones:
@@ -183,7 +314,7 @@ class Table(MemoryRows):
 
     def _update_locked(self, ids: torch.Tensor, grads: torch.Tensor) -> int:
         """The rule on the rows of ``ids`` (unique) in tensor ops; the lock held."""
-        self._disk.promote_absent(ids)
+        self._promote_absent(ids)
         rows = self._index.find(ids)
         present = rows >= 0
         if not bool(present.all()):
@@ -297,3 +428,13 @@ def _all_locked(tables: Sequence[Table], asked: int = 0, train: bool = False) ->
     ``asked`` ids, a training lookup's if ``train``."""
     ordered = tables if len(tables) == 1 else sorted(tables, key=lambda t: t.config.name)
     return HeldLocks([(table.lock, table._lock_waits, table._worst_held) for table in ordered], asked, train)
+
+
+_NONE_OPEN = contextlib.nullcontext()  # a lookup's disk operations where none was opened (reusable)
+
+
+def _end_reads(parts: Sequence[DiskPart | NoDisk], gaps: Sequence[Optional[Gap]]) -> None:
+    """Ends the reads ahead of ``gaps`` (their tables' locks held)."""
+    for part, gap in zip(parts, gaps):
+        if gap is not None:
+            part.end_read(gap)

@@ -6,7 +6,7 @@ table's lock held: a lookup that inserted 131,072 new ids into a full 100M-row t
 more than its budget less half of :data:`HEADROOM_FRACTION`, down to the budget less all of it, :data:`SLICE_ROWS` at a
 time, the table's lock held for one slice only. A request then finds free rows, and demotes only when the rows
 it brings in exceed the headroom left (the budget is a hard limit: it demotes what it needs, no more): a slice at
-most with its lock held, more a slice at a time between its two holds of the lock (``DiskPart.demote``).
+most with its lock held, more a slice at a time between its two holds of the lock (``Table.demote``).
 
 Before demoting, it promotes the rows training lookups read from disk and queued for it (``promotions.py``): the
 lookup answered with them, and bringing them into memory is left to this thread, :data:`SLICE_ROWS` with the lock held.
@@ -47,11 +47,11 @@ def demotion_target(capacity: int, memory_rows: int) -> int:
 
 
 class Demoter(TablePass):
-    """Demotes the rows of each of ``parts()`` (its disk tables' parts, ``part.py``) beyond :func:`demotion_target`,
-    every ``interval_s``, on a daemon thread, until :meth:`stop`; with a ``mapped_budget``, sizes their mappings to it."""
+    """Demotes the rows of each of ``tables()`` (its disk tables, ``table.py``) beyond :func:`demotion_target`, every
+    ``interval_s``, on a daemon thread, until :meth:`stop`; with a ``mapped_budget``, sizes their mappings to it."""
 
-    def __init__(self, parts: Callable[[], Iterable], interval_s: float = 0.01, mapped_budget: Optional[MappedBudget] = None) -> None:
-        super().__init__(parts, interval_s, "persia-ps-demoter")
+    def __init__(self, tables: Callable[[], Iterable], interval_s: float = 0.01, mapped_budget: Optional[MappedBudget] = None) -> None:
+        super().__init__(tables, interval_s, "persia-ps-demoter")
         self._mapped_budget = mapped_budget
 
     def run_once(self) -> int:
@@ -59,21 +59,22 @@ class Demoter(TablePass):
         demoted, a slice at a time, then a few steps of mapping its most read segments and a step of compacting its
         sparsest one; returns the rows demoted."""
         demoted = 0
-        parts = list(self._tables())
+        tables = list(self._tables())
         if self._mapped_budget is not None:
-            self._mapped_budget.apply(parts)
-        for part in parts:
+            self._mapped_budget.apply([table.disk for table in tables])
+        for table in tables:
+            part = table.disk
             try:
                 for _ in range(_PROMOTIONS_A_PASS):
-                    if not part.promote_pending(SLICE_ROWS):
+                    if not table.promote_pending(SLICE_ROWS):
                         break
                     time.sleep(0)
-                target = demotion_target(part.config.capacity, part.memory.memory_rows)
+                target = demotion_target(table.config.capacity, table.memory_rows)
                 slices = 0
                 while target > 0 and not self.stopping:
                     if slices % _SLICES_AN_ESTIMATE == 0:  # the rows requests touched meanwhile left the cold ones
-                        estimated = part.cold_estimate(target)
-                    moved = part.demote(min(target, SLICE_ROWS), estimated)
+                        estimated = table.cold_estimate(target)
+                    moved = table.demote(min(target, SLICE_ROWS), estimated)
                     if not moved:
                         break
                     demoted, target, slices = demoted + moved, target - moved, slices + 1
@@ -86,5 +87,5 @@ class Demoter(TablePass):
                     part.compact()
             except Exception:  # noqa: BLE001 - a failed demotion (a full disk) is retried; requests demote what they must
                 self.errors += 1
-                _log.exception("the demoter's pass over table %r failed; retried in %.2f s", part.config.name, self._interval_s)
+                _log.exception("the demoter's pass over table %r failed; retried in %.2f s", table.config.name, self._interval_s)
         return demoted

@@ -2,21 +2,23 @@
 
 The table keeps its rows in memory and its lock, and hands the lock to its part. A table of ``storage="disk"`` has
 a :class:`DiskPart`, which owns the disk tier (``tier.py``) and the work that only such a table does: a lookup's
-misses read ahead without the lock and filled from disk, the rows read brought into memory or queued for the
-demoter (``promotions.py``), an update's absent rows promoted first, evicted rows written to disk (demoted), room
-made, and the demoter's steps (promotions, demotion, compaction, mapping). A memory table has :class:`NoDisk`,
-which answers each of these with "nothing on disk", so the table calls its part without asking which it has.
+misses read ahead without the lock and filled from disk, the rows read handed to the table to bring into memory
+(:class:`Promotion`) or queued for the demoter (``promotions.py``), an update's absent rows read, evicted rows written
+to disk (demoted: :meth:`DiskPart.keep_evicted`), and the demoter's steps (compaction, mapping). A memory table has
+:class:`NoDisk`, which answers each of these with "nothing on disk", so the table calls its part without asking
+which it has.
 
-A lookup hands its part (its parts: one per table of the request) the misses of its memory probe and the tables'
-locks in one call, :func:`look_up`, which reads what is on disk with the locks let go and fills the rows from it.
-The part asks its table's rows in memory through :class:`Memory` (``memory_rows.MemoryRows`` is one), never through
-the table's privates.
+The part never moves rows into or out of memory itself: it reads and writes the tier, and the table (which holds
+the lock and orchestrates its parts) makes room through its memory limit, places the rows and tells the part they
+moved (:meth:`DiskPart.promoted`). So a request goes down through the table to the part once. The part asks its
+table's rows in memory through :class:`Memory` (``memory_rows.MemoryRows`` is one), never through the table's
+privates.
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Iterable, Iterator, Optional, Protocol, Sequence
+from typing import Callable, ContextManager, Iterable, Iterator, Optional, Protocol
 
 import torch
 
@@ -29,12 +31,12 @@ from lightning_persia.remote_ps.store.disk.records import take_records
 from lightning_persia.remote_ps.store.disk.frozen_tier import FrozenTier
 from lightning_persia.remote_ps.store.disk.tier import DiskTier
 from lightning_persia.remote_ps.store.errors import InvalidRequestError, StoreError
-from lightning_persia.remote_ps.store.thread_clock import DiskOperation, DiskWork, HeldLocks
+from lightning_persia.remote_ps.store.thread_clock import DiskOperation, DiskWork
 from lightning_persia.remote_ps.table_config import TableConfig
 
 
 class Memory(Protocol):
-    """What a disk part asks of its table's memory (the table's lock held for each call but :meth:`cold_estimate`)."""
+    """What a disk part asks of its table's memory (the table's lock held for each call)."""
 
     config: TableConfig
     lock: object
@@ -48,17 +50,23 @@ class Memory(Protocol):
     @property
     def inserted(self) -> int: ...
 
-    def find_rows(self, ids: torch.Tensor) -> torch.Tensor: ...
-
     def find_again(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool) -> None: ...
 
-    def place(self, ids: torch.Tensor, values: dict[str, torch.Tensor], step: Optional[int],
-              keep: Optional[torch.Tensor]) -> torch.Tensor: ...
 
-    def evict_coldest(self, count: int, estimated: Optional[tuple[int, float]] = None,
-                      keep: Optional[torch.Tensor] = None) -> None: ...
+@dataclass(frozen=True)
+class Promotion:
+    """Rows read from disk that the table brings into memory: ``ids`` (unique), at
+    ``slots`` on disk, their ``values`` by field; ``step``: the lookup step that read them (LRU; None: the table's
+    step now); ``keep``: rows the operation under way goes on to write, which the room made for these must not
+    demote. A lookup's: ``where``, its positions of the rows, and ``inverse``, the id of each (None: no id repeated)."""
 
-    def cold_estimate(self, count: int) -> Optional[tuple[int, float]]: ...
+    ids: torch.Tensor
+    slots: torch.Tensor
+    values: dict[str, torch.Tensor]
+    step: Optional[int] = None
+    keep: Optional[torch.Tensor] = None
+    where: Optional[torch.Tensor] = None
+    inverse: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +83,9 @@ class NoDisk:
 
     record_bytes = 0
     map_bytes = 0
+    rows = 0
+    closed = False
+    promotes_later = False
 
     def __init__(self, memory: Memory) -> None:
         self.memory = memory
@@ -90,6 +101,9 @@ class NoDisk:
     def operation(self, kind: str) -> ContextManager[None]:
         return contextlib.nullcontext()
 
+    def timed(self) -> ContextManager[None]:
+        return contextlib.nullcontext()
+
     def gap(self, ids: torch.Tensor, rows: torch.Tensor, train: bool) -> Optional[Gap]:
         return None
 
@@ -101,11 +115,8 @@ class NoDisk:
             self.memory.find_again(ids, torch.nonzero(rows < 0).squeeze(1), rows, out, train)
 
     def fill(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, missing: int,
-             gap: Optional[Gap]) -> int:
-        return missing
-
-    def promote_absent(self, ids: torch.Tensor) -> None:
-        pass
+             gap: Optional[Gap]) -> tuple[int, Optional[Promotion]]:
+        return missing, None
 
     def remove(self, ids: torch.Tensor) -> None:
         pass
@@ -142,8 +153,8 @@ class DiskPart:
 
     ``memory``: the table's rows in memory, whose ``lock`` (the table's) this part holds for its work; ``mapped_bytes``: of its records, how many
     bytes the shard keeps mapped at most (``segment_mapping.py``); ``promote_later``: a training lookup leaves the
-    rows it read from disk to :meth:`promote_pending` (the shard's demoter calls it) instead of bringing them into
-    memory itself (``promotions.py``).
+    rows it read from disk to the shard's demoter (:meth:`take_pending`) instead of handing them to the table to bring
+    into memory (``promotions.py``).
     """
 
     def __init__(self, memory: Memory, directory: str, field_specs: dict[str, FieldSpec], mapped_bytes: int,
@@ -153,6 +164,8 @@ class DiskPart:
         self.lock = memory.lock
         self._tier = DiskTier(directory, field_specs, memory.lock, mapped_bytes)
         self.record_bytes = self._tier.record_bytes  # of a record on disk: a table's memory demotes where it is not 0
+        self.promotes_later = promote_later
+        """Whether a training lookup leaves the rows it read from disk to the demoter (:meth:`take_pending`)."""
         self._pending = PendingPromotions() if promote_later else None
         self._work = DiskWork()
         self._counters = dict(demoted=0, promoted=0)
@@ -160,6 +173,17 @@ class DiskPart:
     @property
     def map_bytes(self) -> int:
         return self._tier.map_bytes
+
+    @property
+    def rows(self) -> int:
+        """Rows on disk (live)."""
+        return self._tier.rows
+
+    @property
+    def closed(self) -> bool:
+        """Whether the tier was deleted (the table dropped)."""
+        return self._tier.closed
+
 
     def check_request(self, n: int) -> None:
         """A training request must fit in the table's memory budget: every row it touches comes into memory."""
@@ -171,6 +195,10 @@ class DiskPart:
         """One operation of the table's of ``kind`` (a request, a step of the demoter): the disk work within it is
         timed, and kept among the worst (:class:`DiskWork`)."""
         return self._work.operation(kind)
+
+    def timed(self) -> ContextManager[None]:
+        """Disk work of the operation under way, timed (:meth:`DiskWork.timed`): the table's promotions count so."""
+        return self._work.timed()
 
     def evict_count(self, needed: int) -> int:
         """Rows to demote when ``needed`` more must fit: the demoter keeps room ahead (``demoter.py``), so no more."""
@@ -193,7 +221,7 @@ class DiskPart:
 
     def _room_to_make(self, rows: torch.Tensor) -> int:
         """The rows a training lookup that found ``rows`` demotes between its two holds of the lock
-        (:meth:`demote`): of those it may bring into memory (one per id it missed), the ones beyond the free rows
+        (:meth:`~.table.Table.demote`): of those it may bring into memory (one per id it missed), the ones beyond the free rows
         now, where they are more than a slice; else 0 (up to a slice is demoted with the lock held)."""
         free = self.config.capacity - self.memory.memory_rows
         if free + SLICE_ROWS >= rows.numel():  # the usual case, the demoter's headroom free: no count
@@ -225,13 +253,14 @@ class DiskPart:
         self.memory.find_again(ids, positions, rows, out, train)
 
     def fill(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, missing: int,
-             gap: Optional[Gap]) -> int:
+             gap: Optional[Gap]) -> tuple[int, Optional[Promotion]]:
         """Fills the rows of ``out`` that the memory did not hold (``missing`` of them) from disk (the records read
-        ahead where still valid); a training lookup brings them into memory (their ``rows`` set), or queues them for
-        the demoter to (``promotions.py``). Rows read from disk and left there are -2. Returns the ids still missing
-        (-1). The lock held."""
+        ahead where still valid); a training lookup hands them to the table to bring into memory (the
+        :class:`Promotion` returned, whose ``where`` the table sets in ``rows``), or queues them for the demoter to
+        (``promotions.py``). Rows read from disk and left there are -2. Returns the ids still missing (-1 in ``rows``,
+        the promotion's aside) and the promotion, if any. The lock held."""
         if not self._tier.rows:
-            return missing
+            return missing, None
         ahead = gap.ahead if gap is not None else None
         with self._work.timed():
             if ahead is None:
@@ -245,21 +274,24 @@ class DiskPart:
             if ahead is not None:
                 hit &= rows[positions] < 0  # the second probe found the others in memory
             at = torch.nonzero(hit).squeeze(1)
+            promotion = None
             if at.numel():
                 read = take_records(records, at)
                 values = self._tier.unpack(read)
                 where = positions[at]
                 out[where] = values["weights"]
-                if not train:
+                if train:
+                    promotion = self._bring_in(wanted[at], slots[at], read, values, where, repeats=ahead is None or ahead.repeats)
+                if promotion is None:
                     rows[where] = -2
-                else:
-                    self._bring_in(wanted[at], slots[at], read, values, where, rows, repeats=ahead is None or ahead.repeats)
-            return int((rows[positions] == -1).sum())
+            left = int((rows[positions] == -1).sum())
+            return (left - promotion.where.numel() if promotion is not None else left), promotion
 
     def _bring_in(self, ids: torch.Tensor, slots: torch.Tensor, records: torch.Tensor, values: dict[str, torch.Tensor],
-                  where: torch.Tensor, rows: torch.Tensor, repeats: bool) -> None:
-        """Promotes the rows a training lookup read from disk (at ``where`` of its ``rows``), or queues them for the
-        demoter while its queue has room. An id the request ``repeats`` is promoted once. The lock held."""
+                  where: torch.Tensor, repeats: bool) -> Optional[Promotion]:
+        """The promotion of the rows a training lookup read from disk (at ``where`` of its rows), or None where they
+        were queued for the demoter (while its queue has room). An id the request ``repeats`` is promoted once. The
+        lock held."""
         first = inverse = None
         if repeats:
             ids, inverse = torch.unique(ids, return_inverse=True)
@@ -267,56 +299,44 @@ class DiskPart:
             slots, records = slots[first], take_records(records, first)
         if self._pending is not None and self._pending.has_room(ids.numel()):
             self._pending.add(PendingPromotion(ids, slots, records, self.memory.step, self._tier.generation))
-            rows[where] = -2
-            return
+            return None
         if first is not None:
             values = {name: v[first] for name, v in values.items()}
-        promoted = self._promote(ids, slots, values)
-        rows[where] = promoted if inverse is None else promoted[inverse]
+        return Promotion(ids, slots, values, where=where, inverse=inverse)
 
     # ---- rows between the tiers -------------------------------------------------------------------
 
-    def promote_pending(self, limit: int) -> int:
-        """Promotes the oldest batch of rows that training lookups read from disk and left to the demoter (at most
-        ``limit`` rows of it; see ``promotions.py``), those still on disk at the slot they were read from; returns
-        how many were taken from the queue. The demoter calls it between requests, the lock held for one call."""
-        if self._pending is None:
-            return 0
-        with self.lock, self._work.operation("promotion"), self._work.timed():
-            batch = self._pending.take(limit)
-            if batch is None:
-                return 0
-            if self._tier.closed or batch.generation != self._tier.generation:  # dropped: the rows stay where they are
-                return batch.ids.numel()
-            still = self._tier.still_holds(batch.ids, batch.slots, batch.records)  # so not in memory either (promotions.py)
-            at = torch.nonzero(still).squeeze(1)
-            if at.numel():
-                self._promote(batch.ids[at], batch.slots[at], self._tier.unpack(take_records(batch.records, at)), batch.step)
-            return batch.ids.numel()
+    def take_pending(self, limit: int) -> tuple[int, Optional[Promotion]]:
+        """The oldest batch of rows that training lookups read from disk and left to the demoter (at most ``limit``
+        rows of it; see ``promotions.py``): how many were taken from the queue, and the promotion of those still on
+        disk at the slot they were read from (None: none). The demoter's :meth:`~.table.Table.promote_pending` calls
+        it, the lock held."""
+        batch = self._pending.take(limit) if self._pending is not None else None
+        if batch is None:
+            return 0, None
+        if self._tier.closed or batch.generation != self._tier.generation:  # dropped: the rows stay where they are
+            return batch.ids.numel(), None
+        still = self._tier.still_holds(batch.ids, batch.slots, batch.records)  # so not in memory either (promotions.py)
+        at = torch.nonzero(still).squeeze(1)
+        if not at.numel():
+            return batch.ids.numel(), None
+        return batch.ids.numel(), Promotion(batch.ids[at], batch.slots[at], self._tier.unpack(take_records(batch.records, at)),
+                                            batch.step)
 
-    def promote_absent(self, ids: torch.Tensor) -> None:
-        """Brings the rows of ``ids`` (unique) that are on disk into memory (an update applies to them). The lock held."""
-        if not self._tier.rows:
-            return
-        found = self.memory.find_rows(ids)
-        absent = torch.unique(ids[found < 0])
-        if not absent.numel():
-            return
-        with self._work.operation("update"), self._work.timed():
-            slots, records = self._tier.find(absent)
-            hit = slots >= 0
-            if bool(hit.any()):
-                self._promote(absent[hit], slots[hit], self._tier.unpack(take_records(records, hit)), keep=found[found >= 0])
+    def read(self, ids: torch.Tensor, keep: torch.Tensor) -> Optional[Promotion]:
+        """The promotion of the rows of ``ids`` (unique, absent from memory) found on disk (an update applies to
+        them), or None; ``keep``: the rows in memory the update goes on to write. The lock held, within the table's
+        :meth:`operation` and :meth:`timed`."""
+        slots, records = self._tier.find(ids)
+        hit = slots >= 0
+        if not bool(hit.any()):
+            return None
+        return Promotion(ids[hit], slots[hit], self._tier.unpack(take_records(records, hit)), keep=keep)
 
-    def _promote(self, ids: torch.Tensor, slots: torch.Tensor, values: dict[str, torch.Tensor], step: Optional[int] = None,
-                 keep: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Moves rows read from disk (``ids`` unique, at ``slots``) into memory; returns their rows. ``step``: the
-        lookup step that read them (LRU; the table's step now by default); ``keep``: rows the operation under way
-        goes on to write, which the room made for these must not demote. The lock held."""
-        rows = self.memory.place(ids, values, step, keep)  # may demote colder rows: written to disk first
-        self._tier.forget(ids, slots)
-        self._counters["promoted"] += ids.numel()
-        return rows
+    def promoted(self, promotion: Promotion) -> None:
+        """The rows of ``promotion`` are in memory now: their records on disk become garbage. The lock held."""
+        self._tier.forget(promotion.ids, promotion.slots)
+        self._counters["promoted"] += promotion.ids.numel()
 
     def keep_evicted(self, ids: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
         """Writes the rows of ``ids`` being evicted to disk (demoted), ``values`` their fields of a record but the id,
@@ -328,36 +348,6 @@ class DiskPart:
         with self._work.timed(demoting=True):
             self._tier.write({"ids": ids, **values})
         self._counters["demoted"] += ids.numel()
-
-    def demote(self, count: int, estimated: Optional[tuple[int, float]] = None, of: str = "demotion") -> int:
-        """Moves ``count`` of the coldest rows of the table's memory to disk; returns how many moved (0: closed).
-        Selects them by ``estimated`` (:meth:`cold_estimate`; made now if None). The shard's demoter calls it between
-        requests, a slice at a time; a lookup whose rows the demoter left no room for, between its two holds of the
-        lock. Its disk work counts as an operation ``of`` that kind (:class:`DiskWork`).
-
-        :data:`SLICE_ROWS` at a time, the lock taken for each slice and let go between: one request demoting all it
-        needs with the lock held kept every other request of the table waiting for all of it (a lookup that
-        inserted 131,072 ids held a billion-row table's lock for 0.378 s of demoting so)."""
-        if count <= 0:
-            return 0
-        if estimated is None:
-            estimated = self.memory.cold_estimate(count)
-        moved = 0
-        while moved < count:
-            with self.lock, self._work.operation(of):
-                if self._tier.closed:
-                    return moved
-                before = self._counters["demoted"]
-                self.memory.evict_coldest(min(count - moved, SLICE_ROWS, self.memory.memory_rows), estimated)
-                step = self._counters["demoted"] - before
-            if not step:
-                return moved
-            moved += step
-        return moved
-
-    def cold_estimate(self, count: int) -> Optional[tuple[int, float]]:
-        """The access value at or below which the ``count`` coldest rows in memory lie (the table's estimate)."""
-        return self.memory.cold_estimate(count)
 
     def spill(self, block: dict[str, torch.Tensor], room: int) -> dict[str, torch.Tensor]:
         """The rows of a loaded block that fit in ``room`` rows of memory; the others are written to disk."""
@@ -441,66 +431,3 @@ class DiskPart:
 
 
 Part = NoDisk | DiskPart
-_NONE_OPEN = contextlib.nullcontext()  # a lookup's disk operations where none was opened (reusable)
-
-
-def look_up(parts: Sequence[Part], ids: Sequence[torch.Tensor], rows: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
-            train: bool, locks: HeldLocks) -> tuple[list[Optional[int]], ContextManager]:
-    """The rest of a lookup of one or more tables once their memory was probed, every table's lock held (``locks``):
-    for each table, its part, the ``ids`` it was asked, the ``rows`` its memory probe found (-1 where it missed) and
-    its ``outs``. The records of the misses that are on disk are read with the locks let go, and the room a training
-    lookup needs is made meanwhile (:meth:`DiskPart.demote`); the locks taken again, each table probes its memory
-    again where it changed meanwhile (:meth:`DiskPart.rejoin`), then fills its misses from disk (a training lookup
-    brings those rows into memory: :meth:`DiskPart.fill`).
-
-    Returns, for each table, the ids still missing (-1 in its ``rows``; None: its memory held every id), and the
-    parts' disk operations of the lookup, still open: the caller admits the missing ids within them (what that
-    demotes is the lookup's disk work), then closes them."""
-    gaps: list[Optional[Gap]] = []
-    try:
-        for part, wanted, found in zip(parts, ids, rows):
-            gaps.append(part.gap(wanted, found, train))
-    except BaseException:  # the reads the others began end before the error goes on up
-        _end_reads(parts, gaps)
-        raise
-    if any(gaps):
-        inserted = []  # each memory's count of ids taken in, before the locks are let go
-        for part in parts:
-            inserted.append(part.memory.inserted)
-        try:
-            with locks.let_go():
-                for gap in gaps:
-                    if gap is not None and gap.ahead is not None:
-                        gap.ahead.read()
-                for part, gap in zip(parts, gaps):
-                    if gap is not None:
-                        part.demote(gap.shortfall, of="a lookup's demotion, a slice")
-        finally:  # the locks taken again: every read ends, also when one failed, before any table's rejoin may fail
-            _end_reads(parts, gaps)
-        for part, wanted, found, out, gap, before in zip(parts, ids, rows, outs, gaps, inserted):
-            part.rejoin(wanted, found, out, train, gap, before)  # every table's, before any changes a row
-    operations = None  # made for the first miss: a lookup its memory answered whole opens none
-    left: list[Optional[int]] = []
-    try:
-        for part, wanted, found, out, gap in zip(parts, ids, rows, outs, gaps):
-            missing = int((found < 0).sum())
-            if not missing:
-                left.append(None)
-                continue
-            if operations is None:
-                operations = contextlib.ExitStack()
-            operations.enter_context(part.operation("lookup"))
-            left.append(part.fill(wanted, found, out, train, missing, gap))
-    except BaseException:
-        if operations is not None:
-            operations.close()
-        raise
-    return left, operations if operations is not None else _NONE_OPEN
-
-
-def _end_reads(parts: Sequence[Part], gaps: Sequence[Optional[Gap]]) -> None:
-    """Ends the reads ahead of ``gaps`` (their tables' locks held)."""
-    for part, gap in zip(parts, gaps):
-        if gap is not None:
-            part.end_read(gap)
-

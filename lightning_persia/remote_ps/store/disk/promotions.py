@@ -5,9 +5,9 @@ A training lookup that misses memory reads the row's record from disk and answer
 memory as well (a free row taken, the id indexed, its disk entry removed) cost the request about a quarter of its
 CPU in process, and nothing of the answer needs it.
 Where the shard runs a demoter, the lookup instead queues what it read (:class:`PendingPromotion`), and the demoter
-promotes it between requests. An update of such a row before then promotes it itself (``DiskPart.promote_absent``);
-a lookup of it before then reads its record again. The queue is bounded (:data:`PENDING_ROWS`): past it, a lookup
-promotes what it read itself, as a table without a demoter always does.
+promotes it between requests. An update of such a row before then promotes it itself (the table promotes an
+update's absent rows first); a lookup of it before then reads its record again. The queue is bounded
+(:data:`PENDING_ROWS`): past it, a lookup promotes what it read itself, as a table without a demoter always does.
 
 A queued record is promoted only if it is still the row's: the slot it was read from is still live
 (:meth:`DiskTier.still_holds`: an id is on disk at most once, so a live slot that held its record still does),

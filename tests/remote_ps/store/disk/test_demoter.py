@@ -37,7 +37,7 @@ def test_a_pass_leaves_headroom_and_requests_then_demote_nothing(tmp_path):
     ids = torch.arange(CAPACITY)
     before = table.lookup(ids, train=True)
     assert table.stats()["demoted"] == 0  # a full budget is no excess yet: the request demoted nothing
-    assert Demoter(lambda: [table.disk]).run_once() == HEADROOM
+    assert Demoter(lambda: [table]).run_once() == HEADROOM
     stats = table.stats()
     assert stats["rows"] == CAPACITY - HEADROOM and stats["disk_rows"] == HEADROOM and stats["demoted"] == HEADROOM
     table.lookup(torch.arange(CAPACITY, CAPACITY + HEADROOM), train=True)  # fits in the headroom
@@ -61,7 +61,7 @@ def test_a_failed_demotion_is_counted_and_the_table_serves_on(tmp_path, monkeypa
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr("lightning_persia.remote_ps.store.disk.tier.write_all", full)
-    demoter = Demoter(lambda: [table.disk])
+    demoter = Demoter(lambda: [table])
     assert demoter.run_once() == 0 and demoter.errors == 1
     assert table.stats()["rows"] == CAPACITY and table.stats()["disk_rows"] == 0  # nothing moved, nothing lost
     assert table.lookup(torch.arange(10), train=False).abs().sum() > 0
@@ -71,13 +71,13 @@ def test_a_closed_table_is_left_alone(tmp_path):
     table = _table(tmp_path)
     table.lookup(torch.arange(CAPACITY), train=True)
     table.close()
-    assert table.disk.demote(100) == 0
+    assert table.demote(100) == 0
 
 
 def test_the_thread_demotes_on_its_own(tmp_path):
     table = _table(tmp_path)
     table.lookup(torch.arange(CAPACITY), train=True)
-    demoter = Demoter(lambda: [table.disk], interval_s=0.001)
+    demoter = Demoter(lambda: [table], interval_s=0.001)
     demoter.start()
     try:
         for _ in range(2000):
@@ -113,7 +113,7 @@ def test_a_demotion_samples_the_access_values_without_the_lock(tmp_path, monkeyp
         return real(*args)
 
     monkeypatch.setattr(eviction, "estimate", estimate)
-    assert table.disk.demote(1000) == 1000
+    assert table.demote(1000) == 1000
     assert locked == [False] and table.stats()["disk_rows"] == 1000
 
 
@@ -123,7 +123,7 @@ def test_a_pass_demotes_in_short_slices_each_few_by_one_estimate(tmp_path, monke
     table = _table(tmp_path)
     table.lookup(torch.arange(CAPACITY), train=True)
     estimates, slices = [], []
-    real_estimate, real_demote = table.disk.cold_estimate, table.disk.demote
+    real_estimate, real_demote = table.cold_estimate, table.demote
 
     def cold_estimate(count):
         estimates.append(count)
@@ -133,9 +133,9 @@ def test_a_pass_demotes_in_short_slices_each_few_by_one_estimate(tmp_path, monke
         slices.append((count, estimated))
         return real_demote(count, estimated)
 
-    monkeypatch.setattr(table.disk, "cold_estimate", cold_estimate)
-    monkeypatch.setattr(table.disk, "demote", demote)
-    assert HEADROOM == 100 and Demoter(lambda: [table.disk]).run_once() == HEADROOM
+    monkeypatch.setattr(table, "cold_estimate", cold_estimate)
+    monkeypatch.setattr(table, "demote", demote)
+    assert HEADROOM == 100 and Demoter(lambda: [table]).run_once() == HEADROOM
     assert estimates == [100, 68, 36, 4]  # the rows left of the pass's target, every 8 slices
     assert [count for count, _ in slices] == [4] * 25
     assert all(estimated is not None for _, estimated in slices)
@@ -146,7 +146,7 @@ def test_a_pass_demotes_in_short_slices_each_few_by_one_estimate(tmp_path, monke
 def _lock_free_demotions(table, monkeypatch):
     """Records each slice a request's demotion evicts with the table's lock taken: its count, whether the lock was
     held when the demotion began (False: the request let it go), and the kind of operation."""
-    real_demote, real_evict, calls, open_demotion = table.disk.demote, table.evict_coldest, [], []
+    real_demote, real_evict, calls, open_demotion = table.demote, table.evict_coldest, [], []
 
     def demote(count, estimated=None, of="demotion"):
         open_demotion.append((table.lock.locked(), of))
@@ -160,13 +160,14 @@ def _lock_free_demotions(table, monkeypatch):
             calls.append((count, *open_demotion[-1]))
         return real_evict(count, estimated, keep)
 
-    monkeypatch.setattr(table.disk, "demote", demote)
+    monkeypatch.setattr(table, "demote", demote)
     monkeypatch.setattr(table, "evict_coldest", evict_coldest)
     return calls
 
 
 def test_a_request_short_of_more_than_a_slice_demotes_a_slice_at_a_time_between_its_locks(tmp_path, monkeypatch):
-    monkeypatch.setattr("lightning_persia.remote_ps.store.disk.part.SLICE_ROWS", 100)
+    monkeypatch.setattr("lightning_persia.remote_ps.store.disk.part.SLICE_ROWS", 100)  # a lookup demotes between its locks past it
+    monkeypatch.setattr("lightning_persia.remote_ps.store.table.DEMOTION_SLICE_ROWS", 100)  # a slice at a time
     table = _table(tmp_path)
     old = torch.arange(CAPACITY)
     before = table.lookup(old, train=True)
@@ -183,7 +184,8 @@ def test_a_request_short_of_more_than_a_slice_demotes_a_slice_at_a_time_between_
 
 
 def test_a_request_short_of_a_slice_or_less_demotes_under_its_lock(tmp_path, monkeypatch):
-    monkeypatch.setattr("lightning_persia.remote_ps.store.disk.part.SLICE_ROWS", 100)
+    monkeypatch.setattr("lightning_persia.remote_ps.store.disk.part.SLICE_ROWS", 100)  # a lookup demotes between its locks past it
+    monkeypatch.setattr("lightning_persia.remote_ps.store.table.DEMOTION_SLICE_ROWS", 100)  # a slice at a time
     table = _table(tmp_path)
     table.lookup(torch.arange(CAPACITY), train=True)
     calls = _lock_free_demotions(table, monkeypatch)
@@ -192,11 +194,12 @@ def test_a_request_short_of_a_slice_or_less_demotes_under_its_lock(tmp_path, mon
 
 
 def test_ids_another_request_brings_in_while_room_is_made_are_not_admitted_twice(tmp_path, monkeypatch):
-    monkeypatch.setattr("lightning_persia.remote_ps.store.disk.part.SLICE_ROWS", 100)
+    monkeypatch.setattr("lightning_persia.remote_ps.store.disk.part.SLICE_ROWS", 100)  # a lookup demotes between its locks past it
+    monkeypatch.setattr("lightning_persia.remote_ps.store.table.DEMOTION_SLICE_ROWS", 100)  # a slice at a time
     table = _table(tmp_path)
     table.lookup(torch.arange(CAPACITY), train=True)
     fresh = torch.arange(CAPACITY, CAPACITY + 300)
-    real_demote, others = table.disk.demote, []
+    real_demote, others = table.demote, []
 
     def demote(count, estimated=None, of="demotion"):
         if not others:  # another request, between the first request's two holds of the lock: admits and trains 10
@@ -204,7 +207,7 @@ def test_ids_another_request_brings_in_while_room_is_made_are_not_admitted_twice
             table.update(fresh[:10], torch.ones(10, DIM))
         return real_demote(count, estimated, of)
 
-    monkeypatch.setattr(table.disk, "demote", demote)
+    monkeypatch.setattr(table, "demote", demote)
     got = table.lookup(fresh, train=True)
     assert table.stats()["inserted"] == CAPACITY + 300  # each of the 300 admitted once
     trained = table.lookup(fresh[:10], train=False)
@@ -212,7 +215,8 @@ def test_ids_another_request_brings_in_while_room_is_made_are_not_admitted_twice
 
 
 def test_requests_of_several_tables_make_room_between_their_locks_too(tmp_path, monkeypatch):
-    monkeypatch.setattr("lightning_persia.remote_ps.store.disk.part.SLICE_ROWS", 100)
+    monkeypatch.setattr("lightning_persia.remote_ps.store.disk.part.SLICE_ROWS", 100)  # a lookup demotes between its locks past it
+    monkeypatch.setattr("lightning_persia.remote_ps.store.table.DEMOTION_SLICE_ROWS", 100)  # a slice at a time
     tables = [_table(tmp_path / "a"), _table(tmp_path / "b")]
     config = TableConfig("m", DIM, capacity=CAPACITY)  # a table in memory in the same request evicts, as before
     tables.append(Table(config, seed=0))
@@ -228,11 +232,12 @@ def test_requests_of_several_tables_make_room_between_their_locks_too(tmp_path, 
 
 
 def test_a_full_disk_while_a_request_makes_room_fails_it_clearly_and_loses_nothing(tmp_path, monkeypatch):
-    monkeypatch.setattr("lightning_persia.remote_ps.store.disk.part.SLICE_ROWS", 100)
+    monkeypatch.setattr("lightning_persia.remote_ps.store.disk.part.SLICE_ROWS", 100)  # a lookup demotes between its locks past it
+    monkeypatch.setattr("lightning_persia.remote_ps.store.table.DEMOTION_SLICE_ROWS", 100)  # a slice at a time
     table = _table(tmp_path)
     old = torch.arange(CAPACITY)
     before = table.lookup(old, train=True)
-    Demoter(lambda: [table.disk]).run_once()  # HEADROOM rows on disk: the next request reads some back ahead
+    Demoter(lambda: [table]).run_once()  # HEADROOM rows on disk: the next request reads some back ahead
     wanted = torch.cat([old[:50], torch.arange(CAPACITY, CAPACITY + 400)])  # 450 missed, 100 rows free
     real_write = disk_tier.write_all
 

@@ -63,7 +63,7 @@ def test_the_demoter_maps_a_table_s_segments_up_to_what_the_limit_leaves_and_giv
     table.lookup(torch.arange(4 * 1024), train=False)  # every segment read
     limit = 1 << 30
     others = [0]  # the shard's memory other than its mapped records
-    demoter = Demoter(lambda: [table.disk], mapped_budget=MappedBudget(limit, resident=lambda: others[0] + table.disk.mapped_bytes))
+    demoter = Demoter(lambda: [table], mapped_budget=MappedBudget(limit, resident=lambda: others[0] + table.disk.mapped_bytes))
     for _ in range(8):
         demoter.run_once()
     demoted = table.stats()["demoted"]

@@ -54,7 +54,7 @@ def test_a_training_lookup_answers_from_disk_and_the_demoter_brings_the_rows_in(
     assert torch.equal(table.lookup(COLD, train=True), expected)
     stats = table.stats()
     assert stats["pending_promotions"] == 50 and stats["disk_rows"] == 200 and stats["promoted"] == 0
-    assert table.disk.promote_pending(SLICE) == 50 and table.disk.promote_pending(SLICE) == 0  # taken from the queue
+    assert table.promote_pending(SLICE) == 50 and table.promote_pending(SLICE) == 0  # taken from the queue
     stats = table.stats()
     assert stats["pending_promotions"] == 0 and stats["promoted"] == 50 and stats["demoted"] == 250  # 50 made room
     assert stats["rows"] == 100 and stats["disk_rows"] == 200 and stats["inserted"] == 300  # moved, none admitted anew
@@ -74,7 +74,7 @@ def test_new_ids_admitted_beside_queued_rows_leave_the_queued_rows_theirs(tmp_pa
     stats = table.stats()
     assert stats["pending_promotions"] == 20 and stats["inserted"] == 330
     assert stats["rows"] + stats["disk_rows"] == 330  # each id once
-    table.disk.promote_pending(SLICE)
+    table.promote_pending(SLICE)
     assert table.stats()["rows"] + table.stats()["disk_rows"] == 330
     assert torch.equal(table.lookup(torch.cat([COLD[:20], new]), train=False), expected)
 
@@ -83,10 +83,10 @@ def test_rows_promoted_later_end_as_rows_promoted_at_once(tmp_path, disk_tier_ke
     later, now = _grown(tmp_path / "later"), _grown(tmp_path / "now", promote_later=False)
     for table in (later, now):
         table.lookup(COLD, train=True)
-        table.disk.promote_pending(SLICE)
+        table.promote_pending(SLICE)
         table.update(COLD, torch.full((50, DIM), 0.5))
         table.lookup(torch.arange(300, 400), train=True)  # demotes the coldest: the same rows in both
-        table.disk.promote_pending(SLICE)
+        table.promote_pending(SLICE)
     for ids in (torch.arange(400), COLD):
         assert torch.equal(later.lookup(ids, train=False), now.lookup(ids, train=False))
     assert later.stats()["disk_rows"] == now.stats()["disk_rows"]
@@ -97,7 +97,7 @@ def test_an_update_before_the_promotion_promotes_the_rows_itself_and_is_applied_
     for table in (later, now):
         table.lookup(COLD, train=True)
         table.update(COLD, torch.ones(50, DIM))
-    assert later.disk.promote_pending(SLICE) == 50 and later.stats()["promoted"] == 50  # the update brought them in
+    assert later.promote_pending(SLICE) == 50 and later.stats()["promoted"] == 50  # the update brought them in
     assert torch.equal(later.lookup(COLD, train=False), now.lookup(COLD, train=False))
     assert later.stats()["promoted"] == now.stats()["promoted"] == 50
 
@@ -108,7 +108,7 @@ def test_a_row_that_moved_since_it_was_read_is_not_promoted_from_the_old_record(
     table.update(COLD, torch.ones(50, DIM))  # promoted by the update and changed...
     table.lookup(torch.arange(200, 300), train=True)  # ...and demoted again, to new slots
     promoted = table.stats()["promoted"]
-    assert table.disk.promote_pending(SLICE) == 50 and table.stats()["promoted"] == promoted  # none from the old records
+    assert table.promote_pending(SLICE) == 50 and table.stats()["promoted"] == promoted  # none from the old records
     updated = table.lookup(COLD, train=False)
     stats = table.stats()
     assert stats["rows"] + stats["disk_rows"] == 300
@@ -120,7 +120,7 @@ def test_a_row_removed_from_disk_since_it_was_read_is_not_brought_back(tmp_path,
     table.lookup(COLD, train=True)
     with table.lock:
         table.remove_ids_locked(COLD[:10])  # a delta drops them
-    assert table.disk.promote_pending(SLICE) == 50 and table.stats()["promoted"] == 40
+    assert table.promote_pending(SLICE) == 50 and table.stats()["promoted"] == 40
     stats = table.stats()
     assert stats["rows"] + stats["disk_rows"] == 290
 
@@ -130,7 +130,7 @@ def test_a_batch_read_before_a_segment_number_was_written_anew_is_dropped(tmp_pa
     expected = table.lookup(COLD, train=False)
     table.lookup(COLD, train=True)
     monkeypatch.setattr(DiskTier, "generation", property(lambda tier: 1))  # compaction deleted a segment, reopened
-    assert table.disk.promote_pending(SLICE) == 50 and table.stats()["pending_promotions"] == 0
+    assert table.promote_pending(SLICE) == 50 and table.stats()["pending_promotions"] == 0
     assert table.stats()["promoted"] == 0
     assert table.stats()["disk_rows"] == 200
     assert torch.equal(table.lookup(COLD, train=True), expected)  # read again, and queued again
@@ -149,7 +149,7 @@ def test_an_id_a_request_repeats_is_queued_once_and_a_full_queue_promotes_at_onc
 def test_a_batch_larger_than_a_slice_is_promoted_a_slice_at_a_time(tmp_path, disk_tier_kernels):
     table = _grown(tmp_path)
     table.lookup(COLD, train=True)
-    assert [table.disk.promote_pending(20), table.disk.promote_pending(20), table.disk.promote_pending(20), table.disk.promote_pending(20)] == [20, 20, 10, 0]
+    assert [table.promote_pending(20), table.promote_pending(20), table.promote_pending(20), table.promote_pending(20)] == [20, 20, 10, 0]
     assert table.stats()["promoted"] == 50 and table.stats()["pending_promotions"] == 0
 
 
@@ -157,7 +157,7 @@ def test_a_dropped_table_forgets_its_queue(tmp_path, disk_tier_kernels):
     table = _grown(tmp_path)
     table.lookup(COLD, train=True)
     table.close()
-    assert table.stats()["pending_promotions"] == 0 and table.disk.promote_pending(SLICE) == 0
+    assert table.stats()["pending_promotions"] == 0 and table.promote_pending(SLICE) == 0
 
 
 def test_a_shard_with_a_demoter_leaves_promotions_to_it_and_one_without_promotes_at_once(tmp_path, disk_tier_kernels):

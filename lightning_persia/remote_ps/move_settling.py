@@ -23,8 +23,8 @@ from typing import Callable, Optional, Sequence
 import grpc
 
 from lightning_persia.remote_ps import handover_wire
-from lightning_persia.remote_ps.protocol import bearer_metadata, persia_pb2, persia_pb2_grpc
-from lightning_persia.remote_ps.security import TLSFiles
+from lightning_persia.remote_ps.peers import Peers
+from lightning_persia.remote_ps.protocol import persia_pb2
 from lightning_persia.remote_ps.store import ShardStore
 from lightning_persia.remote_ps.store.slot_moves import OutgoingSlots
 
@@ -40,14 +40,13 @@ class MoveSettlingError(RuntimeError):
 
 class MoveSettler:
     """Settles the handover under way on ``store`` without its coordinator: on :meth:`settle`, and on its own once
-    the handover has been fenced for ``deadline_s`` with no coordinator step (:meth:`heard_coordinator`)."""
+    the handover has been fenced for ``deadline_s`` with no coordinator step (:meth:`heard_coordinator`); ``peers``:
+    the channels to the move's other shards."""
 
-    def __init__(self, store: ShardStore, deadline_s: float, *, token: Optional[str] = None,
-                 tls: Optional[TLSFiles] = None) -> None:
+    def __init__(self, store: ShardStore, deadline_s: float, peers: Peers) -> None:
         self._store = store
         self._deadline_s = deadline_s
-        self._metadata = bearer_metadata(token)
-        self._tls = tls
+        self._peers = peers
         self._lock = threading.Lock()  # one settling at a time
         # None: no coordinator step since this process started, so a fence replayed from the log is settled at once
         self._last_step: Optional[float] = None
@@ -148,17 +147,4 @@ class MoveSettler:
         self._call(address, "TakeOver", request)
 
     def _call(self, address: str, method: str, request):
-        with self._channel(address) as channel:
-            stub = persia_pb2_grpc.ParameterServerStub(channel)
-            return getattr(stub, method)(request, timeout=PEER_TIMEOUT_S, metadata=self._metadata)
-
-    def _channel(self, address: str) -> grpc.Channel:
-        if self._tls is None:
-            return grpc.insecure_channel(address)
-        # a cluster whose shards check client certificates shares their CA: this shard's own identity passes
-        def read(path: str) -> bytes:
-            with open(path, "rb") as f:
-                return f.read()
-        return grpc.secure_channel(address, grpc.ssl_channel_credentials(
-            root_certificates=read(self._tls.client_ca) if self._tls.client_ca else None,
-            private_key=read(self._tls.key), certificate_chain=read(self._tls.cert)))
+        return self._peers.call(address, method, request, PEER_TIMEOUT_S)

@@ -30,7 +30,7 @@ from lightning_persia.remote_ps.faults import DelayInterceptor
 from lightning_persia.remote_ps.process import exit_with_parent, prepare_shard_process, trim_memory_every
 from lightning_persia.remote_ps.protocol import LISTENING_PREFIX, METRICS_PREFIX, SERVICE_NAME
 from lightning_persia.remote_ps.security import TLSFiles, TokenInterceptor, check_bind_security, is_loopback_host
-from lightning_persia.remote_ps.move_settling import MoveSettler
+from lightning_persia.remote_ps.peers import Peers
 from lightning_persia.remote_ps.servicer import PSServicer
 from lightning_persia.remote_ps.store import ShardStore
 from lightning_persia.remote_ps.store.wal import ReplayReport, open_shard_log
@@ -60,8 +60,8 @@ class ShardServer:
 
     def __init__(self, store: ShardStore, config: PSConfig, endpoint: Endpoint = Endpoint(), *, model_version: int = 0) -> None:
         check_bind_security(endpoint.host, token=endpoint.token, tls=endpoint.tls is not None, insecure=endpoint.insecure)
-        self.servicer = PSServicer(store, config, model_version, settler=MoveSettler(
-            store, config.handover_deadline_s, token=endpoint.token, tls=endpoint.tls))
+        self.servicer = PSServicer(store, config, model_version, peers=Peers(
+            endpoint.token, endpoint.tls, max_message_bytes=config.max_message_mb << 20))
         self.health = health.HealthServicer()
         self._host = endpoint.host
         self._metrics_port = config.metrics_port

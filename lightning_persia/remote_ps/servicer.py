@@ -25,8 +25,10 @@ from lightning_persia.ops.shard_map import ShardMap
 from lightning_persia.remote_ps import handover_wire, messages, remote_folder
 from lightning_persia.remote_ps.config import PSConfig
 from lightning_persia.remote_ps.exactly_once import UpdateDeduplicator
+from lightning_persia.remote_ps.handover_delivery import PageDelivery
 from lightning_persia.remote_ps.messages import RpcRefusal, invalid, read_only
 from lightning_persia.remote_ps.move_settling import MoveSettler, MoveSettlingError
+from lightning_persia.remote_ps.peers import Peers
 from lightning_persia.remote_ps.protocol import (
     FENCED_METHODS, INCARNATION_METADATA_KEY, MAP_VERSION_METADATA_KEY, SERVICE, SERVICE_NAME, persia_pb2, persia_pb2_grpc,
 )
@@ -43,8 +45,8 @@ HANDOVER_WAIT_S = 10.0
 step's worth) before the client hears "moving" and retries."""
 
 HANDOVER_PAGE_BYTES = 16 << 20
-"""Rows a handover page holds, at most: the coordinator (often a trainer's process) decodes and sends each page again
-while its own work waits for the interpreter, so pages stay small enough not to stall it for long."""
+"""Rows a handover page holds, at most: a taker decodes and writes a page while the source's step waits for it, and
+both serve their trainers meanwhile, so pages stay small enough not to hold either's interpreter for long."""
 
 T = TypeVar("T")
 
@@ -92,11 +94,12 @@ def _writes(method: Callable) -> Callable:
 class PSServicer(persia_pb2_grpc.ParameterServerServicer):
     """The ``persia.ParameterServer`` service of one shard."""
 
-    def __init__(self, store: ShardStore, config: PSConfig, model_version: int = 0, *,
-                 settler: Optional[MoveSettler] = None) -> None:
+    def __init__(self, store: ShardStore, config: PSConfig, model_version: int = 0, *, peers: Optional[Peers] = None) -> None:
         self.store = store
-        # ends a move whose coordinator is gone (the shard server starts its watch, with the shard's token and TLS)
-        self.settler = settler if settler is not None else MoveSettler(store, config.handover_deadline_s)
+        # the other shards, reached with the shard's token and TLS: a move's takers, and whom a move's settling asks
+        self._peers = peers if peers is not None else Peers(max_message_bytes=config.max_message_mb << 20)
+        # ends a move whose coordinator is gone (the shard server starts its watch)
+        self.settler = MoveSettler(store, config.handover_deadline_s, self._peers)
         self.config = config
         self.served = ServedVersion(store, model_version)
         self.watching_deltas: Optional[str] = None  # the folder of deltas this shard applies on its own, if any
@@ -116,6 +119,8 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         self.restored_from: Optional[str] = None
         self._handover_rows: Optional[Iterator] = None  # the rows of the handover under way still to give
         self._handover_sightings: Optional[Iterator] = None  # its sightings still to give, once fenced
+        self._delivery: Optional[PageDelivery] = None  # sends the handover's pages to its takers
+        self._delivery_lock = threading.Lock()  # one page at a time (a step's retry waits for the call it retries)
 
     def add_to_server(self, server: grpc.Server) -> None:
         """Registers every RPC of the service, like the generated ``add_ParameterServerServicer_to_server``,
@@ -275,26 +280,29 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
                 version = self.settler.settle()
             except MoveSettlingError as err:
                 raise RpcRefusal(grpc.StatusCode.UNAVAILABLE, str(err)) from None
-            self._handover_rows = None if self.store.handover is None else self._handover_rows
+            if self.store.handover is None:
+                self._end_delivery()
             return persia_pb2.HandoverPage(map_version=version)
         if step == persia_pb2.HandoverStep.ABORT:
-            self._handover_rows = None
+            self._end_delivery()
             to_map = self._map_of(request.map) if request.HasField("map") else None
             return persia_pb2.HandoverPage(map_version=self.store.abort_handover(to_map))
         self.settler.heard_coordinator()
         if step == persia_pb2.HandoverStep.BEGIN:
             shard_map, addresses = self._map_and_addresses(request.map)
-            self._handover_rows = self.store.begin_handover(shard_map, addresses)
-            self._handover_sightings = None
+            with self._delivery_lock:
+                delivery = PageDelivery(self._peers, shard_map, addresses,
+                                        sorted({now for _, now in self.store.shard_map.moves(shard_map).values()}))
+                try:
+                    rows = self.store.begin_handover(shard_map, addresses)
+                except BaseException:
+                    delivery.close()
+                    raise
+                self._end_delivery_locked()
+                self._handover_rows, self._handover_sightings, self._delivery = rows, None, delivery
             return persia_pb2.HandoverPage()
-        if step == persia_pb2.HandoverStep.ROWS:
-            return self._next_rows()
-        if step == persia_pb2.HandoverStep.CHANGES:
-            page = messages.handover_page(*self.store.handover_changes())
-            page.applied_json, page.source = json.dumps(self.dedup.applied()), self.store.shard_index
-            return page
-        if step == persia_pb2.HandoverStep.SIGHTINGS:
-            return self._next_sightings()
+        if step in (persia_pb2.HandoverStep.ROWS, persia_pb2.HandoverStep.CHANGES, persia_pb2.HandoverStep.SIGHTINGS):
+            return self._deliver(step, context.time_remaining())
         if step == persia_pb2.HandoverStep.FENCE:
             self.store.fence_handover()
         elif step == persia_pb2.HandoverStep.FINISH:
@@ -302,7 +310,7 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
             if shard_map is not None and shard_map != self.store.handover_map:
                 raise invalid(f"FINISH names shard map version {shard_map.version}, the handover under way moves to another")
             self.store.finish_handover(addresses)
-            self._handover_rows = None
+            self._end_delivery()
         else:
             raise invalid(f"unknown handover step {step}")
         return persia_pb2.HandoverPage()
@@ -336,7 +344,36 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
                     raise
             self.store.wait_handover(max(0.0, deadline - time.monotonic()), seen_version)
 
-    def _next_rows(self) -> persia_pb2.HandoverPage:
+    def _deliver(self, step: int, timeout_s: Optional[float]) -> persia_pb2.HandoverPage:
+        """The next page of ``step`` sent to the takers (or, when the last one did not reach them all, that page
+        again: ``handover_delivery.py``); the answer holds its counts alone."""
+        with self._delivery_lock:
+            delivery = self._delivery
+            if delivery is None:
+                raise invalid("no handover under way here: BEGIN one first")
+            if delivery.pending is not None:
+                return delivery.resend(step, timeout_s)
+            if step == persia_pb2.HandoverStep.ROWS:
+                configs, changes, done = self._next_rows()
+                return delivery.changes(step, configs, changes, done=done, timeout_s=timeout_s)
+            if step == persia_pb2.HandoverStep.CHANGES:
+                configs, changes = self.store.handover_changes()
+                return delivery.changes(step, configs, changes, applied_json=json.dumps(self.dedup.applied()),
+                                        source=self.store.shard_index, timeout_s=timeout_s)
+            blocks, done = self._next_sightings()
+            return delivery.sightings(blocks, done=done, timeout_s=timeout_s)
+
+    def _end_delivery(self) -> None:
+        with self._delivery_lock:
+            self._end_delivery_locked()
+
+    def _end_delivery_locked(self) -> None:
+        if self._delivery is not None:
+            self._delivery.close()
+        self._delivery, self._handover_rows, self._handover_sightings = None, None, None
+
+    def _next_rows(self) -> tuple[list[TableConfig], list[Change], bool]:
+        """The next page of the handover's rows: ``(configs, changes, done)``."""
         if self._handover_rows is None:
             raise invalid("no handover's rows to give: BEGIN one first")
         configs: dict[str, TableConfig] = {}
@@ -347,11 +384,12 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
                 changes.append(Change([TableChange(config.name, step, rows=rows)]))
                 size += sum(values.numel() * values.element_size() for values in rows.values())
             if size >= min(HANDOVER_PAGE_BYTES, self.max_message_bytes // 4):
-                return messages.handover_page(list(configs.values()), changes)
+                return list(configs.values()), changes, False
         self._handover_rows = None
-        return messages.handover_page(list(configs.values()), changes, done=True)
+        return list(configs.values()), changes, True
 
-    def _next_sightings(self) -> persia_pb2.HandoverPage:
+    def _next_sightings(self) -> tuple[list, bool]:
+        """The next page of the handover's sightings: ``(blocks, done)``."""
         if self._handover_sightings is None:
             self._handover_sightings = self.store.handover_sightings()
         blocks, size = [], 0
@@ -359,9 +397,9 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
             blocks.append(block)
             size += block[2].numel()
             if size >= min(HANDOVER_PAGE_BYTES, self.max_message_bytes // 4):
-                return messages.sightings_page(blocks, done=False)
+                return blocks, False
         self._handover_sightings = None
-        return messages.sightings_page(blocks, done=True)
+        return blocks, True
 
     @staticmethod
     def _map_of(message: persia_pb2.ShardMapMessage) -> ShardMap:

@@ -91,13 +91,13 @@ def stop():
     time.sleep(3600)
 
 if stop_at == "a rows page":  # after the first page of rows reached the taker, before the others
-    forward = scaling._forward
-    def forward_once(admin, page, takers, to_map):
-        rows = forward(admin, page, takers, to_map)
-        if page.records:
+    handover = PSClient.handover
+    def handover_once(admin, shard, step, *args):
+        page = handover(admin, shard, step, *args)
+        if step == scaling.Step.ROWS and page.rows:
             stop()
-        return rows
-    scaling._forward = forward_once
+        return page
+    PSClient.handover = handover_once
 with PSClient(current) as admin:
     scaling.rescale(admin, to, settings, on_step=at)
 print("DONE", flush=True)
@@ -293,7 +293,7 @@ def test_a_taker_restarted_after_a_source_gave_the_move_up_still_refuses_a_late_
             assert admin.handover(2, persia_pb2.HandoverStep.ABORT, three).map_version == 0
             os.kill(shards.processes[2].pid, signal.SIGKILL)
             with pytest.raises(PSError, match="rolled back on this shard"):  # once restarted (the call retries)
-                admin.take_over(2, persia_pb2.HandoverPage(), three, adopt=True, addresses=grown)
+                admin.adopt(2, three, grown)
             assert versions(admin, range(3)) == [0, 0, 0]
             assert rescale(admin, grown).map_version == 1
         acked.train(3)

@@ -246,7 +246,7 @@ def test_a_source_killed_during_a_move_comes_back_from_its_log_under_the_old_map
         client.update({"t": (UNIVERSE, torch.ones(UNIVERSE.numel(), 4))})
         before = client.lookup({"t": UNIVERSE}, train=False, wire_dtype="fp32")["t"]
         grown = shards.grow(3)
-        admin.handover(0, 1, admin.shard_map_of(0)[0].resized(3))  # BEGIN on shard 0 by hand: the move is under way
+        admin.handover(0, 1, admin.shard_map_of(0)[0].resized(3), grown)  # BEGIN on shard 0 by hand: the move is under way
         os.kill(shards.processes[0].pid, signal.SIGKILL)
         with pytest.raises(PSError):
             rescale(admin, grown)  # shard 0 is down, then back with no move under way: the move fails

@@ -121,11 +121,11 @@ class ShardAdmin(ShardConnection):
             request.map.CopyFrom(handover_wire.map_message(shard_map, addresses))
         return self._wait(self._call(shard, "Handover", request, self.checkpoint_timeout_s))
 
-    def take_over(self, shard: int, page: persia_pb2.HandoverPage, to_map: ShardMap, adopt: bool = False,
-                  addresses: Sequence[str] = ()) -> None:
-        """Hands ``page`` (rows or changes another shard gave) to ``shard``, which keeps the part ``to_map`` gives it,
-        then, with ``adopt``, makes ``to_map`` its map (``addresses``: its shards')."""
-        request = persia_pb2.TakeOverRequest(page=page, to_map=handover_wire.map_message(to_map, addresses), adopt=adopt)
+    def adopt(self, shard: int, to_map: ShardMap, addresses: Sequence[str] = ()) -> None:
+        """Makes ``to_map`` the map of ``shard`` (``addresses``: its shards'), which took the rows a move gave it (the
+        sources sent them: ``HandoverStep``)."""
+        request = persia_pb2.TakeOverRequest(page=persia_pb2.HandoverPage(), to_map=handover_wire.map_message(to_map, addresses),
+                                             adopt=True)
         self._wait(self._call(shard, "TakeOver", request, self.checkpoint_timeout_s))
 
     def reach(self, addresses: Sequence[str]) -> None:

@@ -5,7 +5,8 @@ through the maps of :meth:`ShardMap.waves` (:class:`ScaleSettings`). Each wave i
 and why nothing is lost or applied twice: ``remote_ps/store/slot_moves.py``):
 
 1. every shard that gives slots away (a *source*) takes a consistent point; its rows of those slots at the point
-   go, page by page, to every shard that takes slots (a *taker*), which keeps the part the new map gives it;
+   go, page by page, to the shards that take slots (the *takers*): the source sends each taker the part the new map
+   gives it and answers the coordinator with the page's counts (``remote_ps/handover_delivery.py``);
 2. rounds of the changes made since, while the sources keep serving, until a round is small;
 3. the sources fence the moving slots (a request for them waits and retries), the last changes go over with the
    slots' sightings of ids not admitted yet (``store/admission.py``), the takers adopt the new map, then the sources
@@ -199,7 +200,6 @@ def _move(admin: ShardAdmin, current: ShardMap, to_map: ShardMap, addresses: Seq
         for shard in sources:
             while True:
                 page = admin.handover(shard, Step.ROWS)
-                _forward(admin, page, takers, to_map)
                 pacer.page_done()
                 wave.rows += page.rows
                 log.info("moving slots: %d rows sent (shard %d, %.1f s)", wave.rows, shard, time.monotonic() - began)
@@ -208,7 +208,7 @@ def _move(admin: ShardAdmin, current: ShardMap, to_map: ShardMap, addresses: Seq
         on_step("changes")
         while wave.rounds < settings.max_rounds:
             wave.rounds += 1
-            written = sum(_forward(admin, admin.handover(shard, Step.CHANGES), takers, to_map) for shard in sources)
+            written = sum(admin.handover(shard, Step.CHANGES).rows for shard in sources)
             wave.changed += written
             if written < settings.settle_rows or wave.rounds == settings.max_rounds:
                 break
@@ -221,16 +221,14 @@ def _move(admin: ShardAdmin, current: ShardMap, to_map: ShardMap, addresses: Seq
             admin.handover(shard, Step.FENCE)
         fenced = time.monotonic()
         on_step("last changes")
-        wave.changed += sum(_forward(admin, admin.handover(shard, Step.CHANGES), takers, to_map) for shard in sources)
+        wave.changed += sum(admin.handover(shard, Step.CHANGES).rows for shard in sources)
         for shard in sources:  # the sightings of ids not admitted yet, which the sources count no more once fenced
             done = False
             while not done:
-                page = admin.handover(shard, Step.SIGHTINGS)
-                _forward(admin, page, takers, to_map)
-                done = page.done
+                done = admin.handover(shard, Step.SIGHTINGS).done
         on_step("adopt")
         adopting = True
-        admin.take_over(takers[0], persia_pb2.HandoverPage(), to_map, adopt=True, addresses=addresses)
+        admin.adopt(takers[0], to_map, addresses)
     except BaseException:
         if adopting and _went_through(admin, takers[0], to_map):
             log.warning("the first taker, shard %d, adopted shard map version %d before the failure: finishing the move",
@@ -242,16 +240,14 @@ def _move(admin: ShardAdmin, current: ShardMap, to_map: ShardMap, addresses: Seq
             raise
     # the move went through: every other shard adopts the map. A taker that does not answer keeps the sources fenced
     # (they finish once it adopts, asking it themselves); a source that does not finish it on its own once back.
-    missing = _tell(admin, takers[1:], lambda shard: admin.take_over(shard, persia_pb2.HandoverPage(), to_map, adopt=True,
-                                                                       addresses=addresses), "adopt the new map")
+    missing = _tell(admin, takers[1:], lambda shard: admin.adopt(shard, to_map, addresses), "adopt the new map")
     on_step("finish")
     if not missing:
         _tell(admin, sources, lambda shard: admin.handover(shard, Step.FINISH, to_map, addresses),
               "finish (it will on its own: it asks the first taker)")
     wave.fenced_seconds = time.monotonic() - fenced
     _tell(admin, [s for s in range(to_map.num_shards) if s not in sources and s not in takers],
-          lambda shard: admin.take_over(shard, persia_pb2.HandoverPage(), to_map, adopt=True, addresses=addresses),
-          "adopt the new map")
+          lambda shard: admin.adopt(shard, to_map, addresses), "adopt the new map")
     if missing:
         raise PSError(f"the move to shard map version {to_map.version} went through, but shards {missing} did not adopt "
                       "it: the sources stay fenced and finish the move once those shards answer (handover_deadline_s)")
@@ -299,15 +295,6 @@ def _tell(admin: ShardAdmin, shards: Sequence[int], call: Callable[[int], object
     return missing
 
 
-def _forward(admin: ShardAdmin, page: persia_pb2.HandoverPage, takers: Sequence[int], to_map) -> int:
-    """Hands ``page`` to every taker (each keeps its part); returns the rows it holds."""
-    if page.records or page.tables_json or page.sightings:
-        for shard in takers:
-            admin.take_over(shard, page, to_map)
-    return page.rows
-
-
-
 def wait_drained(admin: ShardAdmin, shards: Sequence[int], quiet_s: float = 2.0, timeout_s: float = 120.0) -> None:
     """Waits until no lookup or update has reached ``shards`` (drained by :func:`rescale`) for ``quiet_s``: their
     clients have followed the new map (each learns it from its next answer of any shard), so they can stop."""
@@ -334,7 +321,7 @@ def _requests(admin: ShardAdmin, shard: int) -> int:
 def rescale_apart(current: Sequence[str], addresses: Sequence[str], settings: ScaleSettings = ScaleSettings(), *,
                   token: Optional[str] = None, tls_root_cert: Optional[str] = None) -> ScaleReport:
     """:func:`rescale` (and, draining, :func:`wait_drained`) in a process of its own, ``lightning-persia ps scale``:
-    every page of rows passes through the coordinator's interpreter, which a trainer's work would otherwise wait for."""
+    its calls and pacing stay off a trainer's interpreter (the rows themselves go from shard to shard)."""
     command = [sys.executable, "-m", "lightning_persia.cli", "ps", "scale", "--addresses", ",".join(current),
                "--to", ",".join(addresses), "--json"]
     for name, value in dataclasses.asdict(settings).items():

@@ -63,7 +63,7 @@ class PageDelivery:
         pages = {}
         for taker in self._stubs:
             mine = lambda ids, taker=taker: self._to_map.shard_of(ids) == taker  # noqa: E731
-            page = messages.handover_page(configs, [Change([part_of(part, mine) for part in change.tables])
+            page = messages.handover_page(configs, [Change([part_of(part, mine, copy=False) for part in change.tables])
                                                     for change in changes])
             page.applied_json, page.source = applied_json, source
             pages[taker] = page

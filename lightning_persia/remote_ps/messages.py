@@ -227,7 +227,7 @@ def handover_page(configs: Sequence[TableConfig], changes: Sequence[Change], don
     rows = sum(part.rows["ids"].numel() if part.rows else 0 for change in changes for part in change.tables)
     return persia_pb2.HandoverPage(
         tables_json=[json.dumps(config.to_dict()) for config in configs],
-        records=[b"".join(bytes(piece) for piece in records.encode_change(change)) for change in changes],
+        records=[b"".join(records.encode_change(change)) for change in changes],
         done=done, rows=rows)
 
 

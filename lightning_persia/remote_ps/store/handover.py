@@ -241,7 +241,7 @@ class SlotHandover:
         mine = lambda ids: to_map.shard_of(ids) == self.shard_index  # noqa: E731
         try:
             for change in changes:
-                parts = [part_of(part, mine) for part in change.tables]
+                parts = [part_of(part, mine, copy=False) for part in change.tables]
                 for part in parts:
                     self.moves.taken(part.rows)
                 pieces = [_in_pieces(part, self._table(part.name).config) for part in parts]

@@ -87,7 +87,7 @@ def decode(payload: bytes) -> tuple[int, dict[str, Any], list[torch.Tensor]]:
             nbytes = count * torch.empty(0, dtype=dtype).element_size()
             if offset + nbytes > len(payload):
                 raise ValueError(f"tensor of {nbytes} bytes past the record's end")
-            raw = torch.frombuffer(bytearray(payload[offset : offset + nbytes]), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+            raw = torch.frombuffer(bytearray(memoryview(payload)[offset : offset + nbytes]), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
             tensors.append(raw.view(dtype).reshape(shape))
             offset += nbytes
     except (struct.error, ValueError, KeyError, TypeError) as err:

@@ -60,28 +60,29 @@ class PageDelivery:
                 applied_json: str = "", source: int = 0, timeout_s: Optional[float] = None) -> persia_pb2.HandoverPage:
         """Sends each taker its part of rows or changes (ROWS, CHANGES) with every table's configuration and the
         source's exactly-once memory; returns the coordinator's answer: the rows the page holds, and ``done``."""
-        pages = {}
+        requests = {}
         for taker in self._stubs:
             mine = lambda ids, taker=taker: self._to_map.shard_of(ids) == taker  # noqa: E731
-            page = messages.handover_page(configs, [Change([part_of(part, mine, copy=False) for part in change.tables])
-                                                    for change in changes])
-            page.applied_json, page.source = applied_json, source
-            pages[taker] = page
+            parts = [Change([part_of(part, mine, copy=False) for part in change.tables]) for change in changes]
+            request = requests[taker] = self._request()
+            messages.fill_handover_page(request.page, configs, parts)
+            request.page.applied_json, request.page.source = applied_json, source
         rows = sum(part.rows["ids"].numel() if part.rows else 0 for change in changes for part in change.tables)
-        return self._send(step, pages, persia_pb2.HandoverPage(rows=rows, done=done), timeout_s)
+        return self._send(step, requests, persia_pb2.HandoverPage(rows=rows, done=done), timeout_s)
 
     def sightings(self, blocks: Sequence[tuple[str, torch.Tensor, torch.Tensor]], *, done: bool,
                   timeout_s: Optional[float] = None) -> persia_pb2.HandoverPage:
         """Sends each taker the sighting counters of the slots the new map gives it (SIGHTINGS); returns ``done``."""
-        pages = {}
+        requests = {}
         for taker in self._stubs:
             parts = []
             for name, slots, counters in blocks:
                 mine = self._to_map.table[slots] == taker
                 if bool(mine.any()):
                     parts.append((name, slots[mine], counters[mine]))
-            pages[taker] = messages.sightings_page(parts, done)
-        return self._send(persia_pb2.HandoverStep.SIGHTINGS, pages, persia_pb2.HandoverPage(done=done), timeout_s)
+            request = requests[taker] = self._request()
+            messages.fill_sightings_page(request.page, parts)
+        return self._send(persia_pb2.HandoverStep.SIGHTINGS, requests, persia_pb2.HandoverPage(done=done), timeout_s)
 
     def resend(self, step: int, timeout_s: Optional[float] = None) -> persia_pb2.HandoverPage:
         """Sends the page of ``step`` again to the takers that did not take it; returns its answer."""
@@ -94,12 +95,16 @@ class PageDelivery:
         for channel in self._channels.values():
             channel.close()
 
-    def _send(self, step: int, pages: dict[int, persia_pb2.HandoverPage], answer: persia_pb2.HandoverPage,
+    def _request(self) -> persia_pb2.TakeOverRequest:
+        request = persia_pb2.TakeOverRequest()
+        request.to_map.CopyFrom(self._map_message)
+        return request
+
+    def _send(self, step: int, requests: dict[int, persia_pb2.TakeOverRequest], answer: persia_pb2.HandoverPage,
               timeout_s: Optional[float]) -> persia_pb2.HandoverPage:
         self._step, self._answer = step, answer
-        self._undelivered = {
-            taker: persia_pb2.TakeOverRequest(page=page, to_map=self._map_message)
-            for taker, page in pages.items() if page.records or page.tables_json or page.sightings}
+        self._undelivered = {taker: request for taker, request in requests.items()
+                             if request.page.records or request.page.tables_json or request.page.sightings}
         return self._deliver(timeout_s)
 
     def _deliver(self, timeout_s: Optional[float]) -> persia_pb2.HandoverPage:

@@ -223,20 +223,21 @@ def checkpoint_directory(directory: str, root: Optional[str]) -> str:
     return directory
 
 
-def handover_page(configs: Sequence[TableConfig], changes: Sequence[Change], done: bool = False) -> persia_pb2.HandoverPage:
-    rows = sum(part.rows["ids"].numel() if part.rows else 0 for change in changes for part in change.tables)
-    return persia_pb2.HandoverPage(
-        tables_json=[json.dumps(config.to_dict()) for config in configs],
-        records=[b"".join(records.encode_change(change)) for change in changes],
-        done=done, rows=rows)
+def fill_handover_page(page: persia_pb2.HandoverPage, configs: Sequence[TableConfig], changes: Sequence[Change]) -> None:
+    """Writes the tables and changes (as CHANGE records) into ``page``, in place: a page is 16 MB, and handing a
+    built page to the request that carries it copies it again (23 ms each)."""
+    page.tables_json.extend(json.dumps(config.to_dict()) for config in configs)
+    page.records.extend(b"".join(records.encode_change(change)) for change in changes)
+    page.rows = sum(part.rows["ids"].numel() if part.rows else 0 for change in changes for part in change.tables)
 
 
-def sightings_page(blocks: Sequence[tuple[str, torch.Tensor, torch.Tensor]], done: bool) -> persia_pb2.HandoverPage:
-    """A page of the moving slots' sighting counters: ``(table, slots, counters [len(slots), per slot])`` blocks."""
-    return persia_pb2.HandoverPage(done=done, sightings=[
+def fill_sightings_page(page: persia_pb2.HandoverPage, blocks: Sequence[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+    """Writes the moving slots' sighting counters, ``(table, slots, counters [len(slots), per slot])`` blocks, into
+    ``page``, in place."""
+    page.sightings.extend(
         persia_pb2.SlotSightings(table=name, slots=slots.to(torch.int16).numpy().astype("<i2").tobytes(),
                                  counters=counters.contiguous().numpy().tobytes())
-        for name, slots, counters in blocks])
+        for name, slots, counters in blocks)
 
 
 def sightings_contents(message: persia_pb2.HandoverPage) -> list[tuple[str, torch.Tensor, torch.Tensor]]:

@@ -27,10 +27,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from lightning_persia.remote_ps import metrics
 from lightning_persia.remote_ps.config import PSConfig
 from lightning_persia.remote_ps.faults import DelayInterceptor
+from lightning_persia.remote_ps.peers import Peers
 from lightning_persia.remote_ps.process import exit_with_parent, prepare_shard_process, trim_memory_every
 from lightning_persia.remote_ps.protocol import LISTENING_PREFIX, METRICS_PREFIX, SERVICE_NAME
 from lightning_persia.remote_ps.security import TLSFiles, TokenInterceptor, check_bind_security, is_loopback_host
-from lightning_persia.remote_ps.peers import Peers
 from lightning_persia.remote_ps.servicer import PSServicer
 from lightning_persia.remote_ps.store import ShardStore
 from lightning_persia.remote_ps.store.wal import ReplayReport, open_shard_log

@@ -1,4 +1,4 @@
-"""Handover pages as they travel: the moving slots' sighting counters (``messages.sightings_page``)."""
+"""Handover pages as they travel: the moving slots' sighting counters (``messages.fill_sightings_page``)."""
 import grpc
 import pytest
 import torch
@@ -9,9 +9,10 @@ from lightning_persia.remote_ps.protocol import persia_pb2
 
 def test_sightings_travel_as_slots_and_their_counters():
     slots, counters = torch.tensor([3, 4095]), torch.arange(16, dtype=torch.uint8).reshape(2, 8)
-    page = messages.sightings_page([("t", slots, counters)], done=True)
+    page = persia_pb2.HandoverPage()
+    messages.fill_sightings_page(page, [("t", slots, counters)])
     [(name, got_slots, got_counters)] = messages.sightings_contents(persia_pb2.HandoverPage.FromString(page.SerializeToString()))
-    assert page.done and name == "t" and torch.equal(got_slots, slots) and torch.equal(got_counters, counters)
+    assert name == "t" and torch.equal(got_slots, slots) and torch.equal(got_counters, counters)
 
 
 @pytest.mark.parametrize("slots, counters, problem", [

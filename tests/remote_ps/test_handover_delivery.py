@@ -16,15 +16,17 @@ IDS = torch.arange(0, 6000) * 7919 - 11
 
 
 class Cluster:
-    """Shards served in this process, ``count`` of them at first; ``grow`` adds empty ones."""
+    """Shards served in this process, ``count`` of them at first; ``grow`` adds empty ones. With ``token``, a shard
+    answers only calls that carry it."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, token=None) -> None:
         self.servers = []
+        self._token = token
         for shard in range(count):
             self._serve(ShardStore(shard, count, seed=5))
 
     def _serve(self, store: ShardStore) -> None:
-        server = ShardServer(store, load_ps_config(None, []))
+        server = ShardServer(store, load_ps_config(None, []), Endpoint(token=self._token))
         server.start()
         self.servers.append(server)
 
@@ -142,3 +144,18 @@ def test_a_page_a_taker_did_not_take_is_sent_again_before_any_other(trained):
         admin.handover(0, Step.ABORT, to_map)
         admin.handover(2, Step.ABORT, to_map)
     assert torch.equal(client.lookup({"t": IDS}, train=False, wire_dtype="fp32")["t"], before)
+
+
+def test_a_cluster_with_a_token_moves_its_rows_from_shard_to_shard():
+    """The source calls the taker with the cluster's token (a taker answers no call without it)."""
+    cluster = Cluster(2, token="the-cluster's")
+    client = PSClient(cluster.addresses, token="the-cluster's")
+    client.configure([CONFIG])
+    client.lookup({"t": IDS}, train=True)
+    before = client.lookup({"t": IDS}, train=False, wire_dtype="fp32")["t"]
+    grown = cluster.grow(3)
+    with PSClient(grown, token="the-cluster's") as admin:
+        assert rescale(admin, grown).rows_moved == admin.shard_stats(2)["tables"]["t"]["rows"] > 0
+    assert torch.equal(client.lookup({"t": IDS}, train=False, wire_dtype="fp32")["t"], before)
+    client.close()
+    cluster.close()

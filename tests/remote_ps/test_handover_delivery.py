@@ -159,3 +159,23 @@ def test_a_cluster_with_a_token_moves_its_rows_from_shard_to_shard():
     assert torch.equal(client.lookup({"t": IDS}, train=False, wire_dtype="fp32")["t"], before)
     client.close()
     cluster.close()
+
+
+def test_a_move_is_given_up_when_a_source_answers_with_the_page_itself(trained):
+    """A shard of an older version answers a step with the page's rows and sends the takers nothing: the coordinator
+    gives the move up rather than let it go through without them."""
+    cluster, client, before = trained
+    grown = cluster.grow(3)
+    with PSClient(grown) as admin:
+        handover = admin.handover
+
+        def older(shard, step, *args):
+            answer = handover(shard, step, *args)
+            if step == Step.ROWS:
+                answer.records.append(b"a page's rows")
+            return answer
+        admin.handover = older
+        with pytest.raises(PSError, match="shard 0 answered ROWS with the page's content instead of sending it"):
+            rescale(admin, grown)
+        assert [admin.shard_map_of(shard)[0].version for shard in range(3)] == [0, 0, 0]
+    assert torch.equal(client.lookup({"t": IDS}, train=False, wire_dtype="fp32")["t"], before)

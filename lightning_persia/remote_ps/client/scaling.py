@@ -199,7 +199,7 @@ def _move(admin: ShardAdmin, current: ShardMap, to_map: ShardMap, addresses: Seq
         pacer.restart()
         for shard in sources:
             while True:
-                page = admin.handover(shard, Step.ROWS)
+                page = _sent(admin, shard, Step.ROWS)
                 pacer.page_done()
                 wave.rows += page.rows
                 log.info("moving slots: %d rows sent (shard %d, %.1f s)", wave.rows, shard, time.monotonic() - began)
@@ -208,7 +208,7 @@ def _move(admin: ShardAdmin, current: ShardMap, to_map: ShardMap, addresses: Seq
         on_step("changes")
         while wave.rounds < settings.max_rounds:
             wave.rounds += 1
-            written = sum(admin.handover(shard, Step.CHANGES).rows for shard in sources)
+            written = sum(_sent(admin, shard, Step.CHANGES).rows for shard in sources)
             wave.changed += written
             if written < settings.settle_rows or wave.rounds == settings.max_rounds:
                 break
@@ -221,11 +221,11 @@ def _move(admin: ShardAdmin, current: ShardMap, to_map: ShardMap, addresses: Seq
             admin.handover(shard, Step.FENCE)
         fenced = time.monotonic()
         on_step("last changes")
-        wave.changed += sum(admin.handover(shard, Step.CHANGES).rows for shard in sources)
+        wave.changed += sum(_sent(admin, shard, Step.CHANGES).rows for shard in sources)
         for shard in sources:  # the sightings of ids not admitted yet, which the sources count no more once fenced
             done = False
             while not done:
-                done = admin.handover(shard, Step.SIGHTINGS).done
+                done = _sent(admin, shard, Step.SIGHTINGS).done
         on_step("adopt")
         adopting = True
         admin.adopt(takers[0], to_map, addresses)
@@ -253,6 +253,16 @@ def _move(admin: ShardAdmin, current: ShardMap, to_map: ShardMap, addresses: Seq
                       "it: the sources stay fenced and finish the move once those shards answer (handover_deadline_s)")
     pacer.page_done()  # the sources' work since the fence (the last round, and dropping the rows they handed over)
     return wave
+
+
+def _sent(admin: ShardAdmin, source: int, step: "persia_pb2.HandoverStep.Step") -> persia_pb2.HandoverPage:
+    """``source``'s answer to ``step``: the counts of the page it sent its takers. A shard that answers with the page
+    itself predates shards sending pages to each other: no taker got it, so the move must not go on."""
+    page = admin.handover(source, step)
+    if page.records or page.sightings:
+        raise PSError(f"shard {source} answered {Step.Step.Name(step)} with the page's content instead of sending it to "
+                      "the takers: it runs an older version; upgrade every shard before moving slots")
+    return page
 
 
 def _settled_map(admin: ShardAdmin, addresses: Sequence[str]) -> ShardMap:

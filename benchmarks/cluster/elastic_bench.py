@@ -10,9 +10,13 @@ and every row is compared with the updates counted on the client.
     python -m benchmarks.cluster.elastic_bench --rows 2000000 --json  # a first look
     python -m benchmarks.cluster.elastic_bench --kill-soak 10 --rows 100000 --batch 2048 --json
     python -m benchmarks.cluster.elastic_bench --storage disk --rows 2000000 --json   # most rows on disk
+    python -m benchmarks.cluster.elastic_bench --idle --copy-share 1 --json            # the moves' own CPU
 
 ``--storage disk`` makes the table a disk table whose shards keep ``--memory-rows`` rows each in memory (an eighth
 of the rows by default), the others on disk (a temporary folder), and fills it ``--memory-rows`` ids a request.
+
+``--idle`` moves the filled table 2 -> 3 -> 2 with no client training: each process's CPU seconds are then the
+move's alone (on a machine that training keeps busy, the trainer loses about a second for each of them).
 
 ``--kill-soak N`` runs N moves with a process killed at a random point of each instead (``elastic_soak.py``): its
 line carries ``kills``, ``lost_updates``, ``rollbacks`` and ``weights_equal``; the timed moves' line carries none
@@ -137,6 +141,8 @@ def main() -> None:
                         "with --kill-soak, each kill lands in the first, second or third wave)")
     parser.add_argument("--copy-share", type=float, default=ScaleSettings.copy_share,
                         help="share of the coordinator's time spent copying while unfenced")
+    parser.add_argument("--idle", action="store_true", help="move with no client training: the CPU seconds of each "
+                        "shard and of the coordinator are then the move's alone")
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     args = parser.parse_args()
     if args.kill_soak:
@@ -166,6 +172,10 @@ def main() -> None:
                             in zip(shards.processes, serving_before)) / args.steady_steps
         steady = statistics.median(seconds for _, seconds in trainer.steps[-args.steady_steps:])
         settings = ScaleSettings(wave_rows=args.wave_rows or ScaleSettings.wave_rows, copy_share=args.copy_share)
+        if args.idle:
+            _idle_moves(shards, settings, args)
+            client.close()
+            return
         grow = _move(trainer, shards.addresses[:2], shards.grow(3), steady, args.batch, settings,
                      [process.pid for process in shards.processes], serving_cpu_s)
         for _ in range(5):
@@ -209,6 +219,29 @@ def main() -> None:
           f"{summary['seconds_per_100M_rows']:.0f} s; rows differing from the updates sent: {lost}")
     if args.json:
         print(json.dumps(summary))
+
+
+def _idle_moves(shards: LocalShards, settings: ScaleSettings, args: argparse.Namespace) -> None:
+    """2 -> 3 -> 2 with nothing training: each shard's CPU seconds, and the coordinator's, per move."""
+    moves = {}
+    for name in ("grow", "shrink"):
+        current = shards.addresses[:2] if name == "grow" else list(shards.addresses)
+        addresses = shards.grow(3) if name == "grow" else shards.addresses[:2]
+        pids = [process.pid for process in shards.processes]
+        before, own = [_cpu_seconds(pid) for pid in pids], os.times()
+        report = rescale_apart(current, addresses, settings)
+        after = os.times()
+        moves[name] = {"seconds": report.seconds, "rows_moved": report.rows_moved, "fenced_s": report.fenced_seconds,
+                       "shard_cpu_s": [_cpu_seconds(pid) - cpu for pid, cpu in zip(pids, before)],
+                       "coordinator_cpu_s": after.children_user + after.children_system - own.children_user - own.children_system}
+    shards.shrink(2)
+    for name, move in moves.items():
+        print(f"{name}: {move['rows_moved']:,} rows in {move['seconds']:.1f} s; CPU: shards "
+              f"{', '.join(f'{s:.2f}' for s in move['shard_cpu_s'])} s, coordinator {move['coordinator_cpu_s']:.2f} s "
+              f"(in all {sum(move['shard_cpu_s']) + move['coordinator_cpu_s']:.2f} s)")
+    if args.json:
+        print(json.dumps({"rows": args.rows, "dim": args.dim, "copy_share": settings.copy_share, "idle": True, **moves,
+                          "load": os.getloadavg()[0]}))
 
 
 def _kill_soak(args: argparse.Namespace) -> None:

@@ -60,7 +60,9 @@ class ScaleSettings:
     for the time since x ``(1 / copy_share - 1)``, leaving the trainers the CPU the move would take (1: no wait; the
     fenced last round never waits). At 20M rows on a quiet 2-core machine, samples/s during a grow and a drain were
     0.33x and 0.39x of the steady rate at 1, 0.69x and 0.64x at 0.5, 0.68x to 0.83x and 0.74x to 0.78x at 0.35, and
-    no better at 0.25; the grow took 32, 65, 104 and 142 s."""
+    no better at 0.25; the grow took 32, 65, 104 and 142 s. A move that costs a third less CPU since (the slot hash
+    in C, rows sent from shard to shard) takes 43 to 52 s at 0.35, at 0.58x to 0.64x: the trainer loses about a
+    second per CPU-second of the move at any pace, so a lower share stretches the move more than it saves."""
     unpaced_s: float = 3.0
     """Seconds a move copies before ``copy_share`` paces it: a move that ends sooner never competes with training
     long enough to matter, and pacing it only stretches its rounds. At 1M rows a memory table's move took 0.8 to

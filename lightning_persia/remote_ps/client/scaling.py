@@ -62,7 +62,8 @@ class ScaleSettings:
     0.33x and 0.39x of the steady rate at 1, 0.69x and 0.64x at 0.5, 0.68x to 0.83x and 0.74x to 0.78x at 0.35, and
     no better at 0.25; the grow took 32, 65, 104 and 142 s. A move that costs a third less CPU since (the slot hash
     in C, rows sent from shard to shard) takes 43 to 52 s at 0.35, at 0.58x to 0.64x: the trainer loses about a
-    second per CPU-second of the move at any pace, so a lower share stretches the move more than it saves."""
+    second per CPU-second of the move at any pace, so a lower share raises the ratio only by stretching the move
+    (0.25 gave 0.70x and 0.64x over 76 s and 70 s with the slot hash in C)."""
     unpaced_s: float = 3.0
     """Seconds a move copies before ``copy_share`` paces it: a move that ends sooner never competes with training
     long enough to matter, and pacing it only stretches its rounds. At 1M rows a memory table's move took 0.8 to

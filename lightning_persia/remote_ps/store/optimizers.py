@@ -17,7 +17,11 @@ class SparseRule:
     """One optimizer's update of a block of rows; ``state_width`` float32 columns of state per row.
 
     ``native``: the name of the same rule in the native kernels (``store/native/jobs.c``: SGD and both Adagrads run there
-    over a request's rows in place, in the same float32 operations), or None where only this class runs it.
+    over a request's rows in place), or None where only this class runs it. A rule with a native twin computes
+    here in the kernel's float32 operations and order, one rounding each (no fused multiply-add, sums left to
+    right): the store takes this path while a save or a move's point read is open, and a row must come out the same
+    bit for bit either way (``torch.mean`` and ``add_(alpha=)`` round otherwise: 1 row in 2 of a row-wise Adagrad
+    update differed in the last place, and a run at staleness 0 that moved shards ended apart from one that did not).
     """
 
     state_width: int = 0
@@ -36,7 +40,7 @@ class SparseRule:
 
     def _decayed(self, weights: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
         if self.config.weight_decay:
-            return grads.add(weights, alpha=self.config.weight_decay)
+            return grads + weights * self.config.weight_decay
         return grads
 
 
@@ -44,7 +48,7 @@ class SGDRule(SparseRule):
     native = "SGD"
 
     def apply(self, weights: torch.Tensor, state: torch.Tensor, grads: torch.Tensor) -> None:
-        weights.add_(self._decayed(weights, grads), alpha=-self.config.lr)
+        weights.add_(self._decayed(weights, grads) * -self.config.lr)
 
 
 class AdagradRule(SparseRule):
@@ -61,8 +65,8 @@ class AdagradRule(SparseRule):
 
     def apply(self, weights: torch.Tensor, state: torch.Tensor, grads: torch.Tensor) -> None:
         grads = self._decayed(weights, grads)
-        state.addcmul_(grads, grads)
-        weights.addcdiv_(grads, state.sqrt().add_(self.config.eps), value=-self.config.lr)
+        state.add_(grads * grads)
+        weights.add_(grads / _sqrt(state).add_(self.config.eps) * -self.config.lr)
 
 
 class RowwiseAdagradRule(AdagradRule):
@@ -76,8 +80,11 @@ class RowwiseAdagradRule(AdagradRule):
 
     def apply(self, weights: torch.Tensor, state: torch.Tensor, grads: torch.Tensor) -> None:
         grads = self._decayed(weights, grads)
-        state.add_(grads.square().mean(dim=1, keepdim=True))
-        weights.addcdiv_(grads, state.sqrt().add_(self.config.eps), value=-self.config.lr)
+        squares = torch.zeros(grads.shape[0], 1)
+        for column in grads.split(1, dim=1):  # left to right, as the kernel's loop
+            squares.add_(column * column)
+        state.add_(squares / self.dim)
+        weights.add_(grads / _sqrt(state).add_(self.config.eps) * -self.config.lr)
 
 
 class AdamRule(SparseRule):
@@ -102,6 +109,12 @@ class AdamRule(SparseRule):
         bias2_sqrt = (1.0 - torch.pow(beta2, step)).sqrt()
         denom = (exp_avg_sq.sqrt() / bias2_sqrt).add_(self.config.eps)
         weights.addcdiv_(exp_avg, denom * bias1, value=-self.config.lr)
+
+
+def _sqrt(values: torch.Tensor) -> torch.Tensor:
+    """The float32 square roots of ``values`` correctly rounded, as the kernel's ``sqrtf``: torch's own float32 sqrt
+    on the CPU is not (a sixth of random values came out a unit in the last place apart); through float64 it is."""
+    return values.double().sqrt().float()
 
 
 def make_rule(config: EmbeddingOptimizer, dim: int) -> SparseRule:

@@ -80,7 +80,7 @@ class RowwiseAdagradRule(AdagradRule):
 
     def apply(self, weights: torch.Tensor, state: torch.Tensor, grads: torch.Tensor) -> None:
         grads = self._decayed(weights, grads)
-        squares = torch.zeros(grads.shape[0], 1)
+        squares = torch.zeros(grads.shape[0], 1, device=grads.device)
         for column in grads.split(1, dim=1):  # left to right, as the kernel's loop
             squares.add_(column * column)
         state.add_(squares / self.dim)

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from lightning_persia.remote_ps.store import ShardStore
+from lightning_persia.remote_ps.store.optimizers import make_rule
 from lightning_persia.remote_ps.store.table import Table
 from lightning_persia.remote_ps.table_config import SGD, Adagrad, Adam, Constant, TableConfig, Uniform
 
@@ -113,3 +114,30 @@ def test_the_tensor_rule_equals_the_native_kernel_bit_for_bit(native_kernels, op
                     table._update_locked(ids, grads)
         rows.append(table.lookup(ids, train=False))
     assert torch.equal(rows[0], rows[1]), f"{int((rows[0] != rows[1]).sum())} values differ"
+
+
+
+class _DevicesMade(torch.overrides.TorchFunctionMode):
+    """Records the device of every tensor a torch call returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.devices: set[str] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if isinstance(result, torch.Tensor):
+            self.devices.add(result.device.type)
+        return result
+
+
+@pytest.mark.parametrize("optimizer", NATIVE_RULES + [Adam(lr=0.01)], ids=[repr(o) for o in NATIVE_RULES + [Adam(lr=0.01)]])
+def test_a_rule_computes_on_the_device_of_its_rows(optimizer):
+    """The trainer applies these rules to the tables it keeps itself, on the GPU, where a tensor a rule makes on the
+    CPU stops the step (a device-mismatch error). The meta device stands in for CUDA on a machine without one."""
+    rule = make_rule(optimizer, DIM)
+    weights, grads = torch.empty(5, DIM, device="meta"), torch.empty(5, DIM, device="meta")
+    state = rule.initial_state(5).to("meta")
+    with _DevicesMade() as made:
+        rule.apply(weights, state, grads)
+    assert made.devices == {"meta"}, f"{type(rule).__name__} made tensors on {sorted(made.devices)}"

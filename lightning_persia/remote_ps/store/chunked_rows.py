@@ -28,6 +28,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from lightning_persia.ops.hashing import slot_of
 from lightning_persia.ops.native.library import row_bytes
 from lightning_persia.remote_ps.store import native
 from lightning_persia.remote_ps.store.native import rows as native_rows
@@ -161,6 +162,19 @@ class _TensorChunks:
             view = self._bytes(chunk, offset, 4).view(torch.int32).squeeze(1)
             view[offsets] = view[offsets] + value if add else value
 
+    def select_kept(self, first: int, count: int, fields: native_rows.KeptFields, kept: native_rows.Kept) -> torch.Tensor:
+        chunk, start = first >> self._records.shift, first & (self._records.chunk_rows - 1)
+        version, access = (self._bytes(chunk, offset, 4)[start : start + count].contiguous().view(torch.int32).squeeze(1)
+                           for offset in (fields.version, fields.access))
+        keep = (version <= kept.point) & (access != kept.free_mark)
+        if kept.since:
+            keep &= version > kept.since
+        rows = torch.nonzero(keep).squeeze(1) + first
+        if kept.slot_mask is not None:
+            ids = self._bytes(chunk, fields.id, 8)[rows - (chunk << self._records.shift)].contiguous().view(torch.int64).squeeze(1)
+            rows = rows[kept.slot_mask[slot_of(ids, kept.slot_mask.numel())]]
+        return rows
+
     def _bytes(self, chunk: int, offset: int, width: int) -> torch.Tensor:
         """The ``width`` bytes at ``offset`` of every record of ``chunk`` (a ``[rows, width]`` uint8 view)."""
         return self._records.chunks[chunk][:, offset : offset + width]
@@ -251,6 +265,12 @@ class ChunkedRows:
         """Waits until the memory :meth:`reserve` asked to commit ahead is committed."""
         if self._records.last_populate is not None:
             self._records.last_populate.result(timeout_s)
+
+    def select_kept(self, chunk: int, count: int, kept: native_rows.Kept) -> torch.Tensor:
+        """The rows among the first ``count`` of chunk ``chunk`` that ``kept`` keeps (a snapshot's read of the chunk:
+        its version, access mark and id), ascending, in one pass over the records."""
+        fields = native_rows.KeptFields(self.fields["version"].offset, self.fields["access"].offset, self.fields["ids"].offset)
+        return self._records.access.select_kept(chunk << self.shift, count, fields, kept)
 
     def gather_fields(self, rows: torch.Tensor, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``out[name]`` = field ``name`` of ``rows``, every field in one pass over the records; returns ``out``."""

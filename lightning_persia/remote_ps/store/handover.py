@@ -66,7 +66,7 @@ class SlotHandover:
             for table in tables:
                 held.enter_context(table.lock)
             outgoing = OutgoingSlots(self.shard_index, self._shard_map, to_map, addresses)
-            snapshots = [table.begin_snapshot(0, disk_map=False, only=outgoing.covers) for table in tables]
+            snapshots = [table.begin_snapshot(0, disk_map=False, slot_mask=outgoing.slot_mask) for table in tables]
             outgoing.hold(snapshots)
             self._outgoing = outgoing
         return self._handover_rows(outgoing, snapshots)
@@ -344,12 +344,11 @@ class SlotHandover:
         """Removes (and logs the removal of) the rows of ``table`` its map gives other shards, in memory and on disk:
         finds them by reading every row's id (the memory's, and the disk's ids files) and its slot."""
         shard_map, shard = self._shard_map, self.shard_index
-        foreign_of = lambda ids: shard_map.shard_of(ids) != shard  # noqa: E731
         with table.lock:
-            snapshot = table.begin_snapshot(0, disk_map=False, only=foreign_of)
+            snapshot = table.begin_snapshot(0, disk_map=False, slot_mask=shard_map.table != shard)
         try:
             foreign = [chunk["ids"].clone() for chunk in snapshot.chunks()]
-            foreign += [ids[foreign_of(ids)] for ids in snapshot.disk_ids()]
+            foreign += [ids[shard_map.shard_of(ids) != shard] for ids in snapshot.disk_ids()]
         finally:
             snapshot.close()
         self._drop_rows(table, torch.cat(foreign) if foreign else torch.empty(0, dtype=torch.int64))
@@ -361,7 +360,7 @@ class SlotHandover:
 
 
 def _moving(chunks: Iterator[dict[str, torch.Tensor]], outgoing: OutgoingSlots) -> Iterator[dict[str, torch.Tensor]]:
-    """The moving slots' rows of a point's disk chunks (the snapshot's ``only`` filters its memory's rows alone)."""
+    """The moving slots' rows of a point's disk chunks (the snapshot's ``slot_mask`` filters its memory's rows alone)."""
     for chunk in chunks:
         keep = outgoing.covers(chunk["ids"])
         yield {name: values[keep] for name, values in chunk.items()}

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -175,8 +175,7 @@ class MemoryRows:
 
     # ---- checkpoints -------------------------------------------------------------------------------
 
-    def begin_snapshot(self, since: int = 0, disk_map: bool = True,
-                       only: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> TableSnapshot:
+    def begin_snapshot(self, since: int = 0, disk_map: bool = True, slot_mask: Optional[torch.Tensor] = None) -> TableSnapshot:
         """Takes the table's consistent point for a checkpoint; call it holding :attr:`lock`.
 
         The rows are then read chunk by chunk with :meth:`TableSnapshot.chunks`, while the table keeps serving.
@@ -184,14 +183,15 @@ class MemoryRows:
         rows written since, and the ids evicted since (:attr:`TableSnapshot.removed`). Raises :class:`StoreError`
         when the evictions since then are no longer remembered (then only a full snapshot is possible).
         ``disk_map``: a disk table's id map is saved as at the point too (a checkpoint keeps it; a live move, which
-        reads the point's rows alone, does not). ``only``: the memory rows the snapshot holds, by a mask of their ids
-        (default: every row; neither the removed ids nor the disk tier's rows are filtered).
+        reads the point's rows alone, does not). ``slot_mask``: the memory rows the snapshot holds, by their ids' routing
+        slots (bool, one per slot of ``ops/shard_map.py``; default: every row; neither the removed ids nor the disk
+        tier's rows are filtered).
         """
         if self._preimages.active is not None:
             raise StoreError(f"table {self.config.name!r} is already being saved")
         removed = self._removals.since(since) if since else torch.empty(0, dtype=torch.int64)
         state = SnapshotPoint(point=self._version, since=since, size=self._size, live=self._live, step=self._step,
-                              removed=removed, disk=self._disk.freeze(disk_map) if not since else None, only=only)
+                              removed=removed, disk=self._disk.freeze(disk_map) if not since else None, slot_mask=slot_mask)
         self._preimages.begin(state)
         self._version += 1
         return TableSnapshot(self.config, self.field_specs, state, self._preimages, self._disk.record_bytes)

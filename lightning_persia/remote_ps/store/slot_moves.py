@@ -87,7 +87,7 @@ class OutgoingSlots:
         return {"to_map": self.to_map.to_dict(), "addresses": list(self.addresses)}
 
     def hold(self, snapshots: Sequence["TableSnapshot"]) -> None:
-        """Keeps the tables' snapshots at the move's point (taken with ``only=``:meth:`covers`) until :meth:`release`."""
+        """Keeps the tables' snapshots at the move's point (taken with ``slot_mask=``:attr:`slot_mask`) until :meth:`release`."""
         with self._lock:
             self._snapshots = list(snapshots)
 
@@ -97,6 +97,11 @@ class OutgoingSlots:
             snapshots, self._snapshots = self._snapshots, []
         for snapshot in snapshots:
             snapshot.close()
+
+    @property
+    def slot_mask(self) -> torch.Tensor:
+        """The moving slots (bool, one per routing slot)."""
+        return self._mask
 
     def covers(self, ids: torch.Tensor) -> torch.Tensor:
         """Which of ``ids`` are in the moving slots (a bool mask)."""

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 
+from lightning_persia.ops.hashing import slot_of
 from lightning_persia.remote_ps.store import eviction
 from lightning_persia.remote_ps.store.chunked_rows import ChunkedRows, FieldSpec
 from lightning_persia.remote_ps.store.disk.records import live_ids, live_records, record_specs, unpack
 from lightning_persia.remote_ps.store.disk.frozen_tier import FrozenTier
 from lightning_persia.remote_ps.store.disk.tier import DiskTierError
+from lightning_persia.remote_ps.store.native.rows import Kept
 from lightning_persia.remote_ps.table_config import TableConfig
 
 SAVED_FIELDS = ("ids", "weights", "state", "access")
@@ -38,9 +40,9 @@ class SnapshotPoint:
     step: int
     removed: torch.Tensor  # ids evicted after `since`, up to the point
     disk: Optional[FrozenTier] = None  # a disk table's segments at the point (a full snapshot's)
-    # the rows kept, by their ids (a bool mask); None: all. A move of a few slots copies, and keeps pre-images of,
-    # their rows alone: a wave of a fortieth of the slots would otherwise copy every row of its source
-    only: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    # the routing slots whose rows are kept (bool, one per slot); None: all. A move of a few slots copies, and keeps
+    # pre-images of, their rows alone: a wave of a fortieth of the slots would otherwise copy every row of its source
+    slot_mask: Optional[torch.Tensor] = None
     next_chunk: int = 0  # chunks below it are copied: their rows need no pre-image
     preimages: dict[int, list[dict[str, torch.Tensor]]] = field(default_factory=dict)
     preimage_rows: int = 0
@@ -77,8 +79,8 @@ class Preimages:
             versions = self._rows["version"].gather(rows)
             unchanged = versions <= state.point
             rows = rows[unchanged & (versions > state.since) if state.since else unchanged]
-        if rows.numel() and state.only is not None:
-            rows = rows[state.only(self._rows["ids"].gather(rows))]
+        if rows.numel() and state.slot_mask is not None:
+            rows = rows[state.slot_mask[slot_of(self._rows["ids"].gather(rows), state.slot_mask.numel())]]
         if not rows.numel():
             return
         rows, _ = torch.sort(rows)
@@ -115,13 +117,7 @@ class Preimages:
         """The chunk's rows unchanged since the point (into ``buffers``), and the pre-images kept of the others
         (now the snapshot's alone: no later write adds to them). The lock held."""
         count = min(self._rows.chunk_rows, state.size - (chunk << self._rows.shift))
-        version = self._rows["version"].chunk(chunk, count)
-        keep = (version <= state.point) & (self._rows["access"].chunk(chunk, count) != eviction.FREE)
-        if state.since:
-            keep &= version > state.since
-        rows = torch.nonzero(keep).squeeze(1) + (chunk << self._rows.shift)
-        if state.only is not None:
-            rows = rows[state.only(self._rows["ids"].gather(rows))]
+        rows = self._rows.select_kept(chunk, count, Kept(state.point, state.since, eviction.FREE, state.slot_mask))
         copied = self._rows.gather_fields(rows, {name: out[: rows.numel()] for name, out in buffers.items()})
         pieces = state.preimages.pop(chunk, [])
         for piece in pieces:

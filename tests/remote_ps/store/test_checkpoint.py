@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from lightning_persia import checksum
-from lightning_persia.ops.shard_map import ShardMap, shard_of
+from lightning_persia.ops.hashing import slot_of
+from lightning_persia.ops.shard_map import SLOTS, ShardMap, shard_of
 from lightning_persia.remote_ps.store import CheckpointError, ShardStore, checkpoint, shard_store
 from lightning_persia.remote_ps.store.table import Table
 from lightning_persia.remote_ps.table_config import SGD, Adagrad, Adam, Constant, TableConfig, Uniform
@@ -210,10 +211,11 @@ def _rows_by_id(chunks) -> dict[int, tuple]:
     return out
 
 
-@pytest.mark.parametrize("only", [None, "odd ids"])  # a move's snapshot: the moving slots' rows alone
+@pytest.mark.parametrize("slots", [None, "even slots"])  # a move's snapshot: the moving slots' rows alone
 @pytest.mark.parametrize("origin", ["inserted", "loaded"])
-def test_a_streamed_snapshot_holds_the_rows_of_its_point_while_the_table_changes(small_chunks, store_kernels, origin, only):
-    kept = (lambda ids: ids % 2 == 1) if only else None
+def test_a_streamed_snapshot_holds_the_rows_of_its_point_while_the_table_changes(small_chunks, store_kernels, origin, slots):
+    slot_mask = (torch.arange(SLOTS) % 2 == 0) if slots else None
+    kept = (lambda ids: slot_mask[slot_of(ids, SLOTS)]) if slots else None
     config = TableConfig("t", 4, optimizer=Adagrad(lr=0.5, rowwise=True), capacity=5000, init=Uniform(-1, 1))
     table = Table(config, seed=1)
     ids = torch.arange(5000) * 3 + 1  # five chunks of 1,024 rows
@@ -225,7 +227,7 @@ def test_a_streamed_snapshot_holds_the_rows_of_its_point_while_the_table_changes
     table.update(ids[::2], torch.ones(2500, 4))
     at_point = table.lookup(ids, train=False)
     with table.lock:
-        snapshot = table.begin_snapshot(only=kept)
+        snapshot = table.begin_snapshot(slot_mask=slot_mask)
     chunks = ({name: values.clone() for name, values in chunk.items()} for chunk in snapshot.chunks())  # reused buffers
     saved = [next(chunks)]  # chunk 0 is written; the others are not yet
     grads = torch.randn(5000, 4, generator=torch.Generator().manual_seed(3))

@@ -6,12 +6,16 @@ import threading
 import time
 import weakref
 
+import pytest
 import torch
 
-from lightning_persia.remote_ps.store import ShardStore
+from lightning_persia.ops.hashing import slot_of
+from lightning_persia.ops.shard_map import SLOTS
+from lightning_persia.remote_ps.store import ShardStore, eviction
 from lightning_persia.remote_ps.store import chunked_rows
 from lightning_persia.remote_ps.store.chunked_rows import ChunkedRows, FieldSpec
 from lightning_persia.remote_ps.store.initializers import initial_rows
+from lightning_persia.remote_ps.store.native.rows import Kept, KeptFields
 from lightning_persia.remote_ps.table_config import SGD, TableConfig, Uniform
 
 
@@ -133,3 +137,44 @@ def test_committing_memory_ahead_lets_the_other_threads_run():
     thread.join()
     assert _resident_bytes_at(address, size) == size
     assert ticks >= 5, f"the main thread ran {ticks} times while {size >> 20} MB were committed"
+
+
+def _records_to_select(seed: int) -> tuple[ChunkedRows, dict[str, torch.Tensor]]:
+    """Two chunks of 1,024 records with random ids, versions and access marks (a tenth of them free)."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = ChunkedRows({"ids": FieldSpec(torch.int64), "weights": FieldSpec(torch.float16, 3), "access": FieldSpec(torch.int32),
+                        "version": FieldSpec(torch.int32)})
+    rows.reserve(2048)
+    fields = {"ids": torch.randint(-2**62, 2**62, (2048,), generator=generator),
+              "version": torch.randint(0, 50, (2048,), generator=generator, dtype=torch.int32),
+              "access": torch.randint(0, 20, (2048,), generator=generator, dtype=torch.int32)}
+    fields["access"][torch.rand(2048, generator=generator) < 0.1] = eviction.FREE
+    rows.scatter_fields(torch.arange(2048), fields)
+    return rows, fields
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_snapshots_selection_of_a_chunk_is_its_rows_of_the_point_in_the_slots_asked(small_chunks, store_kernels, seed):
+    rows, fields = _records_to_select(seed)
+    generator = torch.Generator().manual_seed(100 + seed)
+    slot_mask = torch.rand(SLOTS, generator=generator) < 0.3
+    for point, since, mask in [(30, 0, None), (30, 10, None), (49, 0, slot_mask), (25, 5, slot_mask), (0, 0, None)]:
+        kept = Kept(point, since, eviction.FREE, mask)
+        for chunk in (0, 1):
+            got = rows.select_kept(chunk, 1000, kept)
+            span = torch.arange(chunk * 1024, chunk * 1024 + 1000)
+            version, access = fields["version"][span], fields["access"][span]
+            want = (version <= point) & (access != eviction.FREE) & ((version > since) if since else True)
+            if mask is not None:
+                want &= mask[slot_of(fields["ids"][span], SLOTS)]
+            assert torch.equal(got, span[want]), f"seed {seed}: point {point}, since {since}, chunk {chunk}"
+
+
+def test_a_selection_outside_one_chunk_or_with_a_bad_slot_mask_is_refused(small_chunks, native_kernels):
+    rows, _ = _records_to_select(0)
+    with pytest.raises(ValueError, match="not within one chunk"):
+        rows.layout.select_kept(1000, 100, KeptFields(0, 0, 0), Kept(1, 0, eviction.FREE))
+    with pytest.raises(ValueError, match="power-of-two"):
+        rows.select_kept(0, 10, Kept(1, 0, eviction.FREE, torch.ones(100, dtype=torch.bool)))
+    with pytest.raises(ValueError, match="slot_mask"):
+        rows.select_kept(0, 10, Kept(1, 0, eviction.FREE, torch.ones(SLOTS, dtype=torch.uint8)))

@@ -103,6 +103,35 @@ int64_t lp_select_at_most(const int32_t *values, int64_t stride, int64_t n, int3
     return found;
 }
 
+/* Rows first .. first + n - 1 (of one chunk) that a snapshot keeps, ascending, into out; returns how many. Kept: the
+ * int32 version at version_offset is at most `point` and, where `since` is not 0, above it; the int32 access at
+ * access_offset is not `free_mark`; and, where slot_mask is given, the routing slot of the int64 id at id_offset
+ * (ops/hashing.py's slot_of over `slots` slots, a power of two) is set in it.
+ * A live move's wave reads every row of its source this way, in one pass over the records: as tensor operations
+ * over strided views of the fields (compare, mask, nonzero, gather the ids, hash, look up the slot) the same read
+ * took about 40 ns a row. */
+int64_t lp_select_kept(const int64_t *chunks, int64_t shift, int64_t stride, int64_t first, int64_t n,
+                       int64_t version_offset, int64_t access_offset, int64_t id_offset, int64_t point, int64_t since,
+                       int32_t free_mark, const uint8_t *slot_mask, int64_t slots, int64_t *out) {
+    const rows_t t = {chunks, shift, stride};
+    const uint64_t slot_bits = (uint64_t)slots - 1;
+    int64_t found = 0;
+    for (int64_t row = first; row < first + n; ++row) {
+        const char *r = record(&t, row);
+        int32_t version, access;
+        memcpy(&version, r + version_offset, 4);
+        memcpy(&access, r + access_offset, 4);
+        if (version > point || (since && version <= since) || access == free_mark) continue;
+        if (slot_mask) {
+            int64_t id;
+            memcpy(&id, r + id_offset, 8);
+            if (!slot_mask[mix64((uint64_t)id ^ SHARD_SALT) & slot_bits]) continue;
+        }
+        out[found++] = row;
+    }
+    return found;
+}
+
 /* ---- initial rows (the words: store.h's row_word) ------------------------------------------------------- */
 
 /* out[i * cols + c]: the word of column c of id ids[i]'s initial row. */

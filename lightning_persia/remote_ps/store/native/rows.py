@@ -18,6 +18,7 @@ SIGNATURES = {
     "lp_fields": ([_P, _I64, _I64, _P, _I64, _I64, _P, _P, _P, _I32], None),
     "lp_set_i32": ([_P, _I64, _I64, _I64, _P, _I64, _I32, _I32], None),
     "lp_select_at_most": ([_P, _I64, _I64, _I32, _I32, _I64, _P, _P], _I64),
+    "lp_select_kept": ([_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I32, _P, _I64, _P], _I64),
     "lp_row_bits": ([_P, _I64, _I64, _I64, _P], None),
     "lp_uniform_rows": ([_P, _I64, _I64, _I64, ctypes.c_double, ctypes.c_double, _P], None),
 }
@@ -96,6 +97,44 @@ class Chunks:
         """The int32 field at byte ``offset`` of ``rows`` (``< 0``: skipped) becomes ``value``, or grows by it with ``add``."""
         rows = self.check_rows(rows, None, offset, 4)
         native.LIBRARY.require().lp_set_i32(*self.layout(), offset, rows.data_ptr(), rows.numel(), value, int(add))
+
+    def select_kept(self, first: int, count: int, fields: KeptFields, kept: Kept) -> torch.Tensor:
+        """The rows ``first .. first + count - 1`` (of one chunk) that ``kept`` keeps, ascending (int64)."""
+        if count < 0 or first < 0 or first + count > self.capacity or (count and first >> self.shift != (first + count - 1) >> self.shift):
+            raise ValueError(f"rows {first} .. {first + count - 1} are not within one chunk of the {self.capacity} rows")
+        for offset, width in ((fields.version, 4), (fields.access, 4), (fields.id, 8)):
+            self.check_field(offset, width)
+        mask = kept.slot_mask
+        if mask is not None:
+            check(mask, torch.bool, "slot_mask")
+            if not mask.is_contiguous() or mask.numel() & (mask.numel() - 1) or not mask.numel():
+                raise ValueError(f"slot_mask must be a contiguous bool tensor of a power-of-two length, got {mask.numel()}")
+        out = torch.empty(count, dtype=torch.int64)
+        found = native.LIBRARY.require().lp_select_kept(
+            *self.layout(), first, count, fields.version, fields.access, fields.id, kept.point, kept.since, kept.free_mark,
+            None if mask is None else mask.data_ptr(), 0 if mask is None else mask.numel(), out.data_ptr())
+        return out[:found]
+
+
+@dataclass(frozen=True)
+class KeptFields:
+    """Where a record holds the fields :meth:`Chunks.select_kept` reads: byte offsets of the int32 version, the
+    int32 access mark and the int64 id."""
+
+    version: int
+    access: int
+    id: int
+
+
+@dataclass(frozen=True)
+class Kept:
+    """Which rows a snapshot keeps: version at most ``point`` and above ``since`` (0: no lower bound), access not
+    ``free_mark``, and, with ``slot_mask`` (bool, one per routing slot), an id whose slot is set in it."""
+
+    point: int
+    since: int
+    free_mark: int
+    slot_mask: Optional[torch.Tensor] = None
 
 
 def select_at_most(values: torch.Tensor, threshold: int, free_mark: int, count: int) -> tuple[torch.Tensor, int]:

@@ -107,9 +107,9 @@ int64_t lp_select_at_most(const int32_t *values, int64_t stride, int64_t n, int3
  * int32 version at version_offset is at most `point` and, where `since` is not 0, above it; the int32 access at
  * access_offset is not `free_mark`; and, where slot_mask is given, the routing slot of the int64 id at id_offset
  * (ops/hashing.py's slot_of over `slots` slots, a power of two) is set in it.
- * A live move's wave reads every row of its source this way, in one pass over the records: as tensor operations
- * over strided views of the fields (compare, mask, nonzero, gather the ids, hash, look up the slot) the same read
- * took about 40 ns a row. */
+ * A live move's wave reads every row of its source this way, in one pass over the records (3.6 ns a row), under the
+ * table's lock: as tensor operations over strided views of the fields (compare, mask, nonzero, gather the ids, hash,
+ * look up the slot) a wave's read of a 5M-row table took 0.20 s of CPU, copy included, against 0.09 s now. */
 int64_t lp_select_kept(const int64_t *chunks, int64_t shift, int64_t stride, int64_t first, int64_t n,
                        int64_t version_offset, int64_t access_offset, int64_t id_offset, int64_t point, int64_t since,
                        int32_t free_mark, const uint8_t *slot_mask, int64_t slots, int64_t *out) {

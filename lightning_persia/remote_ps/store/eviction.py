@@ -126,34 +126,29 @@ def select_victims(access: Sequence[torch.Tensor], count: int, generator: torch.
     reads = total
     if estimated is not None and estimated[1] > 0:  # made earlier: the rows touched since may have left it short
         reads = min(total, math.ceil(_STALE_READS * count / (BULK_FRACTION * estimated[1])))
-    while True:
-        threshold, live_fraction = estimated if estimated is not None else _threshold(access, margin * count, total, generator)
-        estimated = None  # a second try samples again, aiming higher
-        rows, stop = _sweep(access, threshold, count, start % total, total, reads)
-        if rows.numel() >= count or margin * count >= live_fraction * total:
-            return rows, stop
-        reads = total
-        margin *= 2
-
-
-def _sweep(access: Sequence[torch.Tensor], threshold: int, count: int, start: int, total: int, reads: int) -> tuple[torch.Tensor, int]:
-    """Up to ``count`` live rows at or below ``threshold``, read from row ``start`` on (wrapping, at most once
-    around), reading at most ``reads`` values; and the row after the last one taken (or read)."""
     bounds = list(accumulate((a.numel() for a in access), initial=0))
     # In C where it can (one pass that stops at the last one taken): the tensor ops read the whole slice three times,
     # 1.0 ms of a 16,384-row demotion's 5.25 ms with the lock held (100M rows, 40M in memory).
     cold_among = native_rows.select_at_most if native.available() else _cold_among
-    found, taken, position, read = [], 0, start, 0
-    while taken < count and read < reads:
-        chunk = bisect_right(bounds, position) - 1
-        offset = position - bounds[chunk]
-        values = access[chunk][offset : offset + min(_SWEEP_ROWS, reads - read)]
-        hits, step = cold_among(values, threshold, FREE, count - taken)
-        found.append(hits + position)
-        taken += hits.numel()
-        read += step
-        position = (position + step) % total
-    return (torch.cat(found) if found else torch.empty(0, dtype=torch.int64)), position
+    while True:
+        threshold, live_fraction = estimated if estimated is not None else _threshold(access, margin * count, total, generator)
+        estimated = None  # a second try samples again, aiming higher
+        # the sweep: up to `count` live rows at or below the threshold, read from `start` on (wrapping, at most once
+        # around), reading at most `reads` values, a slice at a time; it stops after the last one taken (or read)
+        found, taken, position, read = [], 0, start % total, 0
+        while taken < count and read < reads:
+            chunk = bisect_right(bounds, position) - 1
+            offset = position - bounds[chunk]
+            values = access[chunk][offset : offset + min(_SWEEP_ROWS, reads - read)]
+            hits, step = cold_among(values, threshold, FREE, count - taken)
+            found.append(hits + position)
+            taken += hits.numel()
+            read += step
+            position = (position + step) % total
+        if taken >= count or margin * count >= live_fraction * total:
+            return (torch.cat(found) if found else torch.empty(0, dtype=torch.int64)), position
+        reads = total
+        margin *= 2
 
 
 def _cold_among(values: torch.Tensor, threshold: int, free_mark: int, count: int) -> tuple[torch.Tensor, int]:

@@ -18,7 +18,7 @@ demotions (:meth:`Table.promote_pending`, :meth:`Table.demote`), the lock held f
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, Optional, Sequence
+from typing import ContextManager, Iterator, Optional, Sequence
 
 import torch
 
@@ -94,7 +94,11 @@ class Table(MemoryRows):
         outs = [torch.empty(ids.numel(), table.config.dim, dtype=table.storage_dtype) for table, ids in requests]
         with _all_locked(tables, sum(out.shape[0] for out in outs), train) as locks:
             rows = Table._probe(requests, outs, train)
-            left, promotions, disk_work = Table._from_disk(requests, rows, outs, train, locks)
+            with Table._between_locks(requests, rows, outs, train, locks) as gaps:
+                for table, gap in zip(tables, gaps):  # the room a large training lookup needs, made without the lock
+                    if gap is not None:
+                        table.demote(gap.shortfall, of="a lookup's demotion, a slice")
+            left, promotions, disk_work = Table._from_disk(requests, rows, outs, train, gaps)
             with disk_work:
                 for (table, ids), found, out, missing, promotion in zip(requests, rows, outs, left, promotions):
                     if promotion is not None:  # rows the disk part read for memory
@@ -131,18 +135,15 @@ class Table(MemoryRows):
         return rows
 
     @staticmethod
-    def _from_disk(requests: Sequence[tuple["Table", torch.Tensor]], rows: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
-                   train: bool, locks: HeldLocks) -> tuple[list[Optional[int]], list[Optional[Promotion]], ContextManager]:
-        """The rest of a lookup of one or more tables once their memory was probed (``rows``: -1 where it missed),
-        every table's lock held (``locks``). The records of the misses that are on disk are read with the locks let
-        go (:meth:`DiskPart.gap`), and the room a training lookup needs is made meanwhile (:meth:`demote`); the locks
-        taken again, each table's part probes its memory again where it changed meanwhile (:meth:`DiskPart.rejoin`),
-        then fills its misses from disk (:meth:`DiskPart.fill`).
-
-        Returns, for each table, the ids still missing (-1 in its ``rows``; None: its memory held every id) and the
-        rows its part read for memory (a training lookup's :class:`Promotion`, else None), and the parts' disk
-        operations of the lookup, still open: the caller brings those rows in and admits the missing ids within them
-        (what that demotes is the lookup's disk work), then closes them."""
+    @contextlib.contextmanager
+    def _between_locks(requests: Sequence[tuple["Table", torch.Tensor]], rows: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
+                       train: bool, locks: HeldLocks) -> Iterator[list[Optional[Gap]]]:
+        """What a lookup of one or more tables does between its two holds of their locks, once their memory was probed
+        (``rows``: -1 where it missed), every lock held (``locks``). Each table's part says what to do without the
+        lock (a :class:`Gap`, or None: :meth:`DiskPart.gap`); where any has something, the locks are let go, the
+        records of the misses on disk read, and the block runs, given the gaps (the caller makes the room each
+        names: :meth:`demote`); the locks taken again, each table's part probes its memory again where it changed
+        meanwhile (:meth:`DiskPart.rejoin`). Where none has, the block runs with the locks held."""
         parts = [table._disk for table, _ in requests]
         gaps: list[Optional[Gap]] = []
         try:
@@ -151,22 +152,33 @@ class Table(MemoryRows):
         except BaseException:  # the reads the others began end before the error goes on up
             _end_reads(parts, gaps)
             raise
-        if any(gaps):
-            inserted = []  # each memory's count of ids taken in, before the locks are let go
-            for table, _ in requests:
-                inserted.append(table.inserted)
-            try:
-                with locks.let_go():
-                    for gap in gaps:
-                        if gap is not None and gap.ahead is not None:
-                            gap.ahead.read()
-                    for (table, _), gap in zip(requests, gaps):
-                        if gap is not None:
-                            table.demote(gap.shortfall, of="a lookup's demotion, a slice")
-            finally:  # the locks taken again: every read ends, also when one failed, before any table's rejoin may fail
-                _end_reads(parts, gaps)
-            for part, (_, wanted), found, out, gap, before in zip(parts, requests, rows, outs, gaps, inserted):
-                part.rejoin(wanted, found, out, train, gap, before)  # every table's, before any changes a row
+        if not any(gaps):
+            yield gaps
+            return
+        inserted = [table.inserted for table, _ in requests]  # each memory's count of ids taken in, before the let-go
+        try:
+            with locks.let_go():
+                for gap in gaps:
+                    if gap is not None and gap.ahead is not None:
+                        gap.ahead.read()
+                yield gaps
+        finally:  # the locks taken again: every read ends, also when one failed, before any table's rejoin may fail
+            _end_reads(parts, gaps)
+        for part, (_, wanted), found, out, gap, before in zip(parts, requests, rows, outs, gaps, inserted):
+            part.rejoin(wanted, found, out, train, gap, before)  # every table's, before any changes a row
+
+    @staticmethod
+    def _from_disk(requests: Sequence[tuple["Table", torch.Tensor]], rows: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
+                   train: bool, gaps: Sequence[Optional[Gap]]) -> tuple[list[Optional[int]], list[Optional[Promotion]], ContextManager]:
+        """The rest of a lookup of one or more tables once their memory was probed and the records of their misses
+        read (:meth:`_between_locks`), every table's lock held: each table's part fills its misses from disk
+        (:meth:`DiskPart.fill`).
+
+        Returns, for each table, the ids still missing (-1 in its ``rows``; None: its memory held every id) and the
+        rows its part read for memory (a training lookup's :class:`Promotion`, else None), and the parts' disk
+        operations of the lookup, still open: the caller brings those rows in and admits the missing ids within them
+        (what that demotes is the lookup's disk work), then closes them."""
+        parts = [table._disk for table, _ in requests]
         operations = None  # made for the first miss: a lookup its memory answered whole opens none
         left: list[Optional[int]] = []
         promotions: list[Optional[Promotion]] = []

@@ -3,8 +3,8 @@
 Every C function the store's binding modules declare is wrapped on the loaded library; each call records its Python
 stack. The calls are counted from where the work enters the store: an RPC method of ``PSServicer`` (``Lookup``,
 ``Update``, ...), or a pass of a shard's background thread (the demoter's, the expirer's). ``Lookup`` ->
-``_past_handover`` -> ``ShardStore.lookup_many`` -> ``Table.lookup_together`` -> ``Table._probe`` ->
-``jobs.find_many`` -> ``lp_find_many`` is 6 calls. A path "enters a file twice" where its frames leave a file and
+``ShardStore.lookup_many`` -> ``Table.lookup_together`` -> ``Table._probe`` -> ``jobs.find_many`` ->
+``lp_find_many`` is 5 calls. A path "enters a file twice" where its frames leave a file and
 come back to it later.
 
 The workload runs in process, on one shard after the other (:data:`SCENARIOS`): a memory table at capacity

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 import uuid
-from typing import Callable, Iterator, Optional, TypeVar
+from typing import Callable, Iterator, Optional
 
 import grpc
 
@@ -47,8 +47,6 @@ step's worth) before the client hears "moving" and retries."""
 HANDOVER_PAGE_BYTES = 16 << 20
 """Rows a handover page holds, at most: a taker decodes and writes a page while the source's step waits for it, and
 both serve their trainers meanwhile, so pages stay small enough not to hold either's interpreter for long."""
-
-T = TypeVar("T")
 
 def _rpc(method: Callable) -> Callable:
     """Counts the call and turns every refusal or failure into a gRPC status with its message."""
@@ -89,6 +87,42 @@ def _writes(method: Callable) -> Callable:
         return method(self, request, context)
 
     return wrapper
+
+
+class _PastHandover:
+    """The attempts of a request over slots that may be being handed over, run in the caller's own frame::
+
+        for attempt in _PastHandover(store):
+            with attempt:
+                ...
+
+    An attempt refused because its slots are being handed over (or because it was routed by a map this shard has
+    not adopted yet) waits for the handover to end (or the adoption), then runs again (and hears the map moved),
+    rather than send its client into a back-off that could outlast a drained shard. After :data:`HANDOVER_WAIT_S`
+    the refusal goes to the client, which retries."""
+
+    def __init__(self, store: ShardStore) -> None:
+        self._store = store
+        self._deadline = time.monotonic() + HANDOVER_WAIT_S
+        self._seen_version = 0
+        self._done = False
+
+    def __iter__(self) -> Iterator["_PastHandover"]:
+        while not self._done:
+            self._seen_version = self._store.shard_map.version
+            yield self
+
+    def __enter__(self) -> "_PastHandover":
+        return self
+
+    def __exit__(self, kind, err, traceback) -> bool:
+        if kind is None:
+            self._done = True
+            return False
+        if not issubclass(kind, SlotsMovingError) or time.monotonic() >= self._deadline:
+            return False
+        self._store.wait_handover(max(0.0, self._deadline - time.monotonic()), self._seen_version)
+        return True
 
 
 class PSServicer(persia_pb2_grpc.ParameterServerServicer):
@@ -150,8 +184,10 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
             )
         # A read-only shard answers a training lookup like an evaluation one: nothing is inserted or touched.
         train = request.train and not self.config.read_only
-        found = self._past_handover(self.store.lookup_many, [(item.name, item.ids) for item in items], train=train,
-                                    dtype=wire.WIRE_DTYPES[dtype], map_version=request.map_version)
+        for attempt in _PastHandover(self.store):
+            with attempt:
+                found = self.store.lookup_many([(item.name, item.ids) for item in items], train=train,
+                                               dtype=wire.WIRE_DTYPES[dtype], map_version=request.map_version)
         self._count("lookup_rows", sum(item.ids.numel() for item in items))
         response = messages.lookup_response(request, items, found, dtype)
         response.map_version = self.store.shard_map.version
@@ -165,21 +201,20 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         if request.seq < 1:
             raise invalid("update seq must be >= 1")
 
-        rows, duplicate = self._past_handover(self._update_once, request, messages.update_digest(request))
-        self._count("update_duplicates" if duplicate else "update_rows", 1 if duplicate else rows)
-        return persia_pb2.UpdateResponse(rows_applied=rows, duplicate=duplicate, map_version=self.store.shard_map.version)
-
-    def _update_once(self, request: persia_pb2.UpdateRequest, digest: int) -> tuple[int, bool]:
-        """``(rows applied, duplicate)``: the update of ``request`` applied unless its ``(client_id, seq)`` was."""
-        with self.dedup.once(request.client_id, request.seq, digest) as attempt:
-            if not attempt.duplicate:
-                # Decoded here, not before: a duplicate (a retry, or an update re-routed after a move)
-                # is answered without decoding its gradients again.
-                items = self._decoder.tables(request, with_grads=True)
-                attempt.result = self.store.update_many([(item.name, item.ids, item.grads) for item in items],
-                                                        client=request.client_id, seq=request.seq,
-                                                        map_version=request.map_version)
-        return attempt.result, attempt.duplicate
+        digest = messages.update_digest(request)
+        for attempt in _PastHandover(self.store):
+            # checked, then applied, in this frame: an update whose (client_id, seq) was applied is answered as then
+            with attempt, self.dedup.once(request.client_id, request.seq, digest) as once:
+                if not once.duplicate:
+                    # Decoded here, not before: a duplicate (a retry, or an update re-routed after a move)
+                    # is answered without decoding its gradients again.
+                    items = self._decoder.tables(request, with_grads=True)
+                    once.result = self.store.update_many([(item.name, item.ids, item.grads) for item in items],
+                                                         client=request.client_id, seq=request.seq,
+                                                         map_version=request.map_version)
+        self._count("update_duplicates" if once.duplicate else "update_rows", 1 if once.duplicate else once.result)
+        return persia_pb2.UpdateResponse(rows_applied=once.result, duplicate=once.duplicate,
+                                         map_version=self.store.shard_map.version)
 
     # ---- tables --------------------------------------------------------------------------------------
 
@@ -328,21 +363,6 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         if request.adopt:
             self.store.adopt_map(to_map, list(request.to_map.addresses))
         return persia_pb2.TakeOverResponse()
-
-    def _past_handover(self, call: Callable[..., T], *args, **kwargs) -> T:
-        """``call(*args, **kwargs)``; one refused because its slots are being handed over (or because it was routed
-        by a map this shard has not adopted yet) waits for the handover to end (or the adoption), then runs again
-        (and hears the map moved), rather than send its client into a back-off that could outlast a drained shard.
-        After :data:`HANDOVER_WAIT_S` the refusal goes to the client, which retries."""
-        deadline = time.monotonic() + HANDOVER_WAIT_S
-        while True:
-            seen_version = self.store.shard_map.version
-            try:
-                return call(*args, **kwargs)
-            except SlotsMovingError:
-                if time.monotonic() >= deadline:
-                    raise
-            self.store.wait_handover(max(0.0, deadline - time.monotonic()), seen_version)
 
     def _deliver(self, step: int, timeout_s: Optional[float]) -> persia_pb2.HandoverPage:
         """The next page of ``step`` sent to the takers (or, when the last one did not reach them all, that page

@@ -26,9 +26,9 @@ def test_a_short_run_counts_each_kernel_from_its_entry(capsys):
     assert any(entry == "Demoter.run_once" for scenario, _, entry in rows if scenario == "disk")
     assert not any(entry == "Demoter.run_once" for scenario, _, entry in rows if scenario == "disk, no demoter")
     # the table orchestrates its parts: no path goes down into a file, out of it and back (a part calling back into
-    # the memory that calls the part again); the deepest, a request's promotion demoting to disk, is 13 calls
+    # the memory that calls the part again); the deepest, a request's promotion demoting to disk, is 8 calls
     assert [row["path"] for row in rows.values() if row["entered_twice"]] == []
-    assert max(row["deepest"] for row in rows.values()) <= 13
+    assert max(row["deepest"] for row in rows.values()) <= 8
 
 
 @pytest.mark.skipif(not native.available(), reason="it counts calls into the store's native kernels, which a checkout without a C compiler does not build (make native)")

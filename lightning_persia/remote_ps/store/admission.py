@@ -5,8 +5,9 @@
 once per lookup. Which of two it is, :func:`make_admission` chooses once per table, like the id index: a
 :class:`DrawnAdmission` (tensor ops, for any table: its draws and sightings, its first rows from ``initializers.py``)
 or, where every unseen id is admitted with a Uniform first row and the index is native, a :class:`OnePassAdmission`
-(one native pass finds room, draws the rows, indexes them and fills the lookup's output), which leaves the lookups
-that pass cannot serve to a DrawnAdmission of its own. Either writes through its table's memory (:class:`NewRows`).
+(one native pass draws the rows, indexes them and fills the lookup's output), which leaves the lookups that pass
+cannot serve to a DrawnAdmission of its own. Either decides and returns what to admit (:class:`Admitted`); the table
+makes room through its memory limit and writes the rows.
 
 The sightings are counted without a row per id:
 
@@ -111,6 +112,19 @@ class FirstRows:
     state: torch.Tensor
 
 
+@dataclass(frozen=True)
+class Admitted:
+    """What a training lookup admits, as its table's admission decided it; the table makes room for ``count`` rows
+    and writes them. Where ``first`` is set, the ids absent from the lookup (-1 in its rows) in one native pass, their
+    first records drawn from it (:meth:`~.memory_rows.MemoryRows.admit_in_one_pass`); else ``ids`` (unique), their
+    first weights ``initial`` in the storage dtype (:meth:`~.memory_rows.MemoryRows.write_admitted`)."""
+
+    count: int
+    first: Optional[FirstRows] = None
+    ids: Optional[torch.Tensor] = None
+    initial: Optional[torch.Tensor] = None
+
+
 class NewRows(Protocol):
     """What admission asks of its table's memory (:class:`~.memory_rows.MemoryRows` is one); the lock held."""
 
@@ -122,19 +136,18 @@ class NewRows(Protocol):
     @property
     def saving(self) -> bool: ...
 
-    def admit_in_one_pass(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, missing: int, first: FirstRows) -> None: ...
-
-    def write_admitted(self, ids: torch.Tensor, initial: torch.Tensor) -> None: ...
+    @property
+    def memory_rows(self) -> int: ...
 
 
 class Admission(Protocol):
     """A table's admission of unseen ids (``config.admit_probability``, ``config.admit_after``), made by
     :func:`make_admission`."""
 
-    def fill_missing(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, missing: int) -> None:
+    def fill_missing(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, missing: int) -> Optional[Admitted]:
         """The rows of ``out`` that neither the memory nor the disk held (``missing`` of them: -1 in ``rows``; -2: read
-        from disk and left there, already in ``out``): a training lookup admits their ids, an evaluation one reads
-        their initial rows. The lock held."""
+        from disk and left there, already in ``out``): what a training lookup admits of their ids (None: nothing),
+        which the table then writes; an evaluation one reads their initial rows into ``out``. The lock held."""
 
     def sightings(self, slots: torch.Tensor) -> Optional[torch.Tensor]:
         """The sighting counters of ``slots`` (:meth:`CountingFilter.counters`), or None where no sighting is counted.
@@ -168,13 +181,17 @@ class OnePassAdmission:
         self._first = first
         self._others = others
 
-    def fill_missing(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, missing: int) -> None:
+    def fill_missing(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, missing: int) -> Optional[Admitted]:
         # An evaluation lookup admits nothing; a save keeps pre-images, which only the tensor ops write; more new ids
         # than the table holds are cut to its capacity, which only the tensor ops do.
-        if train and missing <= self._capacity and not self._memory.saving:
-            self._memory.admit_in_one_pass(ids, rows, out, missing, self._first)
-        else:
-            self._others.fill_missing(ids, rows, out, train, missing)
+        if not (train and missing <= self._capacity and not self._memory.saving):
+            return self._others.fill_missing(ids, rows, out, train, missing)
+        # a row is taken for every absent occurrence (a client sends each id once; an id repeated in a request takes
+        # one row and hands the others back to the free list), except where rows must be evicted for them: exactly
+        # one per new id then, none more
+        if missing > self._capacity - self._memory.memory_rows:
+            missing = int(torch.unique(ids[rows == -1]).numel())
+        return Admitted(missing, first=self._first)
 
     def sightings(self, slots: torch.Tensor) -> Optional[torch.Tensor]:
         return self._others.sightings(slots)
@@ -204,14 +221,14 @@ class DrawnAdmission:
         """Whether every unseen id is admitted (no draw, no sighting counted)."""
         return self._probability >= 1.0 and self._sightings is None
 
-    def fill_missing(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, missing: int) -> None:
+    def fill_missing(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, train: bool, missing: int) -> Optional[Admitted]:
         absent = rows == -1
         unique, inverse = torch.unique(ids[absent], return_inverse=True)
         config = self._config
         initial = initial_rows(config.init, self._seed, config.name, unique, config.dim).to(out.dtype)
         out[absent] = initial[inverse]
         if not train:
-            return
+            return None
         keep = self._admitted(unique)
         if not bool(keep.all()):
             self._refused += int((~keep).sum())
@@ -219,8 +236,7 @@ class DrawnAdmission:
         if unique.numel() > config.capacity:
             self._refused += unique.numel() - config.capacity
             unique, initial = unique[: config.capacity], initial[: config.capacity]
-        if unique.numel():
-            self._memory.write_admitted(unique, initial)
+        return Admitted(unique.numel(), ids=unique, initial=initial) if unique.numel() else None
 
     def sightings(self, slots: torch.Tensor) -> Optional[torch.Tensor]:
         return self._sightings.counters(slots) if self._sightings is not None else None

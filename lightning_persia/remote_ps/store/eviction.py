@@ -16,11 +16,10 @@ disk table's demoter asks it ahead, without the lock, for the threshold it then 
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from bisect import bisect_right
 from itertools import accumulate
-from typing import Iterator, Optional, Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 
@@ -57,11 +56,18 @@ class Eviction:
         estimated now. The table's lock held."""
         if not in_use:
             return torch.empty(0, dtype=torch.int64)
-        with hidden(self._access, keep):
+        if keep is None or not keep.numel():
             victims, self._start = select_victims(in_use, count, self._sample, self._start, estimated)
-        if keep is not None and keep.numel():
-            victims = victims[~torch.isin(victims, keep)]
-        return victims
+            return victims
+        # the rows kept look the hottest while the selection runs, so that it passes over them; their access values
+        # come back after it. A selection that takes every row of a small table may still name them: they are dropped
+        values = self._access.gather(keep)
+        self._access.fill(keep, _HIDDEN)
+        try:
+            victims, self._start = select_victims(in_use, count, self._sample, self._start, estimated)
+        finally:
+            self._access.scatter(keep, values)
+        return victims[~torch.isin(victims, keep)]
 
     def cold_estimate(self, in_use: Sequence[torch.Tensor], count: int) -> Optional[tuple[int, float]]:
         """:func:`estimate` of ``count`` victims among ``in_use`` (read without the lock; only the demoter calls it)."""
@@ -69,7 +75,7 @@ class Eviction:
 
 
 class AccessField(Protocol):
-    """A table's ``access`` field as :func:`hidden` reads and writes it (:class:`~.chunked_rows.ChunkedField` is one)."""
+    """A table's ``access`` field as :meth:`Eviction.victims` reads and writes it (hiding the rows kept) (:class:`~.chunked_rows.ChunkedField` is one)."""
 
     def gather(self, rows: torch.Tensor) -> torch.Tensor: ...
 
@@ -120,34 +126,29 @@ def select_victims(access: Sequence[torch.Tensor], count: int, generator: torch.
     reads = total
     if estimated is not None and estimated[1] > 0:  # made earlier: the rows touched since may have left it short
         reads = min(total, math.ceil(_STALE_READS * count / (BULK_FRACTION * estimated[1])))
-    while True:
-        threshold, live_fraction = estimated if estimated is not None else _threshold(access, margin * count, total, generator)
-        estimated = None  # a second try samples again, aiming higher
-        rows, stop = _sweep(access, threshold, count, start % total, total, reads)
-        if rows.numel() >= count or margin * count >= live_fraction * total:
-            return rows, stop
-        reads = total
-        margin *= 2
-
-
-def _sweep(access: Sequence[torch.Tensor], threshold: int, count: int, start: int, total: int, reads: int) -> tuple[torch.Tensor, int]:
-    """Up to ``count`` live rows at or below ``threshold``, read from row ``start`` on (wrapping, at most once
-    around), reading at most ``reads`` values; and the row after the last one taken (or read)."""
     bounds = list(accumulate((a.numel() for a in access), initial=0))
     # In C where it can (one pass that stops at the last one taken): the tensor ops read the whole slice three times,
     # 1.0 ms of a 16,384-row demotion's 5.25 ms with the lock held (100M rows, 40M in memory).
     cold_among = native_rows.select_at_most if native.available() else _cold_among
-    found, taken, position, read = [], 0, start, 0
-    while taken < count and read < reads:
-        chunk = bisect_right(bounds, position) - 1
-        offset = position - bounds[chunk]
-        values = access[chunk][offset : offset + min(_SWEEP_ROWS, reads - read)]
-        hits, step = cold_among(values, threshold, FREE, count - taken)
-        found.append(hits + position)
-        taken += hits.numel()
-        read += step
-        position = (position + step) % total
-    return (torch.cat(found) if found else torch.empty(0, dtype=torch.int64)), position
+    while True:
+        threshold, live_fraction = estimated if estimated is not None else _threshold(access, margin * count, total, generator)
+        estimated = None  # a second try samples again, aiming higher
+        # the sweep: up to `count` live rows at or below the threshold, read from `start` on (wrapping, at most once
+        # around), reading at most `reads` values, a slice at a time; it stops after the last one taken (or read)
+        found, taken, position, read = [], 0, start % total, 0
+        while taken < count and read < reads:
+            chunk = bisect_right(bounds, position) - 1
+            offset = position - bounds[chunk]
+            values = access[chunk][offset : offset + min(_SWEEP_ROWS, reads - read)]
+            hits, step = cold_among(values, threshold, FREE, count - taken)
+            found.append(hits + position)
+            taken += hits.numel()
+            read += step
+            position = (position + step) % total
+        if taken >= count or margin * count >= live_fraction * total:
+            return (torch.cat(found) if found else torch.empty(0, dtype=torch.int64)), position
+        reads = total
+        margin *= 2
 
 
 def _cold_among(values: torch.Tensor, threshold: int, free_mark: int, count: int) -> tuple[torch.Tensor, int]:
@@ -174,22 +175,6 @@ def _threshold(access: Sequence[torch.Tensor], count: float, total: int, generat
     quantile = min(1.0, max(BULK_FRACTION, count / max(total * live_fraction, 1.0)))
     rank = math.ceil(quantile * (sample.numel() - 1)) + 1  # the quantile's "higher" value, selected without a sort
     return int(torch.kthvalue(sample, rank).values), live_fraction
-
-
-@contextlib.contextmanager
-def hidden(access: AccessField, rows: Optional[torch.Tensor]) -> Iterator[None]:
-    """Within the block, ``rows`` (of a table's ``access`` field) look the hottest, so that a selection passes over
-    them; their access values come back after it. A selection that takes every row of a small table may still name
-    them: the caller drops those."""
-    if rows is None or not rows.numel():
-        yield
-        return
-    values = access.gather(rows)
-    access.fill(rows, _HIDDEN)
-    try:
-        yield
-    finally:
-        access.scatter(rows, values)
 
 
 def bulk_size(needed: int, capacity: int) -> int:

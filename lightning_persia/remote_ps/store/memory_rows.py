@@ -16,9 +16,9 @@ write-ahead log (``table_journal.py``).
 brings rows in makes room first, through the limit's one entry point, :meth:`MemoryRows.evict_coldest` (the rows
 to evict: :meth:`MemoryRows.rows_to_evict`). It selects the coldest rows (``eviction.py``), hands them to the disk
 part to keep where the table has one (``disk/part.py``: demoted to disk), else removes them, and frees their rows.
-The table brings rows back from disk through :meth:`MemoryRows.place`; an id that neither tier holds enters by the
-table's admission part (``admission.py``), which writes it through :meth:`MemoryRows.admit_in_one_pass` or
-:meth:`MemoryRows.write_admitted`.
+The table brings rows back from disk through :meth:`MemoryRows.place`; an id that neither tier holds enters as the
+table's admission part (``admission.py``) decides, the table writing it through :meth:`MemoryRows.admit_in_one_pass`
+or :meth:`MemoryRows.write_admitted`.
 """
 from __future__ import annotations
 
@@ -269,7 +269,7 @@ class MemoryRows:
             self._step += 1
         return (self._rows["access"], *eviction.touch_value(self.config.eviction, self._step))
 
-    # ---- what admission asks of the memory (Admission's NewRows) ---------------------------------------
+    # ---- what admission asks of the memory (Admission's NewRows), and the rows it admits ---------------------
 
     @property
     def indexed_natively(self) -> bool:
@@ -281,18 +281,15 @@ class MemoryRows:
         """Whether a save is in progress (it keeps the pre-images of rows about to change)."""
         return self._preimages.active is not None
 
-    def admit_in_one_pass(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, missing: int, first: FirstRows) -> None:
-        """Admits the absent ids of a training lookup and fills their rows of ``out`` (``jobs.c``'s ``lp_admit``), their
-        first records drawn from ``first``. No save may be in progress (the pass keeps no pre-image).
-
-        Rows are taken for every absent occurrence (a client sends each id once; an id repeated in a request takes
-        one row and hands the others back to the free list), except where rows must be evicted for them. Only the
-        ids at -1 are absent: a row at -2 was read from disk and queued for promotion, and stays the id's.
+    def admit_in_one_pass(self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, count: int, first: FirstRows) -> None:
+        """Admits the absent ids of a training lookup into ``count`` free rows (the caller made room:
+        :meth:`evict_coldest`) and fills their rows of ``out`` (``jobs.c``'s ``lp_admit``), their first records drawn
+        from ``first`` (as the table's admission decided: :class:`~.admission.Admitted`). No save may be in progress
+        (the pass keeps no pre-image). Only the ids at -1 are absent: a row at -2 was read from disk and queued for
+        promotion, and stays the id's. The rows an id repeated in the request took beyond its first go back to the
+        free list.
         """
-        if missing > self.config.capacity - self._live:  # rows evicted for them: exactly one per new id, none more
-            missing = int(torch.unique(ids[rows == -1]).numel())
-        self.evict_coldest(self.rows_to_evict(missing))
-        fresh = self._take_rows(missing)
+        fresh = self._take_rows(count)
         weights, access, version = self._rows["weights"], self._rows["access"], self._rows["version"]
         state = self._rows.fields.get("state")
         fields = native.AdmitFields(
@@ -318,14 +315,14 @@ class MemoryRows:
                 self._free.push(unused)
 
     def write_admitted(self, ids: torch.Tensor, initial: torch.Tensor) -> None:
-        """Writes the rows of ``ids`` (unique, absent, admitted: at most the capacity), ``initial`` their weights in
-        the storage dtype, with a first access and the rule's initial state."""
+        """Writes the rows of ``ids`` (unique, absent, admitted: at most the capacity) into free rows (the caller made
+        room: :meth:`evict_coldest`), ``initial`` their weights in the storage dtype, with a first access and the
+        rule's initial state."""
         n = ids.numel()
         fields = {"weights": initial,
                   "access": torch.full((n,), eviction.first_access(self.config.eviction, self._step), dtype=torch.int32)}
         if "state" in self._rows.fields:
             fields["state"] = self.rule.initial_state(n)
-        self.evict_coldest(self.rows_to_evict(n))
         self._write_new(ids, fields)
         if self._recording is not None:
             self._recording.admitted(ids, fields["access"])

@@ -11,14 +11,14 @@ the memory, asks the disk part what to read for the misses, lets the lock go whi
 large lookup needs meanwhile, :meth:`Table.demote`), takes the lock again and has the part fill the misses; the rows
 the part read for memory come back to the table (a :class:`~.disk.part.Promotion`), which makes room through the
 memory limit (colder rows demoted: handed to the disk part to keep), places them in free rows and tells the part
-they moved; then it admits what neither tier holds. An update promotes its absent rows so first. A disk table's
-demoter asks the table for its queued promotions and demotions (:meth:`Table.promote_pending`,
-:meth:`Table.demote`), the lock held for a slice at a time.
+they moved; then it asks its admission what to admit of the ids neither tier holds, makes room and writes them. An
+update promotes its absent rows so first. A disk table's demoter asks the table for its queued promotions and
+demotions (:meth:`Table.promote_pending`, :meth:`Table.demote`), the lock held for a slice at a time.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, Optional, Sequence
+from typing import ContextManager, Iterator, Optional, Sequence
 
 import torch
 
@@ -94,7 +94,11 @@ class Table(MemoryRows):
         outs = [torch.empty(ids.numel(), table.config.dim, dtype=table.storage_dtype) for table, ids in requests]
         with _all_locked(tables, sum(out.shape[0] for out in outs), train) as locks:
             rows = Table._probe(requests, outs, train)
-            left, promotions, disk_work = Table._from_disk(requests, rows, outs, train, locks)
+            with Table._between_locks(requests, rows, outs, train, locks) as gaps:
+                for table, gap in zip(tables, gaps):  # the room a large training lookup needs, made without the lock
+                    if gap is not None:
+                        table.demote(gap.shortfall, of="a lookup's demotion, a slice")
+            left, promotions, disk_work = Table._from_disk(requests, rows, outs, train, gaps)
             with disk_work:
                 for (table, ids), found, out, missing, promotion in zip(requests, rows, outs, left, promotions):
                     if promotion is not None:  # rows the disk part read for memory
@@ -105,8 +109,13 @@ class Table(MemoryRows):
                     table._counters["lookup_rows"] += ids.numel()
                     if missing is None:  # the memory held every id
                         continue
-                    if missing:
-                        table._admission.fill_missing(ids, found, out, train, missing)
+                    admitted = table._admission.fill_missing(ids, found, out, train, missing) if missing else None
+                    if admitted is not None:  # the admission decided: the table makes room and writes the rows
+                        table.evict_coldest(table.rows_to_evict(admitted.count))
+                        if admitted.first is not None:
+                            table.admit_in_one_pass(ids, found, out, admitted.count, admitted.first)
+                        else:
+                            table.write_admitted(admitted.ids, admitted.initial)
                     if train:
                         table._worst_held.record(locks.held)
             journal_changes(tables, journal, always=False)
@@ -126,18 +135,15 @@ class Table(MemoryRows):
         return rows
 
     @staticmethod
-    def _from_disk(requests: Sequence[tuple["Table", torch.Tensor]], rows: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
-                   train: bool, locks: HeldLocks) -> tuple[list[Optional[int]], list[Optional[Promotion]], ContextManager]:
-        """The rest of a lookup of one or more tables once their memory was probed (``rows``: -1 where it missed),
-        every table's lock held (``locks``). The records of the misses that are on disk are read with the locks let
-        go (:meth:`DiskPart.gap`), and the room a training lookup needs is made meanwhile (:meth:`demote`); the locks
-        taken again, each table's part probes its memory again where it changed meanwhile (:meth:`DiskPart.rejoin`),
-        then fills its misses from disk (:meth:`DiskPart.fill`).
-
-        Returns, for each table, the ids still missing (-1 in its ``rows``; None: its memory held every id) and the
-        rows its part read for memory (a training lookup's :class:`Promotion`, else None), and the parts' disk
-        operations of the lookup, still open: the caller brings those rows in and admits the missing ids within them
-        (what that demotes is the lookup's disk work), then closes them."""
+    @contextlib.contextmanager
+    def _between_locks(requests: Sequence[tuple["Table", torch.Tensor]], rows: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
+                       train: bool, locks: HeldLocks) -> Iterator[list[Optional[Gap]]]:
+        """What a lookup of one or more tables does between its two holds of their locks, once their memory was probed
+        (``rows``: -1 where it missed), every lock held (``locks``). Each table's part says what to do without the
+        lock (a :class:`Gap`, or None: :meth:`DiskPart.gap`); where any has something, the locks are let go, the
+        records of the misses on disk read, and the block runs, given the gaps (the caller makes the room each
+        names: :meth:`demote`); the locks taken again, each table's part probes its memory again where it changed
+        meanwhile (:meth:`DiskPart.rejoin`). Where none has, the block runs with the locks held."""
         parts = [table._disk for table, _ in requests]
         gaps: list[Optional[Gap]] = []
         try:
@@ -146,22 +152,33 @@ class Table(MemoryRows):
         except BaseException:  # the reads the others began end before the error goes on up
             _end_reads(parts, gaps)
             raise
-        if any(gaps):
-            inserted = []  # each memory's count of ids taken in, before the locks are let go
-            for table, _ in requests:
-                inserted.append(table.inserted)
-            try:
-                with locks.let_go():
-                    for gap in gaps:
-                        if gap is not None and gap.ahead is not None:
-                            gap.ahead.read()
-                    for (table, _), gap in zip(requests, gaps):
-                        if gap is not None:
-                            table.demote(gap.shortfall, of="a lookup's demotion, a slice")
-            finally:  # the locks taken again: every read ends, also when one failed, before any table's rejoin may fail
-                _end_reads(parts, gaps)
-            for part, (_, wanted), found, out, gap, before in zip(parts, requests, rows, outs, gaps, inserted):
-                part.rejoin(wanted, found, out, train, gap, before)  # every table's, before any changes a row
+        if not any(gaps):
+            yield gaps
+            return
+        inserted = [table.inserted for table, _ in requests]  # each memory's count of ids taken in, before the let-go
+        try:
+            with locks.let_go():
+                for gap in gaps:
+                    if gap is not None and gap.ahead is not None:
+                        gap.ahead.read()
+                yield gaps
+        finally:  # the locks taken again: every read ends, also when one failed, before any table's rejoin may fail
+            _end_reads(parts, gaps)
+        for part, (_, wanted), found, out, gap, before in zip(parts, requests, rows, outs, gaps, inserted):
+            part.rejoin(wanted, found, out, train, gap, before)  # every table's, before any changes a row
+
+    @staticmethod
+    def _from_disk(requests: Sequence[tuple["Table", torch.Tensor]], rows: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
+                   train: bool, gaps: Sequence[Optional[Gap]]) -> tuple[list[Optional[int]], list[Optional[Promotion]], ContextManager]:
+        """The rest of a lookup of one or more tables once their memory was probed and the records of their misses
+        read (:meth:`_between_locks`), every table's lock held: each table's part fills its misses from disk
+        (:meth:`DiskPart.fill`).
+
+        Returns, for each table, the ids still missing (-1 in its ``rows``; None: its memory held every id) and the
+        rows its part read for memory (a training lookup's :class:`Promotion`, else None), and the parts' disk
+        operations of the lookup, still open: the caller brings those rows in and admits the missing ids within them
+        (what that demotes is the lookup's disk work), then closes them."""
+        parts = [table._disk for table, _ in requests]
         operations = None  # made for the first miss: a lookup its memory answered whole opens none
         left: list[Optional[int]] = []
         promotions: list[Optional[Promotion]] = []
@@ -186,29 +203,27 @@ class Table(MemoryRows):
 
     # ---- rows between the tiers ----------------------------------------------------------------------
 
-    def _promote(self, promotion: Promotion) -> torch.Tensor:
-        """Brings the rows of ``promotion`` (read from disk) into memory; returns their rows. Room is made first
-        through the memory limit (:meth:`evict_coldest`: colder rows demoted, none of ``promotion.keep``), the rows
-        placed in free rows, then dropped from disk. Timed as disk work. The lock held."""
+    def _promote(self, promotion: Optional[Promotion]) -> Optional[torch.Tensor]:
+        """Brings the rows of ``promotion`` (read from disk; None: none) into memory; returns their rows. Room is made
+        first through the memory limit (:meth:`evict_coldest`: colder rows demoted, none of ``promotion.keep``), the
+        rows placed in free rows, then dropped from disk. Timed as disk work. The lock held."""
+        if promotion is None:
+            return None
         with self._disk.timed():
             self.evict_coldest(self.rows_to_evict(promotion.ids.numel()), keep=promotion.keep)
             rows = self.place(promotion.ids, promotion.values, promotion.step)
             self._disk.promoted(promotion)
         return rows
 
-    def _promote_absent(self, ids: torch.Tensor) -> None:
-        """Brings the rows of ``ids`` (unique) that are on disk into memory (an update applies to them), none of the
-        rows of the others demoted for them. The lock held."""
+    def _absent(self, ids: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """Of ``ids`` (unique) that an update applies to, those absent from memory that the disk may hold (unique),
+        and the rows in memory of the others, which bringing those in must not demote; None: none to look for on disk.
+        The lock held."""
         if not self._disk.rows:
-            return
+            return None
         found = self.find_rows(ids)
         absent = torch.unique(ids[found < 0])
-        if not absent.numel():
-            return
-        with self._disk.operation("update"), self._disk.timed():
-            promotion = self._disk.read(absent, keep=found[found >= 0])
-            if promotion is not None:
-                self._promote(promotion)
+        return (absent, found[found >= 0]) if absent.numel() else None
 
     def promote_pending(self, limit: int) -> int:
         """Promotes the oldest batch of rows that training lookups read from disk and left to the demoter (at most
@@ -218,8 +233,7 @@ class Table(MemoryRows):
             return 0
         with self.lock, self._disk.operation("promotion"), self._disk.timed():
             taken, promotion = self._disk.take_pending(limit)
-            if promotion is not None:
-                self._promote(promotion)
+            self._promote(promotion)
             return taken
 
     def demote(self, count: int, estimated: Optional[tuple[int, float]] = None, of: str = "demotion") -> int:
@@ -255,6 +269,10 @@ class Table(MemoryRows):
         self._disk.check_request(ids.numel())
         ids, grads = _summed_by_id(ids, grads)
         with self.locked():
+            absent = self._absent(ids)
+            if absent is not None:  # the rows on disk come into memory first
+                with self._disk.operation("update"), self._disk.timed():
+                    self._promote(self._disk.read(*absent))
             self._start_recording(journal)
             applied = self._update_locked(ids, grads)
             journal_changes([self], journal, always=True)
@@ -277,7 +295,10 @@ class Table(MemoryRows):
         applied = 0
         with _all_locked(tables):
             for table, ids, _ in requests:
-                table._promote_absent(ids)
+                absent = table._absent(ids)
+                if absent is not None:  # the rows on disk come into memory first
+                    with table._disk.operation("update"), table._disk.timed():
+                        table._promote(table._disk.read(*absent))
                 table._start_recording(journal)
             jobs = {}  # position -> (job, and the tensors whose memory it points at: alive until the call is done)
             for i in native_ones:
@@ -313,8 +334,7 @@ class Table(MemoryRows):
         return job.applied
 
     def _update_locked(self, ids: torch.Tensor, grads: torch.Tensor) -> int:
-        """The rule on the rows of ``ids`` (unique) in tensor ops; the lock held."""
-        self._promote_absent(ids)
+        """The rule on the rows of ``ids`` (unique, those on disk brought into memory) in tensor ops; the lock held."""
         rows = self._index.find(ids)
         present = rows >= 0
         if not bool(present.all()):

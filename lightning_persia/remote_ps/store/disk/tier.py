@@ -100,22 +100,28 @@ class DiskTier:
 
         Raises :class:`DiskTierError` when the disk refuses the bytes: the tier is then as it was.
         """
-        if rows["ids"].numel():
-            self._append(self._pack(rows), rows["ids"], "in memory")
+        ids = rows["ids"]
+        if not ids.numel():
+            return
+        slots, self._next = self._append(self._pack(rows), ids, self._next, "in memory")
+        self._map.insert(ids, slots)
+        self._map_inserts += 1  # an id a read ahead found nowhere may have been admitted and demoted meanwhile
+        self._live_counts += set_bits(self._live_table, SEGMENT_SHIFT, slots, True)
 
-    def _append(self, records: torch.Tensor, ids: torch.Tensor, rows_stay: str, moved_from: Optional[torch.Tensor] = None) -> None:
-        """:meth:`write` of packed ``records`` of ``ids``; ``rows_stay``: where the rows stay if the disk refuses them;
-        ``moved_from``: the live slots the records were copied from (compaction), which become garbage once the id
-        map names the new ones. A segment is written from its start only once the one before is full (or sealed by a
-        save): the lowest number compaction deleted, unless a save is under way (it counts the slots past its point
-        as later ones).
+    def _append(self, records: torch.Tensor, ids: torch.Tensor, at: int, rows_stay: str) -> tuple[torch.Tensor, int]:
+        """Writes packed ``records`` of ``ids`` into the segment files from slot ``at`` on; returns their slots and
+        the slot after them. The caller makes them findable (the id map, the live bits). ``rows_stay``: where the
+        rows stay if the disk refuses them. A segment is written from its start only once the one before is full (or
+        sealed by a save): the lowest number compaction deleted, unless a save is under way (it counts the slots past
+        its point as later ones).
 
-        Compaction writes into segments of its own, apart from the demotions'. The rows it moves are the ones left
-        behind in their segment, cold; the rows just demoted are the ones reads find on disk most (those near
-        memory's horizon). Mixed, compaction's moves made about half of the records of the newest segments, which
-        the mapping (``segment_mapping.py``) keeps in the page tables as the most read."""
+        Compaction writes into segments of its own, apart from the demotions' (:meth:`write` from its cursor,
+        :meth:`compact_step` from another). The rows it moves are the ones left behind in their segment, cold; the
+        rows just demoted are the ones reads find on disk most (those near memory's horizon). Mixed, compaction's
+        moves made about half of the records of the newest segments, which the mapping (``segment_mapping.py``)
+        keeps in the page tables as the most read."""
         n = ids.numel()
-        chunks, at, position = [], self._next if moved_from is None else self._next_moved, 0
+        chunks, position = [], 0
         try:
             while position < n:
                 if not at & (SEGMENT_ROWS - 1):
@@ -131,21 +137,9 @@ class DiskTier:
         except OSError as err:
             raise DiskTierError(f"the disk tier at {self.directory} could not write {n} rows: {err.strerror or err}"
                                 f" (the rows stay {rows_stay})") from None
-        slots = torch.cat(chunks)
-        if moved_from is None:
-            self._map.insert(ids, slots)
-            self._map_inserts += 1  # an id a read ahead found nowhere may have been admitted and demoted meanwhile
-        else:
-            self._map.move(ids, moved_from, slots)  # every one present: their slots were live
-            self._map_removals += 1  # a read ahead that found the old slots reads them again
-            self._set_live(moved_from, False)
-        if moved_from is None:
-            self._next = at
-        else:
-            self._next_moved = at
         self._mapping.changed()
-        self._set_live(slots, True)
         self.written_bytes += n * (self.record_bytes + 8)
+        return torch.cat(chunks), at
 
     def _segment_to_open(self) -> int:
         """The segment to write next, the last one full: the lowest number compaction deleted (or a checkpoint left
@@ -295,7 +289,7 @@ class DiskTier:
         """Drops the rows of ``ids`` at ``slots`` (as :meth:`find` gave them): their records become garbage."""
         self._map.remove(ids, slots)
         self._map_removals += 1
-        self._set_live(slots, False)
+        self._live_counts -= set_bits(self._live_table, SEGMENT_SHIFT, slots, False)
 
     def _read(self, slots: torch.Tensor, records: torch.Tensor, positions: torch.Tensor) -> None:
         slots, order = torch.sort(slots)  # in file order: neighbouring records share the pages read
@@ -419,7 +413,11 @@ class DiskTier:
             if not slots.numel():
                 return 0
             ids = record_ids(records)
-            self._append(records, ids, f"in segment {segment}", moved_from=slots)  # a failure changes nothing
+            moved, self._next_moved = self._append(records, ids, self._next_moved, f"in segment {segment}")  # a failure changes nothing
+            self._map.move(ids, slots, moved)  # every one present: their slots were live
+            self._map_removals += 1  # a read ahead that found the old slots reads them again
+            self._live_counts -= set_bits(self._live_table, SEGMENT_SHIFT, slots, False)
+            self._live_counts += set_bits(self._live_table, SEGMENT_SHIFT, moved, True)
             return slots.numel()
 
     def _sparsest(self) -> Optional[int]:
@@ -509,10 +507,6 @@ class DiskTier:
                 raise DiskTierError(f"the id map of the checkpoint holds {self._map.info()[0]} ids, its live bits {live_rows}")
 
     # ---- bookkeeping -------------------------------------------------------------------------------------
-
-    def _set_live(self, slots: torch.Tensor, value: bool) -> None:
-        changed = set_bits(self._live_table, SEGMENT_SHIFT, slots, value)
-        self._live_counts += changed if value else -changed
 
     @property
     def rows(self) -> int:

@@ -55,15 +55,14 @@ class ScaleSettings:
     20M rows, a client writing 1.8M rows/s and a copy of 250k rows/s, a third of the slots at once never converged
     (fenced 1.9 to 3.8 s); 14 waves of 102 slots each do (a grow: 27 rounds in all, 1.1M changed rows against 4.7M,
     and the longest step 0.7 s over the median against 1.8 s)."""
-    copy_share: float = 0.35
+    copy_share: float = 0.25
     """Share of the coordinator's time spent moving: after each unfenced page, and after each wave's end, it waits
     for the time since x ``(1 / copy_share - 1)``, leaving the trainers the CPU the move would take (1: no wait; the
-    fenced last round never waits). At 20M rows on a quiet 2-core machine, samples/s during a grow and a drain were
-    0.33x and 0.39x of the steady rate at 1, 0.69x and 0.64x at 0.5, 0.68x to 0.83x and 0.74x to 0.78x at 0.35, and
-    no better at 0.25; the grow took 32, 65, 104 and 142 s. A move that costs a third less CPU since (the slot hash
-    in C, rows sent from shard to shard) takes 43 to 52 s at 0.35, at 0.58x to 0.64x: the trainer loses about a
-    second per CPU-second of the move at any pace, so a lower share raises the ratio only by stretching the move
-    (0.25 gave 0.70x and 0.64x over 76 s and 70 s with the slot hash in C)."""
+    fenced last round never waits). The trainer loses about a second per CPU-second of the move at any pace, so the
+    share is what it gives up. At 20M rows on a 2-core machine, samples/s during a grow and a drain were 0.59x to
+    0.75x and 0.63x to 0.76x of the steady rate at 0.35 (a grow took 26 to 31 s), 0.69x to 0.88x and 0.73x to 0.94x
+    at 0.25 (40 to 45 s), and 0.72x to 0.82x and 0.70x to 0.77x at 0.2 (47 to 52 s): below 0.25 the slower move
+    ships more changed rows and the trainers gain nothing more."""
     unpaced_s: float = 3.0
     """Seconds a move copies before ``copy_share`` paces it: a move that ends sooner never competes with training
     long enough to matter, and pacing it only stretches its rounds. At 1M rows a memory table's move took 0.8 to

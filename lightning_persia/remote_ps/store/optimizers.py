@@ -17,11 +17,12 @@ class SparseRule:
     """One optimizer's update of a block of rows; ``state_width`` float32 columns of state per row.
 
     ``native``: the name of the same rule in the native kernels (``store/native/jobs.c``: SGD and both Adagrads run there
-    over a request's rows in place), or None where only this class runs it. A rule with a native twin computes
-    here in the kernel's float32 operations and order, one rounding each (no fused multiply-add, sums left to
-    right): the store takes this path while a save or a move's point read is open, and a row must come out the same
-    bit for bit either way (``torch.mean`` and ``add_(alpha=)`` round otherwise: 1 row in 2 of a row-wise Adagrad
-    update differed in the last place, and a run at staleness 0 that moved shards ended apart from one that did not).
+    over a request's rows in place), or None where only this class runs it. A rule with a native twin computes,
+    with ``kernel_order`` (the store's), in the kernel's float32 operations and order, one rounding each (no fused
+    multiply-add, sums left to right): the store takes this path while a save or a move's point read is open, and a
+    row must come out the same bit for bit either way (``torch.mean`` and ``add_(alpha=)`` round otherwise: 1 row in
+    2 of a row-wise Adagrad update differed in the last place, and a run at staleness 0 that moved shards ended apart
+    from one that did not).
     """
 
     state_width: int = 0

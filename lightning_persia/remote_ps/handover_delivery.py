@@ -57,20 +57,22 @@ class PageDelivery:
         return self._step if self._undelivered else None
 
     def changes(self, step: int, configs: Sequence[TableConfig], changes: Sequence[Change], *, done: bool = False,
-                applied_json: str = "", source: int = 0, timeout_s: Optional[float] = None) -> persia_pb2.HandoverPage:
+                fenced: bool = False, applied_json: str = "", source: int = 0,
+                timeout_s: Optional[float] = None) -> persia_pb2.HandoverPage:
         """Sends each taker its part of rows or changes (ROWS, CHANGES) with every table's configuration and the
-        source's exactly-once memory; returns the coordinator's answer: the rows the page holds, and ``done``."""
+        source's exactly-once memory; returns the coordinator's answer: the rows the page holds, and ``done``.
+        ``fenced``: the source fenced the slots (requests for them wait for this page)."""
         requests = {}
         for taker in self._stubs:
             mine = lambda ids, taker=taker: self._to_map.shard_of(ids) == taker  # noqa: E731
             parts = [Change([part_of(part, mine, copy=False) for part in change.tables]) for change in changes]
-            request = requests[taker] = self._request()
+            request = requests[taker] = self._request(fenced)
             messages.fill_handover_page(request.page, configs, parts)
             request.page.applied_json, request.page.source = applied_json, source
         rows = sum(part.rows["ids"].numel() if part.rows else 0 for change in changes for part in change.tables)
         return self._send(step, requests, persia_pb2.HandoverPage(rows=rows, done=done), timeout_s)
 
-    def sightings(self, blocks: Sequence[tuple[str, torch.Tensor, torch.Tensor]], *, done: bool,
+    def sightings(self, blocks: Sequence[tuple[str, torch.Tensor, torch.Tensor]], *, done: bool, fenced: bool = False,
                   timeout_s: Optional[float] = None) -> persia_pb2.HandoverPage:
         """Sends each taker the sighting counters of the slots the new map gives it (SIGHTINGS); returns ``done``."""
         requests = {}
@@ -80,7 +82,7 @@ class PageDelivery:
                 mine = self._to_map.table[slots] == taker
                 if bool(mine.any()):
                     parts.append((name, slots[mine], counters[mine]))
-            request = requests[taker] = self._request()
+            request = requests[taker] = self._request(fenced)
             messages.fill_sightings_page(request.page, parts)
         return self._send(persia_pb2.HandoverStep.SIGHTINGS, requests, persia_pb2.HandoverPage(done=done), timeout_s)
 
@@ -95,9 +97,10 @@ class PageDelivery:
         for channel in self._channels.values():
             channel.close()
 
-    def _request(self) -> persia_pb2.TakeOverRequest:
+    def _request(self, fenced: bool) -> persia_pb2.TakeOverRequest:
         request = persia_pb2.TakeOverRequest()
         request.to_map.CopyFrom(self._map_message)
+        request.page.fenced = fenced
         return request
 
     def _send(self, step: int, requests: dict[int, persia_pb2.TakeOverRequest], answer: persia_pb2.HandoverPage,

@@ -118,6 +118,7 @@ class ShardServer:
         self.health.enter_graceful_shutdown()
         self.servicer.settler.stop()
         self._server.stop(grace_s).wait()
+        self.servicer.close()
         metrics.stop_metrics(self._metrics_server)
 
 

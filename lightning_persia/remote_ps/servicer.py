@@ -28,6 +28,7 @@ from lightning_persia.remote_ps.exactly_once import UpdateDeduplicator
 from lightning_persia.remote_ps.handover_delivery import PageDelivery
 from lightning_persia.remote_ps.messages import RpcRefusal, invalid, read_only
 from lightning_persia.remote_ps.move_settling import MoveSettler, MoveSettlingError
+from lightning_persia.remote_ps.move_thread import MoveThread
 from lightning_persia.remote_ps.peers import Peers
 from lightning_persia.remote_ps.protocol import (
     FENCED_METHODS, INCARNATION_METADATA_KEY, MAP_VERSION_METADATA_KEY, SERVICE, SERVICE_NAME, persia_pb2, persia_pb2_grpc,
@@ -155,6 +156,13 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
         self._handover_sightings: Optional[Iterator] = None  # its sightings still to give, once fenced
         self._delivery: Optional[PageDelivery] = None  # sends the handover's pages to its takers
         self._delivery_lock = threading.Lock()  # one page at a time (a step's retry waits for the call it retries)
+        # a move's pages, given and taken, below the requests' priority; apart, so that giving never waits on itself
+        self._giving, self._taking = MoveThread("ps-give", config.move_nice), MoveThread("ps-take", config.move_nice)
+
+    def close(self) -> None:
+        """Takes no more of a move's pages (the one under way, if any, finishes); the server stopped first."""
+        self._giving.close()
+        self._taking.close()
 
     def add_to_server(self, server: grpc.Server) -> None:
         """Registers every RPC of the service, like the generated ``add_ParameterServerServicer_to_server``,
@@ -337,14 +345,16 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
                 self._handover_rows, self._handover_sightings, self._delivery = rows, None, delivery
             return persia_pb2.HandoverPage()
         if step in (persia_pb2.HandoverStep.ROWS, persia_pb2.HandoverStep.CHANGES, persia_pb2.HandoverStep.SIGHTINGS):
-            return self._deliver(step, context.time_remaining())
+            if self.store.fence is not None:  # requests for the slots wait for this page
+                return self._deliver(step, context.time_remaining())
+            return self._giving.run(self._deliver, step, context.time_remaining())
         if step == persia_pb2.HandoverStep.FENCE:
             self.store.fence_handover()
         elif step == persia_pb2.HandoverStep.FINISH:
             shard_map, addresses = handover_wire.map_of(request.map) if request.HasField("map") else (None, [])
             if shard_map is not None and shard_map != self.store.handover_map:
                 raise invalid(f"FINISH names shard map version {shard_map.version}, the handover under way moves to another")
-            self.store.finish_handover(addresses)
+            self._giving.run(self.store.finish_handover, addresses)  # the map first, then the drop: nothing waits on it
             self._end_delivery()
         else:
             raise invalid(f"unknown handover step {step}")
@@ -353,6 +363,11 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
     @_rpc
     @_writes
     def TakeOver(self, request: persia_pb2.TakeOverRequest, context) -> persia_pb2.TakeOverResponse:
+        if request.page.fenced or request.adopt:  # requests for the slots wait for it
+            return self._take_over(request)
+        return self._taking.run(self._take_over, request)
+
+    def _take_over(self, request: persia_pb2.TakeOverRequest) -> persia_pb2.TakeOverResponse:
         configs, changes = messages.handover_contents(request.page)
         to_map = self._map_of(request.to_map)
         self.store.take_changes(configs, changes, to_map)
@@ -373,15 +388,16 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
                 raise invalid("no handover under way here: BEGIN one first")
             if delivery.pending is not None:
                 return delivery.resend(step, timeout_s)
+            fenced = self.store.fence is not None
             if step == persia_pb2.HandoverStep.ROWS:
                 configs, changes, done = self._next_rows()
                 return delivery.changes(step, configs, changes, done=done, timeout_s=timeout_s)
             if step == persia_pb2.HandoverStep.CHANGES:
                 configs, changes = self.store.handover_changes()
-                return delivery.changes(step, configs, changes, applied_json=json.dumps(self.dedup.applied()),
+                return delivery.changes(step, configs, changes, fenced=fenced, applied_json=json.dumps(self.dedup.applied()),
                                         source=self.store.shard_index, timeout_s=timeout_s)
             blocks, done = self._next_sightings()
-            return delivery.sightings(blocks, done=done, timeout_s=timeout_s)
+            return delivery.sightings(blocks, done=done, fenced=fenced, timeout_s=timeout_s)
 
     def _end_delivery(self) -> None:
         with self._delivery_lock:

@@ -1,11 +1,15 @@
 """A move's rows go from its sources straight to its takers (``remote_ps/handover_delivery.py``): the coordinator hears
 counts alone, each taker is sent only the rows the new map gives it, and a page a taker did not take is sent again."""
+import os
+import sys
+import threading
+
 import pytest
 import torch
 
 from lightning_persia.remote_ps.client import PSClient, RetryPolicy
 from lightning_persia.remote_ps.client.errors import PSError
-from lightning_persia.remote_ps.client.scaling import Step, rescale
+from lightning_persia.remote_ps.client.scaling import ScaleSettings, Step, rescale
 from lightning_persia.remote_ps.config import load_ps_config
 from lightning_persia.remote_ps.server import Endpoint, ShardServer
 from lightning_persia.remote_ps.store import ShardStore
@@ -19,14 +23,14 @@ class Cluster:
     """Shards served in this process, ``count`` of them at first; ``grow`` adds empty ones. With ``token``, a shard
     answers only calls that carry it."""
 
-    def __init__(self, count: int, token=None) -> None:
+    def __init__(self, count: int, token=None, overrides=()) -> None:
         self.servers = []
-        self._token = token
+        self._token, self._overrides = token, list(overrides)
         for shard in range(count):
             self._serve(ShardStore(shard, count, seed=5))
 
     def _serve(self, store: ShardStore) -> None:
-        server = ShardServer(store, load_ps_config(None, []), Endpoint(token=self._token))
+        server = ShardServer(store, load_ps_config(None, self._overrides), Endpoint(token=self._token))
         server.start()
         self.servers.append(server)
 
@@ -179,3 +183,44 @@ def test_a_move_is_given_up_when_a_source_answers_with_the_page_itself(trained):
             rescale(admin, grown)
         assert [admin.shard_map_of(shard)[0].version for shard in range(3)] == [0, 0, 0]
     assert torch.equal(client.lookup({"t": IDS}, train=False, wire_dtype="fp32")["t"], before)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")
+def test_a_moves_pages_are_given_and_taken_below_the_requests_priority_but_the_fenced_ones():
+    """The rows and the unfenced rounds, given and taken, and the sources' drop run on the shards' move threads at
+    ``PSConfig.move_nice``; the fenced round, which requests for the slots wait for, on the calls' own threads."""
+    cluster = Cluster(2, overrides=["move_nice=19"])
+    client = PSClient(cluster.addresses)
+    client.configure([CONFIG])
+    client.lookup({"t": IDS}, train=True)
+    before = client.lookup({"t": IDS}, train=False, wire_dtype="fp32")["t"]
+    grown = cluster.grow(3)
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    seen = []
+
+    def where(what, call):
+        def recorded(*args, **kwargs):
+            seen.append((what, threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+            return call(*args, **kwargs)
+        return recorded
+    taker = cluster.servers[2].servicer.store
+    taker.take_changes = where("taken", taker.take_changes)
+    for server in cluster.servers[:2]:
+        store = server.servicer.store
+        store.handover_changes = where("round", store.handover_changes)
+        store.finish_handover = where("drop", store.finish_handover)
+
+    def written_at(step):  # a write between the last unfenced round and the fence travels in the fenced round
+        if step == "fence":
+            client.update({"t": (IDS, torch.ones(IDS.numel(), 4))})
+    with PSClient(grown) as admin:
+        rescale(admin, grown, ScaleSettings(max_rounds=1), on_step=written_at)
+    moved = {(what, name.startswith(("ps-give", "ps-take")), nice) for what, name, nice in seen}
+    low = min(19, base + 19)
+    assert ("taken", True, low) in moved and ("taken", False, base) in moved  # rows; the fenced round's changes
+    assert ("round", True, low) in moved and ("round", False, base) in moved  # unfenced; fenced
+    assert ("drop", True, low) in moved and not any(what == "drop" and not on for what, on, _ in moved)
+    # the write went with the fenced round, once: Adam's step at a constant gradient is lr
+    assert torch.allclose(client.lookup({"t": IDS}, train=False, wire_dtype="fp32")["t"], before - 0.1, atol=1e-4)
+    client.close()
+    cluster.close()

@@ -37,6 +37,7 @@ def test_yaml_env_and_overrides(tmp_path, monkeypatch):
         (["seed=abc"], "could not be converted to Integer"),
         (["server_threads=0"], "server_threads must be >= 1"),
         (["nice=20"], "nice must be in [0, 19], got 20"),
+        (["move_nice=-1"], "move_nice must be in [0, 19], got -1"),
         (["scheduling=batch"], "scheduling must be one of normal, idle, got 'batch'"),
         (["disk_mapped_mb=-1"], "disk_mapped_mb must be >= 0, got -1"),
         (["memory_limit_mb=0"], "memory_limit_mb must be >= 1 or unset, got 0"),

@@ -215,7 +215,7 @@ class SlotSightings(_message.Message):
     def __init__(self, table: _Optional[str] = ..., slots: _Optional[bytes] = ..., counters: _Optional[bytes] = ...) -> None: ...
 
 class HandoverPage(_message.Message):
-    __slots__ = ("tables_json", "records", "done", "rows", "applied_json", "source", "map_version", "sightings")
+    __slots__ = ("tables_json", "records", "done", "rows", "applied_json", "source", "map_version", "sightings", "fenced")
     TABLES_JSON_FIELD_NUMBER: _ClassVar[int]
     RECORDS_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +224,7 @@ class HandoverPage(_message.Message):
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     MAP_VERSION_FIELD_NUMBER: _ClassVar[int]
     SIGHTINGS_FIELD_NUMBER: _ClassVar[int]
+    FENCED_FIELD_NUMBER: _ClassVar[int]
     tables_json: _containers.RepeatedScalarFieldContainer[str]
     records: _containers.RepeatedScalarFieldContainer[bytes]
     done: bool
@@ -232,7 +233,8 @@ class HandoverPage(_message.Message):
     source: int
     map_version: int
     sightings: _containers.RepeatedCompositeFieldContainer[SlotSightings]
-    def __init__(self, tables_json: _Optional[_Iterable[str]] = ..., records: _Optional[_Iterable[bytes]] = ..., done: _Optional[bool] = ..., rows: _Optional[int] = ..., applied_json: _Optional[str] = ..., source: _Optional[int] = ..., map_version: _Optional[int] = ..., sightings: _Optional[_Iterable[_Union[SlotSightings, _Mapping]]] = ...) -> None: ...
+    fenced: bool
+    def __init__(self, tables_json: _Optional[_Iterable[str]] = ..., records: _Optional[_Iterable[bytes]] = ..., done: _Optional[bool] = ..., rows: _Optional[int] = ..., applied_json: _Optional[str] = ..., source: _Optional[int] = ..., map_version: _Optional[int] = ..., sightings: _Optional[_Iterable[_Union[SlotSightings, _Mapping]]] = ..., fenced: _Optional[bool] = ...) -> None: ...
 
 class TakeOverRequest(_message.Message):
     __slots__ = ("page", "to_map", "adopt")

@@ -205,8 +205,8 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def TakeOver(self, request, context):
-        """The taking side: rows or changes another shard handed over (the part the new map gives this shard), then
-        possibly that map.
+        """The taking side: rows or changes a giving shard sends (the part the new map gives this shard), or the
+        coordinator's adoption of that map.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -116,13 +116,14 @@ class PSConfig:
     coordinator for this long settles the move on its own: it asks the first new owner whether it adopted the new map,
     and finishes or rolls back by the answer (docs/elastic.md, *A move without its coordinator*). Requests for those
     slots wait meanwhile: keep it under the clients' retry budget (``RetryPolicy``), well over a cut-over's seconds."""
-    move_nice: int = 0
+    move_nice: int = 10
     """Added to the nice value of the threads a live move's pages are given and taken on (0..19; Linux, where a
     thread has a nice value of its own; elsewhere they keep the shard's). Pages sent once the slots are fenced, which
-    requests wait for, keep the shard's priority. For shards that share cores with their trainers: on a 2-core machine
-    (20M rows, ``copy_share`` 0.25), samples/s during a grow were 0.84x to 0.90x of the steady rate at 19 and 0.79x to
-    0.82x at 0, but the grow took 53 to 78 s instead of 37 to 42 s. 0 by default: a shard is scaled out when it runs
-    out of CPU, and a thread at 19 gets about 1.5% of a core its requests keep busy."""
+    requests wait for, keep the shard's priority. On a 2-core machine whose shards share the cores with the trainer
+    (20M rows, ``copy_share`` 0.25), samples/s during a grow were 0.66x to 0.82x of the steady rate at 0 (5 runs),
+    0.79x to 0.96x at 10 and 0.84x to 0.90x at 19 (3 runs each), but a grow took 37 to 49 s at 0 and 50 to 78 s
+    niced. Not 19: a shard is scaled out when it runs out of CPU, and on a core its requests keep busy a thread
+    at +19 gets about 1/70 of a request thread's share, at +10 about 1/10."""
     fault_delay_s: float = 0.0
     """Testing only: every Lookup and Update sleeps this long before it runs (a slow shard)."""
     fault_save_delay_s: float = 0.0

@@ -59,8 +59,9 @@ class ScaleSettings:
     """Share of the coordinator's time spent moving: after each unfenced page, and after each wave's end, it waits
     for the time since x ``(1 / copy_share - 1)``, leaving the trainers the CPU the move would take (1: no wait; the
     fenced last round never waits). The trainer loses about a second per CPU-second of the move at any pace, so the
-    share is what it gives up. At 20M rows on a 2-core machine, samples/s during a grow and a drain were 0.59x to
-    0.75x and 0.63x to 0.76x of the steady rate at 0.35 (a grow took 26 to 31 s), 0.69x to 0.88x and 0.73x to 0.94x
+    share is what it gives up. At 20M rows on a 2-core machine, with the shards' move threads at the requests'
+    priority (``PSConfig.move_nice`` 0), samples/s during a grow and a drain were 0.59x to 0.75x and 0.63x to 0.76x
+    of the rate at the median step before the move at 0.35 (a grow took 26 to 31 s), 0.69x to 0.88x and 0.73x to 0.94x
     at 0.25 (37 to 45 s), and 0.72x to 0.82x and 0.70x to 0.77x at 0.2 (47 to 52 s): below 0.25 the slower move
     ships more changed rows and the trainers gain nothing more."""
     unpaced_s: float = 3.0

@@ -123,25 +123,36 @@ class Recorder:
         return call
 
     def _record(self, kernel: str, frame: Optional[FrameType]) -> None:
-        path, entry = [], None
+        frames = []
         while frame is not None:
-            file, function = Path(frame.f_code.co_filename), frame.f_code.co_name
-            if _PACKAGE not in file.parts:  # the caller's frames above the package (this tool, threading)
-                frame = frame.f_back
-                continue
-            path.append(f"{'/'.join(file.parts[file.parts.index(_PACKAGE) + 1:])}:{function}")
-            if file.name == _SERVICER and function != "wrapper":
-                entry = f"PSServicer.{function}"  # the outermost servicer frame wins: keep walking
-                entry_depth = len(path)
-            elif (file.name, function) in _PASSES:
-                entry, entry_depth = _PASSES[file.name, function], len(path)
-                break
+            frames.append((Path(frame.f_code.co_filename), frame.f_code.co_name))
             frame = frame.f_back
+        entry, path = attribute(frames)
         with self._lock:
             if entry is None:
                 self.unattributed[kernel] += 1
                 return
-            self.calls[self.scenario, entry, kernel].add(list(reversed(path[:entry_depth])))
+            self.calls[self.scenario, entry, kernel].add(path)
+
+
+def attribute(frames: list[tuple[Path, str]]) -> tuple[Optional[str], list[str]]:
+    """``(entry, path)`` of a kernel call whose stack is ``frames`` (``(file, function)``, innermost first): the path
+    from the entry down, ``file:function`` each; ``(None, [])`` where no entry is on the stack, or where the call is a
+    finalizer's (``__del__``: the garbage collector runs it wherever an allocation triggers it, inside any path, and it
+    frees an object of another request or another test)."""
+    path, entry, entry_depth = [], None, 0
+    for file, function in frames:
+        if _PACKAGE not in file.parts:  # the caller's frames above the package (this tool, threading)
+            continue
+        if function == "__del__":
+            return None, []
+        path.append(f"{'/'.join(file.parts[file.parts.index(_PACKAGE) + 1:])}:{function}")
+        if file.name == _SERVICER and function != "wrapper":
+            entry, entry_depth = f"PSServicer.{function}", len(path)  # the outermost servicer frame wins: keep walking
+        elif (file.name, function) in _PASSES:
+            entry, entry_depth = _PASSES[file.name, function], len(path)
+            break
+    return (entry, list(reversed(path[:entry_depth]))) if entry is not None else (None, [])
 
 
 class _Context:

@@ -106,8 +106,8 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _move(trainer: Trainer, current: list[str], addresses: list[str], batch: int,
-          settings: ScaleSettings, shard_pids: list[int], serving_cpu_s: float) -> dict:
+def _move(trainer: Trainer, current: list[str], addresses: list[str], settings: ScaleSettings, shard_pids: list[int],
+          serving_cpu_s: float) -> dict:
     """One move while the trainer steps; with the CPU seconds each shard (``shard_pids``, by index), the coordinator
     and this process (the trainer and its client) spent during it: on a machine others load too, CPU seconds say what
     a move costs where wall-clock ratios vary with the load. ``serving_cpu_s``: the shards' CPU seconds a step took
@@ -199,20 +199,20 @@ def main() -> None:
         client.wait_healthy(120)
         client.configure([config])
         fill_s = _fill(client, args.rows, fill_chunk)
-        trainer = Trainer(client, args.rows, args.batch, args.dim)
-        serving_before = [_cpu_seconds(process.pid) for process in shards.processes]
-        windows = [_steady(trainer, args.steady_steps)]
-        serving_cpu_s = sum(_cpu_seconds(process.pid) - before for process, before
-                            in zip(shards.processes, serving_before)) / (args.steady_steps + 5)
         settings = ScaleSettings(wave_rows=args.wave_rows or ScaleSettings.wave_rows, copy_share=args.copy_share)
         if args.idle:
             _idle_moves(shards, settings, args)
             client.close()
             return
-        grow = _move(trainer, shards.addresses[:2], shards.grow(3), args.batch, settings,
+        trainer = Trainer(client, args.rows, args.batch, args.dim)
+        serving_before = [_cpu_seconds(process.pid) for process in shards.processes]
+        windows = [_steady(trainer, args.steady_steps)]
+        serving_cpu_s = sum(_cpu_seconds(process.pid) - before for process, before
+                            in zip(shards.processes, serving_before)) / (args.steady_steps + 5)
+        grow = _move(trainer, shards.addresses[:2], shards.grow(3), settings,
                      [process.pid for process in shards.processes], serving_cpu_s)
         windows.append(_steady(trainer, args.steady_steps))
-        shrink = _move(trainer, shards.addresses, shards.addresses[:2], args.batch, settings,
+        shrink = _move(trainer, shards.addresses, shards.addresses[:2], settings,
                        [process.pid for process in shards.processes], serving_cpu_s)
         shards.shrink(2)
         windows.append(_steady(trainer, args.steady_steps))

@@ -1,6 +1,8 @@
 """Shards added and drained while a client trains: real shard processes, slots moving live (``client/scaling.py``),
 the client's rows compared bit for bit with one store that never moved."""
+import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -287,3 +289,35 @@ def test_shards_restarted_after_a_move_still_tell_a_client_where_the_new_shards_
         with PSClient(grown[:2], retry=RetryPolicy(retry_for_s=60)) as late:
             assert torch.equal(late.lookup({"t": UNIVERSE}, train=False, wire_dtype="fp32")["t"], before)
             assert late.num_shards == 3
+
+
+def _nice_values(pid: int) -> list[int]:
+    """The nice value of each thread of process ``pid`` (``/proc/<pid>/task/<tid>/stat``'s 19th field)."""
+    values = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            values.append(int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]))
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+    return values
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads each shard thread's nice value from "
+                    "/proc/<pid>/task, which only Linux has (and only Linux gives a thread a nice value of its own)")
+def test_a_moves_giving_and_taking_shards_work_on_threads_below_their_requests_priority():
+    with LocalShards(2, overrides=["seed=5", "move_nice=7"]) as shards, PSClient(shards.addresses) as client:
+        client.wait_healthy(60)
+        client.configure(TABLES)
+        client.lookup({t.name: UNIVERSE for t in TABLES}, train=True)
+        client.update({t.name: (UNIVERSE, torch.ones(UNIVERSE.numel(), t.dim)) for t in TABLES}, wire_dtype="fp32")
+        before = client.lookup({t.name: UNIVERSE for t in TABLES}, train=False, wire_dtype="fp32")
+        bases = {process.pid: os.getpriority(os.PRIO_PROCESS, process.pid) for process in shards.processes}
+        assert all(base + 7 not in _nice_values(pid) for pid, base in bases.items())  # no move yet: no such thread
+        grown = shards.grow(3)
+        with PSClient(grown) as admin:
+            assert rescale(admin, grown).rows_moved > 0
+        for process in shards.processes:  # the two giving shards and the new one that took their slots
+            base = os.getpriority(os.PRIO_PROCESS, process.pid)  # the process's main thread: its requests' priority
+            assert min(19, base + 7) in _nice_values(process.pid), process.pid
+        found = client.lookup({t.name: UNIVERSE for t in TABLES}, train=False, wire_dtype="fp32")
+        assert all(torch.equal(found[t.name], before[t.name]) for t in TABLES)  # the rows moved on those threads, whole

@@ -220,3 +220,42 @@ def test_close_ends_the_thread_and_destroys_the_merge_group(one_process_group, m
     late.close()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg-again'}", rank=0, world_size=1)
     later.close()  # nor with another default group (of which its group is not one)
+
+
+# A merge's gloo groups run collectives on worker threads of their own, which destroy_process_group leaves running:
+# close() must join them, or one may free a collective's tensors while Python finalizes, which aborts the process.
+_OS_THREADS_AFTER_CLOSE = textwrap.dedent(
+    """\
+    import os, sys, torch, torch.distributed as dist
+    from concurrent.futures import Future
+    from lightning_persia.embedding.context import SparseUpdate
+    from lightning_persia.embedding.rank_merge import RankMerge, merge_updates
+    from lightning_persia.ops.keyed_ids import KeyedIds
+    def os_threads():
+        return len(os.listdir("/proc/self/task"))
+    def push(merged):
+        done = Future()
+        done.set_result(None)
+        return done
+    dist.init_process_group("gloo", init_method=sys.argv[1], rank=0, world_size=1)
+    ids = torch.arange(0, 100_000, 3)
+    update = SparseUpdate(KeyedIds(("t",), (ids.numel(),), ids), torch.ones(ids.numel() * 4), (4,))
+    merge_updates([update, update])  # torch's own pool of threads starts with the first ops
+    before = os_threads()
+    merge = RankMerge("threads-merged", {"t": 4})
+    merge.submit(update, push).result()
+    merging = os_threads()
+    merge.close()
+    print(before, merging, os_threads())
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts a process's threads in /proc/self/task, which only Linux has")
+def test_close_joins_the_worker_threads_of_the_merge_groups(tmp_path):
+    done = subprocess.run([sys.executable, "-c", _OS_THREADS_AFTER_CLOSE, f"file://{tmp_path / 'pg'}"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, merging, after = map(int, done.stdout.split())
+    assert merging >= before + 2 + 2 * 2  # the merge's two threads, and at least two workers per group
+    assert after == before

@@ -229,7 +229,8 @@ def main() -> None:
     summary = {
         "rows": args.rows, "batch": args.batch, "dim": args.dim, "storage": args.storage,
         "memory_rows": config.capacity if args.storage == "disk" else None, "wave_rows": settings.wave_rows,
-        "copy_share": args.copy_share, "move_nice": args.move_nice, "fill_s": fill_s, "steady_step_s": steady, "median_step_s": median_s, "serving_cpu_s_per_step": serving_cpu_s,
+        "copy_share": args.copy_share, "move_nice": args.move_nice, "fill_s": fill_s, "steady_step_s": steady,
+        "median_step_s": median_s, "serving_cpu_s_per_step": serving_cpu_s,
         "grow": grow, "shrink": shrink,
         "max_extra_step_s": max(grow["max_extra_step_s"], shrink["max_extra_step_s"]),
         "throughput_ratio_during": min(grow["throughput_ratio_during"], shrink["throughput_ratio_during"]),
@@ -246,7 +247,8 @@ def main() -> None:
               f"steps during: {move['steps_during']}, longest {move['max_step_s']:.2f} s (median {median_s:.3f} s), "
               f"{move['step_s_during'] * 1e3:.1f} ms a step against {move['steady_before_s'] * 1e3:.1f} before and "
               f"{move['steady_after_s'] * 1e3:.1f} after: throughput {move['throughput_ratio_during']:.2f}x "
-              f"({move['throughput_ratio_vs_before']:.2f}x / {move['throughput_ratio_vs_after']:.2f}x), lost {move['lost_s']:.1f} s of which "
+              f"({move['throughput_ratio_vs_before']:.2f}x / {move['throughput_ratio_vs_after']:.2f}x), "
+              f"lost {move['lost_s']:.1f} s of which "
               f"{move['stalled_s']:.1f} s in steps over 3x steady; CPU: the move's in the shards {move['move_shard_cpu_s']:.1f} s, "
               f"giving shards {move['giving_cpu_s']:.1f} s "
               f"(every shard {', '.join(f'{s:.1f}' for s in move['shard_cpu_s'])}), coordinator "

@@ -122,8 +122,8 @@ class PSConfig:
     requests wait for, keep the shard's priority. On a 2-core machine whose shards share the cores with the trainer
     (20M rows, ``copy_share`` 0.25), samples/s during a grow were 0.66x to 0.82x of the steady rate at 0 (5 runs),
     0.75x to 0.96x at 10 (8 runs) and 0.84x to 0.90x at 19 (3 runs), but a grow took 37 to 49 s at 0, 48 to 55 s
-    at 10 and 53 to 78 s at 19. Not 19: a shard is scaled out when it runs out of CPU, and on a core its requests keep busy a thread
-    at +19 gets about 1/70 of a request thread's share, at +10 about 1/10."""
+    at 10 and 53 to 78 s at 19. Not 19: a shard is scaled out when it runs out of CPU, and on a core its requests
+    keep busy a thread at +19 gets about 1/70 of a request thread's share, at +10 about 1/10."""
     fault_delay_s: float = 0.0
     """Testing only: every Lookup and Update sleeps this long before it runs (a slow shard)."""
     fault_save_delay_s: float = 0.0

@@ -391,11 +391,12 @@ class PSServicer(persia_pb2_grpc.ParameterServerServicer):
             fenced = self.store.fence is not None
             if step == persia_pb2.HandoverStep.ROWS:
                 configs, changes, done = self._next_rows()
-                return delivery.changes(step, configs, changes, done=done, timeout_s=timeout_s)
+                return delivery.changes(step, configs, changes, done=done, fenced=fenced, timeout_s=timeout_s)
             if step == persia_pb2.HandoverStep.CHANGES:
                 configs, changes = self.store.handover_changes()
-                return delivery.changes(step, configs, changes, fenced=fenced, applied_json=json.dumps(self.dedup.applied()),
-                                        source=self.store.shard_index, timeout_s=timeout_s)
+                return delivery.changes(step, configs, changes, fenced=fenced,
+                                        applied_json=json.dumps(self.dedup.applied()), source=self.store.shard_index,
+                                        timeout_s=timeout_s)
             blocks, done = self._next_sightings()
             return delivery.sightings(blocks, done=done, fenced=fenced, timeout_s=timeout_s)
 

@@ -185,7 +185,7 @@ def test_a_move_is_given_up_when_a_source_answers_with_the_page_itself(trained):
     assert torch.equal(client.lookup({"t": IDS}, train=False, wire_dtype="fp32")["t"], before)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="only Linux gives a thread a nice value of its own; elsewhere the move threads keep the shard's priority (move_thread.py), so there is no lower one to check")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="only Linux gives a thread a nice value of its own: elsewhere a move runs as it did before move_nice, at the shard's priority (move_thread.py), so there is no lower one to check")
 def test_a_moves_pages_are_given_and_taken_below_the_requests_priority_but_the_fenced_ones():
     """The rows and the unfenced rounds, given and taken, and the sources' drop run on the shards' move threads at
     ``PSConfig.move_nice``; the fenced round, which requests for the slots wait for, on the calls' own threads."""

@@ -13,7 +13,7 @@ def _where() -> tuple[str, int]:
     return threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="only Linux gives a thread a nice value of its own; elsewhere the move threads keep the shard's priority (move_thread.py), so there is no lower one to check")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="only Linux gives a thread a nice value of its own: elsewhere a move runs as it did before move_nice, at the shard's priority (move_thread.py), so there is no lower one to check")
 def test_a_call_runs_on_the_move_thread_at_its_lower_priority():
     mover = MoveThread("ps-give", 7)
     try:

@@ -303,7 +303,8 @@ def _nice_values(pid: int) -> list[int]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads each shard thread's nice value from "
-                    "/proc/<pid>/task, which only Linux has (and only Linux gives a thread a nice value of its own)")
+                    "/proc/<pid>/task, which only Linux has; elsewhere no thread has a nice value of its own, and a move "
+                    "runs at the shard's priority")
 def test_a_moves_giving_and_taking_shards_work_on_threads_below_their_requests_priority():
     with LocalShards(2, overrides=["seed=5", "move_nice=7"]) as shards, PSClient(shards.addresses) as client:
         client.wait_healthy(60)
